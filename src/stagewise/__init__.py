@@ -1,0 +1,1 @@
+"""stagewise: a compact LLM inference engine built around pipeline parallelism with captured prefill graphs."""

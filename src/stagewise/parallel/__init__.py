@@ -1,0 +1,1 @@
+"""Stage partitioning, proxy tensors and stage-to-stage transport."""
