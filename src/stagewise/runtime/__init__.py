@@ -1,0 +1,1 @@
+"""One stage on one device: worker, input building, KV tensors, sampler, memory planner."""

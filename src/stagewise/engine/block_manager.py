@@ -1,0 +1,115 @@
+"""Paged KV block allocation with prefix caching by chained block hashes.
+
+Block 0 is reserved: padded graph rows and capture dummies write their KV there. A freed
+block keeps its hash and stays findable until it is reused (LRU order), so a prompt prefix
+seen before is not computed again. Blocks enter the cache only once their KV is written.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..request import Request
+
+RESERVED_BLOCK = 0
+
+
+def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"The KV cache holds {num_blocks} blocks; it needs at least 2 — raise kv_cache_memory.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.hash_of: dict[int, int] = {}          # block -> hash (cached blocks)
+        self.block_of: dict[int, int] = {}         # hash -> block
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+
+    # capacity
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / (self.num_blocks - 1)
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        total = -(-num_tokens // self.block_size)
+        return max(0, total - len(req.block_ids))
+
+    # prefix cache
+    def _prefix_hashes(self, token_ids: list[int], num_full: int) -> list[int]:
+        hashes, parent, bs = [], None, self.block_size
+        for i in range(num_full):
+            parent = block_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, req: Request) -> int:
+        """Attach cached blocks for the longest known prefix; returns the cached token count.
+        At least one prompt token is always left to compute (its logits start decoding)."""
+        if not self.enable_prefix_caching or req.input_embeds is not None or req.block_ids:
+            return 0
+        tokens = req.all_token_ids
+        num_full = (len(tokens) - 1) // self.block_size
+        self.num_queried_tokens += len(req.prompt_token_ids)
+        for h in self._prefix_hashes(tokens, num_full):
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            self._ref(block)
+            req.block_ids.append(block)
+        cached = len(req.block_ids) * self.block_size
+        self.num_hit_tokens += cached
+        return cached
+
+    def register_full_blocks(self, req: Request, num_written: int) -> None:
+        """Make the request's fully written blocks findable by later prompts."""
+        if not self.enable_prefix_caching or req.input_embeds is not None:
+            return
+        num_full = min(num_written // self.block_size, len(req.block_ids))
+        for block, h in zip(req.block_ids, self._prefix_hashes(req.all_token_ids, num_full)):
+            if block not in self.hash_of and h not in self.block_of:
+                self.hash_of[block] = h
+                self.block_of[h] = block
+
+    # allocation
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def allocate(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Grow the request's table to hold `num_tokens`; None (and no change) if blocks run out."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > len(self.free):
+            return None
+        new = []
+        for _ in range(need):
+            block, _ = self.free.popitem(last=False)       # least recently freed first
+            h = self.hash_of.pop(block, None)
+            if h is not None:
+                del self.block_of[h]
+            self.ref_counts[block] = 1
+            new.append(block)
+        req.block_ids.extend(new)
+        return new
+
+    def free_request(self, req: Request) -> None:
+        # NOTE: free in reverse so a prompt's tail blocks are evicted before its head.
+        for block in reversed(req.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        req.block_ids = []
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0

@@ -1,0 +1,151 @@
+"""Engine: the driver. Owns tokenizer, scheduler and executor; `step()` is the spine:
+schedule → submit (up to `depth` plans in flight) → collect the oldest → apply.
+
+`add_request` and `abort` may be called from other threads: they only validate and post
+to an inbox that `step()` drains.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+
+from ..config import EngineConfig
+from ..executor import EngineDeadError, make_executor
+from ..plan import StepPlan, StepResult
+from ..request import FinishReason, Request, RequestOutput, SamplingParams
+from ..runtime.memory import format_memory_table
+from .block_manager import BlockManager
+from .inputs import PromptTooLongError, Tokenizer, check_prompt
+from .outputs import finish_check, make_output
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+log = logging.getLogger("stagewise.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from ..graph.policy import decide_verdict
+        from ..runtime.setup import max_model_len, resolve_policy
+        from ..model.demo import ensure_demo_model
+        self.config = config
+        self.model_dir = config.model or ensure_demo_model()
+        self.tok = Tokenizer(config.tokenizer or self.model_dir)
+        self.max_model_len = max_model_len(config, self.tok.hf_config)
+        self.policy = resolve_policy(config, _torch_device(config))
+        for line in self.policy.log_lines:
+            log.info(line)
+        self._decide = decide_verdict
+        self.executor = make_executor(config, self.model_dir, self.tok.eos_token_ids)
+        log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
+        blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size)
+        self.requests: dict[str, Request] = {}
+        self.inflight: deque[StepPlan] = deque()
+        self.inbox: deque = deque()
+        self.stats_ = EngineStats(self.policy)
+        self._ids = itertools.count()
+        self.dead: str | None = None
+
+    # requests (any thread)
+    def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
+                    input_embeds=None, request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError with one sentence on bad input."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+        ids, embeds = self.tok.encode_prompt(prompt, prompt_token_ids, input_embeds)
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                      input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)
+        check_prompt(req, self.max_model_len, self.tok.vocab_size, self.tok.hidden_size)
+        self.inbox.append(("add", req))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.inbox or self.inflight)
+
+    # the step loop
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        while len(self.inflight) < self.config.depth:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            plan.verdict = self._verdict(plan)
+            self.executor.submit(plan)
+            self.inflight.append(plan)
+        if not self.inflight:
+            return outputs
+        try:
+            result = self.executor.collect()
+        except EngineDeadError as exc:
+            self._die(str(exc))
+        plan = self.inflight.popleft()
+        if result.plan_id != plan.plan_id:
+            self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
+                                       f"got {result.plan_id}); the pipeline is inconsistent.")
+        return outputs + self._apply(plan, result)
+
+    def _verdict(self, plan: StepPlan):
+        decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
+        verdict = self._decide(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
+        self.stats_.record_verdict(verdict, plan.num_tokens)
+        return verdict
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        self.stats_.record_result(result)
+        if result.error:
+            failed = [self.requests[s.request_id] for s in plan.seqs if s.request_id in self.requests]
+            return [self._finish(r, FinishReason.ERROR, result.error) for r in failed]
+        outputs = []
+        for req in self.scheduler.apply(plan, result, self.requests):
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            reason = finish_check(req, self.tok, self.max_model_len)
+            outputs.append(self._finish(req, reason) if reason else make_output(req))
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        req.error = error
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self.stats_.record_finish(req)
+        return make_output(req)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self.inbox:
+            kind, item = self.inbox.popleft()
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif item in self.requests:
+                outputs.append(self._finish(self.requests[item], FinishReason.ABORT))
+        return outputs
+
+    def _die(self, why: str):
+        """A fatal executor fault: fail every request with the reason and refuse new ones."""
+        self.dead = why
+        log.error("engine failed: %s", why)
+        outputs = [self._finish(r, FinishReason.ERROR, why) for r in list(self.requests.values())]
+        self.inflight.clear()
+        self.shutdown()
+        raise EngineDeadError(why, outputs)
+
+    def stats(self) -> dict:
+        return self.stats_.snapshot(self.scheduler, self.executor)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _torch_device(config: EngineConfig):
+    import torch
+    return torch.device(config.resolved_device)

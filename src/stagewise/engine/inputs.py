@@ -1,0 +1,77 @@
+"""Prompt intake: the tokenizer wrapper and the checks every request passes before it is queued."""
+from __future__ import annotations
+
+from ..request import Request
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the model's context."""
+
+
+class Tokenizer:
+    """The checkpoint's HF tokenizer plus the facts the engine needs from it."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+        from ..model.loader import load_hf_config
+        from ..runtime.model_info import eos_token_ids_of
+        self.hf_config = load_hf_config(model_dir)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"Could not load a tokenizer from {model_dir}: {exc}. Pass --tokenizer DIR "
+                             f"or add tokenizer.json to the checkpoint.") from None
+        self.eos_token_ids = eos_token_ids_of(model_dir, self.hf_config)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.hidden_size = int(getattr(self.hf_config, "hidden_size", 0) or getattr(self.hf_config, "n_embd", 0))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; use a plain completion prompt instead.")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode_prompt(self, prompt, prompt_token_ids, input_embeds):
+        """Exactly one of the three; returns (token ids, embeddings or None)."""
+        given = [x is not None for x in (prompt, prompt_token_ids, input_embeds)]
+        if sum(given) != 1:
+            raise ValueError("Give exactly one of prompt, prompt_token_ids or input_embeds per request.")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, not {type(prompt).__name__}.")
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character.")
+            return self.encode(prompt), None
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else None
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a non-empty list of integers.")
+            return ids, None
+        return [], _check_embeds(input_embeds, self.hidden_size)
+
+
+def _check_embeds(embeds, hidden_size: int):
+    import torch
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or not embeds.is_floating_point():
+        raise ValueError("input_embeds must be a float tensor of shape [num_tokens, hidden_size].")
+    if embeds.shape[0] == 0 or embeds.shape[1] != hidden_size:
+        raise ValueError(f"input_embeds has shape {tuple(embeds.shape)}; expected [num_tokens >= 1, {hidden_size}].")
+    if not torch.isfinite(embeds).all():
+        raise ValueError("input_embeds holds NaN or infinite values.")
+    return embeds.detach().cpu()
+
+
+def check_prompt(req: Request, max_model_len: int, vocab_size: int, hidden_size: int) -> None:
+    bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size}).")
+    if req.num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the model's context is "
+                                 f"{max_model_len}; shorten the prompt to leave room for output.")

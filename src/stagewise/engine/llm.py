@@ -1,0 +1,111 @@
+"""LLM: the offline API (vLLM-style). Generates a batch to completion and returns one
+RequestOutput per input, in input order."""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from ..config import EngineConfig
+from ..request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from .engine import Engine
+from .inputs import PromptTooLongError
+
+log = logging.getLogger("stagewise")
+
+
+class LLM:
+    """`LLM(model=DIR, **engine_options)`; options are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **options):
+        self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tok.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, input_embeds=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        inputs = _inputs(prompts, prompt_token_ids, input_embeds)
+        params = _params(sampling_params, len(inputs))
+        results: dict[str, RequestOutput] = {}
+        order: list[str | RequestOutput] = []
+        for (kind, value), p in zip(inputs, params):
+            try:
+                req = self.engine.add_request(params=p, **{kind: value})
+                order.append(req.request_id)
+            except PromptTooLongError as exc:   # that request fails; the batch goes on
+                order.append(_error_output(kind, value, str(exc)))
+        self._run(results, sum(isinstance(o, str) for o in order), use_tqdm)
+        return [results[o] if isinstance(o, str) else o for o in order]
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
+             ) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tok.chat_prompt(c) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _inputs(prompts, prompt_token_ids, input_embeds) -> list[tuple[str, object]]:
+    given = [x is not None for x in (prompts, prompt_token_ids, input_embeds)]
+    if sum(given) != 1:
+        raise ValueError("Pass exactly one of prompts, prompt_token_ids or input_embeds to generate().")
+    if prompts is not None:
+        items = [prompts] if isinstance(prompts, str) else prompts
+        kind = "prompt"
+    elif prompt_token_ids is not None:
+        items = prompt_token_ids
+        if items and isinstance(items[0], int):
+            items = [items]
+        kind = "prompt_token_ids"
+    else:
+        items = [input_embeds] if getattr(input_embeds, "dim", lambda: 0)() == 2 else input_embeds
+        kind = "input_embeds"
+    if not isinstance(items, (list, tuple)) and kind != "input_embeds":
+        raise ValueError(f"{kind} must be a list, not {type(items).__name__}.")
+    items = list(items)
+    if not items:
+        raise ValueError(f"{kind} is empty; give at least one input.")
+    return [(kind, x) for x in items]
+
+
+def _params(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"Got {len(params)} sampling_params for {n} prompts; pass one, or one per prompt.")
+    return params
+
+
+def _error_output(kind: str, value, message: str) -> RequestOutput:
+    ids = list(value) if kind == "prompt_token_ids" else []
+    prompt = value if kind == "prompt" else None
+    return RequestOutput("rejected", prompt, ids,
+                         [CompletionOutput(0, "", [], FinishReason.ERROR.value, None, message)], finished=True)

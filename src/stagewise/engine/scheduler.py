@@ -1,0 +1,163 @@
+"""Continuous batching with chunked prefill, prefix caching, preemption and in-flight tracking.
+
+`schedule()` builds one StepPlan under a token budget; `num_computed_tokens` advances at
+schedule time, so with several plans in flight a request is never booked twice, except
+for consecutive non-final prefill chunks (which need no sampled token). `apply()` takes
+the result of the oldest plan. Frees of finished or aborted requests wait until none of
+their plans is in flight. Preemption (recompute) only picks idle requests.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult
+from ..request import FinishReason, Request, RequestStatus
+from .block_manager import BlockManager
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.inflight: dict[str, int] = {}          # request_id -> plans in flight
+        self.awaiting_token: set[str] = set()       # a sampling row of it is in flight
+        self.stage_known: set[str] = set()          # requests the stages hold state for
+        self.pending_tokens: dict[str, list[int]] = {}   # deltas not yet sent to the stages
+        self.pending_blocks: dict[str, list[int]] = {}
+        self.to_forget: list[str] = []              # finished ids to drop from stage caches
+        self.zombies: dict[str, Request] = {}       # finished while in flight: free later
+        self.next_plan_id = 0
+        self.num_preemptions = 0
+
+    # queue management
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def is_idle(self, req: Request) -> bool:
+        return req.request_id not in self.inflight
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark finished and release its blocks now, or once its in-flight plans return."""
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.is_idle(req):
+            self._release(req)
+        else:
+            self.zombies[req.request_id] = req
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free_request(req)
+        self.pending_tokens.pop(req.request_id, None)
+        self.pending_blocks.pop(req.request_id, None)
+        if req.request_id in self.stage_known:
+            self.stage_known.discard(req.request_id)
+            self.to_forget.append(req.request_id)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.status, victim.num_computed_tokens = RequestStatus.WAITING, 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # scheduling
+    def schedule(self) -> StepPlan | None:
+        budget, plan = self.token_budget, StepPlan(plan_id=self.next_plan_id, seqs=[])
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.request_id in self.awaiting_token or req not in self.running:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 0 and self._grow_or_preempt(req, n):
+                self._book(plan, req, n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not req.block_ids:
+                req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.blocks.allocate(req, req.num_computed_tokens + n) is None:
+                if not self.running and not self.inflight and not plan.seqs:
+                    self.blocks.free_request(req)
+                    raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._book(plan, req, n)
+            budget -= n
+        if not plan.seqs:
+            return None
+        self.next_plan_id += 1
+        plan.finished_req_ids, self.to_forget = self.to_forget, []
+        return plan
+
+    def _grow_or_preempt(self, req: Request, n: int) -> bool:
+        while True:
+            new = self.blocks.allocate(req, req.num_computed_tokens + n)
+            if new is not None:
+                self.pending_blocks.setdefault(req.request_id, []).extend(new)
+                return True
+            victims = [r for r in reversed(self.running) if r is not req and self.is_idle(r)]
+            if not victims:
+                return False
+            self._preempt(victims[0])
+
+    def _book(self, plan: StepPlan, req: Request, n: int) -> None:
+        rid, start = req.request_id, req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        plan.seqs.append(ScheduledSeq(rid, start, n, sample))
+        if rid in self.stage_known:
+            plan.cached_reqs.append(CachedRequestData(
+                rid, self.pending_tokens.pop(rid, []), self.pending_blocks.pop(rid, [])))
+        else:
+            self.stage_known.add(rid)
+            self.pending_tokens.pop(rid, None)
+            self.pending_blocks.pop(rid, None)
+            # NOTE: an embedding prompt has no ids; its positions hold placeholder 0s.
+            ids = req.all_token_ids if req.input_embeds is None else [0] * req.num_prompt_tokens + req.output_token_ids
+            plan.new_reqs.append(NewRequestData(rid, ids, req.num_prompt_tokens, req.params,
+                                                list(req.block_ids), req.input_embeds))
+        req.num_computed_tokens += n
+        self.inflight[rid] = self.inflight.get(rid, 0) + 1
+        if sample:
+            self.awaiting_token.add(rid)
+
+    # results
+    def apply(self, plan: StepPlan, result: StepResult, requests: dict[str, Request]) -> list[Request]:
+        """Apply the oldest plan's result; returns the requests that got a token."""
+        updated = []
+        for seq in plan.seqs:
+            rid = seq.request_id
+            self.inflight[rid] -= 1
+            if self.inflight[rid] == 0:
+                del self.inflight[rid]
+            if seq.sample:
+                self.awaiting_token.discard(rid)
+            req = requests.get(rid) or self.zombies.get(rid)
+            if req is None:
+                continue
+            if req.is_finished:
+                if rid in self.zombies and self.is_idle(req):
+                    self._release(self.zombies.pop(rid))
+                continue
+            self.blocks.register_full_blocks(req, seq.start + seq.num_tokens)
+            if seq.sample and rid in result.sampled:
+                token = result.sampled[rid]
+                req.output_token_ids.append(token)
+                if rid in result.logprobs:
+                    req.output_logprobs.append(result.logprobs[rid])
+                self.pending_tokens.setdefault(rid, []).append(token)
+                updated.append(req)
+        return updated

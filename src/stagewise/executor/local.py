@@ -1,0 +1,33 @@
+"""LocalExecutor: the single stage runs in the driver's process; a plan runs as it is submitted."""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..parallel.partition import StageInfo
+from ..plan import StepPlan, StepResult
+from ..runtime.model_info import num_layers_of
+from ..runtime.worker import Worker
+
+
+class LocalExecutor:
+    def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
+        if config.threads_per_stage:
+            torch.set_num_threads(config.threads_per_stage)
+        stage = StageInfo.single(num_layers_of(model_dir))
+        self.worker = Worker(config, model_dir, stage, eos_token_ids)
+        self.memory_plans = [self.worker.memory_plan]
+        self.num_blocks = self.worker.num_blocks
+        self.results: deque[StepResult] = deque()
+
+    def submit(self, plan: StepPlan) -> None:
+        self.results.append(self.worker.execute(plan, None))
+
+    def collect(self) -> StepResult:
+        result = self.results.popleft()
+        result.stage_busy_s = [self.worker.busy_s]
+        return result
+
+    def shutdown(self) -> None:
+        self.results.clear()

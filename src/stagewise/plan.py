@@ -1,0 +1,76 @@
+"""StepPlan and StepResult: the only objects that cross processes.
+
+The driver sends a plan per step; every stage applies it to its own per-request cache.
+Running requests travel as deltas (tokens sampled since the stage last saw them, new
+blocks); a new or resumed request travels whole once. The last stage answers a StepResult.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class NewRequestData:
+    """A request a stage has not seen (or must forget and restart: preemption)."""
+
+    request_id: str
+    token_ids: list[int]                # every known token (prompt, plus outputs when resumed)
+    num_prompt_tokens: int              # the original prompt length (penalties, seeds)
+    params: SamplingParams
+    block_ids: list[int]
+    input_embeds: Any = None            # torch.Tensor [P, H] for embedding prompts; first stage only
+
+
+@dataclass
+class CachedRequestData:
+    """A delta for a request the stages already hold."""
+
+    request_id: str
+    new_token_ids: list[int]            # sampled since this request's last plan
+    new_block_ids: list[int]
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: `num_tokens` tokens starting at position `start`."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    sample: bool                        # False for non-final prefill chunks
+
+
+@dataclass
+class StepPlan:
+    plan_id: int
+    seqs: list[ScheduledSeq]
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    verdict: Any = None                 # graph.policy.GraphVerdict, decided once by the driver
+    is_heartbeat: bool = False          # keeps idle links alive; no compute
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    def without_embeds(self) -> "StepPlan":
+        """The plan as later stages need it: input embeddings are the first stage's business."""
+        if not any(r.input_embeds is not None for r in self.new_reqs):
+            return self
+        reqs = [NewRequestData(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.block_ids)
+                for r in self.new_reqs]
+        return StepPlan(self.plan_id, self.seqs, reqs, self.cached_reqs, self.finished_req_ids,
+                        self.verdict, self.is_heartbeat)
+
+
+@dataclass
+class StepResult:
+    plan_id: int
+    sampled: dict[str, int] = field(default_factory=dict)          # request_id -> token id
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    error: str | None = None                                       # a stage failed this plan
+    stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage

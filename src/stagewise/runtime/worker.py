@@ -1,0 +1,125 @@
+"""Worker: one pipeline stage on one device. Holds the stage's model, KV cache, graph runner
+and per-request cache; turns a StepPlan (+ the previous stage's proxy) into this stage's output.
+
+The per-request cache is kept in step with the driver by the plan's deltas only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..model.attention import AttentionMetadata, ForwardBatch
+from ..parallel.partition import StageInfo
+from ..parallel.proxy import ProxyTensors
+from ..plan import StepPlan, StepResult
+from ..request import SamplingParams
+from .sampler import Sampler
+from .setup import build_stage
+
+log = logging.getLogger("stagewise.worker")
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    input_embeds: Any = None
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_dir: str, stage: StageInfo, eos_token_ids: tuple[int, ...] = ()):
+        self.config, self.stage, self.eos_token_ids = config, stage, tuple(eos_token_ids)
+        parts = build_stage(config, model_dir, stage)
+        self.model, self.runner, self.memory_plan = parts.model, parts.runner, parts.memory_plan
+        self.decode_runner = parts.decode_runner
+        self.device, self.batch = parts.device, parts.batch
+        self.sampler = Sampler(config.seed + 1)
+        self.reqs: dict[str, _ReqState] = {}
+        self.busy_s = 0.0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.memory_plan.num_blocks
+
+    def execute(self, plan: StepPlan, proxy: ProxyTensors | None) -> ProxyTensors | StepResult:
+        """Run this stage's share of `plan`. A non-last stage returns T-row proxy views of
+        graph memory: send or copy them before the next `execute`."""
+        t0 = time.perf_counter()
+        self._apply_deltas(plan)
+        ids, positions, meta, embeds, sample_rows = self._prepare(plan)
+        self.batch.meta = meta
+        runner = self.decode_runner if plan.verdict is not None and plan.verdict.kind == "decode" else self.runner
+        with torch.inference_mode():
+            out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
+            result = self._sample(plan, out, sample_rows) if self.stage.is_last else out
+        self.busy_s += time.perf_counter() - t0
+        return result
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        for rid in plan.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for r in plan.new_reqs:
+            self.reqs[r.request_id] = _ReqState(list(r.token_ids), r.num_prompt_tokens, r.params,
+                                                list(r.block_ids), r.input_embeds)
+        for c in plan.cached_reqs:
+            st = self.reqs[c.request_id]
+            st.token_ids.extend(c.new_token_ids)
+            st.block_ids.extend(c.new_block_ids)
+
+    def _prepare(self, plan: StepPlan):
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        embed_parts: list[tuple[int, torch.Tensor]] = []   # (row offset, [n, H]) from embedding prompts
+        for seq in plan.seqs:
+            st = self.reqs[seq.request_id]
+            end = seq.start + seq.num_tokens
+            if end > len(st.token_ids):
+                raise RuntimeError(f"Plan {plan.plan_id} asks for tokens of {seq.request_id} this stage lacks.")
+            if st.input_embeds is not None and seq.start < st.num_prompt_tokens:
+                embed_parts.append((len(ids), st.input_embeds[seq.start:min(end, st.num_prompt_tokens)]))
+            ids.extend(st.token_ids[seq.start:end])
+            positions.extend(range(seq.start, end))
+            query_lens.append(seq.num_tokens)
+            seq_lens.append(end)
+            tables.append(st.block_ids)
+            if seq.sample:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.block_size, dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        embeds = self._embeds(ids_t, embed_parts) if embed_parts and self.stage.is_first else None
+        return (None if embeds is not None else ids_t), pos_t, meta, embeds, sample_rows
+
+    def _embeds(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Token embeddings for the whole step with the given prompt embeddings written over their rows."""
+        with torch.inference_mode():
+            embeds = self.model.embed_tokens(ids).clone()  # [T, H]
+        for offset, rows in parts:
+            embeds[offset:offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
+        return embeds
+
+    def _sample(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> StepResult:
+        result = StepResult(plan_id=plan.plan_id)
+        if not sample_rows:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()  # [R, V]
+        sampled = [s for s in plan.seqs if s.sample]
+        for row, seq in zip(logits, sampled):
+            st = self.reqs[seq.request_id]
+            outputs = st.token_ids[st.num_prompt_tokens:]
+            prompt = st.token_ids[:st.num_prompt_tokens] if st.input_embeds is None else []
+            token, lp = self.sampler.sample_row(row.clone(), st.params, prompt, outputs,
+                                                () if st.params.ignore_eos else self.eos_token_ids)
+            result.sampled[seq.request_id] = token
+            if lp is not None:
+                result.logprobs[seq.request_id] = lp
+        return result
