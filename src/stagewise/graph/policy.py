@@ -1,0 +1,165 @@
+"""Graph policy (SPEC 10), resolved once at startup, and the per-step verdict (SPEC 6).
+
+The driver resolves a `GraphPolicy`, logs its `log_lines`, and calls `decide_verdict` once per
+step; the verdict travels in the step plan so every stage replays the same bucket or all run
+eager. Plain Python (no torch) so the driver imports it cheaply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .buckets import decode_bucket_ladder, pick_bucket, prefill_bucket_ladder
+
+PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
+DECODE_GRAPH_CHOICES = ("off", "breakable", "full", "compiled")
+PP_CAP_CLAMP = 8192          # auto cap under PP when neither a cap nor a list was given
+DEFAULT_CAP = 8192           # cap when chunked prefill is disabled (size None)
+MAX_PADDING_FACTOR = 2       # a bucket more than twice the live tokens runs eager
+
+
+@dataclass(frozen=True)
+class GraphPolicy:
+    """What this engine captures. `buckets`/`decode_buckets` are empty when that kind is off."""
+
+    backend: str = "off"                     # prefill: off | breakable | full | compiled
+    buckets: tuple[int, ...] = ()            # prefill token-count buckets, ascending
+    max_tokens: int = 0                      # prefill capture cap (rows of the static buffers)
+    emulated: bool = False                   # breakable/full without CUDA: a CPU stand-in runs them
+    decode_backend: str = "off"              # decode: off | breakable | full | compiled
+    decode_buckets: tuple[int, ...] = ()     # decode batch-size buckets, ascending
+    full_slots: int = 16                     # request slots of a `full` prefill graph
+    log_lines: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "off" or self.decode_backend != "off"
+
+    @property
+    def max_rows(self) -> int:
+        """Rows the static buffers need: the largest bucket of either kind."""
+        return max(self.buckets[-1:] + self.decode_buckets[-1:], default=0)
+
+
+@dataclass(frozen=True)
+class GraphVerdict:
+    """One step's decision, identical on every stage. `bucket` None = eager, `reason` says why."""
+
+    kind: str                    # "prefill" | "decode"
+    bucket: int | None
+    reason: str | None = None    # too_large | padding | disabled | unservable | empty | <caller's word>
+
+
+def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,
+                         buckets: tuple[int, ...] | list[int] | None = None,
+                         chunked_prefill_size: int | None = 8192, pp_size: int = 1, device_type: str = "cpu",
+                         decode_graph: bool | str = False, decode_graph_max_bs: int = 32,
+                         full_slots: int = 16) -> GraphPolicy:
+    """Resolve flags into a policy. Invalid values raise ValueError with one sentence."""
+    if prefill_graph not in PREFILL_GRAPH_CHOICES:
+        raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, got {prefill_graph!r}.")
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be at least 1, got {pp_size}.")
+    if full_slots < 1:
+        raise ValueError(f"full_slots must be at least 1, got {full_slots}.")
+    is_cuda = device_type == "cuda"
+    logs: list[str] = []
+    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs)
+    ladder, cap = _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size)
+    decode_backend = _resolve_decode_backend(decode_graph)
+    decode_ladder = tuple(decode_bucket_ladder(decode_graph_max_bs)) if decode_backend != "off" else ()
+    if backend == "off":
+        ladder, cap = (), 0
+    emulated = not is_cuda and (backend in ("breakable", "full") or decode_backend in ("breakable", "full"))
+    if backend != "off":
+        logs.append(f"prefill graphs: {backend}, {len(ladder)} buckets {ladder[0]}..{ladder[-1]} "
+                    f"(capture cap {cap} tokens); larger forwards run eager")
+    if decode_backend != "off":
+        logs.append(f"decode graphs: {decode_backend}, batch sizes {list(decode_ladder)}")
+    if emulated:
+        logs.append(f"graphs are emulated on {device_type}: no CUDA, so replay re-runs the body on the "
+                    "static buffers (same fill/bind/trim code, no speed-up)")
+    return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, full_slots, tuple(logs))
+
+
+def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str]) -> str:
+    if choice != "auto":
+        return choice
+    if pp_size > 1:
+        # NOTE: graphs under PP are opt-in (SPEC 10); an explicit choice is kept as given.
+        logs.append(f"prefill graphs: off (auto with pp_size={pp_size}); "
+                    "pass --prefill-graph breakable to capture them")
+        return "off"
+    if not is_cuda:
+        logs.append("prefill graphs: off (auto on a device without CUDA graphs)")
+        return "off"
+    return "breakable"
+
+
+def _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size) -> tuple[tuple[int, ...], int]:
+    """Explicit list > explicit cap > chunked-prefill size (clamped to 8192 under PP only)."""
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"prefill_graph_max_tokens must be a positive integer, got {max_tokens!r}.")
+    if buckets is not None:
+        ladder = _check_bucket_list(buckets)
+        if max_tokens is not None and ladder[-1] > max_tokens:
+            raise ValueError(f"prefill graph bucket {ladder[-1]} exceeds prefill_graph_max_tokens {max_tokens}; "
+                             "drop the bucket or raise the cap.")
+        return ladder, max_tokens if max_tokens is not None else ladder[-1]
+    if max_tokens is not None:
+        return tuple(prefill_bucket_ladder(max_tokens)), max_tokens
+    cap = chunked_prefill_size if chunked_prefill_size else DEFAULT_CAP
+    if cap < 1:
+        raise ValueError(f"chunked_prefill_size must be positive, got {chunked_prefill_size!r}.")
+    if pp_size > 1:
+        cap = min(cap, PP_CAP_CLAMP)
+    return tuple(prefill_bucket_ladder(cap)), cap
+
+
+def _check_bucket_list(buckets) -> tuple[int, ...]:
+    values = list(buckets)
+    if not values or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in values):
+        raise ValueError(f"prefill graph buckets must be a non-empty list of positive integers, got {values!r}.")
+    return tuple(sorted(set(values)))
+
+
+def _resolve_decode_backend(decode_graph: bool | str) -> str:
+    if decode_graph is True:
+        return "full"      # the classic decode graph: whole body, attention included
+    if decode_graph is False or decode_graph is None:
+        return "off"
+    if decode_graph not in DECODE_GRAPH_CHOICES:
+        raise ValueError(f"decode_graph must be true, false or one of {', '.join(DECODE_GRAPH_CHOICES)}, "
+                         f"got {decode_graph!r}.")
+    return decode_graph
+
+
+def decide_verdict(policy: GraphPolicy, num_tokens: int, is_decode_only: bool, num_seqs: int,
+                   unservable: str | None = None) -> GraphVerdict:
+    """Graph or eager, and which bucket, for one step; the driver ships it to every stage.
+
+    A decode-only step uses the decode buckets (keyed by `num_seqs`) when decode graphs are on
+    and it fits them; anything else uses the prefill buckets. `unservable` is a short word the
+    driver passes when the step needs something no graph can serve; it becomes the reason.
+    """
+    if is_decode_only and policy.decode_backend != "off":
+        verdict = _fit("decode", policy.decode_buckets, num_seqs, unservable)
+        if verdict.bucket is not None or policy.backend == "off":
+            return verdict
+    if policy.backend == "off":
+        return GraphVerdict("prefill", None, "disabled")
+    if policy.backend == "full" and num_seqs > policy.full_slots:
+        unservable = unservable or "unservable"
+    return _fit("prefill", policy.buckets, num_tokens, unservable)
+
+
+def _fit(kind: str, buckets: tuple[int, ...], n: int, unservable: str | None) -> GraphVerdict:
+    if unservable:
+        return GraphVerdict(kind, None, unservable)
+    if n < 1:
+        return GraphVerdict(kind, None, "empty")
+    bucket = pick_bucket(buckets, n)
+    if bucket is None:
+        return GraphVerdict(kind, None, "too_large")
+    if bucket > MAX_PADDING_FACTOR * n:
+        return GraphVerdict(kind, None, "padding")
+    return GraphVerdict(kind, bucket, None)
