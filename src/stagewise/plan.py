@@ -51,7 +51,7 @@ class StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     verdict: Any = None                 # graph.policy.GraphVerdict, decided once by the driver
-    is_heartbeat: bool = False          # keeps idle links alive; no compute
+    stage_busy_s: list[float] = field(default_factory=list)   # filled in by stages on the way
 
     @property
     def num_tokens(self) -> int:
@@ -61,10 +61,12 @@ class StepPlan:
         """The plan as later stages need it: input embeddings are the first stage's business."""
         if not any(r.input_embeds is not None for r in self.new_reqs):
             return self
-        reqs = [NewRequestData(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.block_ids)
+        # NOTE: an empty tensor keeps "this prompt was embeddings" visible to later stages.
+        reqs = [NewRequestData(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.block_ids,
+                               None if r.input_embeds is None else r.input_embeds[:0])
                 for r in self.new_reqs]
         return StepPlan(self.plan_id, self.seqs, reqs, self.cached_reqs, self.finished_req_ids,
-                        self.verdict, self.is_heartbeat)
+                        self.verdict, self.stage_busy_s)
 
 
 @dataclass

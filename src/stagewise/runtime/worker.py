@@ -52,7 +52,7 @@ class Worker:
         """Run this stage's share of `plan`. A non-last stage returns T-row proxy views of
         graph memory: send or copy them before the next `execute`."""
         t0 = time.perf_counter()
-        self._apply_deltas(plan)
+        self.apply_deltas(plan)
         ids, positions, meta, embeds, sample_rows = self._prepare(plan)
         self.batch.meta = meta
         runner = self.decode_runner if plan.verdict is not None and plan.verdict.kind == "decode" else self.runner
@@ -62,7 +62,7 @@ class Worker:
         self.busy_s += time.perf_counter() - t0
         return result
 
-    def _apply_deltas(self, plan: StepPlan) -> None:
+    def apply_deltas(self, plan: StepPlan) -> None:
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
         for r in plan.new_reqs:

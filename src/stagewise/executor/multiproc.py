@@ -1,0 +1,171 @@
+"""MultiprocExecutor: the driver's side of a pipeline of stage processes.
+
+It spawns this node's stage processes (other nodes run `run_headless`), joins the process
+group as rank 0, sends plans into the ring and receives results from the last stage. A
+monitor thread watches the local stage processes and a heartbeat thread keeps idle links
+alive; any death, timeout or IO error is fatal: every stage is stopped and the engine
+raises EngineDeadError with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import wait as wait_sentinels
+
+from ..parallel.transport import Message, recv_message, send_message
+from ..plan import StepPlan, StepResult
+from . import EngineDeadError
+from .launch import DRIVER_RANK, destroy_group, free_port, init_group, local_stages, stage_rank, torchrun_env
+from .stage_proc import stage_main
+
+log = logging.getLogger("stagewise.executor")
+
+
+class MultiprocExecutor:
+    def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
+        self.config, self.timeout = config, config.dist_timeout_s
+        self.procs: list[mp.Process] = []
+        self.lock = threading.Lock()          # one user of the links at a time
+        self.pending: deque = deque()         # sends not yet known complete
+        self.num_inflight = 0
+        self.last_traffic = time.monotonic()
+        self.dead: str | None = None
+        self.closing = False
+        env = torchrun_env()
+        addr = env["addr"] if env else config.master_addr
+        port = env["port"] if env else (config.master_port or free_port())
+        if not env:
+            ctx = mp.get_context("spawn")
+            for s in local_stages(config.pp_size, config.nnodes, 0):
+                p = ctx.Process(target=stage_main, args=(config, model_dir, s, addr, port, eos_token_ids),
+                                name=f"stagewise-stage-{s}", daemon=True)
+                p.start()
+                self.procs.append(p)
+        try:
+            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, max(self.timeout, 300.0))
+            self.memory_plans = self._await_ready()
+        except Exception as exc:
+            self._kill_all()
+            destroy_group()
+            raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
+        self.num_blocks = min(p.num_blocks for p in self.memory_plans)
+        threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
+        threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
+
+    def _await_ready(self):
+        plans = []
+        for s in range(self.config.pp_size):
+            msg = recv_message(stage_rank(s), max(self.timeout, 600.0))
+            if "error" in msg.obj:
+                raise RuntimeError(msg.obj["error"])
+            plans.append(msg.obj["memory_plan"])
+        return plans
+
+    # the links
+    def submit(self, plan: StepPlan) -> None:
+        self._check()
+        with self.lock:
+            self._send(Message("plan", plan))
+            self.num_inflight += 1
+
+    def collect(self) -> StepResult:
+        self._check()
+        with self.lock:
+            msg = self._recv()
+            self.num_inflight -= 1
+        return msg.obj
+
+    def _send(self, msg: Message) -> None:
+        try:
+            while len(self.pending) > 2 * self.config.pp_size:
+                self.pending.popleft().wait(self.timeout)
+            self.pending.append(send_message(msg, stage_rank(0)))
+        except Exception as exc:
+            self._fail(f"sending to stage 0 failed: {exc}")
+        self.last_traffic = time.monotonic()
+
+    def _recv(self) -> Message:
+        last = stage_rank(self.config.pp_size - 1)
+        try:
+            msg = recv_message(last, self.timeout)
+        except Exception as exc:
+            time.sleep(0.2)          # let the monitor name the dead stage first
+            self._fail(self.dead or f"no answer from the last stage within {self.timeout:.0f} s ({exc})")
+        self.last_traffic = time.monotonic()
+        return msg
+
+    # faults and liveness
+    def _check(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    def _fail(self, why: str):
+        self.dead = self.dead or why
+        self._kill_all()
+        raise EngineDeadError(self.dead)
+
+    def _monitor(self) -> None:
+        alive = {p.sentinel: p for p in self.procs}
+        while alive and not self.closing:
+            for sentinel in wait_sentinels(list(alive), timeout=1.0):
+                p = alive.pop(sentinel)
+                if not self.closing and not self.dead:
+                    self.dead = f"{p.name} (pid {p.pid}) died unexpectedly with exit code {p.exitcode}."
+                    log.error(self.dead)
+                    self._kill_all()
+
+    def _heartbeat(self) -> None:
+        """An idle driver sends a heartbeat around the ring every timeout/4 (SPEC: links time out)."""
+        period = self.timeout / 4
+        while not self.closing and not self.dead:
+            time.sleep(min(period, 1.0))
+            if time.monotonic() - self.last_traffic < period or not self.lock.acquire(blocking=False):
+                continue
+            try:
+                if self.num_inflight == 0 and not self.closing and not self.dead:
+                    self._send(Message("heartbeat"))
+                    self._recv()
+            except EngineDeadError:
+                return
+            finally:
+                self.lock.release()
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def shutdown(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        if not self.dead:
+            with self.lock:
+                try:
+                    self._send(Message("shutdown"))
+                    while self._recv().kind != "shutdown":   # results of abandoned plans
+                        pass
+                    while self.pending:
+                        self.pending.popleft().wait(self.timeout)
+                except EngineDeadError:
+                    pass
+        for p in self.procs:
+            p.join(timeout=10)
+        self._kill_all()
+        destroy_group()
+
+
+def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
+    """A non-driver node: run this node's stages until the driver shuts them down."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=stage_main, name=f"stagewise-stage-{s}",
+                         args=(config, model_dir, s, config.master_addr, config.master_port, eos_token_ids))
+             for s in local_stages(config.pp_size, config.nnodes, config.node_rank)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0) for p in procs)

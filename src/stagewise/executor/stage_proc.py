@@ -1,0 +1,94 @@
+"""A stage process: receive (plan, proxy) from the previous rank, run the worker, pass the
+result on. Stages run plans strictly in arrival order; a plan's proxy is cloned before the
+isend, so the next replay cannot overwrite rows still being sent.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+
+import torch
+
+from ..parallel.partition import stage_infos
+from ..parallel.proxy import ProxyTensors
+from ..parallel.transport import Message, recv_message, send_message
+from ..plan import StepResult
+from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, stage_rank
+
+log = logging.getLogger("stagewise.stage")
+
+
+def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True) -> None:
+    """Entry point of one stage (spawned by the driver, a headless node, or torchrun)."""
+    if spawned:
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
+    torch.set_num_threads(config.threads_per_stage or 1)
+    logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
+    init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, config.dist_timeout_s)
+    try:
+        _serve(config, model_dir, stage_idx, eos_ids)
+    except Exception as exc:   # a peer died or timed out: exit and let the cascade reach the driver
+        log.error("stage %d stopped: %s", stage_idx, exc)
+        sys.exit(1)
+    finally:
+        destroy_group()
+
+
+def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
+    from ..runtime.model_info import num_layers_of
+    from ..runtime.worker import Worker
+    from ..model.loader import load_hf_config  # noqa: F401  (fail early on a bad checkpoint)
+    stage = stage_infos(num_layers_of(model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    try:
+        worker = Worker(config, model_dir, stage, eos_ids)
+    except Exception as exc:
+        send_message(Message("ready", {"error": f"stage {stage_idx}: {exc}"}), DRIVER_RANK).wait()
+        raise
+    send_message(Message("ready", {"memory_plan": worker.memory_plan}), DRIVER_RANK).wait()
+    prev = DRIVER_RANK if stage.is_first else stage_rank(stage_idx - 1)
+    nxt = DRIVER_RANK if stage.is_last else stage_rank(stage_idx + 1)
+    pending = []
+    while True:
+        msg = recv_message(prev, config.dist_timeout_s)
+        out = _handle(worker, stage, msg)
+        for p in pending:        # sends of two messages ago must be done before we reuse anything
+            p.wait(config.dist_timeout_s)
+        pending = pending[-1:] + [send_message(out, nxt)]
+        if msg.kind == "shutdown":
+            for p in pending:
+                p.wait(config.dist_timeout_s)
+            return
+
+
+def _handle(worker, stage, msg: Message) -> Message:
+    """Run a plan; pass anything else along. A failed plan travels on as an "error" so later
+    stages still apply its deltas and the driver fails just its requests."""
+    if msg.kind == "error":
+        plan, why = msg.obj
+        worker.apply_deltas(plan)
+        return _error(stage, plan, why)
+    if msg.kind != "plan":
+        return msg                       # heartbeat, shutdown: pass along
+    plan = msg.obj
+    proxy = ProxyTensors(msg.tensors) if msg.tensors else None
+    try:
+        out = worker.execute(plan, proxy)
+    except Exception as exc:
+        log.error("plan %d failed:\n%s", plan.plan_id, traceback.format_exc())
+        return _error(stage, plan, f"stage {stage.rank} failed: {exc}")
+    busy = plan.stage_busy_s + [worker.busy_s]
+    if stage.is_last:
+        out.stage_busy_s = busy
+        return Message("result", out)
+    fwd = plan.without_embeds()
+    fwd.stage_busy_s = busy
+    return Message("plan", fwd, {k: t.clone() for k, t in out.items()})
+
+
+def _error(stage, plan, why: str) -> Message:
+    if stage.is_last:
+        return Message("result", StepResult(plan.plan_id, error=why))
+    return Message("error", (plan.without_embeds(), why))

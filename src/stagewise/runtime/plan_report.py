@@ -1,0 +1,43 @@
+"""`stagewise plan`: each stage's layers, weight bytes and KV capacity, computed on the meta
+device from config.json alone — nothing is loaded or launched."""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineConfig
+from ..model.loader import _architecture, load_hf_config, resolve_dtype
+from ..model.registry import get_model_class
+from ..parallel.partition import stage_infos
+from .kv_cache import kv_bytes_per_block
+from .memory import estimate_activation_bytes, format_memory_table, plan_kv
+from .setup import max_model_len
+
+
+def plan_report(config: EngineConfig) -> str:
+    from ..model.demo import ensure_demo_model
+    model_dir = config.model or ensure_demo_model()
+    hf = load_hf_config(model_dir)
+    device = config.resolved_device
+    dtype = resolve_dtype(config.dtype, hf, device)
+    cls = get_model_class(_architecture(hf, model_dir))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_seq_blocks = -(-max_model_len(config, hf) // config.block_size)
+    plans = []
+    for stage in stage_infos(hf.num_hidden_layers, config.pp_size, config.pp_layer_partition):
+        with torch.device("meta"):
+            model = cls(hf, stage, dtype)
+        weights = sum(p.numel() for p in model.parameters()) * itemsize
+        heads, head_dim = model.kv_cache_spec()
+        block = kv_bytes_per_block(stage, heads, head_dim, config.block_size, dtype)
+        act = estimate_activation_bytes(config.chunked_prefill_size, model.hidden_size,
+                                        getattr(hf, "intermediate_size", None) or 4 * model.hidden_size,
+                                        hf.vocab_size, config.max_num_seqs, itemsize)
+        total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
+        plans.append(plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=0, graph_pools=0,
+                             activation=act, block_bytes=block, explicit_kv=config.kv_cache_memory,
+                             device_total=total, stages_on_device=1,
+                             cap_blocks=config.max_num_seqs * per_seq_blocks + 1))
+    tokens = min(p.num_blocks for p in plans) * config.block_size
+    return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
+            f"{format_memory_table(plans)}\n"
+            f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
