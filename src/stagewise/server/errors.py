@@ -1,0 +1,84 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every bad request becomes an `APIError` (HTTP 4xx) with one sentence saying what was wrong
+and what to do; FastAPI's default 422 and Starlette's HTML/plain errors never reach a client.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("stagewise.server")
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, 400, param, code)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """Engine and SamplingParams errors name their field first ("top_p must be ..."): use it as `param`."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() and first.islower() else None
+    code = "context_length_exceeded" if type(exc).__name__ == "PromptTooLongError" else None
+    return bad_request(message, param, code)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # NOTE: pydantic appends the union member it tried ("stop.str"); drop type names from the path.
+    loc = [p for p in loc if p not in {"str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]"}
+           and not p.startswith(("list[", "function-"))]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}; remove it.", param,
+                           "unrecognized_argument")
+    if err.get("type") == "missing":
+        return bad_request(f"Missing required parameter: {param}.", param, "missing_required_parameter")
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else type(got).__name__
+    return bad_request(f"Invalid value for {param or 'the request body'}: {err.get('msg', 'invalid')} "
+                       f"(got {shown}); fix the request and retry.", param, "invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"No route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
+                   f"/v1/chat/completions, /generate, /health and /metrics."
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return APIError(message, exc.status_code, None, None, kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(f"Internal error ({type(exc).__name__}: {exc}); the server logged the traceback.",
+                        500, None, None, "server_error").response()

@@ -1,0 +1,122 @@
+"""Prometheus metrics for one server, in its own CollectorRegistry.
+
+Per-request counters and latency histograms are observed by the engine thread as requests
+finish; engine state (queues, KV, prefix cache, graph replays, stage busy time) is read at
+scrape time from the bridge's published `stats()` snapshot.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        r = self.registry
+        self.requests = Counter("stagewise_requests", "Requests by final status: a finish reason, or rejected "
+                                "(HTTP 4xx before reaching the engine).", ["model_name", "status"], registry=r)
+        self.prompt_tokens = Counter("stagewise_prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("stagewise_generation_tokens", "Generated tokens of finished requests.",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.ttft = Histogram("stagewise_time_to_first_token_seconds", "Arrival to first generated token.",
+                              ["model_name"], buckets=LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.tpot = Histogram("stagewise_time_per_output_token_seconds", "Mean time per generated token after "
+                              "the first, per request.", ["model_name"], buckets=TPOT_BUCKETS_S,
+                              registry=r).labels(**labels)
+        self.e2e = Histogram("stagewise_e2e_request_latency_seconds", "Arrival to the final token.",
+                             ["model_name"], buckets=LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        self.model_name = model_name
+        r.register(_EngineCollector(snapshot, model_name))
+
+    def observe_finished(self, out, num_prompt_tokens: int, now: float) -> None:
+        """Called on the engine thread with a request's final output (`now`: time.monotonic())."""
+        completion = out.outputs[0]
+        self.requests.labels(self.model_name, completion.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(num_prompt_tokens or len(out.prompt_token_ids))
+        num_out = len(completion.token_ids)
+        self.generation_tokens.inc(num_out)
+        arrival, first = out.metrics.get("arrival_time"), out.metrics.get("first_token_time")
+        if arrival is None:
+            return
+        self.e2e.observe(max(0.0, now - arrival))
+        if first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+            if num_out > 1:
+                self.tpot.observe(max(0.0, now - first) / (num_out - 1))
+
+    def reject(self) -> None:
+        self.requests.labels(self.model_name, "rejected").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Turns the engine's stats snapshot into metric families at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+        self.snapshot, self.model_name = snapshot, model_name
+
+    def describe(self):
+        return []          # families vary with the snapshot; nothing to pre-register
+
+    def collect(self):
+        s, m = self.snapshot() or {}, self.model_name
+        yield _gauge("stagewise_num_requests_running", "Requests scheduled in the running batch.", m, s.get("running", 0))
+        yield _gauge("stagewise_num_requests_waiting", "Requests waiting to be scheduled.", m, s.get("waiting", 0))
+        yield _gauge("stagewise_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", m, s.get("kv_usage", 0.0))
+        yield _gauge("stagewise_num_kv_blocks", "KV cache blocks per stage.", m, s.get("num_kv_blocks", 0))
+        yield _gauge("stagewise_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
+                     "tokens looked up.", m, s.get("prefix_cache_hit_rate", 0.0))
+        yield _counter("stagewise_num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", m,
+                       s.get("num_preemptions", 0))
+        yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
+        yield from _graph_families(s, m)
+        busy = GaugeMetricFamily("stagewise_stage_busy_fraction", "Fraction of wall time each pipeline stage "
+                                 "spent computing.", labels=["model_name", "stage"])
+        for i, frac in enumerate(s.get("stage_busy_fraction", [])):
+            busy.add_metric([m, str(i)], float(frac))
+        yield busy
+
+
+def _graph_families(s: dict, m: str):
+    replays = CounterMetricFamily("stagewise_graph_replays", "Steps that replayed a captured graph, by phase "
+                                  "and bucket (padded token count).", labels=["model_name", "phase", "bucket"])
+    eager = CounterMetricFamily("stagewise_graph_eager_steps", "Steps run eagerly, by phase and reason.",
+                                labels=["model_name", "phase", "reason"])
+    padded = GaugeMetricFamily("stagewise_graph_padded_token_ratio", "Padding tokens / tokens computed in graph "
+                               "replays.", labels=["model_name", "phase"])
+    for phase in ("prefill", "decode"):
+        g = s.get(f"{phase}_graph") or {}
+        replayed_tokens = 0
+        for bucket, n in (g.get("replays") or {}).items():
+            replays.add_metric([m, phase, str(bucket)], float(n))
+            replayed_tokens += int(bucket) * int(n)
+        for reason, n in (g.get("eager") or {}).items():
+            eager.add_metric([m, phase, str(reason)], float(n))
+        # replays are counted per padded bucket, so bucket x count is every token a replay computed
+        padded.add_metric([m, phase], g.get("padded_tokens", 0) / replayed_tokens if replayed_tokens else 0.0)
+    yield replays
+    yield eager
+    yield padded
+
+
+def _gauge(name: str, doc: str, model_name: str, value) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g.add_metric([model_name], float(value))
+    return g
+
+
+def _counter(name: str, doc: str, model_name: str, value) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric([model_name], float(value))
+    return c
