@@ -30,9 +30,14 @@ def map_output(fn: Callable[[torch.Tensor], Any], out: Any) -> Any:
 
 def output_leaves(out: Any) -> list[torch.Tensor]:
     """The tensors of a stage output in `map_output` order."""
-    leaves: list[torch.Tensor] = []
-    map_output(leaves.append, out)
-    return leaves
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, ProxyTensors):
+        return list(out.tensors.values())
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in output_leaves(x)]
+    map_output(None, out)   # raises the TypeError naming the type
+    return []
 
 
 def trim_output(out: Any, num_tokens: int) -> Any:

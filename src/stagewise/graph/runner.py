@@ -1,0 +1,255 @@
+"""StageGraphRunner: everything about captured graphs for one pipeline stage.
+
+Owns the static buffers, the prefill and decode backends, capture at startup, and per step:
+fill -> replay -> trim (or the eager call when the driver's verdict says so), plus counters and
+the byte counts the memory planner needs. It never decides graph vs eager: the verdict does.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ..model.attention import AttentionMetadata, ForwardBatch
+from ..parallel.partition import StageInfo
+from ..parallel.proxy import ProxyTensors
+from .backend import GraphBackend, GraphBatch, RerunBackend
+from .bind import bind_forward
+from .buffers import StaticInputs
+from .compiled import CompiledBackend
+from .dummy import DummyMetadata
+from .policy import GraphPolicy, GraphVerdict
+from .static_attention import StaticAttentionMetadata, StaticForwardBatch
+from .tape import TapeBackend
+from .trim import trim_output
+
+log = logging.getLogger("stagewise.graph")
+
+EMULATIONS = ("rerun", "tape")
+
+
+class _Kind:
+    """One graph kind of a stage (prefill or decode): its backend, buckets and counters."""
+
+    def __init__(self, kind: str, name: str, buckets: tuple[int, ...], backend: GraphBackend | None,
+                 full_slots: int):
+        self.kind, self.name, self.buckets, self.backend = kind, name, tuple(buckets), backend
+        self.full_slots = full_slots
+        self.static_meta: StaticAttentionMetadata | None = None
+        self.replays: Counter = Counter()
+        self.eager: Counter = Counter()
+        self.padded_tokens = 0
+
+    def slots(self, bucket: int) -> int:
+        """Request slots of a full graph: one per row for decode, the policy's count for prefill."""
+        return bucket if self.kind == "decode" else min(self.full_slots, bucket)
+
+    def stats(self) -> dict:
+        return {"backend": self.name, "buckets": list(self.buckets), "replays": dict(self.replays),
+                "eager": dict(self.eager), "padded_tokens": self.padded_tokens}
+
+
+class StageGraphRunner:
+    """Captured prefill/decode graphs of one stage. See `forward` for the per-step contract.
+
+    `emulation` picks the CPU stand-in for breakable/full: "rerun" (re-run the body on the static
+    buffers, no extra memory) or "tape" (aten-op tape that freezes Python like a CUDA graph; a
+    test tool, it keeps every intermediate). `max_seq_len` bounds full graphs' block tables
+    (default: the whole KV cache, correct but slow for static attention).
+    """
+
+    def __init__(self, model: torch.nn.Module, stage: StageInfo, policy: GraphPolicy, batch: ForwardBatch,
+                 dtype: torch.dtype, device: torch.device | str, *, max_seq_len: int | None = None,
+                 emulation: str = "rerun"):
+        if emulation not in EMULATIONS:
+            raise ValueError(f"emulation must be one of {', '.join(EMULATIONS)}, got {emulation!r}.")
+        self.model, self.stage, self.policy, self.batch = model, stage, policy, batch
+        self.dtype, self.device = dtype, torch.device(device)
+        self.max_seq_len, self.emulation = max_seq_len, emulation
+        self.binding = bind_forward(model.forward, stage.rank, stage.is_first)  # startup check (SPEC 5)
+        self.variants = self._variants()
+        self.inputs = self._make_inputs() if policy.enabled else None
+        self._cuda = None
+        self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
+                       "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
+        self.capture_seconds = 0.0
+        self._pool_bytes = 0
+
+    # construction
+    def _variants(self) -> tuple[str, ...]:
+        """Bodies per bucket: token ids and (if the forward takes them) embeddings on the first
+        stage, because which input the body embeds is Python a graph freezes."""
+        if not self.stage.is_first:
+            return ("proxy",)
+        return ("ids", "embeds") if self.binding.embeds_name else ("ids",)
+
+    def _make_inputs(self) -> StaticInputs:
+        keys = tuple(getattr(self.model, "proxy_keys", ()) or ())
+        if not self.stage.is_first and not keys:
+            raise ValueError(f"Stage {self.stage.rank}'s model declares no proxy_keys, so its graphs cannot "
+                             "allocate proxy buffers; set model.proxy_keys.")
+        return StaticInputs(self.stage, self.policy.max_rows, self.model.hidden_size, keys, self.dtype,
+                            self.device, with_embeds=self.binding.embeds_name is not None)
+
+    def _make_kind(self, kind: str, name: str, buckets: tuple[int, ...]) -> _Kind:
+        backend = None if name == "off" else self._make_backend(name, len(buckets))
+        return _Kind(kind, name, buckets, backend, self.policy.full_slots)
+
+    def _make_backend(self, name: str, num_buckets: int) -> GraphBackend:
+        if name == "compiled":
+            return CompiledBackend(num_buckets * len(self.variants))
+        rows = self.policy.max_rows
+        if self.device.type == "cuda" and not self.policy.emulated:
+            from .cuda import CudaBreakableBackend, CudaContext, CudaFullBackend
+            self._cuda = self._cuda or CudaContext(self.device)
+            return (CudaBreakableBackend if name == "breakable" else CudaFullBackend)(self._cuda, rows)
+        if self.emulation == "tape":
+            return TapeBackend(rows, breakable=name == "breakable", persistent=self._persistent_tensors)
+        return RerunBackend(static_attention=name == "full")
+
+    def _persistent_tensors(self) -> list[torch.Tensor]:
+        """Tensors that outlive every replay: what a captured body may legally read."""
+        found = list(self.model.parameters()) + list(self.model.buffers())
+        for module in self.model.modules():   # plain tensor attributes (precomputed tables)
+            found.extend(v for v in vars(module).values() if isinstance(v, torch.Tensor))
+        found.extend(c for c in self.batch.kv_caches if c is not None)
+        found.extend(self.inputs.tensors() if self.inputs else [])
+        for kind in self._kinds.values():
+            if kind.static_meta is not None:
+                found.extend(kind.static_meta.tensors())
+        return found
+
+    # capture
+    def capture(self) -> None:
+        """Capture every bucket of every enabled kind, largest first (smaller ones reuse its pool).
+        Needs the KV caches allocated: capture writes its dummy KV to scratch block 0."""
+        kinds = [k for k in self._kinds.values() if k.backend is not None]
+        if not kinds:
+            return
+        dummy = DummyMetadata(self._block_size(), self.device)
+        mem0 = self._cuda.memory() if self._cuda else None
+        t0 = time.perf_counter()
+        saved = self.batch.meta
+        try:
+            with torch.no_grad():
+                for kind in kinds:
+                    self._capture_kind(kind, dummy)
+        finally:
+            self.batch.meta = saved
+        self.capture_seconds = time.perf_counter() - t0
+        self._pool_bytes = self._measure_pool(mem0, kinds)
+        log.info("stage %d: captured %s in %.1f s (graph memory %.1f MiB)", self.stage.rank,
+                 ", ".join(f"{k.kind} {k.name} x{len(k.buckets) * len(self.variants)}" for k in kinds),
+                 self.capture_seconds, self._pool_bytes / 2**20)
+
+    def _capture_kind(self, kind: _Kind, dummy: "DummyMetadata") -> None:
+        if kind.backend.static_attention:
+            largest = max(kind.buckets)
+            kind.static_meta = StaticAttentionMetadata(largest, kind.slots(largest), self._max_blocks(),
+                                                       dummy.block_size, self.device)
+        for bucket in sorted(kind.buckets, reverse=True):
+            for variant in self.variants:
+                self.batch.meta = dummy.get(bucket)
+                for view in self.inputs.views(bucket).values():   # dummy inputs: id 0, position 0, zeros
+                    if isinstance(view, torch.Tensor):
+                        view.zero_()
+                    elif view is not None:
+                        for t in view.tensors.values():
+                            t.zero_()
+                if kind.static_meta is not None:
+                    kind.static_meta.reset()
+                kind.backend.capture((bucket, variant), self._body(kind, bucket, variant))
+
+    def _body(self, kind: _Kind, bucket: int, variant: str):
+        views = self.inputs.views(bucket)
+        ids = views["input_ids"] if variant == "ids" else None
+        kwargs = self.binding.kwargs(views["input_embeds"] if variant == "embeds" else None, views["proxy"])
+        positions, model = views["positions"], self.model
+        if kind.static_meta is not None:
+            batch = StaticForwardBatch(self.batch, kind.static_meta, bucket, kind.slots(bucket))
+        else:
+            batch = GraphBatch(self.batch, kind.backend.attend)
+
+        def body():
+            return model(ids, positions, batch, **kwargs)
+        return body
+
+    def _block_size(self) -> int:
+        cache = next((c for c in self.batch.kv_caches if c is not None), None)
+        if cache is None:
+            raise RuntimeError(f"Stage {self.stage.rank}: allocate the KV caches before capturing graphs.")
+        return cache.shape[2]
+
+    def _max_blocks(self) -> int:
+        cache = next(c for c in self.batch.kv_caches if c is not None)
+        num_blocks, block_size = cache.shape[1], cache.shape[2]
+        if self.max_seq_len is None:
+            return num_blocks
+        return min(num_blocks, -(-self.max_seq_len // block_size))
+
+    def _measure_pool(self, mem0, kinds) -> int:
+        if self._cuda is not None:
+            free0, reserved0 = mem0
+            free1, reserved1 = self._cuda.memory()
+            return max(reserved1 - reserved0, free0 - free1, 0)
+        held = {id(t): t for k in kinds for t in k.backend.persistent_tensors()}   # bridges, outputs
+        return sum(k.backend.pool_bytes() for k in kinds) + sum(t.numel() * t.element_size() for t in held.values())
+
+    # per step
+    def forward(self, verdict: GraphVerdict | None, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, input_embeds: torch.Tensor | None = None,
+                proxy: ProxyTensors | None = None) -> Any:
+        """Run one step: replay `verdict.bucket`, or eager when it is None. Returns T rows.
+
+        NOTE: a replayed non-last stage returns views of graph memory that the next forward on
+        this stage overwrites: send or copy them first. The last stage's hidden rows likewise.
+        """
+        self.batch.meta = meta
+        if verdict is None or verdict.bucket is None:
+            return self._eager(verdict, input_ids, positions, input_embeds, proxy)
+        kind = self._kinds[verdict.kind]
+        T, B = meta.num_tokens, verdict.bucket
+        key = (B, self._variant(input_embeds))
+        if kind.backend is None or not kind.backend.can_replay(key):
+            raise RuntimeError(f"Stage {self.stage.rank}: the verdict asks for a {verdict.kind} graph of bucket {B} "
+                               f"({key[1]}) that this stage did not capture; stages must share one policy.")
+        with torch.no_grad():
+            self.inputs.fill(T, B, input_ids, positions, input_embeds, proxy)
+            if kind.static_meta is not None:
+                kind.static_meta.fill(meta, B, kind.slots(B))
+            out = kind.backend.replay(key)
+        kind.replays[B] += 1
+        kind.padded_tokens += B - T
+        return trim_output(out, T)
+
+    def _variant(self, input_embeds) -> str:
+        if not self.stage.is_first:
+            return "proxy"
+        return "embeds" if input_embeds is not None else "ids"
+
+    def _eager(self, verdict, input_ids, positions, input_embeds, proxy) -> Any:
+        kind = self._kinds[verdict.kind if verdict is not None else "prefill"]
+        kind.eager[verdict.reason if verdict is not None and verdict.reason else "no_verdict"] += 1
+        kwargs = self.binding.kwargs(input_embeds, proxy)
+        with torch.no_grad():
+            return self.model(input_ids, positions, self.batch, **kwargs)
+
+    # reporting
+    def stats(self, kind: str = "prefill") -> dict:
+        """`{"backend", "buckets", "replays": {bucket: n}, "eager": {reason: n}, "padded_tokens"}`
+        for `kind` "prefill" or "decode" (one runner serves both)."""
+        return self._kinds[kind].stats()
+
+    def static_bytes(self) -> int:
+        """Static input/proxy/embedding buffers (known at construction), plus full graphs'
+        static metadata once captured."""
+        total = self.inputs.nbytes() if self.inputs else 0
+        return total + sum(k.static_meta.nbytes() for k in self._kinds.values() if k.static_meta is not None)
+
+    def graph_pool_bytes(self) -> int:
+        """Memory captured graphs hold (CUDA: measured around capture; includes bridges and
+        output buffers). 0 before `capture()`."""
+        return self._pool_bytes
