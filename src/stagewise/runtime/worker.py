@@ -53,10 +53,10 @@ class Worker:
         graph memory: send or copy them before the next `execute`."""
         t0 = time.perf_counter()
         self.apply_deltas(plan)
-        ids, positions, meta, embeds, sample_rows = self._prepare(plan)
-        self.batch.meta = meta
         runner = self.decode_runner if plan.verdict is not None and plan.verdict.kind == "decode" else self.runner
         with torch.inference_mode():
+            ids, positions, meta, embeds, sample_rows = self._prepare(plan)
+            self.batch.meta = meta
             out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
             result = self._sample(plan, out, sample_rows) if self.stage.is_last else out
         self.busy_s += time.perf_counter() - t0
@@ -101,8 +101,7 @@ class Worker:
 
     def _embeds(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """Token embeddings for the whole step with the given prompt embeddings written over their rows."""
-        with torch.inference_mode():
-            embeds = self.model.embed_tokens(ids).clone()  # [T, H]
+        embeds = self.model.embed_tokens(ids).clone()  # [T, H]
         for offset, rows in parts:
             embeds[offset:offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
         return embeds
