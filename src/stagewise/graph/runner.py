@@ -19,7 +19,6 @@ from ..parallel.proxy import ProxyTensors
 from .backend import GraphBackend, GraphBatch, RerunBackend
 from .bind import bind_forward
 from .buffers import StaticInputs
-from .compiled import CompiledBackend
 from .dummy import DummyMetadata
 from .policy import GraphPolicy, GraphVerdict
 from .static_attention import StaticAttentionMetadata, StaticForwardBatch
@@ -100,6 +99,7 @@ class StageGraphRunner:
 
     def _make_backend(self, name: str, num_buckets: int) -> GraphBackend:
         if name == "compiled":
+            from .compiled import CompiledBackend   # lazy: importing torch._dynamo costs seconds
             return CompiledBackend(num_buckets * len(self.variants))
         rows = self.policy.max_rows
         if self.device.type == "cuda" and not self.policy.emulated:
