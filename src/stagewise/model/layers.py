@@ -1,0 +1,241 @@
+"""Building blocks shared by the model families: norms, rotary tables, fused projections,
+stage placeholders, and `StageModel`, the base that maps Hugging Face tensor names onto this
+stage's parameters so a stage loads only its own weights. Everything is token-major
+(`[T, ...]`, no batch dim) and knows nothing of requests, schedulers or processes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.parallel.partition import StageInfo
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"Activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}.")
+    return _ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 like HF; with `residual` it is the fused add+norm of pre-norm blocks."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: `norm(x)`. With residual: `(norm(x + residual), x + residual)`."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def rope_parameters(hf_config) -> dict:
+    """Rope settings from a transformers-5 `rope_parameters` dict or the older `rope_theta` + `rope_scaling`."""
+    params: dict = {"rope_theta": 10000.0}
+    if getattr(hf_config, "rope_theta", None) is not None:
+        params["rope_theta"] = hf_config.rope_theta
+    for source in (getattr(hf_config, "rope_scaling", None), getattr(hf_config, "rope_parameters", None)):
+        if isinstance(source, dict):
+            params.update({k: v for k, v in source.items() if v is not None})
+    legacy_type = params.pop("type", None)  # pre-4.45 configs spell rope_type as "type"
+    params["rope_type"] = params.get("rope_type") or legacy_type or "default"
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict, device=None) -> torch.Tensor:
+    """Inverse frequencies `[D/2]`, bit-identical to HF for rope types default, linear and llama3."""
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / params["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv, params)
+    raise ValueError(f"Rope type {kind!r} is not supported; supported: default, linear, llama3.")
+
+
+def _llama3_inv_freq(inv: torch.Tensor, params: dict) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    # Medium wavelengths blend the scaled and unscaled frequencies (Llama 3.1 recipe).
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables precomputed up to max positions, indexed by `positions` (no data-dependent work)."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict):
+        super().__init__()
+        self.head_dim, self.max_positions, self.params = head_dim, max_positions, params
+        # NOTE: non-persistent, so the loader must call reset_buffers() after to_empty().
+        self.register_buffer("cos_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        device = self.cos_cache.device
+        inv = rope_inv_freq(self.head_dim, self.params, device)
+        pos = torch.arange(self.max_positions, device=device).float()
+        freqs = pos[:, None] * inv[None, :]  # [P, D/2] float32, same product as HF
+        self.cos_cache.copy_(freqs.cos())
+        self.sin_cache.copy_(freqs.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[T]` -> (cos, sin) each `[T, D/2]` float32."""
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope on x `[T, H, D]` with cos/sin `[T, D/2]`; same arithmetic as HF's rotate_half."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows stack several HF projections (q/k/v, gate/up): one matmul instead of many.
+
+    `hf_parts` names each checkpoint projection (a sibling module name in HF) and its row count.
+    """
+
+    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias, dtype=dtype)
+        self.hf_parts = parts
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)), bias, dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class StagePlaceholder(nn.Module):
+    """Holds the slot of a layer another stage owns: no parameters, never called."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"Layer {self.layer_id} belongs to another pipeline stage.")
+
+
+def build_layers(stage: StageInfo, make_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """A list of all `num_layers` slots: real layers for this stage's global ids, placeholders elsewhere."""
+    return nn.ModuleList(make_layer(i) if stage.owns(i) else StagePlaceholder(i)
+                         for i in range(stage.num_layers))
+
+
+class WeightSlot(NamedTuple):
+    """Where one checkpoint tensor goes: a parameter, optionally a row range of it (fused projections)."""
+
+    param: str
+    start: int
+    rows: int | None
+    shape: tuple[int, ...]
+
+
+class StageModel(nn.Module):
+    """Base of every family: checkpoint-name bookkeeping and the stage-only weight loading.
+
+    Subclasses define `hf_name(param_name)` (our parameter name -> its HF checkpoint name) and may
+    override `canonical_name` to accept alternative checkpoint spellings.
+    """
+
+    proxy_keys: tuple[str, ...] = ()
+
+    def hf_name(self, param_name: str) -> str:
+        raise NotImplementedError
+
+    def canonical_name(self, hf_name: str) -> str:
+        return hf_name
+
+    def weight_table(self) -> dict[str, WeightSlot]:
+        """Every checkpoint tensor this stage needs -> its slot. Built once; shapes survive meta/to_empty."""
+        table = self.__dict__.get("_weight_table")
+        if table is None:
+            table = {}
+            for mod_name, module in self.named_modules():
+                for p_name, param in module.named_parameters(recurse=False):
+                    table.update(self._slots(mod_name, module, p_name, param))
+            self.__dict__["_weight_table"] = table
+        return table
+
+    def _slots(self, mod_name: str, module: nn.Module, p_name: str, param: torch.Tensor) -> dict[str, WeightSlot]:
+        full = f"{mod_name}.{p_name}" if mod_name else p_name
+        parts = getattr(module, "hf_parts", None)
+        if parts is None:
+            return {self.hf_name(full): WeightSlot(full, 0, None, tuple(param.shape))}
+        parent = mod_name.rsplit(".", 1)[0]
+        slots, start = {}, 0
+        for part, rows in parts:
+            slots[self.hf_name(f"{parent}.{part}.{p_name}")] = WeightSlot(full, start, rows, (rows, *param.shape[1:]))
+            start += rows
+        return slots
+
+    def is_stage_weight(self, hf_name: str) -> bool:
+        return self.canonical_name(hf_name) in self.weight_table()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy this stage's tensors in (others are skipped); returns the canonical names loaded."""
+        table, params, loaded = self.weight_table(), dict(self.named_parameters()), set()
+        for hf_name, tensor in weights:
+            name = self.canonical_name(hf_name)
+            slot = table.get(name)
+            if slot is None:
+                continue
+            if tuple(tensor.shape) != slot.shape:
+                raise ValueError(f"Checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, but this model "
+                                 f"expects {slot.shape}; the checkpoint does not match its config.json.")
+            dst = params[slot.param]
+            if slot.rows is not None:
+                dst = dst.narrow(0, slot.start, slot.rows)
+            with torch.no_grad():
+                dst.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (rotary tables) after `to_empty`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()

@@ -1,0 +1,169 @@
+"""Llama-family stage models: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+Pre-norm blocks with a fused add+norm carry `hidden_states` + `residual` between layers, so a
+non-last stage returns both (the full proxy contract). Attention itself is `batch.attention`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.model.attention import ForwardBatch
+from stagewise.model.layers import (FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, StageModel, apply_rotary,
+                                    build_layers, rope_parameters)
+from stagewise.parallel.partition import StageInfo
+from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
+
+log = logging.getLogger(__name__)
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def kv_heads_of(hf_config) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
+        self.head_dim = head_dim_of(hf_config)
+        self.scale = self.head_dim ** -0.5
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_rows, kv_rows, kv_rows)
+        parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
+        self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
+        self.o_proj = nn.Linear(q_rows, hf_config.hidden_size, bias=o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = batch.attention(self.layer_id, q, k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, **attn_kwargs):
+        super().__init__()
+        self.layer_id = layer_id
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
+                            getattr(hf_config, "mlp_bias", False), dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # `hidden` is the previous block's MLP output, not yet added to the residual stream.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(StageModel):
+    """One pipeline stage of a Llama-style decoder; see `StageModel` for weight loading."""
+
+    proxy_keys = FULL_CONTRACT
+    qk_norm = False
+
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        """(qkv bias, o_proj bias) as the HF class builds them."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, hf_config, stage: StageInfo, dtype: torch.dtype):
+        super().__init__()
+        self.stage, self.dtype = stage, dtype
+        self.hidden_size, self.vocab_size = hf_config.hidden_size, hf_config.vocab_size
+        self.num_kv_heads, self.head_dim = kv_heads_of(hf_config), head_dim_of(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._warn_sliding_window(hf_config)
+        vocab = hf_config.vocab_size
+        # `model.embed_tokens(ids [T]) -> [T, H]` is the engine's embedding entry point (first stage).
+        self.embed_tokens = nn.Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
+        qkv_bias, o_bias = self.attention_biases(hf_config)
+        self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
+            hf_config, i, dtype, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm))
+        self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
+        self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
+        # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
+        # loaded from the embedding tensor (hf_name maps it), so no parameter is shared across modules.
+        needs_head = stage.is_last and not (self.tie_word_embeddings and stage.is_first)
+        self.lm_head = nn.Linear(self.hidden_size, vocab, bias=False, dtype=dtype) if needs_head else None
+
+    def _warn_sliding_window(self, hf_config) -> None:
+        window = getattr(hf_config, "sliding_window", None)
+        uses = getattr(hf_config, "use_sliding_window", True)
+        if window and uses and window < hf_config.max_position_embeddings:
+            log.warning("Sliding-window attention (window %d) is not implemented; sequences longer than the "
+                        "window will differ from the reference model.", window)
+
+    def hf_name(self, param_name: str) -> str:
+        if param_name.startswith("lm_head."):
+            return "model.embed_tokens.weight" if self.tie_word_embeddings else param_name
+        return "model." + param_name
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch: ForwardBatch, *,
+                input_embeds: torch.Tensor | None = None, pp_proxy_tensors: ProxyTensors | None = None):
+        """Non-last stage -> ProxyTensors(hidden_states, residual) of T rows; last -> normed hidden `[T, H]`.
+
+        `hidden_states` is the last block's MLP output not yet added to `residual`; the next
+        block's fused add+norm adds them, so crossing a stage boundary costs no extra add.
+        """
+        if self.stage.is_first:
+            hidden = input_embeds if input_embeds is not None else self.embed_tokens(input_ids)  # [T, H]
+            residual = None  # layer 0 starts the residual stream from the embeddings
+        else:
+            hidden, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
+        cos, sin = self.rotary(positions)  # [T, D/2] each
+        for layer_id in range(self.stage.start, self.stage.end):
+            hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
+        if not self.stage.is_last:
+            if residual is None:  # first stage that ran no layer: the stream so far is all in `hidden`
+                residual = torch.zeros_like(hidden)
+            return ProxyTensors({"hidden_states": hidden, "residual": residual})
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        return F.linear(hidden, head.weight).float()
+
+    def kv_cache_spec(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

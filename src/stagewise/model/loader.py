@@ -1,0 +1,130 @@
+"""Load one pipeline stage of a Hugging Face checkpoint directory.
+
+Owns checkpoint validation, dtype resolution and stage-only safetensors reads: the module is
+built on the meta device (no random init), then only this stage's tensors are read from disk.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from stagewise.model.registry import get_model_class
+from stagewise.parallel.partition import StageInfo
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_CONTENTS = f"config.json and either {SINGLE_FILE} or {INDEX_FILE} with its shard files"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """A checkpoint directory or one of its files is missing (catchable as either base)."""
+
+
+def _require(path: Path, what: str) -> None:
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{what} {path} does not exist; a checkpoint directory must contain {_CONTENTS}.")
+
+
+def load_hf_config(model_dir: str | Path):
+    """The transformers config of a checkpoint directory, with clear errors for a missing/bad one."""
+    path = Path(model_dir)
+    _require(path, "Model directory")
+    _require(path / "config.json", "Config file")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"Could not read {path / 'config.json'}: {exc}") from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str | torch.device = "cpu") -> torch.dtype:
+    """`auto` is float32 on CPU and the checkpoint's dtype (else bfloat16) on accelerators."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = _DTYPES.get(saved)
+        return saved if saved in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16.")
+    return _DTYPES[dtype]
+
+
+def tensor_locations(model_dir: str | Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it (reads headers/index only)."""
+    path = Path(model_dir)
+    index, single = path / INDEX_FILE, path / SINGLE_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: path / fname for name, fname in weight_map.items()}
+        for fpath in sorted(set(files.values())):
+            _require(fpath, f"Shard listed in {INDEX_FILE}:")
+        return files
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointNotFoundError(f"No weights in {path}: neither {SINGLE_FILE} nor {INDEX_FILE} exists; "
+                                  f"a checkpoint directory must contain {_CONTENTS}.")
+
+
+def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype,
+               device: str | torch.device = "cpu") -> nn.Module:
+    """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad."""
+    hf_config = load_hf_config(model_dir)
+    locations = tensor_locations(model_dir)
+    cls = get_model_class(_architecture(hf_config, model_dir))
+    if stage.num_layers != hf_config.num_hidden_layers:
+        raise ValueError(f"Stage {stage.rank} was planned for {stage.num_layers} layers, but {model_dir} has "
+                         f"{hf_config.num_hidden_layers}.")
+    with torch.device("meta"):
+        model = cls(hf_config, stage, resolve_dtype(dtype, hf_config, device))
+    model.to_empty(device=device)
+    model.reset_buffers()
+    _load_stage_tensors(model, locations, stage, Path(model_dir))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _architecture(hf_config, model_dir) -> str:
+    archs = getattr(hf_config, "architectures", None)
+    if not archs:
+        raise ValueError(f"{Path(model_dir) / 'config.json'} names no architecture; add e.g. "
+                         f'"architectures": ["LlamaForCausalLM"].')
+    return archs[0]
+
+
+def _load_stage_tensors(model, locations: dict[str, Path], stage: StageInfo, model_dir: Path) -> None:
+    table = model.weight_table()
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, fpath in locations.items():
+        if model.is_stage_weight(name):
+            by_file[fpath].append(name)
+    found = {model.canonical_name(n) for names in by_file.values() for n in names}
+    missing = sorted(set(table) - found)
+    if missing:
+        raise ValueError(f"Checkpoint tensor {missing[0]} (shape {table[missing[0]].shape}) is missing from "
+                         f"{model_dir}; stage {stage.rank} needs it "
+                         f"({len(missing)} missing in all). The weights do not match config.json.")
+    for fpath, names in by_file.items():
+        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+            for name in names:
+                _check_shape(f, fpath, name, table[model.canonical_name(name)].shape)
+                model.load_weights([(name, f.get_tensor(name))])
+
+
+def _check_shape(f, fpath: Path, name: str, expected: tuple[int, ...]) -> None:
+    actual = tuple(f.get_slice(name).get_shape())
+    if actual != expected:
+        raise ValueError(f"Tensor {name} in {fpath} has shape {actual}, but config.json implies {expected}; "
+                         f"the checkpoint and its config do not match.")

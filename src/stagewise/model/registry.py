@@ -1,0 +1,35 @@
+"""Architecture name (config.json `architectures[0]`) -> stage model class.
+
+Built-in families are registered at import; `register_model` adds or replaces one.
+"""
+from __future__ import annotations
+
+from stagewise.model.gpt2 import GPT2LMHeadModel
+from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_MODELS: dict[str, type] = {}
+
+
+def register_model(architecture: str, cls: type) -> None:
+    """Make `cls` the stage model for `architecture`. It must follow the stage-model contract:
+    `cls(hf_config, stage, dtype)`, forward / compute_logits / embed_tokens / load_weights / ..."""
+    if not isinstance(architecture, str) or not architecture:
+        raise ValueError(f"Architecture name must be a non-empty string, got {architecture!r}.")
+    if not isinstance(cls, type):
+        raise ValueError(f"register_model({architecture!r}, ...) needs a class, got {type(cls).__name__}.")
+    _MODELS[architecture] = cls
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(f"Model architecture {architecture!r} is not supported; supported architectures: "
+                         f"{', '.join(supported_architectures())}. Register one with register_model().")
+    return _MODELS[architecture]
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel):
+    register_model(_cls.__name__, _cls)

@@ -1,0 +1,228 @@
+"""Shared fixtures: tiny local HF checkpoints for every supported family, the HF reference helpers
+(`hf_greedy`, `hf_logits`) and an eager multi-stage driver (`eager_pipeline`) for tests.
+
+Checkpoints are made with the HF classes from seeded weights re-drawn with a large std (0.2), so
+logits are well separated and greedy decoding has no near-ties; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 1000
+FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
+# Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
+# them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
+torch.set_num_threads(1)
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _family_config(family: str, vocab: int):
+    import transformers as tf
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+                  num_attention_heads=4, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if family == "llama":  # GQA, untied head, llama3 rope scaling that touches every frequency band
+        return tf.LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, rope_parameters=_LLAMA3_ROPE, **common)
+    if family == "llama_tied":  # MHA, tied head, attention + MLP biases, 3 layers (uneven splits)
+        return tf.LlamaConfig(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=True,
+                              attention_bias=True, mlp_bias=True, **common)
+    if family == "mistral":  # explicit head_dim larger than hidden / heads
+        return tf.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, sliding_window=None,
+                                **common)
+    if family == "qwen2":
+        return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **common)
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=4, n_head=4, n_inner=128, n_positions=512,
+                             bos_token_id=0, eos_token_id=1)
+    raise ValueError(family)
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights with std 0.2 (norm scales 1 +- 0.1): HF's 0.02 init gives near-uniform logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            is_scale = param.dim() == 1 and name.endswith("weight")  # RMSNorm / LayerNorm scales
+            param.copy_(1.0 + 0.1 * noise if is_scale else (0.1 if param.dim() == 1 else 0.2) * noise)
+
+
+def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    import transformers as tf
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    config = _family_config(family, vocab)
+    cls = tf.GPT2LMHeadModel if family == "gpt2" else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM"))
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    _redraw(model, seed)
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from stagewise.model.demo import build_test_tokenizer
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_test_tokenizer(path, TINY_VOCAB, max_length=512)
+    return path
+
+
+def _family_fixture(family: str):
+    @pytest.fixture(scope="session")
+    def _dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+        return build_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}"), family, tiny_tokenizer_dir)
+    return _dir
+
+
+llama_dir = _family_fixture("llama")
+llama_tied_dir = _family_fixture("llama_tied")
+mistral_dir = _family_fixture("mistral")
+qwen2_dir = _family_fixture("qwen2")
+qwen3_dir = _family_fixture("qwen3")
+gpt2_dir = _family_fixture("gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(request) -> dict[str, Path]:
+    """All tiny checkpoints by family name."""
+    return {family: request.getfixturevalue(f"{family}_dir") for family in FAMILIES}
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_dir(request) -> Path:
+    """Each tiny checkpoint in turn (only the requested ones get built)."""
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def sharded_llama_dir(tmp_path_factory, llama_dir) -> Path:
+    """The `llama_dir` weights saved in ~100 KB shards (model.safetensors.index.json + shards)."""
+    from transformers import AutoModelForCausalLM
+    path = tmp_path_factory.mktemp("tiny-llama-sharded")
+    AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).save_pretrained(path, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(llama_dir / name, path / name)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # NOTE: clear eos so generate always yields max_new_tokens (eos_token_id=None as a generate
+    # argument does not override it in transformers 5; min_new_tokens would mask eos and change argmaxes).
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy(model_dir, prompt_ids_list: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF `generate` greedy continuations (new tokens only), one prompt at a time, never stopped by eos."""
+    model, outs = _hf_model(str(model_dir)), []
+    for ids in prompt_ids_list:
+        inp = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                 max_new_tokens=max_new_tokens)
+        outs.append(out[0, len(ids):].tolist())
+        assert len(outs[-1]) == max_new_tokens
+    return outs
+
+
+def hf_logits(model_dir, ids: list[int], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """HF float32 logits `[T, V]` for one prompt (or for `inputs_embeds [T, H]`)."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        if inputs_embeds is not None:
+            return model(inputs_embeds=inputs_embeds[None]).logits[0].float()
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="session", name="hf_greedy")
+def hf_greedy_fixture():
+    return hf_greedy
+
+
+@pytest.fixture(scope="session", name="hf_logits")
+def hf_logits_fixture():
+    return hf_logits
+
+
+class EagerPipeline:
+    """Reference driver for tests: every stage of a checkpoint in this process, run in order, eager.
+
+    Up to 4 sequences get disjoint block ranges of a paged KV cache (`block_size` 16, 256 tokens
+    each with the default 64 blocks); `reset()` zeroes it.
+    """
+
+    def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32):
+        from stagewise.model.attention import ForwardBatch
+        from stagewise.model.loader import load_hf_config, load_model
+        from stagewise.parallel.partition import stage_infos
+        num_layers = load_hf_config(model_dir).num_hidden_layers
+        self.block_size, self.num_blocks = 16, num_blocks
+        self.stages = [load_model(model_dir, info, dtype) for info in stage_infos(num_layers, pp_size, partition)]
+        self.batches = []
+        for model in self.stages:
+            hkv, d = model.kv_cache_spec()
+            caches = [torch.zeros(2, num_blocks, self.block_size, hkv, d, dtype=dtype) if model.stage.owns(i)
+                      else None for i in range(num_layers)]
+            self.batches.append(ForwardBatch(None, caches))
+
+    def reset(self) -> None:
+        for batch in self.batches:
+            for cache in batch.kv_caches:
+                if cache is not None:
+                    cache.zero_()
+
+    def forward(self, ids, positions, meta, input_embeds=None) -> torch.Tensor:
+        """Run all stages; returns the last stage's hidden states `[T, H]`."""
+        out = None
+        for model, batch in zip(self.stages, self.batches):
+            batch.meta = meta
+            first = model.stage.is_first
+            out = model(ids if first and input_embeds is None else None, positions, batch,
+                        input_embeds=input_embeds if first else None, pp_proxy_tensors=None if first else out)
+        return out
+
+    def table(self, seq: int) -> list[int]:
+        """Block table of sequence slot `seq` (up to 4 slots, num_blocks // 4 blocks each)."""
+        per_seq = self.num_blocks // 4
+        return list(range(seq * per_seq, (seq + 1) * per_seq))
+
+    def prefill_logits(self, ids: list[int], input_embeds=None) -> torch.Tensor:
+        """Logits `[T, V]` for one fresh prompt."""
+        from stagewise.model.attention import AttentionMetadata
+        self.reset()
+        meta = AttentionMetadata.build([len(ids)], [len(ids)], [self.table(0)], self.block_size)
+        hidden = self.forward(torch.tensor(ids), torch.arange(len(ids)), meta, input_embeds)
+        return self.stages[-1].compute_logits(hidden)
+
+    def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """Prefill then one-token decode steps, metadata rebuilt each step."""
+        from stagewise.model.attention import AttentionMetadata
+        logits = self.prefill_logits(ids)
+        out = [int(logits[-1].argmax())]
+        for step in range(max_new_tokens - 1):
+            seq_len = len(ids) + step + 1
+            meta = AttentionMetadata.build([1], [seq_len], [self.table(0)], self.block_size)
+            hidden = self.forward(torch.tensor(out[-1:]), torch.tensor([seq_len - 1]), meta)
+            out.append(int(self.stages[-1].compute_logits(hidden)[-1].argmax()))
+        return out
+
+
+@pytest.fixture(scope="session")
+def eager_pipeline():
+    """Factory: `eager_pipeline(model_dir, pp_size=1, partition=None)` -> EagerPipeline."""
+    return EagerPipeline
