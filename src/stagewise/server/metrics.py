@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -18,7 +18,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], dict], model_name: str):
-        self.registry = CollectorRegistry(auto_describe=True)
+        disable_created_metrics()      # `*_created` series double the scrape and nobody graphs them
+        self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         r = self.registry
         self.requests = Counter("stagewise_requests", "Requests by final status: a finish reason, or rejected "

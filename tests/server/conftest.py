@@ -1,0 +1,117 @@
+"""Server fixtures: a `python -m stagewise.server` subprocess on 127.0.0.1 and a free port, waited
+for through /health with a bounded timeout and always killed in the finalizer; plus the offline
+`LLM` on the same checkpoint as the oracle for greedy results."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    import httpx2 as httpx
+except ImportError:          # the openai client ships httpx2 here; plain httpx elsewhere
+    import httpx
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "stagewise.server", "--model", str(model_dir), "--port", str(self.port),
+               "--log-level", "warning", *args]
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> int | None:
+        """SIGINT (graceful), then SIGKILL if it lingers; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: 'name{labels}' -> value."""
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of a metric over the series matching `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            base, _, rest = key.partition("{")
+            if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                total += value
+        return total
+
+
+def start_server(model_dir: Path, tmp_dir: Path, *args: str) -> ServerProcess:
+    server = ServerProcess(model_dir, tmp_dir / "server.log", *args)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(llama_dir, tmp_path_factory):
+    """One server for every test that does not need special flags (starting one costs seconds)."""
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def offline(llama_dir):
+    """The offline engine on the same checkpoint (the oracle for greedy results)."""
+    from stagewise import LLM
+    llm = LLM(model=str(llama_dir))
+    yield llm
+    llm.shutdown()
