@@ -13,8 +13,7 @@ class Tokenizer:
 
     def __init__(self, model_dir: str):
         from transformers import AutoTokenizer
-        from ..model.loader import load_hf_config
-        from ..runtime.model_info import eos_token_ids_of
+        from ..runtime.model_info import eos_token_ids_of, load_hf_config
         self.hf_config = load_hf_config(model_dir)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
