@@ -83,8 +83,8 @@ class ToyStage(nn.Module):
         return torch.tanh(layer.mlp(_norm(res))), res
 
 
-def kv_caches(stage: StageInfo) -> list:
-    return [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) if stage.owns(i) else None
+def kv_caches(stage: StageInfo, device="cpu") -> list:
+    return [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device) if stage.owns(i) else None
             for i in range(stage.num_layers)]
 
 
@@ -92,25 +92,25 @@ def clone_batch(batch: ForwardBatch) -> ForwardBatch:
     return ForwardBatch(batch.meta, [None if c is None else c.clone() for c in batch.kv_caches])
 
 
-def toy_pipeline(num_layers: int, pp_size: int, full_contract: bool = True):
+def toy_pipeline(num_layers: int, pp_size: int, full_contract: bool = True, device="cpu"):
     """[(model, batch)] per stage."""
-    return [(ToyStage(info, full_contract).eval(), ForwardBatch(None, kv_caches(info)))
+    return [(ToyStage(info, full_contract).eval().to(device), ForwardBatch(None, kv_caches(info, device)))
             for info in stage_infos(num_layers, pp_size)]
 
 
 class Step:
     """One step's live inputs: sequences as (num_new_tokens, num_cached_tokens), each in its own blocks."""
 
-    def __init__(self, seqs: list[tuple[int, int]], seed: int = 0):
+    def __init__(self, seqs: list[tuple[int, int]], seed: int = 0, device="cpu"):
         gen = torch.Generator().manual_seed(seed)
         per_seq = 6   # blocks per sequence slot (24 tokens); block 0 stays the scratch block
         self.query_lens = [q for q, _ in seqs]
         self.seq_lens = [q + c for q, c in seqs]
         tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(seqs))]
-        self.meta = AttentionMetadata.build(self.query_lens, self.seq_lens, tables, BLOCK_SIZE)
+        self.meta = AttentionMetadata.build(self.query_lens, self.seq_lens, tables, BLOCK_SIZE, device)
         self.num_tokens = self.meta.num_tokens
-        self.positions = torch.cat([torch.arange(c, c + q) for q, c in seqs])
-        self.input_ids = torch.randint(0, VOCAB, (self.num_tokens,), generator=gen)
+        self.positions = torch.cat([torch.arange(c, c + q) for q, c in seqs]).to(device)
+        self.input_ids = torch.randint(0, VOCAB, (self.num_tokens,), generator=gen).to(device)
         self.is_decode_only = all(q == 1 for q in self.query_lens)
 
 
@@ -120,5 +120,5 @@ def fill_history(batches: list[ForwardBatch], seed: int = 1) -> None:
     for batch in batches:
         for cache in batch.kv_caches:
             if cache is not None:
-                cache.copy_(torch.randn(cache.shape, generator=gen))
+                cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.device))
                 cache[:, 0].zero_()

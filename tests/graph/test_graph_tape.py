@@ -104,3 +104,24 @@ def test_tape_breakable_has_one_break_per_attention_layer():
     full.capture()
     graph = full._kinds["prefill"].backend._graphs[(8, "ids")]
     assert len(graph.breaks) == 0 and len(graph.segments) == 1
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_tape_replay_follows_new_input_data(mode):
+    from stagewise.graph.tape import Provenance, TapeSegment
+    x = torch.randn(4, 3)
+    seg = TapeSegment(Provenance([x]))
+    with mode():
+        seg.begin()
+        try:
+            y = x.t().reshape(-1) * 2           # reshape of a transpose copies: must be re-run
+            z = x.view(-1)[:5] + 1              # views: skipped, still alias x
+            w = torch.empty(3)
+            torch.add(x[0], 1.0, out=w)         # out= : re-run
+        finally:
+            seg.end()
+        x.copy_(torch.randn(4, 3))
+        seg.replay()
+        torch.testing.assert_close(y, x.t().reshape(-1) * 2)
+        torch.testing.assert_close(z, x.view(-1)[:5] + 1)
+        torch.testing.assert_close(w, x[0] + 1)

@@ -134,7 +134,7 @@ class StageGraphRunner:
         t0 = time.perf_counter()
         saved = self.batch.meta
         try:
-            with torch.no_grad():
+            with torch.inference_mode():
                 for kind in kinds:
                     self._capture_kind(kind, dummy)
         finally:
@@ -216,7 +216,7 @@ class StageGraphRunner:
         if kind.backend is None or not kind.backend.can_replay(key):
             raise RuntimeError(f"Stage {self.stage.rank}: the verdict asks for a {verdict.kind} graph of bucket {B} "
                                f"({key[1]}) that this stage did not capture; stages must share one policy.")
-        with torch.no_grad():
+        with torch.inference_mode():
             self.inputs.fill(T, B, input_ids, positions, input_embeds, proxy)
             if kind.static_meta is not None:
                 kind.static_meta.fill(meta, B, kind.slots(B))
@@ -234,7 +234,7 @@ class StageGraphRunner:
         kind = self._kinds[verdict.kind if verdict is not None else "prefill"]
         kind.eager[verdict.reason if verdict is not None and verdict.reason else "no_verdict"] += 1
         kwargs = self.binding.kwargs(input_embeds, proxy)
-        with torch.no_grad():
+        with torch.inference_mode():
             return self.model(input_ids, positions, self.batch, **kwargs)
 
     # reporting

@@ -19,6 +19,7 @@ aten = torch.ops.aten
 
 _HOST_READS = {
     aten._local_scalar_dense: ".item()/bool()/int() or a branch on a tensor value",
+    aten.item: ".item()/int()/float() (a host sync)",
     aten.is_nonzero: "bool() of a tensor",
     aten.equal: "torch.equal (a host-side bool)",
     aten.nonzero: "nonzero (data-dependent shape)",
@@ -38,12 +39,18 @@ class CaptureError(RuntimeError):
     """Something in a captured segment would be wrong or illegal under a real CUDA graph."""
 
 
-def _kind(func) -> str:
-    """compute: re-run and copy into the logged result; mutate: re-run; view: skip (aliases stay)."""
-    schema = func._schema
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+def _kind(func, args, kwargs, out) -> str:
+    """mutate: re-run; view: skip (the result aliases an input, whose data stays current);
+    compute: re-run and copy into the logged result.
+
+    NOTE: aliasing is read off the actual result, not the schema: under inference mode composite
+    ops such as reshape/to/contiguous reach the tape, and they copy or alias depending on input.
+    """
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return "mutate"
-    if any(r.alias_info is not None for r in schema.returns):
+    inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if results and all(_storage_key(t) in inputs for t in results):
         return "view"
     return "compute"
 
@@ -56,7 +63,8 @@ class _Op:
     __slots__ = ("func", "args", "kwargs", "out", "kind")
 
     def __init__(self, func, args, kwargs, out):
-        self.func, self.args, self.kwargs, self.out, self.kind = func, args, kwargs, out, _kind(func)
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+        self.kind = _kind(func, args, kwargs, out)
 
     def replay(self) -> None:
         if self.kind == "view":
@@ -188,7 +196,7 @@ class TapeBackend(SegmentedBackend):
         return TapeSegment(self._provenance)
 
     def replay(self, key):
-        with torch.no_grad():     # the capture's grad mode: logged views were made under no_grad
+        with torch.inference_mode():     # the runner captures under inference mode: replay under the same
             return super().replay(key)
 
     def pool_bytes(self) -> int:
