@@ -94,6 +94,12 @@ def start_server(model_dir: Path, tmp_dir: Path, *args: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def launch():
+    """`launch(model_dir, tmp_dir, *flags)` -> a healthy ServerProcess; the caller stops it."""
+    return start_server
+
+
+@pytest.fixture(scope="session")
 def server(llama_dir, tmp_path_factory):
     """One server for every test that does not need special flags (starting one costs seconds)."""
     srv = start_server(llama_dir, tmp_path_factory.mktemp("server"))

@@ -1,0 +1,147 @@
+"""Engine death behind a live server: in-flight requests get errors (streaming and not), new ones
+get 503, /health turns 503, and nothing hangs. Uses a scripted fake engine (no model) served by
+uvicorn in a thread, so the failure is deterministic and fast."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from stagewise.executor import EngineDeadError
+from stagewise.request import CompletionOutput, RequestOutput
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+
+class FakeTok:
+    eos_token_ids = ()
+    hidden_size = 4
+    tokenizer = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def chat_prompt(self, messages) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+class FakeEngine:
+    """One token per request per step; from step `die_at_step` on, the first step with two requests
+    running raises EngineDeadError."""
+
+    def __init__(self, die_at_step: int):
+        self.tok, self.max_model_len, self.model_dir = FakeTok(), 64, "/fake"
+        self.config = SimpleNamespace(model="fake", block_size=16)
+        self.executor = SimpleNamespace(num_blocks=9)
+        self.scheduler = SimpleNamespace(next_plan_id=0)
+        self.requests: dict[str, list] = {}
+        self.inbox: list = []
+        self.lock = threading.Lock()
+        self.steps, self.die_at_step, self.shut_down = 0, die_at_step, False
+
+    def add_request(self, prompt=None, params=None, *, prompt_token_ids=None, input_embeds=None, request_id=None):
+        with self.lock:
+            self.inbox.append(("add", (request_id, prompt_token_ids, params)))
+
+    def abort(self, request_id):
+        with self.lock:
+            self.inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.inbox)
+
+    def step(self) -> list[RequestOutput]:
+        with self.lock:
+            inbox, self.inbox = self.inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                self.requests[item[0]] = [item[1], [], item[2]]
+            else:
+                self.requests.pop(item, None)
+        if not self.requests:
+            return []
+        time.sleep(0.02)
+        self.steps += 1
+        self.scheduler.next_plan_id += 1
+        if self.steps >= self.die_at_step and len(self.requests) >= 2:
+            outs = [_out(rid, r[1], "error", "stage 1 died") for rid, r in self.requests.items()]
+            self.requests.clear()
+            raise EngineDeadError("stage 1 died", outs)
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r[1].append(len(r[1]) + 1)
+            done = len(r[1]) >= r[2].max_tokens
+            outs.append(_out(rid, r[1], "length" if done else None))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def stats(self) -> dict:
+        return {"running": len(self.requests), "waiting": 0, "kv_usage": 0.0, "num_kv_blocks": 9}
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def _out(rid, ids, reason, error=None) -> RequestOutput:
+    text = FakeTok().decode(ids)
+    return RequestOutput(rid, None, [1], [CompletionOutput(0, text, list(ids), reason, None, error)],
+                         finished=reason is not None, metrics={"arrival_time": time.monotonic()})
+
+
+@pytest.fixture
+def fake_server():
+    import uvicorn
+    from stagewise.server.app import build_app
+    from stagewise.server.bridge import AsyncEngine
+    engine = FakeEngine(die_at_step=4)
+    app = build_app(AsyncEngine(engine), "fake")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not server.started:
+        time.sleep(0.05)
+    yield url, engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_death_fails_requests_and_health(fake_server):
+    url, engine = fake_server
+    ok = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "abc", "max_tokens": 3}, timeout=10)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "bcd"
+    results = {}
+
+    def non_streaming():
+        results["plain"] = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 50}, timeout=10)
+
+    thread = threading.Thread(target=non_streaming)
+    thread.start()
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=10, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    thread.join(10)
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "stage 1 died" in events[-2]
+    assert results["plain"].status_code == 503 and "stage 1 died" in results["plain"].json()["error"]["message"]
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "stage 1 died" in health.json()["error"]["message"]
+    again = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
+    assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"

@@ -1,0 +1,67 @@
+"""A PP=2 server (two stage processes) answers like the one-stage offline engine, and its SIGINT
+shutdown stops the stage processes."""
+from __future__ import annotations
+
+import pytest
+
+from stagewise import SamplingParams
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+
+def _multiproc_missing() -> str | None:
+    try:
+        import stagewise.executor.multiproc  # noqa: F401
+    except Exception as exc:         # noqa: BLE001  (any import failure means: not ready)
+        return f"stagewise.executor.multiproc does not import yet ({type(exc).__name__}: {exc})"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_multiproc_missing() is not None,
+                                                   reason=_multiproc_missing() or "")]
+
+
+@pytest.fixture(scope="module")
+def pp_server(llama_dir, tmp_path_factory, launch):
+    srv = launch(llama_dir, tmp_path_factory.mktemp("pp-server"), "--pp-size", "2")
+    yield srv
+    srv.stop()
+
+
+def test_pp2_server_matches_offline(pp_server, offline):
+    from concurrent.futures import ThreadPoolExecutor
+    from openai import OpenAI
+    prompts = ["The quick brown fox", "Once upon a time there was", "A B C D", "Numbers: 1 2 3"]
+    with OpenAI(base_url=pp_server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0].id
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.completions.create(
+                model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text, prompts))
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat)
+    ref = offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert got == [r.outputs[0].text for r in ref]
+    assert streamed == offline.chat([{"role": "user", "content": "hi"}],
+                                    SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
+    assert len([k for k in pp_server.metrics() if k.startswith("stagewise_stage_busy_fraction{")]) == 2
+    assert httpx.get(pp_server.url + "/health").status_code == 200
+
+
+def test_sigint_finishes_in_flight_requests_then_exits(pp_server):
+    import threading
+    import time
+    result = {}
+    body = {"prompt": "A long answer", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "r", httpx.post(pp_server.url + "/v1/completions", json=body, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while pp_server.metric("stagewise_num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pp_server.stop() == 0            # SIGINT: stop accepting, finish the open request, stop stages
+    thread.join(30)
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 150
