@@ -14,6 +14,7 @@ import typing
 
 from .config import EngineConfig
 
+SIZE_FIELDS = ("kv_cache_memory",)    # "2GiB", "512MiB" or bytes
 ALIASES = {"pp_size": ["--pipeline-parallel-size"]}
 HELP = {
     "model": "HF checkpoint directory (default: the built-in demo model)",
@@ -40,6 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=HELP.get(f.name))
         else:
             conv = int if kind in (int, int | None) else float if kind in (float, float | None) else str
+            conv = str if f.name in SIZE_FIELDS else conv
             group.add_argument(*flags, dest=f.name, type=conv, default=f.default, help=HELP.get(f.name),
                                metavar=f.name.upper())
 
