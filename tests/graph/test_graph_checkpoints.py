@@ -18,7 +18,8 @@ class GraphPipeline:
 
     def __init__(self, model_dir, pp_size, emulation):
         num_layers = load_hf_config(model_dir).num_hidden_layers
-        self.policy = resolve_graph_policy("breakable", chunked_prefill_size=64, pp_size=pp_size, device_type="cpu",
+        # a short explicit list keeps tape capture quick; 47 tokens -> 48, 21 -> 24
+        self.policy = resolve_graph_policy("breakable", buckets=[8, 24, 48], pp_size=pp_size, device_type="cpu",
                                            decode_graph=True, decode_graph_max_bs=4)
         self.stages = []
         for info in stage_infos(num_layers, pp_size):

@@ -73,13 +73,14 @@ class GraphBackend:
 
 class RerunBackend(GraphBackend):
     """Level-1 emulator (CPU stand-in for breakable/full): capture runs the body once, replay
-    runs it again on the same static views. Blind to frozen Python; see TapeBackend for that."""
+    runs it again on the same static views. Blind to frozen Python; see TapeBackend for that.
+
+    Attention is always the live one, for `full` too: this is the emulator engines run on CPU,
+    and static attention costs rows x max_seq_len keys per layer. The tape emulator and the
+    CUDA backend run the static attention.
+    """
 
     name = "rerun"
-
-    def __init__(self, static_attention: bool = False):
-        super().__init__()
-        self.static_attention = static_attention
 
     def capture(self, key, body):
         body()

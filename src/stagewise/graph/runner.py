@@ -108,7 +108,7 @@ class StageGraphRunner:
             return (CudaBreakableBackend if name == "breakable" else CudaFullBackend)(self._cuda, rows)
         if self.emulation == "tape":
             return TapeBackend(rows, breakable=name == "breakable", persistent=self._persistent_tensors)
-        return RerunBackend(static_attention=name == "full")
+        return RerunBackend()
 
     def _persistent_tensors(self) -> list[torch.Tensor]:
         """Tensors that outlive every replay: what a captured body may legally read."""
@@ -216,6 +216,10 @@ class StageGraphRunner:
         if kind.backend is None or not kind.backend.can_replay(key):
             raise RuntimeError(f"Stage {self.stage.rank}: the verdict asks for a {verdict.kind} graph of bucket {B} "
                                f"({key[1]}) that this stage did not capture; stages must share one policy.")
+        if kind.name == "full" and len(meta.query_lens) > kind.slots(B):
+            raise RuntimeError(f"Stage {self.stage.rank}: a full graph of bucket {B} has {kind.slots(B)} request "
+                               f"slots but the step has {len(meta.query_lens)} requests; the verdict should "
+                               "have been 'unservable' (eager).")
         with torch.inference_mode():
             self.inputs.fill(T, B, input_ids, positions, input_embeds, proxy)
             if kind.static_meta is not None:
