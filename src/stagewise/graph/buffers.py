@@ -50,6 +50,11 @@ class StaticInputs:
             "proxy": ProxyTensors({k: t[:bucket] for k, t in self.proxy.items()}) if self.proxy else None,
         }
 
+    def zero(self, bucket: int) -> None:
+        """Rows `[:B)` of every buffer to zero: the capture inputs (token id 0, position 0)."""
+        for t in self.tensors():
+            t[:bucket].zero_()
+
     def fill(self, num_tokens: int, bucket: int, input_ids: torch.Tensor | None = None,
              positions: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
              proxy: ProxyTensors | None = None) -> None:
@@ -58,11 +63,10 @@ class StaticInputs:
         if not 0 < T <= B <= self.max_tokens:
             raise ValueError(f"Stage {self.stage.rank}: cannot fill {T} live tokens into bucket {B} "
                              f"(static buffers hold {self.max_tokens} rows).")
-        self._copy("positions", self.positions, positions, T, B, (T,), torch.long, required=True)
+        self._copy("positions", self.positions, positions, T, B, (T,), None, required=True)
         if self.stage.is_first:
             self._copy("input_embeds", self.input_embeds, input_embeds, T, B, (T, self.hidden_size), self.dtype)
-            self._copy("input_ids", self.input_ids, input_ids, T, B, (T,), torch.long,
-                       required=input_embeds is None)
+            self._copy("input_ids", self.input_ids, input_ids, T, B, (T,), None, required=input_embeds is None)
         else:
             self._fill_proxy(proxy, T, B)
 
@@ -81,7 +85,8 @@ class StaticInputs:
             self._copy(key, buf, proxy[key] if key in proxy else None, T, B, (T, self.hidden_size), self.dtype)
 
     def _copy(self, key: str, buf: torch.Tensor | None, live: torch.Tensor | None, T: int, B: int,
-              shape: tuple[int, ...], dtype: torch.dtype, required: bool = False) -> None:
+              shape: tuple[int, ...], dtype: torch.dtype | None, required: bool = False) -> None:
+        """`dtype` None: any integer dtype (token ids, positions are widened by the copy)."""
         if buf is None:
             if live is not None:
                 raise ValueError(f"Stage {self.stage.rank} has no static {key!r} buffer, but the step passed "
@@ -92,8 +97,9 @@ class StaticInputs:
                 raise ValueError(f"Stage {self.stage.rank}: {key!r} is missing; expected shape {shape}, got None.")
             buf[:B].zero_()
             return
-        if tuple(live.shape) != shape or live.dtype != dtype:
+        dtype_ok = live.dtype == dtype if dtype is not None else not (live.is_floating_point() or live.is_complex())
+        if tuple(live.shape) != shape or not dtype_ok:
             raise ValueError(f"Stage {self.stage.rank}: {key!r} has shape {tuple(live.shape)} and dtype {live.dtype}, "
-                             f"expected shape {shape} and dtype {dtype}.")
+                             f"expected shape {shape} and dtype {dtype or 'an integer type'}.")
         buf[:T].copy_(live)      # a snapshot: later changes to `live` do not reach the graph
         buf[T:B].zero_()         # stale activations in padded rows can turn into NaN in a replay

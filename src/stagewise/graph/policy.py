@@ -27,8 +27,8 @@ class GraphPolicy:
     emulated: bool = False                   # breakable/full without CUDA: a CPU stand-in runs them
     decode_backend: str = "off"              # decode: off | breakable | full | compiled
     decode_buckets: tuple[int, ...] = ()     # decode batch-size buckets, ascending
-    full_slots: int = 16                     # request slots of a `full` prefill graph
     log_lines: tuple[str, ...] = ()
+    full_slots: int = 16                     # request slots of a `full` prefill graph
 
     @property
     def enabled(self) -> bool:
@@ -78,7 +78,7 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     if emulated:
         logs.append(f"graphs are emulated on {device_type}: no CUDA, so replay re-runs the body on the "
                     "static buffers (same fill/bind/trim code, no speed-up)")
-    return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, full_slots, tuple(logs))
+    return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, tuple(logs), full_slots)
 
 
 def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str]) -> str:

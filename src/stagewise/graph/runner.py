@@ -76,6 +76,10 @@ class StageGraphRunner:
                        "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
         self.capture_seconds = 0.0
         self._pool_bytes = 0
+        for kind in self._kinds.values():
+            if kind.backend is not None:
+                log.info("stage %d: %s graphs %s via %s backend, buckets %s", stage.rank, kind.kind, kind.name,
+                         kind.backend.name, list(kind.buckets))
 
     # construction
     def _variants(self) -> tuple[str, ...]:
@@ -153,12 +157,7 @@ class StageGraphRunner:
         for bucket in sorted(kind.buckets, reverse=True):
             for variant in self.variants:
                 self.batch.meta = dummy.get(bucket)
-                for view in self.inputs.views(bucket).values():   # dummy inputs: id 0, position 0, zeros
-                    if isinstance(view, torch.Tensor):
-                        view.zero_()
-                    elif view is not None:
-                        for t in view.tensors.values():
-                            t.zero_()
+                self.inputs.zero(bucket)
                 if kind.static_meta is not None:
                     kind.static_meta.reset()
                 kind.backend.capture((bucket, variant), self._body(kind, bucket, variant))
