@@ -1,0 +1,224 @@
+"""Online serving benchmark: N concurrent streaming clients against `python -m stagewise.server` on
+127.0.0.1, for each pipeline size. Reports output throughput, TTFT p50/p99 and time per output
+token p50/p99, prints a markdown table and appends it to --out.
+
+Closed loop: each client sends its next request when the previous one ends. Seeded token-id
+prompts, fixed output lengths (ignore_eos), /v1/completions with stream + include_usage.
+
+    python benchmarks/serving.py [--model DIR] [--pp-sizes 1,2] [--num-clients 16] [--num-requests 64]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+HOST = "127.0.0.1"             # loopback only, by design
+MAX_CLIENTS, MAX_REQUESTS = 128, 2000
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serving.md"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in demo model)")
+    p.add_argument("--pp-sizes", default="1,2", help="comma-separated pipeline sizes to compare")
+    p.add_argument("--num-clients", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", default="32,128", help="min,max prompt tokens (seeded uniform)")
+    p.add_argument("--output-len", default="32,64", help="min,max output tokens (seeded uniform)")
+    p.add_argument("--time-limit", type=float, default=300.0, help="seconds per configuration, then stop")
+    p.add_argument("--server-args", default="", help="extra flags for the server, e.g. '--max-num-seqs 32'")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not 1 <= args.num_clients <= MAX_CLIENTS or not 1 <= args.num_requests <= MAX_REQUESTS:
+        p.error(f"--num-clients must be in [1, {MAX_CLIENTS}] and --num-requests in [1, {MAX_REQUESTS}].")
+    return args
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    (p_lo, p_hi), (o_lo, o_hi) = _range(args.prompt_len), _range(args.output_len)
+    # NOTE: ids below 6 are the demo tokenizer's special tokens; keep prompts to ordinary ones.
+    return [([rng.randrange(6, vocab_size) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(o_lo, o_hi))
+            for _ in range(args.num_requests)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, pp_size: int, extra: list[str], log_path: Path):
+        self.url = f"http://{HOST}:{free_port()}"
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "stagewise.server", "--model", model_dir, "--host", HOST,
+               "--port", self.url.rsplit(":", 1)[1], "--pp-size", str(pp_size), "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = log_path
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log:\n{self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> dict | None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, last, tokens = time.perf_counter(), None, None, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            print(f"request failed: HTTP {r.status_code} {await r.aread()!r}", file=sys.stderr)
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if first is None:
+        return None
+    return {"ttft": first - start, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
+            "e2e": last - start, "tokens": tokens}
+
+
+async def run_load(url: str, requests: list[tuple[list[int], int]], num_clients: int, time_limit: float):
+    queue = list(reversed(requests))
+    results: list[dict] = []
+    deadline = time.perf_counter() + time_limit
+
+    async def client_loop(client):
+        while queue and time.perf_counter() < deadline:
+            prompt, n = queue.pop()
+            res = await one_request(client, url, prompt, n)
+            if res:
+                results.append(res)
+
+    limits = httpx.Limits(max_connections=num_clients, max_keepalive_connections=num_clients)
+    async with httpx.AsyncClient(timeout=time_limit, limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(client_loop(client)) for _ in range(num_clients)]
+        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        for t in pending:
+            t.cancel()          # over the time limit: the server aborts what these leave behind
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(pp: int, results: list[dict], wall: float, busy: list[float]) -> list:
+    ttft = [r["ttft"] * 1000 for r in results]
+    tpot = [r["tpot"] * 1000 for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    return [pp, len(results), round(wall, 1), round(tokens / wall, 1), round(pct(ttft, 50), 1),
+            round(pct(ttft, 99), 1), round(pct(tpot, 50), 2), round(pct(tpot, 99), 2),
+            " / ".join(f"{b:.2f}" for b in busy) or "-"]
+
+
+def stage_busy(url: str) -> list[float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    rows = [line for line in text.splitlines() if line.startswith("stagewise_stage_busy_fraction{")]
+    return [float(line.rsplit(" ", 1)[1]) for line in rows]
+
+
+def bench_one(args, model_dir: str, pp: int, requests, tmp: Path) -> list:
+    server = Server(model_dir, pp, args.server_args.split(), tmp / f"server-pp{pp}.log")
+    try:
+        server.wait_healthy()
+        asyncio.run(run_load(server.url, requests[:2], 2, 60))          # warm-up, not counted
+        results, wall = asyncio.run(run_load(server.url, requests, args.num_clients, args.time_limit))
+        return summarize(pp, results, wall, stage_busy(server.url))
+    finally:
+        server.stop()
+
+
+def markdown(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.model is None:
+        from stagewise.model.demo import ensure_demo_model
+        model_dir = str(ensure_demo_model())
+    else:
+        model_dir = args.model
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    requests = workload(args, vocab)
+    headers = ["PP", "requests", "wall s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+               "TPOT p99 ms", "stage busy"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stagewise-serving-") as tmp:
+        for pp in (int(x) for x in args.pp_sizes.split(",")):
+            rows.append(bench_one(args, model_dir, pp, requests, Path(tmp)))
+            print(markdown(headers, rows[-1:]).splitlines()[-1], flush=True)
+    table = markdown(headers, rows)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (f"## Serving benchmark, {stamp}\n\nmodel `{model_dir}`; {args.num_clients} concurrent streaming clients, "
+            f"{args.num_requests} requests, prompt {args.prompt_len} tokens, output {args.output_len} tokens "
+            f"(ignore_eos), /v1/completions over loopback; server args `{args.server_args or '(defaults)'}`; "
+            f"{platform.python_version()}, {os.cpu_count()} CPUs.\n\n{table}\n")
+    print("\n" + text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(text + "\n")
+    print(f"appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
