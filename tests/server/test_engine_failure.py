@@ -35,9 +35,9 @@ class FakeTok:
 
 class FakeEngine:
     """One token per request per step; from step `die_at_step` on, the first step with two requests
-    running raises EngineDeadError."""
+    running raises EngineDeadError (a plain RuntimeError when `bug`: an engine bug)."""
 
-    def __init__(self, die_at_step: int):
+    def __init__(self, die_at_step: int, bug: bool = False):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 64, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)
         self.executor = SimpleNamespace(num_blocks=9)
@@ -45,7 +45,7 @@ class FakeEngine:
         self.requests: dict[str, list] = {}
         self.inbox: list = []
         self.lock = threading.Lock()
-        self.steps, self.die_at_step, self.shut_down = 0, die_at_step, False
+        self.steps, self.die_at_step, self.bug, self.shut_down = 0, die_at_step, bug, False
 
     def add_request(self, prompt=None, params=None, *, prompt_token_ids=None, input_embeds=None, request_id=None):
         with self.lock:
@@ -72,6 +72,8 @@ class FakeEngine:
         self.steps += 1
         self.scheduler.next_plan_id += 1
         if self.steps >= self.die_at_step and len(self.requests) >= 2:
+            if self.bug:
+                raise RuntimeError("stage 1 died of a bug")
             outs = [_out(rid, r[1], "error", "stage 1 died") for rid, r in self.requests.items()]
             self.requests.clear()
             raise EngineDeadError("stage 1 died", outs)
@@ -97,12 +99,12 @@ def _out(rid, ids, reason, error=None) -> RequestOutput:
                          finished=reason is not None, metrics={"arrival_time": time.monotonic()})
 
 
-@pytest.fixture
-def fake_server():
+@pytest.fixture(params=["dead", "bug"])
+def fake_server(request):
     import uvicorn
     from stagewise.server.app import build_app
     from stagewise.server.bridge import AsyncEngine
-    engine = FakeEngine(die_at_step=4)
+    engine = FakeEngine(die_at_step=4, bug=request.param == "bug")
     app = build_app(AsyncEngine(engine), "fake")
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -115,6 +117,7 @@ def fake_server():
     yield url, engine
     server.should_exit = True
     thread.join(10)
+    assert engine.shut_down
 
 
 def _free_port() -> int:

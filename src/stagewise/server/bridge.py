@@ -151,6 +151,13 @@ class AsyncEngine:
 
     # engine thread
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as exc:               # never let the engine thread die silently
+            log.exception("engine thread failed")
+            self._die(f"The engine thread failed ({type(exc).__name__}: {exc}); restart the server.", [])
+
+    def _loop_forever(self) -> None:
         last_publish = 0.0
         while True:
             self._wake.clear()
@@ -181,6 +188,7 @@ class AsyncEngine:
         except Exception as exc:                   # a bug, not a request problem: stop serving loudly
             log.exception("engine step failed")
             self._die(f"The engine failed ({type(exc).__name__}: {exc}); restart the server.", [])
+            self.engine.shutdown()                 # free the stage processes now, not at server exit
             return None
         self._deliver(outputs)
         return bool(outputs) or self.engine.scheduler.next_plan_id != plan_id
@@ -207,9 +215,12 @@ class AsyncEngine:
             return
         if self.metrics is not None:
             now = time.monotonic()
-            for out in outputs:
-                if out.finished:
-                    self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
+            try:
+                for out in outputs:
+                    if out.finished:
+                        self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
+            except Exception:                       # metrics must never cost a client its answer
+                log.exception("recording request metrics failed")
         self._post(outputs)
 
     def _post(self, outputs: list[RequestOutput]) -> None:

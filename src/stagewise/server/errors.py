@@ -72,9 +72,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = (f"No route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
-                   f"/v1/chat/completions, /generate, /health and /metrics."
-                   if exc.status_code in (404, 405) else str(exc.detail))
+        routes = "see GET /v1/models, /health, /metrics and POST /v1/completions, /v1/chat/completions, /generate"
+        if exc.status_code == 404:
+            message = f"No route {request.url.path}; {routes}."
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; {routes}."
+        else:
+            message = str(exc.detail)
         return APIError(message, exc.status_code, None, None, kind).response()
 
     @app.exception_handler(Exception)
