@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from ..executor import EngineDeadError
@@ -52,10 +53,8 @@ class Serving:
             raise bad_request(f"The request body must be a JSON object, not {type(data).__name__}.")
         try:
             return schema.model_validate(data)
-        except Exception as exc:        # pydantic.ValidationError
-            if hasattr(exc, "errors"):
-                raise from_validation_error(exc) from None
-            raise
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
@@ -129,6 +128,9 @@ class Serving:
         if consumer not in done:
             raise ClientGone()
         consumer.result()
+        if any(f is None for f in finals):          # released under us: only at shutdown
+            raise APIError("The request was aborted because the server is shutting down; retry later.", 503,
+                           None, None, "service_unavailable")
         failed = [f for f in finals if f.outputs[0].finish_reason in ("error", "abort")]
         if failed:
             raise self.failure(failed[0])
