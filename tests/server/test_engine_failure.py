@@ -40,7 +40,7 @@ class FakeEngine:
     def __init__(self, die_at_step: int, bug: bool = False):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 64, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)
-        self.executor = SimpleNamespace(num_blocks=9)
+        self.executor = SimpleNamespace(num_blocks=9, dead=None)
         self.scheduler = SimpleNamespace(next_plan_id=0)
         self.requests: dict[str, list] = {}
         self.inbox: list = []
@@ -148,3 +148,17 @@ def test_engine_death_fails_requests_and_health(fake_server):
     assert health.status_code == 503 and "stage 1 died" in health.json()["error"]["message"]
     again = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
     assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("fake_server", ["dead"], indirect=True)
+def test_stage_death_while_idle_turns_health_503(fake_server):
+    url, engine = fake_server
+    assert httpx.get(url + "/health").status_code == 200
+    engine.executor.dead = "stagewise-stage-1 (pid 123) died unexpectedly with exit code -9."
+    deadline = time.monotonic() + 5
+    while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "stage-1" in health.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 503 and "stage-1" in r.json()["error"]["message"]

@@ -164,6 +164,13 @@ class AsyncEngine:
             if self.stopping:
                 return self._drain_for_stop()
             if not self.engine.has_unfinished():
+                # NOTE: an idle engine never calls the executor, so a stage that died meanwhile would
+                # only show at the next request; the executor's monitor flags it, check it here.
+                why = getattr(self.engine.executor, "dead", None)
+                if why:
+                    self._die(str(why), [])
+                    self.engine.shutdown()
+                    return
                 if time.monotonic() - last_publish > IDLE_PUBLISH_S:
                     self._publish()
                     last_publish = time.monotonic()
