@@ -34,13 +34,15 @@ class MultiprocExecutor:
         self.last_traffic = time.monotonic()
         self.dead: str | None = None
         self.closing = False
+        from ..model.registry import registered_models
+        models = registered_models()      # NOTE: spawned stages import user classes by reference
         env = torchrun_env()
         addr = env["addr"] if env else config.master_addr
         port = env["port"] if env else (config.master_port or free_port())
         if not env:
             ctx = mp.get_context("spawn")
             for s in local_stages(config.pp_size, config.nnodes, 0):
-                p = ctx.Process(target=stage_main, args=(config, model_dir, s, addr, port, eos_token_ids),
+                p = ctx.Process(target=stage_main, args=(config, model_dir, s, addr, port, eos_token_ids, True, models),
                                 name=f"stagewise-stage-{s}", daemon=True)
                 p.start()
                 self.procs.append(p)

@@ -20,12 +20,18 @@ from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, sta
 log = logging.getLogger("stagewise.stage")
 
 
-def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True) -> None:
-    """Entry point of one stage (spawned by the driver, a headless node, or torchrun)."""
+def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
+               models: dict | None = None) -> None:
+    """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
+    `models` re-registers the driver's model table (user-registered architectures)."""
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
     torch.set_num_threads(config.threads_per_stage or 1)
+    if models:
+        from ..model.registry import register_model
+        for arch, cls in models.items():
+            register_model(arch, cls)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
     init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, config.dist_timeout_s)
     try:

@@ -27,6 +27,11 @@ def get_model_class(architecture: str) -> type:
     return _MODELS[architecture]
 
 
+def registered_models() -> dict[str, type]:
+    """A copy of the table; stage processes re-register it, so user models work under PP."""
+    return dict(_MODELS)
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

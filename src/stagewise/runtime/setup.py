@@ -63,7 +63,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     model = load_model(model_dir, stage, dtype, device)
     policy = resolve_policy(config, device)
     batch = ForwardBatch(None, [None] * stage.num_layers)
-    runner = StageGraphRunner(model, stage, policy, batch, dtype, device)
+    runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
+                              max_seq_len=max_model_len(config, hf_config))
     num_kv_heads, head_dim = model.kv_cache_spec()
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
     plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
