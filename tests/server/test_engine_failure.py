@@ -38,9 +38,9 @@ class FakeEngine:
     running raises EngineDeadError (a plain RuntimeError when `bug`: an engine bug)."""
 
     def __init__(self, die_at_step: int, bug: bool = False):
-        self.tok, self.max_model_len, self.model_dir = FakeTok(), 64, "/fake"
+        self.tok, self.max_model_len, self.model_dir = FakeTok(), 4096, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)
-        self.executor = SimpleNamespace(num_blocks=9, dead=None)
+        self.executor = SimpleNamespace(num_blocks=257, dead=None)
         self.scheduler = SimpleNamespace(next_plan_id=0)
         self.requests: dict[str, list] = {}
         self.inbox: list = []
@@ -87,7 +87,7 @@ class FakeEngine:
         return outs
 
     def stats(self) -> dict:
-        return {"running": len(self.requests), "waiting": 0, "kv_usage": 0.0, "num_kv_blocks": 9}
+        return {"running": len(self.requests), "waiting": 0, "kv_usage": 0.0, "num_kv_blocks": 257}
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -134,16 +134,17 @@ def test_engine_death_fails_requests_and_health(fake_server):
     results = {}
 
     def non_streaming():
-        results["plain"] = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 50}, timeout=10)
+        results["plain"] = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2000}, timeout=30)
 
     thread = threading.Thread(target=non_streaming)
     thread.start()
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=10, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}) as r:
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "stream": True}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     thread.join(10)
-    assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "stage 1 died" in events[-2]
-    assert results["plain"].status_code == 503 and "stage 1 died" in results["plain"].json()["error"]["message"]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "stage 1 died" in events[-2], events[-3:]
+    plain = results["plain"]
+    assert plain.status_code == 503 and "stage 1 died" in plain.json()["error"]["message"], plain.text
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and "stage 1 died" in health.json()["error"]["message"]
     again = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
