@@ -52,7 +52,7 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> int | None:
-        """SIGINT (graceful), then SIGKILL if it lingers; returns the exit code."""
+        """SIGINT (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -91,6 +91,21 @@ def start_server(model_dir: Path, tmp_dir: Path, *args: str) -> ServerProcess:
         server.stop()
         raise
     return server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_pp_server(request, tmp_path_factory):
+    """Boot the PP=2 server in the background at session start when a selected test needs it, so its
+    start-up (stage processes, model load) overlaps the other tests. `pp_server` waits for it."""
+    import importlib.util
+    wanted = any("pp_server" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if not wanted or importlib.util.find_spec("stagewise.executor.multiproc") is None:
+        yield None
+        return
+    srv = ServerProcess(request.getfixturevalue("llama_dir"), tmp_path_factory.mktemp("pp-server") / "server.log",
+                        "--pp-size", "2")
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_multiproc_missing() is not N
 
 
 @pytest.fixture(scope="module")
-def pp_server(llama_dir, tmp_path_factory, launch):
-    srv = launch(llama_dir, tmp_path_factory.mktemp("pp-server"), "--pp-size", "2")
-    yield srv
-    srv.stop()
+def pp_server(early_pp_server):
+    """The PP=2 server that conftest started in the background at session start."""
+    try:
+        early_pp_server.wait_healthy()
+    except BaseException:
+        early_pp_server.stop()
+        raise
+    yield early_pp_server
+    early_pp_server.stop()
 
 
 def test_pp2_server_matches_offline(pp_server, offline):
