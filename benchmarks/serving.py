@@ -168,9 +168,9 @@ def summarize(pp: int, results: list[dict], wall: float, busy: list[float]) -> l
             " / ".join(f"{b:.2f}" for b in busy) or "-"]
 
 
-def stage_busy(url: str) -> list[float]:
+def stage_busy_s(url: str) -> list[float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    rows = [line for line in text.splitlines() if line.startswith("stagewise_stage_busy_fraction{")]
+    rows = [line for line in text.splitlines() if line.startswith("stagewise_stage_busy_seconds_total{")]
     return [float(line.rsplit(" ", 1)[1]) for line in rows]
 
 
@@ -179,8 +179,10 @@ def bench_one(args, model_dir: str, pp: int, requests, tmp: Path) -> list:
     try:
         server.wait_healthy()
         asyncio.run(run_load(server.url, requests[:2], 2, 60))          # warm-up, not counted
+        before = stage_busy_s(server.url)
         results, wall = asyncio.run(run_load(server.url, requests, args.num_clients, args.time_limit))
-        return summarize(pp, results, wall, stage_busy(server.url))
+        busy = [(b - a) / wall for a, b in zip(before, stage_busy_s(server.url))]   # over the load window only
+        return summarize(pp, results, wall, busy)
     finally:
         server.stop()
 
@@ -200,7 +202,7 @@ def main(argv=None) -> None:
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     requests = workload(args, vocab)
     headers = ["PP", "requests", "wall s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-               "TPOT p99 ms", "stage busy"]
+               "TPOT p99 ms", "stage busy (per stage)"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="stagewise-serving-") as tmp:
         for pp in (int(x) for x in args.pp_sizes.split(",")):

@@ -85,7 +85,8 @@ def test_metrics_cover_requests_latency_and_engine(server, client):
                  "stagewise_e2e_request_latency_seconds_bucket", "stagewise_num_requests_running",
                  "stagewise_num_requests_waiting", "stagewise_kv_cache_usage_ratio", "stagewise_prefix_cache_hit_rate",
                  "stagewise_graph_eager_steps_total", "stagewise_graph_padded_token_ratio",
-                 "stagewise_stage_busy_fraction", "stagewise_num_preemptions_total"):
+                 "stagewise_stage_busy_fraction", "stagewise_stage_busy_seconds_total",
+                 "stagewise_num_preemptions_total"):
         assert name in text, name
     assert server.metric("stagewise_time_to_first_token_seconds_count") >= 1
     assert 0 < server.metric("stagewise_stage_busy_fraction", stage="0") <= 1

@@ -82,11 +82,17 @@ class _EngineCollector:
                        s.get("num_preemptions", 0))
         yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
         yield from _graph_families(s, m)
-        busy = GaugeMetricFamily("stagewise_stage_busy_fraction", "Fraction of wall time each pipeline stage "
-                                 "spent computing.", labels=["model_name", "stage"])
+        busy = GaugeMetricFamily("stagewise_stage_busy_fraction", "Fraction of wall time since start each "
+                                 "pipeline stage spent computing.", labels=["model_name", "stage"])
         for i, frac in enumerate(s.get("stage_busy_fraction", [])):
             busy.add_metric([m, str(i)], float(frac))
         yield busy
+        # the counter form, so rate() gives the busy fraction over any window
+        busy_s = CounterMetricFamily("stagewise_stage_busy_seconds", "Seconds each pipeline stage spent "
+                                     "computing.", labels=["model_name", "stage"])
+        for i, seconds in enumerate(s.get("stage_busy_s", [])):
+            busy_s.add_metric([m, str(i)], float(seconds))
+        yield busy_s
 
 
 def _graph_families(s: dict, m: str):
