@@ -107,3 +107,12 @@ def test_text_prompts_and_chat(llama_dir):
         assert len(out.outputs[0].token_ids) == 5 and isinstance(out.outputs[0].text, str)
         chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))
         assert len(chat) == 1 and chat[0].outputs[0].token_ids
+
+
+def test_request_larger_than_the_kv_cache_stops_instead_of_hanging(llama_dir):
+    with LLM(model=str(llama_dir), kv_cache_memory=5 * 4 * 2 * 2 * 16 * 16 * 4) as llm:   # 5 blocks of 16
+        out = llm.generate(prompt_token_ids=[list(range(10, 20))], use_tqdm=False,
+                           sampling_params=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))[0]
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 10
+        too_long = llm.generate(prompt_token_ids=[list(range(10, 80))], use_tqdm=False)[0].outputs[0]
+        assert too_long.finish_reason == "error" and "KV cache" in too_long.error

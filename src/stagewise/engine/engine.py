@@ -42,6 +42,10 @@ class Engine:
         log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
         blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size)
+        # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
+        # a request stops with "length" there instead of waiting forever for blocks.
+        self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
+        self.max_len = min(self.max_model_len, self.kv_capacity_tokens)
         self.requests: dict[str, Request] = {}
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
@@ -61,12 +65,16 @@ class Engine:
         ids, embeds = self.tok.encode_prompt(prompt, prompt_token_ids, input_embeds)
         req = Request(request_id or f"req-{next(self._ids)}", ids, params, prompt=prompt if isinstance(prompt, str) else None,
                       input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)
-        check_prompt(req, self.max_model_len, self.tok.vocab_size, self.tok.hidden_size)
+        check_prompt(req, self.max_model_len, self.kv_capacity_tokens, self.tok.vocab_size)
         self.inbox.append(("add", req))
         return req
 
     def abort(self, request_id: str) -> None:
         self.inbox.append(("abort", request_id))
+
+    def is_alive(self) -> bool:
+        """False once a stage died (noticed even while idle) or the engine failed."""
+        return not self.dead and not getattr(self.executor, "dead", None)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.inbox or self.inflight)
@@ -108,7 +116,7 @@ class Engine:
         for req in self.scheduler.apply(plan, result, self.requests):
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            reason = finish_check(req, self.tok, self.max_model_len)
+            reason = finish_check(req, self.tok, self.max_len)
             outputs.append(self._finish(req, reason) if reason else make_output(req))
         return outputs
 

@@ -67,10 +67,13 @@ def _check_embeds(embeds, hidden_size: int):
     return embeds.detach().cpu()
 
 
-def check_prompt(req: Request, max_model_len: int, vocab_size: int, hidden_size: int) -> None:
+def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, vocab_size: int) -> None:
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size}).")
     if req.num_prompt_tokens >= max_model_len:
         raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the model's context is "
                                  f"{max_model_len}; shorten the prompt to leave room for output.")
+    if req.num_prompt_tokens >= kv_capacity_tokens:
+        raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the KV cache holds "
+                                 f"{kv_capacity_tokens}; raise kv_cache_memory or shorten the prompt.")

@@ -39,14 +39,9 @@ class MultiprocExecutor:
         env = torchrun_env()
         addr = env["addr"] if env else config.master_addr
         port = env["port"] if env else (config.master_port or free_port())
-        if not env:
-            ctx = mp.get_context("spawn")
-            for s in local_stages(config.pp_size, config.nnodes, 0):
-                p = ctx.Process(target=stage_main, args=(config, model_dir, s, addr, port, eos_token_ids, True, models),
-                                name=f"stagewise-stage-{s}", daemon=True)
-                p.start()
-                self.procs.append(p)
         try:
+            if not env:
+                self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models)
             init_group(DRIVER_RANK, config.pp_size + 1, addr, port, max(self.timeout, 300.0))
             self.memory_plans = self._await_ready()
         except Exception as exc:
@@ -154,20 +149,46 @@ class MultiprocExecutor:
                         self.pending.popleft().wait(self.timeout)
                 except EngineDeadError:
                     pass
+        destroy_group()
         for p in self.procs:
             p.join(timeout=10)
         self._kill_all()
-        destroy_group()
+
+
+def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
+                 models: dict | None = None, startup_timeout_s: float = 300.0) -> list[mp.Process]:
+    """Start this node's stage processes and wait until each has started running stage code,
+    so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
+    ctx = mp.get_context("spawn")
+    procs, readers = [], []
+    for s in local_stages(config.pp_size, config.nnodes, node_rank):
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True,
+                        args=(config, model_dir, s, addr, port, eos_token_ids, True, models, writer))
+        p.start()
+        writer.close()
+        procs.append(p)
+        readers.append(reader)
+    pending, deadline = dict(zip(readers, procs)), time.monotonic() + startup_timeout_s
+    while pending and time.monotonic() < deadline:
+        for ready in wait_sentinels(list(pending) + [p.sentinel for p in pending.values()], timeout=1.0):
+            if ready in pending and ready.poll():
+                pending.pop(ready)
+                continue
+            dead = next((p for p in procs if not p.is_alive()), None)
+            if dead is not None:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{dead.name} exited with code {dead.exitcode} while starting. If your script "
+                                   f"creates LLM(pp_size>1) at import time, guard it with `if __name__ == '__main__':`.")
+    if pending:
+        raise RuntimeError(f"stage processes did not start within {startup_timeout_s:.0f} s.")
+    return procs
 
 
 def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     """A non-driver node: run this node's stages until the driver shuts them down."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=stage_main, name=f"stagewise-stage-{s}",
-                         args=(config, model_dir, s, config.master_addr, config.master_port, eos_token_ids))
-             for s in local_stages(config.pp_size, config.nnodes, config.node_rank)]
-    for p in procs:
-        p.start()
+    procs = spawn_stages(config, model_dir, config.node_rank, config.master_addr, config.master_port, eos_token_ids)
     for p in procs:
         p.join()
     return max((p.exitcode or 0) for p in procs)

@@ -5,6 +5,7 @@ isend, so the next replay cannot overwrite rows still being sent.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -21,12 +22,15 @@ log = logging.getLogger("stagewise.stage")
 
 
 def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
-               models: dict | None = None) -> None:
+               models: dict | None = None, started=None) -> None:
     """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
     `models` re-registers the driver's model table (user-registered architectures)."""
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
+    if started is not None:
+        started.send(True)
+        started.close()
     torch.set_num_threads(config.threads_per_stage or 1)
     if models:
         from ..model.registry import register_model
@@ -34,13 +38,20 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
             register_model(arch, cls)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
     init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, config.dist_timeout_s)
+    code = 0
     try:
         _serve(config, model_dir, stage_idx, eos_ids)
     except Exception as exc:   # a peer died or timed out: exit and let the cascade reach the driver
         log.error("stage %d stopped: %s", stage_idx, exc)
-        sys.exit(1)
+        code = 1
     finally:
         destroy_group()
+    if spawned:   # NOTE: skip interpreter teardown (seconds with torch loaded); nothing is left to flush
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:

@@ -28,8 +28,17 @@ def get_model_class(architecture: str) -> type:
 
 
 def registered_models() -> dict[str, type]:
-    """A copy of the table; stage processes re-register it, so user models work under PP."""
-    return dict(_MODELS)
+    """The classes a stage process can import by reference; stage processes re-register them,
+    so user models work under PP. (A class defined inside a function cannot travel.)"""
+    import pickle
+    table = {}
+    for arch, cls in _MODELS.items():
+        try:
+            pickle.dumps(cls)
+            table[arch] = cls
+        except (pickle.PicklingError, AttributeError, TypeError):
+            pass
+    return table
 
 
 def supported_architectures() -> list[str]:
