@@ -15,13 +15,27 @@ import torch.nn.functional as F
 
 @dataclass
 class _Group:
-    """Sequences attended in one padded SDPA call (decodes apart from prefills)."""
+    """Sequences attended in one padded SDPA call against KV gathered from the cache (prefills
+    that continue a cached prefix or an earlier chunk)."""
 
     q_index: torch.Tensor      # [G, qmax] rows of q (T = the zero pad row)
-    kv_slots: torch.Tensor     # [G, Lmax] flat KV slots to gather
-    mask: torch.Tensor         # [G, 1, qmax, Lmax] True = may attend
+    block_ids: torch.Tensor    # [G, nblk] KV blocks to gather (0-padded; masked out)
+    mask: torch.Tensor         # [G, 1, qmax, nblk * block_size] True = may attend
     out_index: torch.Tensor    # [n_rows] flat (g * qmax + r) for each live row
     row_ids: torch.Tensor      # [n_rows] which of the T live rows these are
+
+
+@dataclass
+class _DecodeGroup:
+    """One-token sequences: the query heads sharing a KV head become the query rows of one SDPA
+    call, so GQA needs no key expansion.
+
+    NOTE: every field is one row per sequence; graph/dummy.py slices them `[:bucket]`.
+    """
+
+    row_ids: torch.Tensor      # [G] which of the T live rows these are
+    block_ids: torch.Tensor    # [G, nblk] KV blocks to gather (0-padded; masked out)
+    mask: torch.Tensor         # [G, 1, 1, nblk * block_size] True = may attend
 
 
 @dataclass
@@ -34,54 +48,106 @@ class AttentionMetadata:
     seq_lens: list[int]                   # cached + new tokens per sequence
     block_tables: list[list[int]]
     block_size: int
-    groups: list[_Group] = field(default_factory=list)
+    groups: list[_Group | _DecodeGroup] = field(default_factory=list)
+    # (first row, length) of each prefill with no cached prefix: causal SDPA on its own rows
+    causal_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
-        slots: list[int] = []
-        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
-            for pos in range(s_len - q_len, s_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        meta = cls(num_tokens=len(slots),
-                   slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        n, bs = len(query_lens), block_size
+        tables = _padded_tables(seq_lens, block_tables, bs)            # [N, MB]
+        q_lens = torch.tensor(query_lens, dtype=torch.long)            # [N]
+        s_lens = torch.tensor(seq_lens, dtype=torch.long)              # [N]
+        starts = torch.cumsum(q_lens, 0) - q_lens                      # [N] first row of each sequence
+        seq_of_row = torch.repeat_interleave(torch.arange(n), q_lens)  # [T]
+        pos = torch.arange(seq_of_row.numel()) - starts[seq_of_row] + (s_lens - q_lens)[seq_of_row]
+        slots = tables[seq_of_row, pos // bs] * bs + pos % bs          # [T]
+        meta = cls(num_tokens=slots.numel(), slot_mapping=slots.to(device),
                    query_lens=list(query_lens), seq_lens=list(seq_lens),
-                   block_tables=[list(t) for t in block_tables], block_size=block_size)
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
-        prefill = [i for i, q in enumerate(query_lens) if q > 1]
-        for members in (decode, prefill):
-            if members:
-                meta.groups.append(_build_group(meta, members, starts, device))
+                   block_tables=[list(t) for t in block_tables], block_size=bs)
+        row = 0
+        decode, cached_prefill = [], []
+        for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+            if q_len == 1:
+                decode.append(i)
+            elif q_len == s_len:
+                meta.causal_spans.append((row, q_len))
+            else:
+                cached_prefill.append(i)
+            row += q_len
+        for members in _split_by_length(decode, seq_lens, bs):
+            meta.groups.append(_decode_group(members, starts, s_lens, tables, bs, device))
+        if cached_prefill:
+            meta.groups.append(_prefill_group(cached_prefill, starts, q_lens, s_lens, tables, bs, meta.num_tokens,
+                                              device))
         return meta
 
 
-def _build_group(meta: AttentionMetadata, members: list[int], starts: list[int], device) -> _Group:
-    T, bs = meta.num_tokens, meta.block_size
-    qmax = max(meta.query_lens[i] for i in members)
-    lmax = max(meta.seq_lens[i] for i in members)
-    q_index = torch.full((len(members), qmax), T, dtype=torch.long)
-    kv_slots = torch.zeros((len(members), lmax), dtype=torch.long)
-    mask = torch.zeros((len(members), 1, qmax, lmax), dtype=torch.bool)
-    out_index, row_ids = [], []
-    for g, i in enumerate(members):
-        q_len, s_len, table = meta.query_lens[i], meta.seq_lens[i], meta.block_tables[i]
-        q_index[g, :q_len] = torch.arange(starts[i], starts[i] + q_len)
-        pos = torch.arange(s_len)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
-        kv_slots[g, :s_len] = blocks * bs + pos % bs
-        first_q = s_len - q_len
-        causal = pos[None, :] <= (first_q + torch.arange(q_len))[:, None]  # [q_len, s_len]
-        mask[g, 0, :q_len, :s_len] = causal
-        mask[g, 0, q_len:, 0] = True  # padded query rows see one key so SDPA stays finite
-        out_index.extend(g * qmax + r for r in range(q_len))
-        row_ids.extend(range(starts[i], starts[i] + q_len))
+def _padded_tables(seq_lens: list[int], block_tables: list[list[int]], bs: int) -> torch.Tensor:
+    """The blocks each sequence needs, right-padded with block 0: `[N, MB]`."""
+    need = [-(-s // bs) for s in seq_lens]
+    width = max(need, default=0)
+    rows = []
+    for table, k in zip(block_tables, need):
+        if len(table) < k:
+            raise ValueError(f"A block table holds {len(table)} blocks but its sequence needs {k}.")
+        rows.append(list(table[:k]) + [0] * (width - k))
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), width)
+
+
+MAX_DECODE_GROUPS = 4          # decode SDPA calls per layer at most
+MIN_SPLIT_SAVING = 0.2         # split a decode group only if it cuts the padded key area by this much
+
+
+def _split_by_length(members: list[int], seq_lens: list[int], bs: int) -> list[list[int]]:
+    """Decode sequences sorted by length and cut into at most MAX_DECODE_GROUPS groups where that
+    saves much padding: every sequence of a group is gathered and attended at the group's longest
+    length, so one group of 16..400-token sequences would do twice the work it needs."""
+    if not members:
+        return []
+    blocks = {i: -(-seq_lens[i] // bs) for i in members}
+    groups = [sorted(members, key=blocks.__getitem__)]
+    area = len(members) * max(blocks.values())                  # padded key blocks gathered
+    while len(groups) < MAX_DECODE_GROUPS:
+        best = (0, 0, 0)                                         # (saving, group, cut)
+        for gi, g in enumerate(groups):
+            longest = blocks[g[-1]]
+            for cut in range(1, len(g)):
+                saving = cut * (longest - blocks[g[cut - 1]])   # the first `cut` shrink to their own longest
+                if saving > best[0]:
+                    best = (saving, gi, cut)
+        saving, gi, cut = best
+        if saving < MIN_SPLIT_SAVING * area:
+            break
+        g = groups.pop(gi)
+        groups[gi:gi] = [g[:cut], g[cut:]]
+        area -= saving
+    return groups
+
+
+def _decode_group(members: list[int], starts, s_lens, tables, bs: int, device) -> _DecodeGroup:
+    idx = torch.tensor(members, dtype=torch.long)
+    sl = s_lens[idx]                                                   # [G]
+    nblk = -(-int(sl.max()) // bs)
+    mask = torch.arange(nblk * bs)[None, :] < sl[:, None]              # [G, L]
+    return _DecodeGroup(starts[idx].to(device), tables[idx, :nblk].to(device), mask[:, None, None, :].to(device))
+
+
+def _prefill_group(members: list[int], starts, q_lens, s_lens, tables, bs: int, T: int, device) -> _Group:
+    idx = torch.tensor(members, dtype=torch.long)
+    ql, sl = q_lens[idx], s_lens[idx]                                  # [G]
+    qmax, nblk = int(ql.max()), -(-int(sl.max()) // bs)
+    r = torch.arange(qmax)[None, :]                                    # [1, qmax]
+    live = r < ql[:, None]                                             # [G, qmax]
+    q_index = torch.where(live, starts[idx][:, None] + r, T)           # [G, qmax]
+    # the last key each query row sees; padded rows see the sequence's keys so SDPA stays finite
+    last = torch.minimum(sl[:, None] - ql[:, None] + r, sl[:, None] - 1)   # [G, qmax]
+    mask = torch.arange(nblk * bs)[None, None, :] <= last[:, :, None]      # [G, qmax, L]
+    out_index = live.flatten().nonzero().squeeze(1)                    # [n_rows]
     to = dict(device=device)
-    return _Group(q_index.to(**to), kv_slots.to(**to), mask.to(**to),
-                  torch.tensor(out_index, dtype=torch.long, device=device),
-                  torch.tensor(row_ids, dtype=torch.long, device=device))
+    return _Group(q_index.to(**to), tables[idx, :nblk].to(**to), mask[:, None].to(**to), out_index.to(**to),
+                  q_index.flatten()[out_index].to(**to))
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,25 +157,42 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
 
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `block_ids` `[G, nblk]` -> each `[G, Hkv, nblk * bs, D]` (one index_select of whole
+    blocks: several times faster than gathering slot by slot)."""
+    _, _, bs, hkv, d = kv_cache.shape
+    g, nblk = block_ids.shape
+    kv = kv_cache.index_select(1, block_ids.reshape(-1)).view(2, g, nblk * bs, hkv, d)
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
+
 def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                          k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Reference paged attention for mixed prefill/decode batches. q/k/v: `[rows, H, D]`, rows >= T."""
     T = meta.num_tokens
     rows, hq, d = q.shape
+    hkv = k.shape[1]
     write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
-    _, nb, bs, hkv, _ = kv_cache.shape
-    k_flat = kv_cache[0].view(nb * bs, hkv, d)
-    v_flat = kv_cache[1].view(nb * bs, hkv, d)
-    out = q.new_zeros(rows, hq, d)  # [rows, Hq, D]; padding rows stay zero
-    q_pad = torch.cat([q[:T], q.new_zeros(1, hq, d)])  # [T+1, Hq, D]
+    out = q.new_empty(rows, hq, d)  # [rows, Hq, D]; every live row is written below
+    out[T:].zero_()                 # padding rows
+    for start, n in meta.causal_spans:
+        # NOTE: a prefill with no cached prefix attends to exactly its own rows: no cache gather.
+        qs, ks, vs = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))   # [1, H, n, D]
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        out[start:start + n] = os_[0].transpose(0, 1)
     for grp in meta.groups:
-        qg = q_pad[grp.q_index].transpose(1, 2)          # [G, Hq, qmax, D]
-        kg = k_flat[grp.kv_slots].transpose(1, 2)        # [G, Hkv, Lmax, D]
-        vg = v_flat[grp.kv_slots].transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=scale,
-                                            enable_gqa=hq != hkv)
-        og = og.transpose(1, 2).reshape(-1, hq, d)       # [G*qmax, Hq, D]
-        out[grp.row_ids] = og[grp.out_index]
+        kg, vg = _gather_kv(kv_cache, grp.block_ids)                  # [G, Hkv, L, D]
+        if isinstance(grp, _DecodeGroup):
+            g = grp.row_ids.numel()
+            qg = q.index_select(0, grp.row_ids).view(g, hkv, hq // hkv, d)   # [G, Hkv, Hq/Hkv, D]
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=scale)
+            out.index_copy_(0, grp.row_ids, og.reshape(g, hq, d))
+            continue
+        q_pad = torch.cat([q[:T], q.new_zeros(1, hq, d)])             # [T+1, Hq, D]
+        qg = q_pad[grp.q_index].transpose(1, 2)                        # [G, Hq, qmax, D]
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=scale, enable_gqa=hq != hkv)
+        og = og.transpose(1, 2).reshape(-1, hq, d)                     # [G*qmax, Hq, D]
+        out.index_copy_(0, grp.row_ids, og.index_select(0, grp.out_index))
     return out
 
 

@@ -42,9 +42,37 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _is_plain_greedy(params: SamplingParams, num_outputs: int, eos_ids: tuple[int, ...]) -> bool:
+    """Greedy with nothing that changes a row before its argmax (no penalties, eos block or logprobs)."""
+    return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty
+            and not (eos_ids and num_outputs < params.min_tokens))
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)   # unseeded requests
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+               output_ids: list[list[int]], eos_ids: list[tuple[int, ...]] | None = None
+               ) -> list[tuple[int, TokenLogprob | None]]:
+        """A batch of rows: logits float32 `[R, V]` (not modified), per-row params and histories.
+
+        Plain greedy rows take one argmax over all of them; the rest go through `sample_row`, so
+        every row gets exactly the token `sample_row` would give it.
+        """
+        eos_ids = eos_ids if eos_ids is not None else [()] * len(params)
+        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(params)
+        fast = [i for i, (p, out, eos) in enumerate(zip(params, output_ids, eos_ids))
+                if _is_plain_greedy(p, len(out), eos)]
+        if fast:
+            rows = logits if len(fast) == len(params) else logits[fast]
+            for i, token in zip(fast, rows.argmax(-1).tolist()):
+                results[i] = (token, None)
+        for i, done in enumerate(results):
+            if done is None:
+                results[i] = self.sample_row(logits[i].clone(), params[i], prompt_ids[i], output_ids[i], eos_ids[i])
+        return results
 
     def sample_row(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                    output_ids: list[int], eos_ids: tuple[int, ...] = ()) -> tuple[int, TokenLogprob | None]:
