@@ -111,13 +111,12 @@ class Worker:
         if not sample_rows:
             return result
         logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()  # [R, V]
-        sampled = [s for s in plan.seqs if s.sample]
-        for row, seq in zip(logits, sampled):
-            st = self.reqs[seq.request_id]
-            outputs = st.token_ids[st.num_prompt_tokens:]
-            prompt = st.token_ids[:st.num_prompt_tokens] if st.input_embeds is None else []
-            token, lp = self.sampler.sample_row(row.clone(), st.params, prompt, outputs,
-                                                () if st.params.ignore_eos else self.eos_token_ids)
+        seqs = [self.reqs[s.request_id] for s in plan.seqs if s.sample]
+        prompts = [st.token_ids[:st.num_prompt_tokens] if st.input_embeds is None else [] for st in seqs]
+        outputs = [st.token_ids[st.num_prompt_tokens:] for st in seqs]
+        eos = [() if st.params.ignore_eos else self.eos_token_ids for st in seqs]
+        drawn = self.sampler.sample(logits, [st.params for st in seqs], prompts, outputs, eos)
+        for seq, (token, lp) in zip((s for s in plan.seqs if s.sample), drawn):
             result.sampled[seq.request_id] = token
             if lp is not None:
                 result.logprobs[seq.request_id] = lp
