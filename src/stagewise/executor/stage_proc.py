@@ -90,7 +90,7 @@ def _handle(worker, stage, msg: Message) -> Message:
     if msg.kind != "plan":
         return msg                       # heartbeat, shutdown: pass along
     plan = msg.obj
-    proxy = ProxyTensors(msg.tensors) if msg.tensors else None
+    proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.tensors.items()}) if msg.tensors else None
     try:
         out = worker.execute(plan, proxy)
     except Exception as exc:

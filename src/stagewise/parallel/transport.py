@@ -36,7 +36,9 @@ class PendingSend:
 
 
 def send_message(msg: Message, dst: int, group=None) -> PendingSend:
-    tensors = {k: t.detach().contiguous() for k, t in msg.tensors.items()}
+    # NOTE: host staging: gloo moves CPU tensors, and it also works for two stages sharing one GPU
+    # (which NCCL refuses).
+    tensors = {k: t.detach().cpu().contiguous() for k, t in msg.tensors.items()}
     meta = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
     header = torch.frombuffer(bytearray(pickle.dumps((msg.kind, msg.obj, meta))), dtype=torch.uint8)
     size = torch.tensor([header.numel()], dtype=torch.int64)
