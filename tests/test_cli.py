@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from stagewise.cli import main
+
 
 def run(*args, timeout=180):
     return subprocess.run([sys.executable, "-m", "stagewise", *args], capture_output=True, text=True, timeout=timeout)
@@ -25,12 +27,11 @@ def test_generate_on_demo_model_streams_text(tmp_path):
     assert out.stdout.startswith("Once upon") and len(out.stdout.strip()) > len("Once upon")
 
 
-def test_plan_prints_stage_table(llama_dir):
-    out = run("plan", "--model", str(llama_dir), "--pp-size", "3", "--kv-cache-memory", "64MiB")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert "[0,1)" in out.stdout and "[1,2)" in out.stdout and "[2,4)" in out.stdout
-    assert "KV capacity" in lines[-1]
+def test_plan_prints_stage_table(llama_dir, capsys):
+    assert main(["plan", "--model", str(llama_dir), "--pp-size", "3", "--kv-cache-memory", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "[0,1)" in out and "[1,2)" in out and "[2,4)" in out
+    assert "KV capacity" in out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -38,9 +39,9 @@ def test_plan_prints_stage_table(llama_dir):
     (["generate", "--prefill-graph", "sometimes"], "prefill_graph must be one of"),
     (["generate", "--model", "/nonexistent/dir"], "/nonexistent/dir"),
 ])
-def test_bad_flags_get_one_clear_sentence(llama_dir, args, message):
+def test_bad_flags_get_one_clear_sentence(llama_dir, capsys, args, message):
     if args[0] == "plan":
         args = args + ["--model", str(llama_dir)]
-    out = run(*args)
-    assert out.returncode == 2
-    assert message in out.stderr and "Traceback" not in out.stderr
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -99,8 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C so `finally` blocks stop every stage process.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
@@ -137,8 +135,14 @@ def _worker_role(config: EngineConfig) -> int | None:
     return None
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so `finally` blocks stop every stage process."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def cmd_generate(args) -> int:
     from .engine.engine import Engine
+    _exit_on_sigterm()
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
@@ -184,6 +188,7 @@ def cmd_bench(args) -> int:
     import random
     from .engine.llm import LLM
     from .request import SamplingParams
+    _exit_on_sigterm()
     config = config_from_args(args)
     with LLM(**dataclasses.asdict(config)) as llm:
         vocab = llm.engine.tok.vocab_size
