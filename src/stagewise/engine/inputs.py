@@ -28,6 +28,11 @@ class Tokenizer:
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # NOTE: the Rust backend directly: the Python wrapper costs more than the decode itself,
+        # and outputs are re-decoded every step.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(self, messages: list[dict]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import deque
@@ -159,6 +160,9 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
                  models: dict | None = None, startup_timeout_s: float = 300.0) -> list[mp.Process]:
     """Start this node's stage processes and wait until each has started running stage code,
     so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
+    # NOTE: stages share cores; OpenMP's default spin-waiting makes small ops many times slower
+    # there. Children inherit this; a value the user set wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = mp.get_context("spawn")
     procs, readers = [], []
     for s in local_stages(config.pp_size, config.nnodes, node_rank):
