@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model.attention import AttentionMetadata, ForwardBatch, write_kv
+from .backend import GraphBatch
 
 KEY_CHUNK_TOKENS = 256   # keys attended per online-softmax step: bounds the gather to [B, 256, Hkv, D]
 
@@ -73,21 +74,13 @@ class StaticAttentionMetadata:
         buf[T:bucket].zero_()
 
 
-class StaticForwardBatch(ForwardBatch):
+class StaticForwardBatch(GraphBatch):
     """The `batch` a full graph's body sees: attention reads the static metadata views of one
     (bucket, slots) shape. `meta` stays the live metadata for models that only look at it."""
 
     def __init__(self, live: ForwardBatch, static: StaticAttentionMetadata, bucket: int, num_slots: int):
-        # NOTE: no super().__init__: meta and kv_caches are read through to the live batch.
-        self._live, self.static, self.bucket, self.num_slots = live, static, bucket, num_slots
-
-    @property
-    def meta(self):
-        return self._live.meta
-
-    @property
-    def kv_caches(self):
-        return self._live.kv_caches
+        super().__init__(live, attend=None)
+        self.static, self.bucket, self.num_slots = static, bucket, num_slots
 
     def attention(self, layer_id, q, k, v, scale):
         cache = self._live.kv_caches[layer_id]
