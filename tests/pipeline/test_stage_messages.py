@@ -1,0 +1,30 @@
+"""A stage's outgoing message owns its rows: the next replay overwriting graph memory cannot
+change a proxy that is still being sent."""
+import torch
+
+from stagewise.executor.stage_proc import _handle
+from stagewise.parallel.partition import stage_infos
+from stagewise.parallel.proxy import ProxyTensors
+from stagewise.parallel.transport import Message
+from stagewise.plan import ScheduledSeq, StepPlan
+
+
+class GraphMemoryWorker:
+    """Returns views of one static buffer, as a graph runner does."""
+
+    def __init__(self):
+        self.buffer = torch.zeros(8, 4)   # [max_tokens, H]
+        self.busy_s, self.device = 0.0, torch.device("cpu")
+
+    def execute(self, plan, proxy):
+        self.buffer[:3] = float(plan.plan_id + 1)
+        return ProxyTensors({"hidden_states": self.buffer[:3]})
+
+
+def test_sent_proxy_survives_the_next_replay():
+    worker, stage = GraphMemoryWorker(), stage_infos(4, 2)[0]
+    plan = StepPlan(plan_id=0, seqs=[ScheduledSeq("a", 0, 3, True)])
+    first = _handle(worker, stage, Message("plan", plan))
+    _handle(worker, stage, Message("plan", StepPlan(plan_id=1, seqs=plan.seqs)))   # overwrites the buffer
+    assert torch.equal(first.tensors["hidden_states"], torch.ones(3, 4))
+    assert first.obj.plan_id == 0 and first.obj.stage_busy_s == [0.0]
