@@ -34,8 +34,14 @@ def free_port() -> int:
 
 def init_group(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> None:
     backend = "gloo"   # NOTE: gloo on CPU and for GPU host staging; proxies are small next to compute here.
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    env = torchrun_env()
+    if env and env["world_size"] != world_size:
+        raise ValueError(f"torchrun started {env['world_size']} processes but --pp-size {world_size - 1} needs "
+                         f"{world_size} (one driver + one per stage); use --nproc-per-node {world_size}.")
+    # NOTE: under torchrun the agent already serves a store on MASTER_PORT: join it via env://.
+    init_method = "env://" if env else f"tcp://{addr}:{port}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def destroy_group() -> None:
