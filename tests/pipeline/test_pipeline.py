@@ -114,3 +114,15 @@ def test_two_nodes_on_localhost(llama_dir, llama_ref):
     with LLM(model=str(llama_dir)) as llm:
         want = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert driver.stdout.strip() == ("Hello" + want[0].outputs[0].text).strip()
+
+
+def test_torchrun_launch(llama_dir):
+    port = _free_port()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                          str(port), "-m", "stagewise", "--log-level", "WARNING", "generate", "--model", str(llama_dir),
+                          "--pp-size", "2", "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with LLM(model=str(llama_dir)) as llm:
+        want = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out.stdout.strip() == ("Hello" + want[0].outputs[0].text).strip()
