@@ -6,8 +6,7 @@ resolved later by the pieces that own it, from these fields.
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 GIB = 1 << 30
 PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
@@ -133,7 +132,3 @@ def _parse_int_list(name: str, text: str) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"{name} must be a comma-separated list of integers, got {text!r}.") from None
 
-
-def env_int(name: str, default: int | None = None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default

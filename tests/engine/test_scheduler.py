@@ -2,7 +2,6 @@
 and the in-flight invariant under random pipeline delays."""
 import random
 
-import pytest
 
 from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler

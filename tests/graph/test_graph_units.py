@@ -10,7 +10,6 @@ from stagewise.graph.buffers import StaticInputs
 from stagewise.graph.dummy import DummyMetadata
 from stagewise.graph.policy import GraphVerdict, decide_verdict, resolve_graph_policy
 from stagewise.graph.trim import trim_output
-from stagewise.model.attention import AttentionMetadata
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 

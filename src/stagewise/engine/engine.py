@@ -17,7 +17,7 @@ from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
 from .block_manager import BlockManager
-from .inputs import PromptTooLongError, Tokenizer, check_prompt
+from .inputs import Tokenizer, check_prompt
 from .outputs import finish_check, make_output
 from .scheduler import Scheduler
 from .stats import EngineStats

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
-from ..model.attention import AttentionMetadata, ForwardBatch
+from ..model.attention import AttentionMetadata
 from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
 from ..plan import StepPlan, StepResult
