@@ -130,6 +130,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix cache)
+    num_registered_blocks: int = 0          # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""                           # detokenized output (after stop-string trimming)

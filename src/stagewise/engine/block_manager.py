@@ -45,22 +45,26 @@ class BlockManager:
         return max(0, total - len(req.block_ids))
 
     # prefix cache
-    def _prefix_hashes(self, token_ids: list[int], num_full: int) -> list[int]:
-        hashes, parent, bs = [], None, self.block_size
-        for i in range(num_full):
-            parent = block_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            hashes.append(parent)
-        return hashes
+    def _prefix_hashes(self, req: Request, num_full: int) -> list[int]:
+        """Chained hashes of the request's first `num_full` blocks, extended incrementally
+        (a request's tokens only grow, so earlier hashes never change)."""
+        hashes, bs = req.block_hashes, self.block_size
+        if len(hashes) < num_full:
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full):
+                parent = block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]))
+                hashes.append(parent)
+        return hashes[:num_full]
 
     def match_prefix(self, req: Request) -> int:
         """Attach cached blocks for the longest known prefix; returns the cached token count.
         At least one prompt token is always left to compute (its logits start decoding)."""
         if not self.enable_prefix_caching or req.input_embeds is not None or req.block_ids:
             return 0
-        tokens = req.all_token_ids
-        num_full = (len(tokens) - 1) // self.block_size
+        num_full = (req.num_tokens - 1) // self.block_size
         self.num_queried_tokens += len(req.prompt_token_ids)
-        for h in self._prefix_hashes(tokens, num_full):
+        for h in self._prefix_hashes(req, num_full):
             block = self.block_of.get(h)
             if block is None:
                 break
@@ -75,7 +79,11 @@ class BlockManager:
         if not self.enable_prefix_caching or req.input_embeds is not None:
             return
         num_full = min(num_written // self.block_size, len(req.block_ids))
-        for block, h in zip(req.block_ids, self._prefix_hashes(req.all_token_ids, num_full)):
+        done = req.num_registered_blocks
+        if num_full <= done:
+            return
+        req.num_registered_blocks = num_full
+        for block, h in zip(req.block_ids[done:num_full], self._prefix_hashes(req, num_full)[done:]):
             if block not in self.hash_of and h not in self.block_of:
                 self.hash_of[block] = h
                 self.block_of[h] = block
@@ -109,6 +117,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
         req.block_ids = []
+        req.num_registered_blocks = 0
 
     @property
     def prefix_hit_rate(self) -> float:
