@@ -15,14 +15,13 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from stagewise.server.launch import ServerProcess
 
 try:
     import httpx2 as httpx
@@ -65,43 +64,8 @@ def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
             for _ in range(args.num_requests)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: str, pp_size: int, extra: list[str], log_path: Path):
-        self.url = f"http://{HOST}:{free_port()}"
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "stagewise.server", "--model", model_dir, "--host", HOST,
-               "--port", self.url.rsplit(":", 1)[1], "--pp-size", str(pp_size), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.log_path = log_path
-
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); log:\n{self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
+def start_server(model_dir: str, pp_size: int, extra: list[str], log_path: Path) -> ServerProcess:
+    return ServerProcess(model_dir, log_path, "--pp-size", str(pp_size), *extra)
 
 
 async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> dict | None:
@@ -175,7 +139,7 @@ def stage_busy_s(url: str) -> list[float]:
 
 
 def bench_one(args, model_dir: str, pp: int, requests, tmp: Path) -> list:
-    server = Server(model_dir, pp, args.server_args.split(), tmp / f"server-pp{pp}.log")
+    server = start_server(model_dir, pp, args.server_args.split(), tmp / f"server-pp{pp}.log")
     try:
         server.wait_healthy()
         asyncio.run(run_load(server.url, requests[:2], 2, 60))          # warm-up, not counted
@@ -184,7 +148,7 @@ def bench_one(args, model_dir: str, pp: int, requests, tmp: Path) -> list:
         busy = [(b - a) / wall for a, b in zip(before, stage_busy_s(server.url))]   # over the load window only
         return summarize(pp, results, wall, busy)
     finally:
-        server.stop()
+        server.stop(grace_s=30)
 
 
 def markdown(headers: list[str], rows: list[list]) -> str:

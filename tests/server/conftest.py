@@ -3,15 +3,11 @@ for through /health with a bounded timeout and always killed in the finalizer; p
 `LLM` on the same checkpoint as the oracle for greedy results."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from stagewise.server import launch
 
 try:
     import httpx2 as httpx
@@ -21,47 +17,11 @@ except ImportError:          # the openai client ships httpx2 here; plain httpx 
 STARTUP_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, model_dir: Path, log_path: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "stagewise.server", "--model", str(model_dir), "--port", str(self.port),
-               "--log-level", "warning", *args]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+class ServerProcess(launch.ServerProcess):
+    """The shared launcher plus /metrics readers for assertions."""
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> int | None:
-        """SIGINT (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        return self.proc.returncode
+        super().wait_healthy(timeout_s)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: 'name{labels}' -> value."""

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from stagewise.executor import EngineDeadError
+from stagewise.executor.launch import free_port
 from stagewise.request import CompletionOutput, RequestOutput
 
 try:
@@ -106,7 +107,7 @@ def fake_server(request):
     from stagewise.server.bridge import AsyncEngine
     engine = FakeEngine(die_at_step=4, bug=request.param == "bug")
     app = build_app(AsyncEngine(engine), "fake")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -118,13 +119,6 @@ def fake_server(request):
     server.should_exit = True
     thread.join(10)
     assert engine.shut_down
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_engine_death_fails_requests_and_health(fake_server):

@@ -57,7 +57,6 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
     from ..runtime.model_info import num_layers_of
     from ..runtime.worker import Worker
-    from ..model.loader import load_hf_config  # noqa: F401  (fail early on a bad checkpoint)
     stage = stage_infos(num_layers_of(model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
