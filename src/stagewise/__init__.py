@@ -1,6 +1,6 @@
 """stagewise: a compact LLM inference engine built around pipeline parallelism with captured prefill graphs."""
 from .config import EngineConfig
-from .engine.llm import LLM
+from .llm import LLM
 from .model.registry import register_model
 from .request import RequestOutput, SamplingParams
 

@@ -48,7 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """The engine config of a command, with `--model` resolved to a local path (default model if absent)."""
+    from .model.source import resolve_model
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return config.replace(model=resolve_model(config.model))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -118,21 +121,18 @@ def cmd_demo_model(args) -> int:
 
 def _worker_role(config: EngineConfig) -> int | None:
     """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver."""
-    from .executor.launch import torchrun_env
-    from .model.demo import ensure_demo_model
+    from .checkpoint import eos_token_ids_of, load_hf_config
+    from .executor.launch import run_headless, torchrun_env
     env = torchrun_env()
-    model_dir = config.model or ensure_demo_model()
+    model_dir = config.model
+    if not (env and env["rank"] > 0) and config.node_rank == 0:
+        return None
+    eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
     if env and env["rank"] > 0:
         from .executor.stage_proc import stage_main
-        from .engine.inputs import Tokenizer
-        stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], Tokenizer(model_dir).eos_token_ids,
-                   spawned=False)
+        stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], eos_ids, spawned=False)
         return 0
-    if config.node_rank > 0:
-        from .executor.multiproc import run_headless
-        from .engine.inputs import Tokenizer
-        return run_headless(config, model_dir, Tokenizer(model_dir).eos_token_ids)
-    return None
+    return run_headless(config, model_dir, eos_ids)
 
 
 def _exit_on_sigterm() -> None:
@@ -186,7 +186,7 @@ def cmd_serve(args) -> int:
 
 def cmd_bench(args) -> int:
     import random
-    from .engine.llm import LLM
+    from .llm import LLM
     from .request import SamplingParams
     _exit_on_sigterm()
     config = config_from_args(args)

@@ -5,7 +5,7 @@ from collections import deque
 import pytest
 
 from stagewise import LLM, SamplingParams
-from stagewise.executor import EngineDeadError
+from stagewise.errors import EngineDeadError
 
 
 class SwappingExecutor:

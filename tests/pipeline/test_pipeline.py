@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stagewise import LLM, SamplingParams
-from stagewise.executor import EngineDeadError
+from stagewise.errors import EngineDeadError
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(10, 15)), [(7 * i) % 900 + 3 for i in range(37)], list(range(200, 221)), [5, 9, 11] * 6,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stagewise.executor import EngineDeadError
+from stagewise.errors import EngineDeadError
 from stagewise.executor.launch import free_port
 from stagewise.request import CompletionOutput, RequestOutput
 

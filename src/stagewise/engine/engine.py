@@ -12,7 +12,11 @@ import time
 from collections import deque
 
 from ..config import EngineConfig
-from ..executor import EngineDeadError, make_executor
+from ..checkpoint import max_model_len, num_layers_of
+from ..errors import EngineDeadError
+from ..executor import make_executor
+from ..graph.policy import decide_verdict, policy_for
+from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
@@ -27,17 +31,17 @@ log = logging.getLogger("stagewise.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        from ..graph.policy import decide_verdict
-        from ..runtime.setup import max_model_len, resolve_policy
-        from ..model.demo import ensure_demo_model
+        if config.model is None:
+            raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
         self.config = config
-        self.model_dir = config.model or ensure_demo_model()
-        self.tok = Tokenizer(config.tokenizer or self.model_dir)
+        self.model_dir = config.model
+        self.tok = Tokenizer(self.model_dir, config.tokenizer)
         self.max_model_len = max_model_len(config, self.tok.hf_config)
-        self.policy = resolve_policy(config, _torch_device(config))
+        # NOTE: a bad partition is a clear error here, before any stage process starts.
+        stage_infos(num_layers_of(self.tok.hf_config, self.model_dir), config.pp_size, config.pp_layer_partition)
+        self.policy = policy_for(config, config.resolved_device)
         for line in self.policy.log_lines:
             log.info(line)
-        self._decide = decide_verdict
         self.executor = make_executor(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
         blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -103,7 +107,7 @@ class Engine:
 
     def _verdict(self, plan: StepPlan):
         decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
-        verdict = self._decide(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
+        verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
         self.stats_.record_verdict(verdict, plan.num_tokens)
         return verdict
 
@@ -153,7 +157,3 @@ class Engine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def _torch_device(config: EngineConfig):
-    import torch
-    return torch.device(config.resolved_device)

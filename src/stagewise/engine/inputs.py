@@ -1,28 +1,20 @@
 """Prompt intake: the tokenizer wrapper and the checks every request passes before it is queued."""
 from __future__ import annotations
 
+from ..errors import PromptTooLongError
 from ..request import Request
 
 
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room in the model's context."""
-
-
 class Tokenizer:
-    """The checkpoint's HF tokenizer plus the facts the engine needs from it."""
+    """The checkpoint's HF tokenizer plus the facts the engine needs from it and its config."""
 
-    def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
-        from ..runtime.model_info import eos_token_ids_of, load_hf_config
+    def __init__(self, model_dir: str, tokenizer_dir: str | None = None):
+        from ..checkpoint import eos_token_ids_of, hidden_size_of, load_hf_config, load_tokenizer, vocab_size_of
         self.hf_config = load_hf_config(model_dir)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"Could not load a tokenizer from {model_dir}: {exc}. Pass --tokenizer DIR "
-                             f"or add tokenizer.json to the checkpoint.") from None
+        self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
         self.eos_token_ids = eos_token_ids_of(model_dir, self.hf_config)
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.hidden_size = int(getattr(self.hf_config, "hidden_size", 0) or getattr(self.hf_config, "n_embd", 0))
+        self.vocab_size = vocab_size_of(self.hf_config)
+        self.hidden_size = hidden_size_of(self.hf_config)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

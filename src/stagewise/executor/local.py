@@ -7,7 +7,7 @@ import torch
 
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
-from ..runtime.model_info import num_layers_of
+from ..checkpoint import load_hf_config, num_layers_of
 from ..runtime.worker import Worker
 
 
@@ -15,7 +15,7 @@ class LocalExecutor:
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
         if config.threads_per_stage:
             torch.set_num_threads(config.threads_per_stage)
-        stage = StageInfo.single(num_layers_of(model_dir))
+        stage = StageInfo.single(num_layers_of(load_hf_config(model_dir), model_dir))
         self.worker = Worker(config, model_dir, stage, eos_token_ids)
         self.memory_plans = [self.worker.memory_plan]
         self.num_blocks = self.worker.num_blocks

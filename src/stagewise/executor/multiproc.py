@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from collections import deque
@@ -18,9 +17,8 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
-from . import EngineDeadError
-from .launch import DRIVER_RANK, destroy_group, free_port, init_group, local_stages, stage_rank, torchrun_env
-from .stage_proc import stage_main
+from ..errors import EngineDeadError
+from .launch import DRIVER_RANK, destroy_group, free_port, init_group, spawn_stages, stage_rank, torchrun_env
 
 log = logging.getLogger("stagewise.executor")
 
@@ -154,45 +152,3 @@ class MultiprocExecutor:
         for p in self.procs:
             p.join(timeout=10)
         self._kill_all()
-
-
-def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
-                 models: dict | None = None, startup_timeout_s: float = 300.0) -> list[mp.Process]:
-    """Start this node's stage processes and wait until each has started running stage code,
-    so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
-    # NOTE: stages share cores; OpenMP's default spin-waiting makes small ops many times slower
-    # there. Children inherit this; a value the user set wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    ctx = mp.get_context("spawn")
-    procs, readers = [], []
-    for s in local_stages(config.pp_size, config.nnodes, node_rank):
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True,
-                        args=(config, model_dir, s, addr, port, eos_token_ids, True, models, writer))
-        p.start()
-        writer.close()
-        procs.append(p)
-        readers.append(reader)
-    pending, deadline = dict(zip(readers, procs)), time.monotonic() + startup_timeout_s
-    while pending and time.monotonic() < deadline:
-        for ready in wait_sentinels(list(pending) + [p.sentinel for p in pending.values()], timeout=1.0):
-            if ready in pending and ready.poll():
-                pending.pop(ready)
-                continue
-            dead = next((p for p in procs if not p.is_alive()), None)
-            if dead is not None:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{dead.name} exited with code {dead.exitcode} while starting. If your script "
-                                   f"creates LLM(pp_size>1) at import time, guard it with `if __name__ == '__main__':`.")
-    if pending:
-        raise RuntimeError(f"stage processes did not start within {startup_timeout_s:.0f} s.")
-    return procs
-
-
-def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
-    """A non-driver node: run this node's stages until the driver shuts them down."""
-    procs = spawn_stages(config, model_dir, config.node_rank, config.master_addr, config.master_port, eos_token_ids)
-    for p in procs:
-        p.join()
-    return max((p.exitcode or 0) for p in procs)

@@ -55,9 +55,9 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
-    from ..runtime.model_info import num_layers_of
+    from ..checkpoint import load_hf_config, num_layers_of
     from ..runtime.worker import Worker
-    stage = stage_infos(num_layers_of(model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    stage = stage_infos(num_layers_of(load_hf_config(model_dir), model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
     except Exception as exc:

@@ -49,6 +49,15 @@ class GraphVerdict:
     reason: str | None = None    # too_large | padding | disabled | unservable | empty | <caller's word>
 
 
+def policy_for(config, device_type: str) -> GraphPolicy:
+    """The policy of an `EngineConfig` on a device type ("cpu" or "cuda")."""
+    return resolve_graph_policy(
+        prefill_graph=config.prefill_graph, max_tokens=config.prefill_graph_max_tokens,
+        buckets=config.prefill_graph_buckets, chunked_prefill_size=config.chunked_prefill_size,
+        pp_size=config.pp_size, device_type=device_type, decode_graph=config.decode_graph,
+        decode_graph_max_bs=config.decode_graph_max_bs)
+
+
 def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,
                          buckets: tuple[int, ...] | list[int] | None = None,
                          chunked_prefill_size: int | None = 8192, pp_size: int = 1, device_type: str = "cpu",

@@ -12,36 +12,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
 
+from stagewise.checkpoint import CONTENTS as _CONTENTS, INDEX_FILE, SINGLE_FILE, load_hf_config
+from stagewise.checkpoint import require as _require
+from stagewise.errors import CheckpointNotFoundError
 from stagewise.model.registry import get_model_class
 from stagewise.parallel.partition import StageInfo
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_CONTENTS = f"config.json and either {SINGLE_FILE} or {INDEX_FILE} with its shard files"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-class CheckpointNotFoundError(FileNotFoundError, ValueError):
-    """A checkpoint directory or one of its files is missing (catchable as either base)."""
-
-
-def _require(path: Path, what: str) -> None:
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{what} {path} does not exist; a checkpoint directory must contain {_CONTENTS}.")
-
-
-def load_hf_config(model_dir: str | Path):
-    """The transformers config of a checkpoint directory, with clear errors for a missing/bad one."""
-    path = Path(model_dir)
-    _require(path, "Model directory")
-    _require(path / "config.json", "Config file")
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"Could not read {path / 'config.json'}: {exc}") from exc
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str | torch.device = "cpu") -> torch.dtype:

@@ -5,17 +5,16 @@ from __future__ import annotations
 import torch
 
 from ..config import EngineConfig
-from ..model.loader import _architecture, load_hf_config, resolve_dtype
+from ..checkpoint import load_hf_config, max_model_len
+from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
 from ..parallel.partition import stage_infos
 from .kv_cache import kv_bytes_per_block
 from .memory import estimate_activation_bytes, format_memory_table, plan_kv
-from .setup import max_model_len
 
 
 def plan_report(config: EngineConfig) -> str:
-    from ..model.demo import ensure_demo_model
-    model_dir = config.model or ensure_demo_model()
+    model_dir = config.model
     hf = load_hf_config(model_dir)
     device = config.resolved_device
     dtype = resolve_dtype(config.dtype, hf, device)

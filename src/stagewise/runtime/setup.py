@@ -13,7 +13,9 @@ import torch
 
 from ..config import EngineConfig
 from ..model.attention import ForwardBatch
-from ..model.loader import load_hf_config, load_model, resolve_dtype
+from ..checkpoint import load_hf_config, max_model_len
+from ..graph.policy import policy_for
+from ..model.loader import load_model, resolve_dtype
 from ..parallel.partition import StageInfo
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
@@ -39,29 +41,13 @@ def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions.")
-    return config.max_model_len or limit
-
-
-def resolve_policy(config: EngineConfig, device: torch.device):
-    from ..graph.policy import resolve_graph_policy
-    return resolve_graph_policy(
-        prefill_graph=config.prefill_graph, max_tokens=config.prefill_graph_max_tokens,
-        buckets=config.prefill_graph_buckets, chunked_prefill_size=config.chunked_prefill_size,
-        pp_size=config.pp_size, device_type=device.type, decode_graph=config.decode_graph,
-        decode_graph_max_bs=config.decode_graph_max_bs)
-
-
 def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
     model = load_model(model_dir, stage, dtype, device)
-    policy = resolve_policy(config, device)
+    policy = policy_for(config, device.type)
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))

@@ -92,7 +92,8 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
     import uvicorn
     from ..engine.engine import Engine
-    engine = Engine(config)
+    from ..model.source import resolve_model
+    engine = Engine(config.replace(model=resolve_model(config.model)))
     bridge = AsyncEngine(engine)
     try:
         app = build_app(bridge, served_model_name)

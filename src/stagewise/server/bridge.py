@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from ..executor import EngineDeadError
+from ..errors import EngineDeadError
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 
 log = logging.getLogger("stagewise.server")

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from ..executor import EngineDeadError
+from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from .bridge import AsyncEngine, PromptInput, ServerUnavailable, Submission
 from .errors import APIError, bad_request, from_validation_error, from_value_error

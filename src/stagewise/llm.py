@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from ..config import EngineConfig
-from ..request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
-from .engine import Engine
-from .inputs import PromptTooLongError
+from .config import EngineConfig
+from .engine.engine import Engine
+from .errors import PromptTooLongError
+from .model.source import resolve_model
+from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger("stagewise")
 
 
 class LLM:
-    """`LLM(model=DIR, **engine_options)`; options are EngineConfig fields."""
+    """`LLM(model=PATH, **engine_options)`; options are EngineConfig fields. No model: the default model."""
 
     def __init__(self, model: str | None = None, **options):
-        self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.config = EngineConfig.from_kwargs(model=resolve_model(model), **options)
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tok.tokenizer
 

@@ -1,0 +1,82 @@
+"""What the driver knows about a checkpoint without building a model: its HF config, layer
+count, EOS ids, context length and tokenizer.
+
+Entry points (`LLM`, the CLI, the server) resolve the model path first (`model.source`);
+the engine and `stagewise plan` then read these facts from here, so the control plane never
+imports model code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import EngineConfig
+from .errors import CheckpointNotFoundError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONTENTS = f"config.json and either {SINGLE_FILE} or {INDEX_FILE} with its shard files"
+
+
+def require(path: Path, what: str) -> None:
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{what} {path} does not exist; a checkpoint directory must contain {CONTENTS}.")
+
+
+def load_hf_config(model_dir: str | Path):
+    """The transformers config of a checkpoint directory, with clear errors for a missing/bad one."""
+    from transformers import AutoConfig
+    path = Path(model_dir)
+    require(path, "Model directory")
+    require(path / "config.json", "Config file")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"Could not read {path / 'config.json'}: {exc}") from exc
+
+
+def num_layers_of(hf_config, model_dir: str | Path = "the checkpoint") -> int:
+    n = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer", None)
+    if not n:
+        raise ValueError(f"{model_dir}/config.json names no layer count (num_hidden_layers or n_layer).")
+    return int(n)
+
+
+def vocab_size_of(hf_config) -> int:
+    return int(hf_config.vocab_size)
+
+
+def hidden_size_of(hf_config) -> int:
+    return int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config, "n_embd", 0))
+
+
+def eos_token_ids_of(model_dir: str | Path, hf_config) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json."""
+    eos = None
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except (OSError, ValueError):
+        pass
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def max_model_len(config: EngineConfig, hf_config) -> int:
+    """The context length: `config.max_model_len`, at most the model's position limit."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions.")
+    return config.max_model_len or limit
+
+
+def load_tokenizer(path: str | Path):
+    """The HF (fast) tokenizer of a checkpoint or tokenizer directory."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Could not load a tokenizer from {path}: {exc}. Pass --tokenizer DIR "
+                         f"or add tokenizer.json to the checkpoint.") from None
