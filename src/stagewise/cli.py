@@ -18,7 +18,8 @@ from .config import EngineConfig
 SIZE_FIELDS = ("kv_cache_memory",)    # "2GiB", "512MiB" or bytes
 ALIASES = {"pp_size": ["--pipeline-parallel-size"]}
 HELP = {
-    "model": "HF checkpoint directory (default: the built-in demo model)",
+    "model": "HF checkpoint directory or .gguf file; 'demo' for the tiny random demo model "
+             "(default: SmolLM2-135M-Instruct, downloaded once)",
     "kv_cache_memory": "KV cache bytes per stage, e.g. 2GiB (default: planned from memory)",
     "chunked_prefill_size": "token budget of one step (prefill chunks + decodes)",
     "pp_size": "pipeline stages (processes)",
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt in the model's chat template (default: when the model has one)")
     add_sampling_args(p)
     add_engine_args(p)
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -149,19 +151,24 @@ def cmd_generate(args) -> int:
         return role
     engine = Engine(config)
     try:
-        prompts = args.prompt or ["The pipeline has four stages, and"]
+        chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
+        prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
         params = sampling_from_args(args)
         for prompt in prompts:
-            text = engine.tok.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
-            _stream_one(engine, text, params)
+            if chat:  # show the question, not the template around it
+                print(prompt, flush=True)
+                _stream_one(engine, engine.tok.chat_prompt([{"role": "user", "content": prompt}]), params, echo=False)
+            else:
+                _stream_one(engine, prompt, params)
     finally:
         engine.shutdown()
     return 0
 
 
-def _stream_one(engine, prompt: str, params) -> None:
+def _stream_one(engine, prompt: str, params, echo: bool = True) -> None:
     req = engine.add_request(prompt, params)
-    print(prompt, end="", flush=True)
+    if echo:
+        print(prompt, end="", flush=True)
     shown = 0
     while engine.has_unfinished():
         for out in engine.step():

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig
 
+from stagewise.checkpoint import cache_root
 from stagewise.model.llama import LlamaForCausalLM
 from stagewise.parallel.partition import StageInfo
 
@@ -97,8 +98,7 @@ def build_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 def default_demo_dir() -> Path:
     """`$STAGEWISE_CACHE/demo-model`, else `~/.cache/stagewise/demo-model`."""
-    root = os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise"
-    return Path(root) / "demo-model"
+    return cache_root() / "demo-model"
 
 
 def ensure_demo_model(path: str | Path | None = None) -> Path:

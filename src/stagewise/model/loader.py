@@ -1,7 +1,8 @@
-"""Load one pipeline stage of a Hugging Face checkpoint directory.
+"""Load one pipeline stage of a Hugging Face checkpoint directory or a GGUF file.
 
 Owns checkpoint validation, dtype resolution and stage-only safetensors reads: the module is
-built on the meta device (no random init), then only this stage's tensors are read from disk.
+built on the meta device (no random init), then only this stage's tensors are read from disk
+(GGUF tensors are read and dequantized by `model.gguf`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from stagewise.checkpoint import CONTENTS as _CONTENTS, INDEX_FILE, SINGLE_FILE, load_hf_config
+from stagewise.checkpoint import CONTENTS as _CONTENTS, INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
 from stagewise.checkpoint import require as _require
 from stagewise.errors import CheckpointNotFoundError
 from stagewise.model.registry import get_model_class
@@ -60,7 +61,8 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
                device: str | torch.device = "cpu") -> nn.Module:
     """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad."""
     hf_config = load_hf_config(model_dir)
-    locations = tensor_locations(model_dir)
+    gguf_path = gguf_file_of(model_dir)
+    locations = tensor_locations(model_dir) if gguf_path is None else None
     cls = get_model_class(_architecture(hf_config, model_dir))
     if stage.num_layers != hf_config.num_hidden_layers:
         raise ValueError(f"Stage {stage.rank} was planned for {stage.num_layers} layers, but {model_dir} has "
@@ -69,7 +71,11 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
         model = cls(hf_config, stage, resolve_dtype(dtype, hf_config, device))
     model.to_empty(device=device)
     model.reset_buffers()
-    _load_stage_tensors(model, locations, stage, Path(model_dir))
+    if gguf_path is not None:
+        from stagewise.model.gguf import load_gguf_stage
+        load_gguf_stage(model, gguf_path, hf_config)
+    else:
+        _load_stage_tensors(model, locations, stage, Path(model_dir))
     model.eval()
     model.requires_grad_(False)
     return model

