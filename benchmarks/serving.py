@@ -1,4 +1,4 @@
-"""Online serving benchmark: N concurrent streaming clients against `python -m stagewise.server` on
+"""Online serving benchmark: N concurrent streaming clients against `stagewise serve` on
 127.0.0.1, for each pipeline size. Reports output throughput, TTFT p50/p99 and time per output
 token p50/p99, prints a markdown table and appends it to --out.
 
@@ -21,7 +21,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from stagewise.server.launch import ServerProcess
+# NOTE: the server tests' launcher (a `python -m stagewise serve` child process): one launcher for both.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+from launcher import ServerProcess  # noqa: E402
 
 try:
     import httpx2 as httpx

@@ -86,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     add_engine_args(p)
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
+    _add_serve_args(p)
     add_engine_args(p)
     p = sub.add_parser("bench", help="offline throughput on random prompts")
     p.add_argument("--num-requests", type=int, default=32)
@@ -181,13 +179,31 @@ def _stream_one(engine, prompt: str, params, echo: bool = True) -> None:
     print()
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from .server import options
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients see and send (default: the checkpoint's base name)")
+    g.add_argument("--api-key", default=options.api_key_from_env(),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: ${options.API_KEY_ENV})")
+    g.add_argument("--max-request-bytes", type=options.parse_size, default=options.DEFAULT_MAX_REQUEST_BYTES,
+                   metavar="SIZE", help="largest request body, e.g. 16MiB; larger ones get 413 (default: 4MiB)")
+    g.add_argument("--graceful-timeout", type=float, default=options.DEFAULT_GRACEFUL_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long open requests may finish before they are cut (default: 10)")
+
+
 def cmd_serve(args) -> int:
+    from .server.options import ServerOptions
+    options = ServerOptions(served_model_name=args.served_model_name, api_key=args.api_key,
+                            max_request_bytes=args.max_request_bytes, graceful_timeout_s=args.graceful_timeout)
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
         return role
     from .server.app import run_server
-    run_server(config, args.host, args.port, args.served_model_name)
+    run_server(config, args.host, args.port, options, log_level=args.log_level.lower())
     return 0
 
 

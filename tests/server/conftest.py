@@ -1,4 +1,4 @@
-"""Server fixtures: a `python -m stagewise.server` subprocess on 127.0.0.1 and a free port, waited
+"""Server fixtures: a `python -m stagewise serve` subprocess on 127.0.0.1 and a free port, waited
 for through /health with a bounded timeout and always killed in the finalizer; plus the offline
 `LLM` on the same checkpoint as the oracle for greedy results."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.server import launch
+import launcher
 
 try:
     import httpx2 as httpx
@@ -17,7 +17,7 @@ except ImportError:          # the openai client ships httpx2 here; plain httpx 
 STARTUP_TIMEOUT_S = 120.0
 
 
-class ServerProcess(launch.ServerProcess):
+class ServerProcess(launcher.ServerProcess):
     """The shared launcher plus /metrics readers for assertions."""
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -43,8 +43,8 @@ class ServerProcess(launch.ServerProcess):
         return total
 
 
-def start_server(model_dir: Path, tmp_dir: Path, *args: str) -> ServerProcess:
-    server = ServerProcess(model_dir, tmp_dir / "server.log", *args)
+def start_server(model_dir: Path, tmp_dir: Path, *args: str, env: dict | None = None) -> ServerProcess:
+    server = ServerProcess(model_dir, tmp_dir / "server.log", *args, env=env)
     try:
         server.wait_healthy()
     except BaseException:

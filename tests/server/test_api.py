@@ -27,7 +27,8 @@ def sse_events(response) -> list[str]:
 
 def test_models_and_health(server, client, llama_dir):
     models = client.models.list()
-    assert [m.id for m in models.data] == [str(llama_dir)]      # default served name: the --model path
+    assert [m.id for m in models.data] == [llama_dir.name]      # default served name: the directory's name
+    assert str(llama_dir) not in httpx.get(server.url + "/v1/models").text          # never the path
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 

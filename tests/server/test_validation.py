@@ -57,9 +57,10 @@ CASES = [
     (GEN, {"input_embeds": [[0.1] * 64, [0.1] * 63]}, "input_embeds"),
     (GEN, {"input_ids": []}, "input_ids"),
     (GEN, {"text": "hi", "sampling_params": {"max_new_tokens": 5}}, "sampling_params.max_new_tokens"),
-    (GEN, {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
-    (GEN, {"text": "hi", "sampling_params": {"temperature": "hot"}}, "temperature"),
-    (GEN, {"text": "hi", "sampling_params": {"max_tokens": "5"}}, "max_tokens"),
+    (GEN, {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    (GEN, {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    (GEN, {"text": "hi", "sampling_params": {"max_tokens": "5"}}, "sampling_params.max_tokens"),
+    (GEN, {"text": "hi", "sampling_params": {"max_tokens": 100000}}, "sampling_params.max_tokens"),
 ]
 
 

@@ -1,14 +1,13 @@
-"""The FastAPI app (`build_app`) and the blocking entry point the CLI calls (`run_server`).
+"""The FastAPI app (`build_app`) and the blocking entry point `stagewise serve` calls (`run_server`).
 
-Lifespan: the engine thread starts with the app; on SIGINT/SIGTERM uvicorn stops accepting,
-waits up to the graceful timeout for open requests, cancels the rest (which aborts them),
-then the lifespan hook stops the engine thread and the stage processes.
+Lifespan: the engine thread starts with the app and stops after it. In front of the routes,
+`RequestGuard` checks the API key, content type and body size. On SIGINT/SIGTERM the server
+drains (see `shutdown.py`), then the lifespan hook stops the engine thread and the stage processes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 
@@ -19,22 +18,22 @@ from ..config import EngineConfig
 from . import routes
 from .bridge import AsyncEngine
 from .errors import APIError, install_error_handlers
+from .guard import RequestGuard
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .options import ServerOptions, served_name_for
 from .serving import Serving
 
 log = logging.getLogger("stagewise.server")
+BACKSTOP_SHUTDOWN_S = 5.0     # uvicorn's own wait after the drain (which already ended every request)
 
 
-def default_model_name(config: EngineConfig) -> str:
-    return config.model or "stagewise-demo"
-
-
-def build_app(engine_bridge: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
+def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions()) -> FastAPI:
     """An app around a (not yet started) bridge; the app's lifespan starts and stops it."""
     bridge = engine_bridge
-    name = served_model_name or default_model_name(bridge.engine.config)
-    aliases = tuple(a for a in (bridge.engine.config.model, str(bridge.engine.model_dir),
-                                os.path.basename(str(bridge.engine.model_dir).rstrip("/"))) if a)
+    model_path = str(bridge.engine.model_dir)
+    name = options.served_model_name or served_name_for(model_path)
+    # requests may still name the model by its path (the old default name); responses never show it
+    aliases = tuple(a for a in (bridge.engine.config.model, model_path, served_name_for(model_path)) if a)
     metrics = ServerMetrics(lambda: bridge.snapshot, name)
     bridge.metrics = metrics
     serving = Serving(bridge, name, aliases)
@@ -43,13 +42,15 @@ def build_app(engine_bridge: AsyncEngine, served_model_name: str | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         bridge.start()
-        log.info("serving %s (max_model_len %d)", name, serving.max_model_len)
+        log.info("serving %s as %r (max_model_len %d)", model_path, name, serving.max_model_len)
         yield
         log.info("shutting down: stopping the engine")
+        serving.close()
         await asyncio.to_thread(bridge.stop)
 
     app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes)
     app.state.bridge, app.state.metrics, app.state.serving = bridge, metrics, serving
 
     def counted(handler):
@@ -68,8 +69,8 @@ def build_app(engine_bridge: AsyncEngine, served_model_name: str | None = None) 
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise",
-                "root": str(bridge.engine.model_dir), "max_model_len": serving.max_model_len}
+        card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
+                "max_model_len": serving.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -87,17 +88,18 @@ def build_app(engine_bridge: AsyncEngine, served_model_name: str | None = None) 
     return app
 
 
-def run_server(config: EngineConfig, host: str, port: int, served_model_name: str | None = None, *,
-               graceful_timeout_s: float = 10.0, log_level: str = "info") -> None:
+def run_server(config: EngineConfig, host: str, port: int, options: ServerOptions = ServerOptions(), *,
+               log_level: str = "info") -> None:
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
     import uvicorn
     from ..engine.engine import Engine
-    from ..model.source import resolve_model
-    engine = Engine(config.replace(model=resolve_model(config.model)))
+    from .shutdown import DrainingServer
+    engine = Engine(config)
     bridge = AsyncEngine(engine)
     try:
-        app = build_app(bridge, served_model_name)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s,
-                    access_log=False)
+        app = build_app(bridge, options)
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                   timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S)
+        DrainingServer(uv_config, bridge, options.graceful_timeout_s).run()
     finally:
         bridge.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start

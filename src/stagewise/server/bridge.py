@@ -1,8 +1,9 @@
 """AsyncEngine: runs `Engine.step()` in one background thread and streams each request's
 outputs to the asyncio side through its own queue (via `loop.call_soon_threadsafe`).
 
-It owns request ids, aborts on disconnect, engine death (fail everyone, report unhealthy)
-and shutdown; it does not know HTTP. `snapshot` is the engine's latest `stats()`, published
+It owns request ids, aborts on disconnect, engine death (fail everyone, report unhealthy),
+the shutdown drain (refuse new requests, cut the open ones at the deadline) and shutdown; it
+does not know HTTP. `snapshot` is the engine's latest `stats()`, published
 by the engine thread so scrapers never touch the scheduler from another thread.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..request import CompletionOutput, RequestOutput, SamplingParams
 log = logging.getLogger("stagewise.server")
 IDLE_PUBLISH_S = 1.0          # refresh the stats snapshot this often while idle
 NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
+ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
 
 
 @dataclass
@@ -59,6 +61,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.dead: str | None = None
+        self.draining = False                              # shutting down: no new requests
         self.stopping = False
         self._stopped = False
         self.snapshot: dict = engine.stats()
@@ -89,7 +92,25 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead is None and not self.stopping and self._thread.is_alive()
+        return self.dead is None and not self.draining and not self.stopping and self._thread.is_alive()
+
+    # the shutdown drain (event loop thread)
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) and report unhealthy; open requests run on."""
+        self.draining = True
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def cut_open(self, why: str) -> None:
+        """End every open request now with `why` (an abort), and stop computing them."""
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._wake.set()
+        self._fail_all(why, "abort")
 
     # requests (event loop thread)
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> "Submission":
@@ -97,7 +118,7 @@ class AsyncEngine:
         The caller must `stream()` the submission or `release()` it."""
         sub = Submission(asyncio.Queue())
         with self._lock:
-            if self.dead or self.stopping:
+            if self.dead or self.stopping or self.draining:
                 raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
             try:
                 for inp, p in zip(inputs, params):
@@ -153,9 +174,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop_forever()
-        except BaseException as exc:               # never let the engine thread die silently
+        except BaseException:                      # never let the engine thread die silently
             log.exception("engine thread failed")
-            self._die(f"The engine thread failed ({type(exc).__name__}: {exc}); restart the server.", [])
+            self._die(ENGINE_FAULT, [])
 
     def _loop_forever(self) -> None:
         last_publish = 0.0
@@ -192,9 +213,9 @@ class AsyncEngine:
         except EngineDeadError as exc:
             self._die(str(exc), exc.outputs)
             return None
-        except Exception as exc:                   # a bug, not a request problem: stop serving loudly
+        except Exception:                          # a bug, not a request problem: stop serving loudly
             log.exception("engine step failed")
-            self._die(f"The engine failed ({type(exc).__name__}: {exc}); restart the server.", [])
+            self._die(ENGINE_FAULT, [])
             self.engine.shutdown()                 # free the stage processes now, not at server exit
             return None
         self._deliver(outputs)

@@ -6,6 +6,7 @@ and what to do; FastAPI's default 422 and Starlette's HTML/plain errors never re
 from __future__ import annotations
 
 import logging
+import reprlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,35 +30,49 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def internal_error() -> APIError:
+    """A real server fault: the details go to the log, never to the client."""
+    return APIError("The server had an internal error while processing the request; it logged the details. "
+                    "Retry, and report it if it persists.", 500, None, None, "server_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(message, 400, param, code)
 
 
-def from_value_error(exc: ValueError) -> APIError:
+def from_value_error(exc: ValueError, param_prefix: str = "") -> APIError:
     """Engine and SamplingParams errors name their field first ("top_p must be ..."): use it as `param`."""
     message = str(exc)
     first = message.split(" ", 1)[0]
-    param = first if first.isidentifier() and first.islower() else None
+    param = param_prefix + first if first.isidentifier() and first.islower() else None
     code = "context_length_exceeded" if type(exc).__name__ == "PromptTooLongError" else None
     return bad_request(message, param, code)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 2, 4, 4
+# NOTE: pydantic appends the union member it tried ("stop.str"); drop type names from the path.
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict[str,any]", "dict[str,str]", "dict[str,float]"}
+
+
+def _param(loc) -> str | None:
+    parts = [str(p)[:64] for p in loc if p != "body"]
+    parts = [p for p in parts if p not in _TYPE_NAMES and not p.startswith(("list[", "function-", "constrained-"))]
+    return ".".join(parts) or None
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # NOTE: pydantic appends the union member it tried ("stop.str"); drop type names from the path.
-    loc = [p for p in loc if p not in {"str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]"}
-           and not p.startswith(("list[", "function-"))]
-    param = ".".join(loc) or None
-    if err.get("type") == "extra_forbidden":
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
+    # NOTE: a union reports one error per member; the deepest one got furthest ("prompt.1.1", not "prompt").
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    kind, param = err.get("type"), _param(err.get("loc", ()))
+    if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}; remove it.", param,
                            "unrecognized_argument")
-    if err.get("type") == "missing":
+    if kind == "missing":
         return bad_request(f"Missing required parameter: {param}.", param, "missing_required_parameter")
-    got = err.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else type(got).__name__
     return bad_request(f"Invalid value for {param or 'the request body'}: {err.get('msg', 'invalid')} "
-                       f"(got {shown}); fix the request and retry.", param, "invalid_type")
+                       f"(got {_SHORT.repr(err.get('input'))}); fix the request and retry.", param, "invalid_type")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -83,6 +98,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return APIError(f"Internal error ({type(exc).__name__}: {exc}); the server logged the traceback.",
-                        500, None, None, "server_error").response()
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return internal_error().response()

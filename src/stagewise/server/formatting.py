@@ -1,8 +1,10 @@
-"""Turning cumulative engine outputs into stream deltas, and engine logprobs into the OpenAI
-completions, OpenAI chat and native shapes."""
+"""Response shapes: cumulative engine outputs as whole bodies and stream deltas, and engine
+logprobs, in the OpenAI completions, OpenAI chat and native /generate forms."""
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 
 from ..request import RequestOutput, TokenLogprob
 
@@ -73,3 +75,113 @@ def native_logprobs(lps: list[TokenLogprob] | None) -> list[dict] | None:
 
 def _sorted_top(lp: TokenLogprob) -> list[tuple[int, float]]:
     return sorted((lp.top or {}).items(), key=lambda kv: -kv[1])
+
+
+class Shape:
+    """Response shapes for one endpoint: a whole body, stream chunks, and the stream's tail."""
+
+    chunk_object = ""
+
+    def __init__(self, serving, req=None, prefix: str = "cmpl"):
+        self.serving, self.tok = serving, serving.tok
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = getattr(req, "n", 1)
+        self.include_usage = bool(req is not None and req.stream_options and req.stream_options.include_usage)
+        self.states: dict[int, StreamState] = {}
+
+    def head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.serving.model_name}
+
+    def state(self, i: int) -> StreamState:
+        return self.states.setdefault(i, StreamState())
+
+    def tail(self, inputs, finals) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [dict(self.head(self.chunk_object), choices=[], usage=self.serving.usage(inputs, finals, self.n))]
+
+    def chunk(self, choice: dict) -> dict:
+        chunk = dict(self.head(self.chunk_object), choices=[choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+class CompletionShape(Shape):
+    chunk_object = "text_completion"
+
+    def __init__(self, serving, req):
+        super().__init__(serving, req, "cmpl")
+        self.logprobs = req.logprobs is not None
+
+    def body(self, inputs, finals: list[RequestOutput]) -> dict:
+        choices = [{"index": i, "text": f.outputs[0].text, "finish_reason": f.outputs[0].finish_reason,
+                    "logprobs": completion_logprobs(self.tok, f.outputs[0].logprobs) if self.logprobs else None}
+                   for i, f in enumerate(finals)]
+        return dict(self.head("text_completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        st = self.state(i)
+        text, lps = st.advance(out)
+        if not text and not out.finished and not lps:
+            return []
+        lp = completion_logprobs(self.tok, lps, st.offset_before) if self.logprobs else None
+        if lp:
+            st.offset_before += sum(len(t) for t in lp["tokens"])
+        return [self.chunk({"index": i, "text": text, "logprobs": lp, "finish_reason": out.outputs[0].finish_reason})]
+
+
+class ChatShape(Shape):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, serving, req):
+        super().__init__(serving, req, "chatcmpl")
+        self.logprobs = req.logprobs
+
+    def body(self, inputs, finals: list[RequestOutput]) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
+                    "logprobs": chat_logprobs(self.tok, f.outputs[0].logprobs) if self.logprobs else None,
+                    "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
+        return dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        st, chunks = self.state(i), []
+        if not st.started:
+            st.started = True
+            chunks.append(self.chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
+        text, lps = st.advance(out)
+        if text or lps or out.finished:
+            delta = {"content": text} if text else {}
+            lp = chat_logprobs(self.tok, lps) if self.logprobs else None
+            chunks.append(self.chunk({"index": i, "delta": delta, "logprobs": lp,
+                                      "finish_reason": out.outputs[0].finish_reason}))
+        return chunks
+
+
+class NativeShape(Shape):
+    chunk_object = "generate.chunk"
+
+    def __init__(self, serving):
+        super().__init__(serving, None, "gen")
+
+    def body(self, inputs, finals: list[RequestOutput]) -> dict:
+        out = finals[0]
+        c = out.outputs[0]
+        return {"id": self.id, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                "logprobs": native_logprobs(c.logprobs), "num_cached_tokens": out.num_cached_tokens,
+                "usage": self.serving.usage(inputs, finals, 1)}
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        st = self.state(i)
+        ids_before = st.num_tokens
+        text, lps = st.advance(out)
+        ids = out.outputs[0].token_ids[ids_before:st.num_tokens]
+        if not text and not ids and not out.finished:
+            return []
+        return [{"id": self.id, "text": text, "token_ids": list(ids), "finish_reason": out.outputs[0].finish_reason,
+                 "logprobs": native_logprobs(lps)}]
+
+    def tail(self, inputs, finals) -> list[dict]:
+        return [{"id": self.id, "usage": self.serving.usage(inputs, finals, 1)}]

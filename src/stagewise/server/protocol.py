@@ -1,73 +1,137 @@
 """Request schemas (OpenAI completions and chat, native /generate) and their mapping to
 SamplingParams. Types are strict: a string where a number belongs is a 400, not a coercion.
 
-Unknown fields are refused ("Unrecognized request argument"), as OpenAI does; known fields
-whose values would change results but are not implemented are refused by `check_unsupported`.
+`SamplingFields` is the one schema of SamplingParams' fields: /generate takes it (plus
+`logprobs`) as `sampling_params`, and the OpenAI schemas inherit it. Unknown fields are
+refused ("Unrecognized request argument"), as OpenAI does; known fields whose values would
+change results but are not implemented are refused by `check_unsupported`. Validating a
+hostile body costs about as much as parsing it: lists stop at their first bad item, dicts
+are bounded, and only the first unknown key is reported.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import pydantic_core
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator, model_validator)
 
 from ..request import SamplingParams
-from .errors import bad_request, from_value_error
+from .errors import bad_request, from_validation_error, from_value_error
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
+MAX_N = 16                           # choices per prompt
+MAX_STOP_TOKEN_IDS = 256
+MAX_MAP_ITEMS = 64                   # entries of metadata / logit_bias
+
+
+def _at_most(n: int):
+    def check(value):
+        if isinstance(value, (dict, list)) and len(value) > n:
+            raise ValueError(f"at most {n} entries are allowed, got {len(value)}")
+        return value
+    return BeforeValidator(check)
+
+
+_FAST = Field(fail_fast=True)                                     # stop at a list's first bad item
+Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]             # fits the engine's int64 tensors
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = Annotated[list[int], _FAST]           # unbounded ints: the engine checks them against the vocabulary
+Strs = Annotated[list[str], _FAST]
+Anys = Annotated[list[Any], _FAST]                                  # items checked where used
+StopTokenIds = Annotated[list[Int], _FAST, _at_most(MAX_STOP_TOKEN_IDS)]
+FloatRows = Annotated[list[Annotated[list[Finite], _FAST]], _FAST]
+
+
+def validate_each(value, handler: ValidatorFunctionWrapHandler, model: type[BaseModel]) -> list:
+    """A list of models validated one item at a time in Python, so 100k of them never hold the GIL
+    in one stretch (the event loop keeps answering); the first bad item is reported with its index."""
+    if not isinstance(value, list) or not value:
+        return handler(value)
+    items = []
+    for i, item in enumerate(value):
+        try:
+            items.append(model.model_validate(item))
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            raise ValidationError.from_exception_data(exc.title, [
+                {"type": err["type"], "loc": (i, *err["loc"]), "input": err["input"], **_ctx(err)}]) from None
+    return items
+
+
+def _ctx(err: dict) -> dict:
+    return {"ctx": err["ctx"]} if "ctx" in err else {}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_unknown_key_only(cls, data):
+        # NOTE: extra="forbid" reports every unknown key, and 400k of them take seconds; one is enough.
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = next((k for k in data if k not in cls.model_fields), None)
+            if unknown is not None:
+                return {k: v for k, v in data.items() if k in cls.model_fields or k == unknown}
+        return data
+
+
+class SamplingFields(_Strict):
+    """SamplingParams' fields but `logprobs` (whose type differs per API). Unset fields keep
+    SamplingParams' defaults; their ranges are SamplingParams' to check."""
+    max_tokens: Int | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    top_k: Int | None = None
+    min_p: Finite | None = None
+    repetition_penalty: Finite | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    seed: Int | None = None
+    stop: str | Strs | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Int | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_kwargs(self) -> dict:
+        """The fields a request set, but max_tokens (the server computes the limit)."""
+        return {k: v for k in SamplingFields.model_fields if k != "max_tokens" and (v := getattr(self, k)) is not None}
+
+
+class NativeSampling(SamplingFields):
+    """/generate's `sampling_params`: every SamplingParams field."""
+    logprobs: Int | None = None
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """OpenAI sampling fields plus the engine's extensions (top_k, min_p, ...)."""
+class _OpenAIFields(SamplingFields):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Finite], _at_most(MAX_MAP_ITEMS)] | None = None
     user: str | None = None                         # accepted and ignored, as an end-user tag
 
-    def sampling_kwargs(self) -> dict:
-        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                 "skip_special_tokens")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-
     def check_common(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 16:
-            raise bad_request(f"n must be an integer in [1, 16], got {self.n!r}.", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n!r}.", "n")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server; remove it.", "logit_bias", "unsupported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+class CompletionRequest(_OpenAIFields):
+    prompt: str | Strs | TokenIds | Annotated[list[TokenIds], _FAST]
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def check_unsupported(self) -> None:
         self.check_common()
@@ -79,45 +143,43 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("suffix (insertion) is not supported by this server; remove it.", "suffix", "unsupported")
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict] | None = None
+    content: str | Anys | None = None
     name: str | None = None
 
+    def text(self, i: int) -> str:
+        if not isinstance(self.content, list):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) and isinstance(part.get("type"), str) else "non-text"
+                raise bad_request(f"messages[{i}].content holds a {kind[:40]!r} part; this server accepts only "
+                                  f"text parts.", f"messages.{i}.content", "unsupported")
+            texts.append(part["text"])
+        return "".join(texts)
+
     def as_template_dict(self, i: int) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content holds a {part.get('type')!r} part; this server "
-                                      f"accepts only text parts.", f"messages.{i}.content", "unsupported")
-                texts.append(part["text"])
-            content = "".join(texts)
         # NOTE: few chat templates know the "developer" role; it means system.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return {"role": role, "content": self.text(i)}
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+class ChatCompletionRequest(_OpenAIFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    top_logprobs: Int | None = None
+    tools: Anys | None = None
     tool_choice: Any = None
-    functions: list[dict] | None = None
+    functions: Anys | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    response_format: dict[str, Any] | None = None
     # accepted and ignored: they tag or route requests, they do not change outputs
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], _at_most(MAX_MAP_ITEMS)] | None = None
     service_tier: str | None = None
 
     def check_unsupported(self) -> None:
@@ -138,6 +200,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("Give max_tokens or max_completion_tokens, not both with different values.",
                               "max_completion_tokens")
 
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _messages_one_by_one(cls, value, handler: ValidatorFunctionWrapHandler):
+        return validate_each(value, handler, ChatMessage)
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -146,9 +213,9 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateRequest(_Strict):
     """Native API: one prompt as text, token ids or embeddings [T][H]; SamplingParams fields verbatim."""
     text: str | None = None
-    input_ids: list[int] | None = None
-    input_embeds: list[list[float]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    input_ids: TokenIds | None = None
+    input_embeds: FloatRows | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     model: str | None = None
 
@@ -158,8 +225,28 @@ class GenerateRequest(_Strict):
             raise bad_request("Give exactly one of text, input_ids or input_embeds.", given[1] if given else "text")
 
 
-def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, seed_offset: int = 0
-                         ) -> SamplingParams:
+def parse_request(body: bytes, schema: type[BaseModel]):
+    """A request object from the raw body (UTF-8 JSON); any problem is a 400 naming the field.
+    Lone surrogate escapes ("\\ud800"), invalid UTF-8 and nesting deeper than 200 are invalid JSON."""
+    try:
+        data = pydantic_core.from_json(body)
+    except ValueError as exc:
+        raise bad_request(f"The request body is not valid JSON ({exc}); send one JSON object in UTF-8 (lone "
+                          f"surrogate escapes such as \\ud800 are not text).", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, not {_JSON_TYPES.get(type(data), 'that')}.")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+                         param_prefix: str = "") -> SamplingParams:
     """SamplingParams from validated fields; its own checks (ranges) become 400s naming the field."""
     kwargs = dict(fields, max_tokens=max_tokens, logprobs=logprobs)
     if seed_offset and kwargs.get("seed") is not None:
@@ -167,13 +254,4 @@ def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, se
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise from_value_error(exc) from None
-
-
-def native_sampling_fields(raw: dict) -> dict:
-    known = set(SamplingParams.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise bad_request(f"Unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.",
-                          f"sampling_params.{unknown[0]}")
-    return dict(raw)
+        raise from_value_error(exc, param_prefix) from None

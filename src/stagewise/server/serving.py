@@ -1,32 +1,49 @@
-"""What every endpoint shares: model-name and length checks, prompt intake, running a batch of
-submissions to completion (aborting when the client goes away) and streaming it as SSE.
+"""What every endpoint shares: model-name and size checks, prompt intake off the event loop,
+running a batch of submissions to completion (aborting when the client goes away) and
+streaming it as SSE.
 
-Endpoint-specific request parsing and response shapes live in `routes.py`.
+Intake (JSON parsing, chat templates, tokenization, embedding tensors) runs on a small thread
+pool, after checks that cost nothing: a text prompt of more than `max_prompt_chars` characters
+cannot fit the context (no text has more characters per token than the vocabulary's longest
+token), so it is refused without tokenizing. Endpoint parsing and response shapes live in
+`routes.py`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from .bridge import AsyncEngine, PromptInput, ServerUnavailable, Submission
-from .errors import APIError, bad_request, from_validation_error, from_value_error
+from .errors import APIError, bad_request, from_value_error, internal_error
 
 log = logging.getLogger("stagewise.server")
-MAX_CHOICES = 64            # prompts x n per HTTP request
+MAX_CHOICES = 64               # prompts x n per HTTP request
+MIN_CHARS_PER_TOKEN_BOUND = 64  # the prompt-characters bound per context token, at least
+INTAKE_THREADS = 4
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+def chars_per_token_bound(tok) -> int:
+    """No text tokenizes to fewer tokens than len(text) / this: the vocabulary's longest token in
+    characters (byte-level vocabularies spell one byte per character), at least 64."""
+    try:
+        longest = max((len(t) for t in tok.tokenizer.get_vocab()), default=0)
+    except Exception:          # noqa: BLE001  (a tokenizer without a vocabulary listing: use the floor)
+        longest = 0
+    return max(MIN_CHARS_PER_TOKEN_BOUND, longest)
 
 
 class Serving:
@@ -40,33 +57,39 @@ class Serving:
         # NOTE: block 0 is reserved by the block manager; the rest is what one request could ever hold.
         blocks = int(self.bridge.snapshot.get("num_kv_blocks", 0)) or int(self.engine.executor.num_blocks)
         self.kv_capacity_tokens = (blocks - 1) * int(self.engine.config.block_size)
+        self.chars_per_token = chars_per_token_bound(self.tok)
+        self.max_prompt_chars = self.max_model_len * self.chars_per_token
+        self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
 
-    # parsing and checks
-    async def parse(self, raw: Request, schema):
-        body = await raw.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"The request body is not valid JSON ({exc}); send a JSON object.",
-                              code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise bad_request(f"The request body must be a JSON object, not {type(data).__name__}.")
-        try:
-            return schema.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+    async def off_loop(self, fn, *args):
+        """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
 
+    # checks (intake threads)
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
-            raise bad_request(f"The model {name!r} does not exist on this server; use {self.model_name!r} "
+            raise bad_request(f"The model {name[:200]!r} does not exist on this server; use {self.model_name!r} "
                               f"(see GET /v1/models).", "model", "model_not_found")
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_CHOICES:
+            raise bad_request(f"This request asks for {num_prompts * n} completions; the limit is {MAX_CHOICES} "
+                              f"(prompts x n).", "n")
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(f"The prompt has {num_chars} characters, more than any prompt that fits the model's "
+                              f"context of {self.max_model_len} tokens can have ({self.max_prompt_chars}); shorten "
+                              f"it.", param, "context_length_exceeded")
 
     def text_input(self, text: str, param: str) -> PromptInput:
         if not text:
             raise bad_request(f"{param} is empty; give at least one character.", param)
+        self.check_chars(len(text), param)
         return PromptInput(prompt_token_ids=self.tok.encode(text))
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:
+    def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None,
+                       param: str = "max_tokens") -> int:
         """The explicit limit (checked against the context and the KV cache) or the default, capped to fit.
         `default` None means: the rest of the context."""
         room = min(self.max_model_len, self.kv_capacity_tokens) - prompt_len
@@ -79,22 +102,19 @@ class Serving:
                               f"--kv-cache-memory.", "prompt", "context_length_exceeded")
         if requested is None:
             return room if default is None else min(default, room)
-        if not isinstance(requested, int) or requested < 1:
-            raise bad_request(f"max_tokens must be an integer >= 1, got {requested!r}.", "max_tokens")
+        if requested < 1:
+            raise bad_request(f"max_tokens must be an integer >= 1, got {requested!r}.", param)
         if requested > room:
             limit = ("context is" if room == self.max_model_len - prompt_len else "KV cache holds")
             total = min(self.max_model_len, self.kv_capacity_tokens)
             raise bad_request(f"The prompt has {prompt_len} tokens and max_tokens asks for {requested} more, but the "
                               f"model's {limit} {total} tokens; lower max_tokens to at most {room}.",
-                              "max_tokens", "context_length_exceeded")
+                              param, "context_length_exceeded")
         return requested
 
-    # running
+    # running (event loop)
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
         """Queue the requests now, so bad input is a 400 before any response (or stream) starts."""
-        if len(inputs) > MAX_CHOICES:
-            raise bad_request(f"This request asks for {len(inputs)} completions; the limit is {MAX_CHOICES} "
-                              f"(prompts x n).", "n")
         try:
             return self.bridge.submit(inputs, params)
         except ServerUnavailable as exc:
@@ -149,8 +169,8 @@ class Serving:
         if completion.finish_reason == "abort" or not self.bridge.is_healthy:
             return APIError(completion.error or "The request was aborted; retry later.", 503, None, None,
                             "service_unavailable")
-        return APIError(f"Generation failed: {completion.error or 'unknown engine error'}.", 500, None, None,
-                        "server_error")
+        log.error("request %s failed in the engine: %s", out.request_id, completion.error or "no message")
+        return internal_error()
 
     def usage(self, inputs: list[PromptInput], finals: list[RequestOutput], n: int) -> dict:
         prompt = sum(inp.num_tokens for inp in inputs[::n])      # each prompt counted once, as OpenAI does
@@ -159,21 +179,24 @@ class Serving:
 
     async def _sse(self, sub: Submission, render, tail) -> AsyncIterator[str]:
         """`render(index, output)` chunks per update, `tail(finals)` at the end, then [DONE].
-        An engine failure mid-stream becomes one `{"error": ...}` event."""
+        An engine failure mid-stream, or the shutdown deadline, becomes one `{"error": ...}` event."""
         finals: list[RequestOutput | None] = [None] * len(sub)
         async with aclosing(self.bridge.stream(sub)) as gen:
             async for i, out in gen:
                 if out.finished:
                     finals[i] = out
                     if out.outputs[0].finish_reason in ("error", "abort"):
-                        yield _event(self.failure(out).body())
+                        yield sse_event(self.failure(out).body())
                         break
                 for chunk in render(i, out):
-                    yield _event(chunk)
+                    yield sse_event(chunk)
             else:
                 for chunk in tail(finals):
-                    yield _event(chunk)
+                    yield sse_event(chunk)
         yield "data: [DONE]\n\n"
+
+    def close(self) -> None:
+        self.intake.shutdown(wait=False, cancel_futures=True)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -183,5 +206,10 @@ async def _wait_for_disconnect(raw: Request) -> None:
             return
 
 
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+# NOTE: JSON allows these raw inside strings, but line splitters (str.splitlines, httpx aiter_lines)
+# break lines at them, which would cut an SSE event in two; escaped, every event is one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"

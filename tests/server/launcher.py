@@ -1,5 +1,5 @@
-"""ServerProcess: `python -m stagewise.server` as a child process on 127.0.0.1 and a free port,
-waited for through /health and stopped gracefully (SIGINT, then SIGKILL). Used by the server
+"""ServerProcess: `python -m stagewise serve` as a child process on 127.0.0.1 and a free port,
+waited for through /health and stopped gracefully (a signal, then SIGKILL). Used by the server
 tests and the serving benchmark."""
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..executor.launch import free_port
+from stagewise.executor.launch import free_port
 
 HOST = "127.0.0.1"
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path, log_path: Path, *args: str):
+    def __init__(self, model_dir: str | Path, log_path: Path, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
-        cmd = [sys.executable, "-m", "stagewise.server", "--model", str(model_dir), "--host", HOST,
-               "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", "stagewise", "--log-level", "warning", "serve", "--model", str(model_dir),
+               "--host", HOST, "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {})))
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -42,10 +42,10 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
-    def stop(self, grace_s: float = 15.0) -> int | None:
-        """SIGINT (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
+    def stop(self, grace_s: float = 15.0, sig: int = signal.SIGINT) -> int | None:
+        """`sig` (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
