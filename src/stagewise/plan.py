@@ -50,6 +50,7 @@ class StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    zero_block_ids: list[int] = field(default_factory=list)   # KV blocks stages zero before this step
     verdict: Any = None                 # graph.policy.GraphVerdict, decided once by the driver
     stage_busy_s: list[float] = field(default_factory=list)   # filled in by stages on the way
 
@@ -66,7 +67,14 @@ class StepPlan:
                                None if r.input_embeds is None else r.input_embeds[:0])
                 for r in self.new_reqs]
         return StepPlan(self.plan_id, self.seqs, reqs, self.cached_reqs, self.finished_req_ids,
-                        self.verdict, self.stage_busy_s)
+                        self.zero_block_ids, self.verdict, self.stage_busy_s)
+
+
+@dataclass
+class PlanFailed:
+    """A non-last stage's answer to a plan that failed there or upstream: later stages only
+    apply its deltas, and the last stage answers `StepResult(error=why)`."""
+    why: str
 
 
 @dataclass
@@ -74,5 +82,6 @@ class StepResult:
     plan_id: int
     sampled: dict[str, int] = field(default_factory=dict)          # request_id -> token id
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    error: str | None = None                                       # a stage failed this plan
+    failed: dict[str, str] = field(default_factory=dict)           # request_id -> why (that request only)
+    error: str | None = None                                       # a stage failed the whole plan
     stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage

@@ -6,6 +6,7 @@ naming the field, so the server can turn them into HTTP 400 verbatim.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,9 +19,21 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"        # failed (bad input found late, engine fault)
 
 
+GREEDY_TEMPERATURE = 1e-5      # below this a temperature means greedy (as in vLLM)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+MAX_PENALTY_SCALE = 100.0       # repetition_penalty in [1/100, 100]
+
+
 @dataclass
 class SamplingParams:
-    """OpenAI-style sampling controls. temperature 0 means greedy."""
+    """OpenAI-style sampling controls. temperature 0 (or below 1e-5) means greedy.
+
+    Every value is checked here, once, to a finite and meaningful range, so no request's numbers
+    can reach the sampler as something it cannot compute with.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -41,34 +54,31 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = self.stop if self.stop is not None else []
+        self.stop_token_ids = self.stop_token_ids if self.stop_token_ids is not None else []
         self.validate()
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
     def validate(self) -> None:
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(msg)
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        need(_is_num(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}.")
-        need(_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}.")
-        need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), f"top_k must be -1 (off) or an integer >= 0, got {self.top_k!r}.")
-        need(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}.")
-        need(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}.")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            need(_is_num(v) and -2 <= v <= 2, f"{name} must be a number in [-2, 2], got {v!r}.")
-        need(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}.")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of non-empty strings.")
-        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be a list of non-negative integers.")
-        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}.")
-        need(_is_int(self.min_tokens) and 0 <= self.min_tokens, f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+        for name, check, rule in _RULES:
+            value = getattr(self, name)
+            if not check(value):
+                raise ValueError(f"{name} must be {rule}, got {_shown(value)}.")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
 
 
 def _is_int(v: Any) -> bool:
@@ -76,7 +86,45 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    """A finite real number (NaN and infinities are refused)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _in(lo: float, hi: float, lo_open: bool = False):
+    return lambda v: _is_num(v) and (lo < v if lo_open else lo <= v) and v <= hi
+
+
+def _stops_ok(v: Any) -> bool:
+    return (isinstance(v, list) and len(v) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in v))
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else f"a {type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'} items"
+
+
+# (field, check, the rule as the error message states it)
+_RULES = (
+    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("temperature", lambda v: _is_num(v) and 0 <= v <= 1e6, "a finite number in [0, 1e6] (0 = greedy)"),
+    ("top_p", _in(0.0, 1.0, lo_open=True), "a number in (0, 1]"),
+    ("top_k", lambda v: _is_int(v) and v >= -1, "-1 (off) or an integer >= 0"),
+    ("min_p", _in(0.0, 1.0), "a number in [0, 1]"),
+    ("repetition_penalty", _in(1 / MAX_PENALTY_SCALE, MAX_PENALTY_SCALE), "a number in [0.01, 100] (1 = off)"),
+    ("presence_penalty", _in(-2.0, 2.0), "a number in [-2, 2]"),
+    ("frequency_penalty", _in(-2.0, 2.0), "a number in [-2, 2]"),
+    ("seed", lambda v: v is None or _is_int(v), "an integer or null"),
+    ("stop", _stops_ok, f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                        f"{MAX_STOP_STRING_CHARS} characters"),
+    ("stop_token_ids", lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS
+                                 and all(_is_int(t) and 0 <= t < 2**63 for t in v),
+     f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
+    ("ignore_eos", lambda v: isinstance(v, bool), "true or false"),
+    ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an integer in [0, {MAX_LOGPROBS}]"),
+    ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
+)
 
 
 @dataclass
@@ -130,11 +178,13 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix cache)
+    block_hashes: list[bytes] = field(default_factory=list)   # chained digests of its full blocks (prefix cache)
     num_registered_blocks: int = 0          # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
-    text: str = ""                           # detokenized output (after stop-string trimming)
+    text: str = ""                           # output text shown to the user (stop strings trimmed, held back)
+    decoded: str = ""                        # all output text decoded so far
+    decode_offsets: tuple[int, int] = (0, 0)   # output-token window of the incremental decoder
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -57,7 +57,7 @@ def test_chunked_prefill_then_decode_and_budget():
             break
         assert plan.num_tokens <= 5
         starts.append((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].sample))
-        s.apply(plan, fake_result(plan), reqs)
+        s.update(plan, fake_result(plan))[0]
         if len(reqs["a"].output_token_ids) == 2:
             break
     assert starts[:4] == [(0, 5, False), (5, 5, False), (10, 2, True), (12, 1, True)]
@@ -72,7 +72,7 @@ def test_preemption_picks_idle_requests_and_resumes_from_scratch():
         plan = s.schedule()
         if plan is None:
             break
-        s.apply(plan, fake_result(plan), reqs)
+        s.update(plan, fake_result(plan))[0]
     assert s.num_preemptions >= 1
     assert any(r.num_preemptions for r in (a, b))
 
@@ -95,7 +95,7 @@ def test_no_double_booking_with_random_pipeline_delays():
         if rng.random() < 0.5 and len(inflight) < 3 and s.has_work():
             continue
         plan = inflight.pop(0)
-        for req in s.apply(plan, fake_result(plan, rng.randrange(1000)), reqs):
+        for req in s.update(plan, fake_result(plan, rng.randrange(1000)))[0]:
             if len(req.output_token_ids) >= req.params.max_tokens:
                 s.finish(req, FinishReason.LENGTH)
                 del reqs[req.request_id]
@@ -126,5 +126,5 @@ def test_abort_in_flight_defers_block_free():
     s.add(b)
     plan_b = s.schedule()
     assert not set(b.block_ids) & set(held)
-    assert s.apply(plan, fake_result(plan), {}) == []                         # late result discarded
+    assert s.update(plan, fake_result(plan))[0] == []                         # late result discarded
     assert a.block_ids == [] and plan_b is not None

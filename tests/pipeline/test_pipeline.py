@@ -105,7 +105,7 @@ def test_two_nodes_on_localhost(llama_dir, llama_ref):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         driver = subprocess.run([sys.executable, "-m", "stagewise", "--log-level", "WARNING", "generate", *common,
-                                 "--node-rank", "0", "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos"],
+                                 "--node-rank", "0", "--prompt", "Hello", "--no-chat", "--max-tokens", "8", "--ignore-eos"],
                                 env=env, capture_output=True, text=True, timeout=180)
         assert driver.returncode == 0, driver.stderr[-2000:]
         assert worker.wait(timeout=60) == 0
@@ -120,7 +120,7 @@ def test_torchrun_launch(llama_dir):
     port = _free_port()
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                           str(port), "-m", "stagewise", "--log-level", "WARNING", "generate", "--model", str(llama_dir),
-                          "--pp-size", "2", "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos"],
+                          "--pp-size", "2", "--prompt", "Hello", "--no-chat", "--max-tokens", "8", "--ignore-eos"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     with LLM(model=str(llama_dir)) as llm:

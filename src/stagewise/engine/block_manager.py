@@ -3,9 +3,15 @@
 Block 0 is reserved: padded graph rows and capture dummies write their KV there. A freed
 block keeps its hash and stays findable until it is reused (LRU order), so a prompt prefix
 seen before is not computed again. Blocks enter the cache only once their KV is written.
+
+Block keys are SHA-256 digests chained over the parent's digest and the block's token ids, and
+a hit is also checked against the tokens the block was registered with, so no crafted prompt
+can make one request read another request's KV through a hash collision.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from ..request import Request
@@ -13,8 +19,8 @@ from ..request import Request
 RESERVED_BLOCK = 0
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -26,8 +32,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self.hash_of: dict[int, int] = {}          # block -> hash (cached blocks)
-        self.block_of: dict[int, int] = {}         # hash -> block
+        self.hash_of: dict[int, bytes] = {}        # block -> digest (cached blocks)
+        self.block_of: dict[bytes, int] = {}       # digest -> block
+        self.key_of: dict[int, tuple] = {}         # block -> (parent digest, token ids) it was registered with
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -45,7 +52,12 @@ class BlockManager:
         return max(0, total - len(req.block_ids))
 
     # prefix cache
-    def _prefix_hashes(self, req: Request, num_full: int) -> list[int]:
+    def _block_key(self, req: Request, i: int, tokens: list[int]) -> tuple:
+        """What block `i` of the request must hold to be shared: its parent's digest and its tokens."""
+        bs = self.block_size
+        return (req.block_hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]))
+
+    def _prefix_hashes(self, req: Request, num_full: int) -> list[bytes]:
         """Chained hashes of the request's first `num_full` blocks, extended incrementally
         (a request's tokens only grow, so earlier hashes never change)."""
         hashes, bs = req.block_hashes, self.block_size
@@ -64,9 +76,10 @@ class BlockManager:
             return 0
         num_full = (req.num_tokens - 1) // self.block_size
         self.num_queried_tokens += len(req.prompt_token_ids)
-        for h in self._prefix_hashes(req, num_full):
+        tokens = req.all_token_ids
+        for i, h in enumerate(self._prefix_hashes(req, num_full)):
             block = self.block_of.get(h)
-            if block is None:
+            if block is None or self.key_of[block] != self._block_key(req, i, tokens):
                 break
             self._ref(block)
             req.block_ids.append(block)
@@ -83,10 +96,13 @@ class BlockManager:
         if num_full <= done:
             return
         req.num_registered_blocks = num_full
-        for block, h in zip(req.block_ids[done:num_full], self._prefix_hashes(req, num_full)[done:]):
+        hashes, tokens = self._prefix_hashes(req, num_full), req.all_token_ids
+        for i in range(done, num_full):
+            block, h = req.block_ids[i], hashes[i]
             if block not in self.hash_of and h not in self.block_of:
                 self.hash_of[block] = h
                 self.block_of[h] = block
+                self.key_of[block] = self._block_key(req, i, tokens)
 
     # allocation
     def _ref(self, block: int) -> None:
@@ -105,6 +121,7 @@ class BlockManager:
             h = self.hash_of.pop(block, None)
             if h is not None:
                 del self.block_of[h]
+                del self.key_of[block]
             self.ref_counts[block] = 1
             new.append(block)
         req.block_ids.extend(new)

@@ -1,5 +1,6 @@
 """Engine: the driver. Owns tokenizer, scheduler and executor; `step()` is the spine:
-schedule → submit (up to `depth` plans in flight) → collect the oldest → apply.
+schedule → submit (up to `depth` plans in flight) → collect the oldest → apply. Request state
+changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
 `add_request` and `abort` may be called from other threads: they only validate and post
 to an inbox that `step()` drains.
@@ -50,7 +51,6 @@ class Engine:
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
         self.max_len = min(self.max_model_len, self.kv_capacity_tokens)
-        self.requests: dict[str, Request] = {}
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
         self.stats_ = EngineStats(self.policy)
@@ -81,7 +81,7 @@ class Engine:
         return not self.dead and not getattr(self.executor, "dead", None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self.inbox or self.inflight)
+        return bool(self.scheduler.requests or self.inbox or self.inflight)
 
     # the step loop
     def step(self) -> list[RequestOutput]:
@@ -102,7 +102,7 @@ class Engine:
         plan = self.inflight.popleft()
         if result.plan_id != plan.plan_id:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
-                                       f"got {result.plan_id}); the pipeline is inconsistent.")
+                      f"got {result.plan_id}); the pipeline is inconsistent.")
         return outputs + self._apply(plan, result)
 
     def _verdict(self, plan: StepPlan):
@@ -113,11 +113,11 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.stats_.record_result(result)
-        if result.error:
-            failed = [self.requests[s.request_id] for s in plan.seqs if s.request_id in self.requests]
-            return [self._finish(r, FinishReason.ERROR, result.error) for r in failed]
-        outputs = []
-        for req in self.scheduler.apply(plan, result, self.requests):
+        got_token, failed = self.scheduler.update(plan, result)
+        if failed:
+            log.warning("%d request(s) failed: %s", len(failed), failed[0][1])
+        outputs = [self._finish(req, FinishReason.ERROR, why) for req, why in failed]
+        for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             reason = finish_check(req, self.tok, self.max_len)
@@ -125,9 +125,7 @@ class Engine:
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        req.error = error
-        self.scheduler.finish(req, reason)
-        self.requests.pop(req.request_id, None)
+        self.scheduler.finish(req, reason, error)
         self.stats_.record_finish(req)
         return make_output(req)
 
@@ -136,17 +134,16 @@ class Engine:
         while self.inbox:
             kind, item = self.inbox.popleft()
             if kind == "add":
-                self.requests[item.request_id] = item
                 self.scheduler.add(item)
-            elif item in self.requests:
-                outputs.append(self._finish(self.requests[item], FinishReason.ABORT))
+            elif item in self.scheduler.requests:
+                outputs.append(self._finish(self.scheduler.requests[item], FinishReason.ABORT))
         return outputs
 
     def _die(self, why: str):
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
         self.dead = why
         log.error("engine failed: %s", why)
-        outputs = [self._finish(r, FinishReason.ERROR, why) for r in list(self.requests.values())]
+        outputs = [self._finish(r, FinishReason.ERROR, why) for r in list(self.scheduler.requests.values())]
         self.inflight.clear()
         self.shutdown()
         raise EngineDeadError(why, outputs)

@@ -1,43 +1,75 @@
-"""Turning sampled tokens into user-facing results: stop rules, stop strings, RequestOutput."""
+"""Turning sampled tokens into user-facing results: incremental detokenization, stop rules,
+stop strings, RequestOutput.
+
+Per step and request the work is O(new tokens): only a small window of recent tokens is
+decoded (the text grows by the difference, so multi-byte characters and word-boundary
+spaces come out right), and stop strings are searched only in the new tail of the text.
+"""
 from __future__ import annotations
 
 from ..request import CompletionOutput, FinishReason, Request, RequestOutput
+
+REPLACEMENT = "\ufffd"     # what a decoder gives for an incomplete UTF-8 sequence
+
+
+def decode_new_text(req: Request, tok, flush: bool = False) -> str:
+    """Decode the request's newest tokens; returns the text they add (empty while a character
+    is incomplete, unless `flush`). Updates `req.decoded` and the decode offsets."""
+    ids, skip = req.output_token_ids, req.params.skip_special_tokens
+    start, read = req.decode_offsets
+    before = tok.decode(ids[start:read], skip) if read > start else ""
+    now = tok.decode(ids[start:], skip)
+    if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not flush):
+        return ""
+    req.decode_offsets = (read, len(ids))
+    new = now[len(before):]
+    req.decoded += new
+    return new
 
 
 def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
     """Update `req.text` for the newest token and say whether the request is done."""
     p = req.params
-    token = req.output_token_ids[-1]
-    full = tok.decode(req.output_token_ids, p.skip_special_tokens)
-    n_out = len(req.output_token_ids)
-    if p.stop and n_out >= p.min_tokens:
-        cut = _find_stop(full, p.stop)
+    token, n_out = req.output_token_ids[-1], len(req.output_token_ids)
+    old_len = len(req.decoded)
+    new = decode_new_text(req, tok)
+    can_stop = n_out >= p.min_tokens
+    if p.stop and can_stop and new:
+        cut = _find_stop(req.decoded, p.stop, max(0, old_len - p.max_stop_len + 1))
         if cut is not None:
-            req.text = full[:cut]
+            req.text = req.decoded[:cut]
             return FinishReason.STOP
-    req.text = full if not p.stop else full[:len(full) - _partial_stop_len(full, p.stop)]
-    if n_out >= p.min_tokens and (token in p.stop_token_ids or token in req.eos_token_ids):
-        req.text = full
-        return FinishReason.STOP
-    if n_out >= p.max_tokens or req.num_tokens >= max_model_len:
-        req.text = full
-        return FinishReason.LENGTH
-    return None
+    if can_stop and (token in p.stop_token_ids or token in req.eos_token_ids):
+        reason = FinishReason.STOP
+    elif n_out >= p.max_tokens or req.num_tokens >= max_model_len:
+        reason = FinishReason.LENGTH
+    else:
+        req.text = req.decoded[:len(req.decoded) - _partial_stop_len(req.decoded, p.stop)] if p.stop else req.decoded
+        return None
+    decode_new_text(req, tok, flush=True)
+    req.text = req.decoded
+    return reason
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the first stop string begins in `text[start:]` (the part that can hold a new match)."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
 def _partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could begin a stop string (held back while streaming)."""
-    best = 0
+    """Length of the longest tail of `text` that could begin a stop string (held back while streaming).
+    Only prefixes ending in the text's last character can match, so only those are compared."""
+    if not text:
+        return 0
+    best, last = 0, text[-1]
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
+        k = s.rfind(last, 0, len(s) - 1)
+        while k >= best:
+            if text.endswith(s[:k + 1]):
+                best = k + 1
                 break
+            k = s.rfind(last, 0, k)
     return best
 
 

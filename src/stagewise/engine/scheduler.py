@@ -1,10 +1,12 @@
 """Continuous batching with chunked prefill, prefix caching, preemption and in-flight tracking.
 
-`schedule()` builds one StepPlan under a token budget; `num_computed_tokens` advances at
-schedule time, so with several plans in flight a request is never booked twice, except
-for consecutive non-final prefill chunks (which need no sampled token). `apply()` takes
-the result of the oldest plan. Frees of finished or aborted requests wait until none of
-their plans is in flight. Preemption (recompute) only picks idle requests.
+The scheduler owns every request transition, for one stage and for many: `add` (waiting),
+`schedule` (booked into a plan; `num_computed_tokens` advances at schedule time, so with
+several plans in flight a request is never booked twice, except for consecutive non-final
+prefill chunks, which need no sampled token), `update` (the oldest plan came back: tokens
+applied, or the plan or one of its rows failed), `finish` (stopped, length, aborted, failed)
+and `_release` (blocks freed: at once, or when the request's last in-flight plan returns).
+Preemption (recompute) only picks idle requests.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
+        self.requests: dict[str, Request] = {}      # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.inflight: dict[str, int] = {}          # request_id -> plans in flight
@@ -34,6 +37,7 @@ class Scheduler:
 
     # queue management
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -42,9 +46,10 @@ class Scheduler:
     def is_idle(self, req: Request) -> bool:
         return req.request_id not in self.inflight
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Mark finished and release its blocks now, or once its in-flight plans return."""
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -79,7 +84,7 @@ class Scheduler:
             if req.request_id in self.awaiting_token or req not in self.running:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n > 0 and self._grow_or_preempt(req, n):
+            if n > 0 and self._grow_or_preempt(plan, req, n):
                 self._book(plan, req, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -87,12 +92,14 @@ class Scheduler:
             if not req.block_ids:
                 req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.blocks.allocate(req, req.num_computed_tokens + n) is None:
+            new = self.blocks.allocate(req, req.num_computed_tokens + n)
+            if new is None:
                 if not self.running and not self.inflight and not plan.seqs:
                     self.blocks.free_request(req)
                     raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
                 break
             self.waiting.popleft()
+            self._zero_tail(plan, new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._book(plan, req, n)
@@ -103,10 +110,18 @@ class Scheduler:
         plan.finished_req_ids, self.to_forget = self.to_forget, []
         return plan
 
-    def _grow_or_preempt(self, req: Request, n: int) -> bool:
+    @staticmethod
+    def _zero_tail(plan: StepPlan, new_blocks: list[int]) -> None:
+        """The last new block is only partly written by this step, and attention reads whole blocks
+        (masked); stages zero it first so stale values there (NaN from a failed request) cannot leak."""
+        if new_blocks:
+            plan.zero_block_ids.append(new_blocks[-1])
+
+    def _grow_or_preempt(self, plan: StepPlan, req: Request, n: int) -> bool:
         while True:
             new = self.blocks.allocate(req, req.num_computed_tokens + n)
             if new is not None:
+                self._zero_tail(plan, new)
                 self.pending_blocks.setdefault(req.request_id, []).extend(new)
                 return True
             victims = [r for r in reversed(self.running) if r is not req and self.is_idle(r)]
@@ -135,29 +150,40 @@ class Scheduler:
             self.awaiting_token.add(rid)
 
     # results
-    def apply(self, plan: StepPlan, result: StepResult, requests: dict[str, Request]) -> list[Request]:
-        """Apply the oldest plan's result; returns the requests that got a token."""
-        updated = []
+    def update(self, plan: StepPlan, result: StepResult) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The oldest plan came back. Returns the requests that got a token and the requests that
+        failed with it (the whole plan, or their own row); the caller finishes the failed ones."""
+        got_token, failed = [], []
         for seq in plan.seqs:
-            rid = seq.request_id
-            self.inflight[rid] -= 1
-            if self.inflight[rid] == 0:
-                del self.inflight[rid]
-            if seq.sample:
-                self.awaiting_token.discard(rid)
-            req = requests.get(rid) or self.zombies.get(rid)
+            req = self._settle(seq)
             if req is None:
                 continue
-            if req.is_finished:
-                if rid in self.zombies and self.is_idle(req):
-                    self._release(self.zombies.pop(rid))
+            why = result.error or result.failed.get(seq.request_id)
+            if why:
+                failed.append((req, why))
                 continue
             self.blocks.register_full_blocks(req, seq.start + seq.num_tokens)
-            if seq.sample and rid in result.sampled:
-                token = result.sampled[rid]
+            if seq.sample and seq.request_id in result.sampled:
+                token = result.sampled[seq.request_id]
                 req.output_token_ids.append(token)
-                if rid in result.logprobs:
-                    req.output_logprobs.append(result.logprobs[rid])
-                self.pending_tokens.setdefault(rid, []).append(token)
-                updated.append(req)
-        return updated
+                if seq.request_id in result.logprobs:
+                    req.output_logprobs.append(result.logprobs[seq.request_id])
+                self.pending_tokens.setdefault(seq.request_id, []).append(token)
+                got_token.append(req)
+        return got_token, failed
+
+    def _settle(self, seq: ScheduledSeq) -> Request | None:
+        """One row of a returned plan leaves flight; a request finished meanwhile is released once
+        idle. Returns the request if it is still unfinished."""
+        rid = seq.request_id
+        self.inflight[rid] -= 1
+        if self.inflight[rid] == 0:
+            del self.inflight[rid]
+        if seq.sample:
+            self.awaiting_token.discard(rid)
+        zombie = self.zombies.get(rid)
+        if zombie is not None:
+            if self.is_idle(zombie):
+                self._release(self.zombies.pop(rid))
+            return None
+        return self.requests.get(rid)

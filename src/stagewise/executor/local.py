@@ -20,6 +20,7 @@ class LocalExecutor:
         self.memory_plans = [self.worker.memory_plan]
         self.num_blocks = self.worker.num_blocks
         self.results: deque[StepResult] = deque()
+        self.dead: str | None = None
 
     def submit(self, plan: StepPlan) -> None:
         self.results.append(self.worker.execute(plan, None))

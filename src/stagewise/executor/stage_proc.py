@@ -8,14 +8,13 @@ import logging
 import os
 import signal
 import sys
-import traceback
 
 import torch
 
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..parallel.transport import Message, recv_message, send_message
-from ..plan import StepResult
+from ..plan import PlanFailed, StepResult
 from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, stage_rank
 
 log = logging.getLogger("stagewise.stage")
@@ -80,31 +79,22 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
 
 
 def _handle(worker, stage, msg: Message) -> Message:
-    """Run a plan; pass anything else along. A failed plan travels on as an "error" so later
-    stages still apply its deltas and the driver fails just its requests."""
+    """Run a plan (or skip one that failed upstream); pass anything else along."""
     if msg.kind == "error":
         plan, why = msg.obj
-        worker.apply_deltas(plan)
-        return _error(stage, plan, why)
-    if msg.kind != "plan":
-        return msg                       # heartbeat, shutdown: pass along
-    plan = msg.obj
-    proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.tensors.items()}) if msg.tensors else None
-    try:
+        out = worker.skip(plan, why)
+    elif msg.kind == "plan":
+        plan = msg.obj
+        proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.tensors.items()}) if msg.tensors else None
         out = worker.execute(plan, proxy)
-    except Exception as exc:
-        log.error("plan %d failed:\n%s", plan.plan_id, traceback.format_exc())
-        return _error(stage, plan, f"stage {stage.rank} failed: {exc}")
+    else:
+        return msg                       # heartbeat, shutdown: pass along
     busy = plan.stage_busy_s + [worker.busy_s]
-    if stage.is_last:
+    if isinstance(out, StepResult):
         out.stage_busy_s = busy
         return Message("result", out)
     fwd = plan.without_embeds()
     fwd.stage_busy_s = busy
+    if isinstance(out, PlanFailed):
+        return Message("error", (fwd, out.why))
     return Message("plan", fwd, {k: t.clone() for k, t in out.items()})
-
-
-def _error(stage, plan, why: str) -> Message:
-    if stage.is_last:
-        return Message("result", StepResult(plan.plan_id, error=why))
-    return Message("error", (plan.without_embeds(), why))

@@ -1,13 +1,37 @@
-"""Sampling on the last stage: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Sampling on the last stage, batched: penalties, temperature, top-k / top-p / min-p, seeded
+draws and logprobs for all rows of a step at once.
 
-Seeded requests draw each token from a generator keyed by (seed, output index), so the
-same request gives the same tokens whatever it is batched with, and after preemption.
+A row whose logits are not finite (a model fault, or numbers no valid request can produce)
+fails alone: it gets an error instead of a token and the other rows are untouched. Seeded
+rows draw from a generator keyed by (seed, output index), so a request gets the same tokens
+whatever it is batched with, and after preemption.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..request import SamplingParams, TokenLogprob
+
+NONFINITE = "the model produced non-finite logits for this request"
+
+
+class SampleRow(Protocol):
+    """What the sampler reads of one request (the worker's per-request state)."""
+    params: SamplingParams
+    token_ids: list[int]            # prompt + outputs so far
+    num_prompt_tokens: int
+    input_embeds: object            # not None: the prompt ids are placeholders
+
+
+@dataclass
+class Draw:
+    token: int | None
+    logprob: TokenLogprob | None = None
+    error: str | None = None
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -25,78 +49,111 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masking on one row `[V]`."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p   # keep the token that crosses top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def _is_plain_greedy(params: SamplingParams, num_outputs: int, eos_ids: tuple[int, ...]) -> bool:
-    """Greedy with nothing that changes a row before its argmax (no penalties, eos block or logprobs)."""
-    return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty
-            and not (eos_ids and num_outputs < params.min_tokens))
+def filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p masking of rows sorted in descending order `[S, V]`
+    (temperature already applied). Returns the masked rows (-inf where dropped)."""
+    num_rows, vocab = sorted_logits.shape
+    pos = torch.arange(vocab)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    x = sorted_logits.masked_fill(pos[None, :] >= top_k[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype)
+    if (top_p < 1).any():
+        probs = x.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]      # keep the token that crosses top_p
+        drop[:, 0] = False                 # NOTE: a top_p that underflows float32 still keeps the top token
+        x = x.masked_fill(drop & (top_p[:, None] < 1), float("-inf"))
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        floor = torch.tensor([math.log(m) if m > 0 else float("-inf") for m in min_p], dtype=x.dtype)
+        x = x.masked_fill(x < x[:, :1] + floor[:, None], float("-inf"))  # p < min_p * p_max
+    return x
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)   # unseeded requests
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
+        self.generator = torch.Generator().manual_seed(seed)     # unseeded requests
+        self.eos_token_ids = tuple(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
-               output_ids: list[list[int]], eos_ids: list[tuple[int, ...]] | None = None
-               ) -> list[tuple[int, TokenLogprob | None]]:
-        """A batch of rows: logits float32 `[R, V]` (not modified), per-row params and histories.
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+        """logits float32 `[R, V]` (not modified), one row per request."""
+        draws: list[Draw | None] = [None] * len(rows)
+        ok = torch.isfinite(logits).all(-1).tolist()
+        for i, good in enumerate(ok):
+            if not good:
+                draws[i] = Draw(None, None, NONFINITE)
+        live = [i for i in range(len(rows)) if ok[i]]
+        plain = [i for i in live if self._is_plain_greedy(rows[i])]
+        if plain:
+            for i, token in zip(plain, logits[plain].argmax(-1).tolist()):
+                draws[i] = Draw(token)
+        rest = [i for i in live if draws[i] is None]
+        if rest:
+            for i, draw in zip(rest, self._sample_rest(logits[rest], [rows[i] for i in rest])):
+                draws[i] = draw
+        self._add_logprobs(logits, rows, draws)
+        return draws
 
-        Plain greedy rows take one argmax over all of them; the rest go through `sample_row`, so
-        every row gets exactly the token `sample_row` would give it.
-        """
-        eos_ids = eos_ids if eos_ids is not None else [()] * len(params)
-        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(params)
-        fast = [i for i, (p, out, eos) in enumerate(zip(params, output_ids, eos_ids))
-                if _is_plain_greedy(p, len(out), eos)]
-        if fast:
-            rows = logits if len(fast) == len(params) else logits[fast]
-            for i, token in zip(fast, rows.argmax(-1).tolist()):
-                results[i] = (token, None)
-        for i, done in enumerate(results):
-            if done is None:
-                results[i] = self.sample_row(logits[i].clone(), params[i], prompt_ids[i], output_ids[i], eos_ids[i])
-        return results
+    def _is_plain_greedy(self, row: SampleRow) -> bool:
+        """Greedy with nothing that changes the row before its argmax."""
+        p = row.params
+        return (p.is_greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and not self._blocks_eos(row))
 
-    def sample_row(self, logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                   output_ids: list[int], eos_ids: tuple[int, ...] = ()) -> tuple[int, TokenLogprob | None]:
-        """logits: one float32 row `[V]` (a private copy: modified in place)."""
-        raw_logprobs = logits.log_softmax(-1) if params.logprobs is not None else None
-        apply_penalties(logits, params, prompt_ids, output_ids)
-        if len(output_ids) < params.min_tokens and eos_ids:
-            logits[list(eos_ids)] = float("-inf")
-        if params.is_greedy:
-            token = int(torch.argmax(logits))
-        else:
-            probs = filter_logits(logits, params).softmax(-1)
-            gen = self.generator
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(hash((params.seed, len(output_ids))) & 0x7FFF_FFFF_FFFF)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-        return token, _logprob(raw_logprobs, token, params.logprobs)
+    def _blocks_eos(self, row: SampleRow) -> bool:
+        p = row.params
+        return bool(self.eos_token_ids) and not p.ignore_eos and self._num_outputs(row) < p.min_tokens
 
+    @staticmethod
+    def _num_outputs(row: SampleRow) -> int:
+        return len(row.token_ids) - row.num_prompt_tokens
 
-def _logprob(logprobs: torch.Tensor | None, token: int, top_n: int | None) -> TokenLogprob | None:
-    if logprobs is None:
-        return None
-    top = {}
-    if top_n:
-        values, ids = torch.topk(logprobs, top_n)
-        top = {int(i): float(v) for i, v in zip(ids, values)}
-    return TokenLogprob(token, float(logprobs[token]), top)
+    def _sample_rest(self, x: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+        """Rows that need penalties, an EOS block or a random draw; `x` is a private copy `[M, V]`."""
+        for j, row in enumerate(rows):
+            prompt = row.token_ids[:row.num_prompt_tokens] if row.input_embeds is None else []
+            apply_penalties(x[j], row.params, prompt, row.token_ids[row.num_prompt_tokens:])
+            if self._blocks_eos(row):
+                x[j, list(self.eos_token_ids)] = float("-inf")
+        tokens: list[int | None] = [None] * len(rows)
+        greedy = [j for j, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            for j, t in zip(greedy, x[greedy].argmax(-1).tolist()):
+                tokens[j] = t
+        drawn = [j for j, r in enumerate(rows) if not r.params.is_greedy]
+        if drawn:
+            for j, t in zip(drawn, self._draw(x[drawn], [rows[j] for j in drawn])):
+                tokens[j] = t
+        return [Draw(t) if t is not None else Draw(None, None, NONFINITE) for t in tokens]
+
+    def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
+        """Random draws `[S, V]`: temperature, filters, then an exponential race (argmax p / E,
+        E ~ Exp(1), samples p exactly); None where the distribution is not finite."""
+        params = [r.params for r in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)
+        sorted_logits, order = (x / temps[:, None]).sort(dim=-1, descending=True, stable=True)
+        probs = filter_sorted(sorted_logits, params).softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for j, (p, row) in enumerate(zip(params, rows)):
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(hash((p.seed, self._num_outputs(row))) & 0x7FFF_FFFF_FFFF)
+                noise[j].exponential_(generator=gen)
+        picks = (probs / noise).argmax(-1, keepdim=True)
+        tokens = order.gather(-1, picks).squeeze(-1).tolist()
+        valid = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()
+        return [t if v else None for t, v in zip(tokens, valid)]
+
+    def _add_logprobs(self, logits: torch.Tensor, rows: list[SampleRow], draws: list[Draw]) -> None:
+        """The model's raw logprobs (before penalties and filters) of the chosen token and the top-n."""
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None and draws[i].token is not None]
+        if not want:
+            return
+        raw = logits[want].log_softmax(-1)
+        top_n = max(rows[i].params.logprobs for i in want)
+        top_vals, top_ids = raw.topk(top_n, -1) if top_n else (None, None)
+        for j, i in enumerate(want):
+            n, token = rows[i].params.logprobs, draws[i].token
+            top = {int(t): float(v) for t, v in zip(top_ids[j, :n], top_vals[j, :n])} if n else {}
+            draws[i].logprob = TokenLogprob(token, float(raw[j, token]), top)

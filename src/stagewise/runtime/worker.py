@@ -1,12 +1,16 @@
 """Worker: one pipeline stage on one device. Holds the stage's model, KV cache, graph runner
 and per-request cache; turns a StepPlan (+ the previous stage's proxy) into this stage's output.
 
-The per-request cache is kept in step with the driver by the plan's deltas only.
+The per-request cache is kept in step with the driver by the plan's deltas only. A plan that
+fails here is caught here, in one place for every executor: the deltas still apply, and the
+stage answers a failure (`StepResult.error` on the last stage, `PlanFailed` before it) so the
+driver fails just that plan's requests.
 """
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +20,7 @@ from ..config import EngineConfig
 from ..model.attention import AttentionMetadata
 from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
-from ..plan import StepPlan, StepResult
+from ..plan import PlanFailed, StepPlan, StepResult
 from ..request import SamplingParams
 from .sampler import Sampler
 from .setup import build_stage
@@ -40,7 +44,7 @@ class Worker:
         self.model, self.runner, self.memory_plan = parts.model, parts.runner, parts.memory_plan
         self.decode_runner = parts.decode_runner
         self.device, self.batch = parts.device, parts.batch
-        self.sampler = Sampler(config.seed + 1)
+        self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
         self.busy_s = 0.0
 
@@ -48,21 +52,41 @@ class Worker:
     def num_blocks(self) -> int:
         return self.memory_plan.num_blocks
 
-    def execute(self, plan: StepPlan, proxy: ProxyTensors | None) -> ProxyTensors | StepResult:
+    def execute(self, plan: StepPlan, proxy: ProxyTensors | None) -> ProxyTensors | StepResult | PlanFailed:
         """Run this stage's share of `plan`. A non-last stage returns T-row proxy views of
         graph memory: send or copy them before the next `execute`."""
         t0 = time.perf_counter()
         self.apply_deltas(plan)
+        try:
+            result = self._run(plan, proxy)
+        except Exception as exc:      # this plan fails; the engine and the other plans go on
+            log.error("plan %d failed on stage %d:\n%s", plan.plan_id, self.stage.rank, traceback.format_exc())
+            result = self.failed(plan, f"stage {self.stage.rank} failed: {type(exc).__name__}: {exc}")
+        self.busy_s += time.perf_counter() - t0
+        return result
+
+    def skip(self, plan: StepPlan, why: str) -> StepResult | PlanFailed:
+        """A plan that failed upstream: keep the per-request cache in step, pass the failure on."""
+        self.apply_deltas(plan)
+        return self.failed(plan, why)
+
+    def failed(self, plan: StepPlan, why: str) -> StepResult | PlanFailed:
+        return StepResult(plan.plan_id, error=why) if self.stage.is_last else PlanFailed(why)
+
+    def _run(self, plan: StepPlan, proxy: ProxyTensors | None) -> ProxyTensors | StepResult:
         runner = self.decode_runner if plan.verdict is not None and plan.verdict.kind == "decode" else self.runner
         with torch.inference_mode():
             ids, positions, meta, embeds, sample_rows = self._prepare(plan)
             self.batch.meta = meta
             out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
-            result = self._sample(plan, out, sample_rows) if self.stage.is_last else out
-        self.busy_s += time.perf_counter() - t0
-        return result
+            return self._sample(plan, out, sample_rows) if self.stage.is_last else out
 
     def apply_deltas(self, plan: StepPlan) -> None:
+        if plan.zero_block_ids:
+            blocks = torch.tensor(plan.zero_block_ids, dtype=torch.long, device=self.device)
+            for cache in self.batch.kv_caches:
+                if cache is not None:
+                    cache.index_fill_(1, blocks, 0)
         for rid in plan.finished_req_ids:
             self.reqs.pop(rid, None)
         for r in plan.new_reqs:
@@ -107,17 +131,17 @@ class Worker:
         return embeds
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> StepResult:
-        result = StepResult(plan_id=plan.plan_id)
+        result = StepResult(plan.plan_id)
         if not sample_rows:
             return result
         logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()  # [R, V]
-        seqs = [self.reqs[s.request_id] for s in plan.seqs if s.sample]
-        prompts = [st.token_ids[:st.num_prompt_tokens] if st.input_embeds is None else [] for st in seqs]
-        outputs = [st.token_ids[st.num_prompt_tokens:] for st in seqs]
-        eos = [() if st.params.ignore_eos else self.eos_token_ids for st in seqs]
-        drawn = self.sampler.sample(logits, [st.params for st in seqs], prompts, outputs, eos)
-        for seq, (token, lp) in zip((s for s in plan.seqs if s.sample), drawn):
-            result.sampled[seq.request_id] = token
-            if lp is not None:
-                result.logprobs[seq.request_id] = lp
+        seqs = [s for s in plan.seqs if s.sample]
+        draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs])
+        for seq, draw in zip(seqs, draws):
+            if draw.error is not None:
+                result.failed[seq.request_id] = draw.error
+                continue
+            result.sampled[seq.request_id] = draw.token
+            if draw.logprob is not None:
+                result.logprobs[seq.request_id] = draw.logprob
         return result
