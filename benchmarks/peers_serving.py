@@ -1,0 +1,155 @@
+"""Serving for benchmarks/peers.py: `stagewise serve` and `vllm serve` (bf16, same checkpoint) one
+after the other on 127.0.0.1, each driven by `vllm bench serve` (random 128-token prompts, 64
+output tokens, ignore_eos, 16 concurrent). Without vLLM, a small threaded load generator here
+drives the same workload against stagewise alone.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from peers_procs import VLLM_CLI, ProcTree, base_env, vllm_env
+
+HOST = "127.0.0.1"             # loopback only
+INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 64, 16
+SERVED_NAME = "smollm2-135m-instruct"
+
+
+def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
+    from stagewise.executor.launch import free_port
+    have_vllm = bool(args.vllm_python) and Path(args.vllm_python).exists()
+    if not have_vllm:
+        notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "
+                     "driven by the built-in load generator of peers_serving.py.")
+    servers = {"stagewise serve": [sys.executable, "-m", "stagewise", "serve", "--model", str(hf_dir),
+                                   "--dtype", "bfloat16", "--threads-per-stage", str(args.threads),
+                                   "--kv-cache-memory", "2GiB", "--max-model-len", "2048",
+                                   "--served-model-name", SERVED_NAME]}
+    if have_vllm:
+        servers["vllm serve"] = [args.vllm_python, "-c", VLLM_CLI, "serve", str(hf_dir), "--dtype", "bfloat16",
+                                 "--max-model-len", "2048", "--seed", "0", "--served-model-name", SERVED_NAME]
+    out = {}
+    for name, cmd in servers.items():
+        port = free_port()
+        preload = None if args.vllm_no_preload else args.vllm_python
+        env = vllm_env(args.threads, preload) if name.startswith("vllm") else base_env()
+        print(f"[serving] {name} ...", flush=True)
+        tag = name.replace(" ", "_")
+        server = ProcTree(cmd + ["--host", HOST, "--port", str(port)], env, tmp / f"{tag}.log", tmp)
+        try:
+            out[name] = _drive(args, server, f"http://{HOST}:{port}", hf_dir, num_prompts, tmp, tag, have_vllm)
+        except RuntimeError as exc:
+            out[name] = {"error": str(exc), "log_tail": server.tail()}
+        finally:
+            server.kill()
+        print(f"    {out[name] if 'error' in out[name] else _short(out[name])}", flush=True)
+    return out
+
+
+def _short(res: dict) -> str:
+    return (f"{res['output_throughput']:.0f} output tok/s, TTFT p50 {res['median_ttft_ms']:.0f} ms, "
+            f"TPOT p50 {res['median_tpot_ms']:.1f} ms")
+
+
+def _drive(args, server: ProcTree, url: str, hf_dir: Path, num_prompts: int, tmp: Path, tag: str,
+           have_vllm: bool) -> dict:
+    t0 = time.monotonic()
+    _wait_healthy(server, url, timeout_s=args.engine_timeout)
+    startup_s = time.monotonic() - t0
+    for i in range(2):                                  # warm-up, not counted
+        _post(url, {"model": SERVED_NAME, "prompt": list(range(100 + i, 140 + i)), "max_tokens": 8, "temperature": 0})
+    if have_vllm:
+        res = _vllm_bench(args, server, url, str(hf_dir), num_prompts, tmp, tag)
+    else:
+        res = own_load(url, SERVED_NAME, num_prompts)
+    server.sample()
+    res.update(startup_s=startup_s, peak_rss_mib=server.peak_rss / 2**20)
+    return res
+
+
+def _wait_healthy(server: ProcTree, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"server exited with code {server.proc.returncode}")
+        server.sample()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _vllm_bench(args, server: ProcTree, url: str, model: str, num_prompts: int, tmp: Path, tag: str) -> dict:
+    result = tmp / f"{tag}-bench.json"
+    cmd = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--endpoint", "/v1/completions", "--model", model, "--served-model-name", SERVED_NAME, "--tokenizer", model,
+           "--dataset-name", "random",
+           "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+           "--num-prompts", str(num_prompts), "--max-concurrency", str(CONCURRENCY), "--ignore-eos",
+           "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp),
+           "--result-filename", result.name]
+    client = ProcTree(cmd, vllm_env(args.threads), tmp / f"{tag}-bench.log", tmp)
+    t0 = time.monotonic()
+    try:
+        while client.alive() and time.monotonic() - t0 < args.engine_timeout:
+            server.sample()
+            time.sleep(0.5)
+    finally:
+        client.kill()
+    if not result.exists():
+        raise RuntimeError(f"vllm bench serve wrote no result:\n{client.tail()}")
+    data = json.loads(result.read_text())
+    keep = ("completed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+    return {k: data.get(k) for k in keep} | {"client": "vllm bench serve"}
+
+
+def own_load(url: str, model: str, num_prompts: int, seed: int = 0) -> dict:
+    """Closed loop of CONCURRENCY streaming clients over random token-id prompts (ignore_eos)."""
+    import random
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(17, 49152) for _ in range(INPUT_LEN)] for _ in range(num_prompts)]
+    host, port = url.split("//")[1].split(":")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        stats = list(pool.map(lambda p: _stream_one(host, int(port), model, p), prompts))
+    wall = time.perf_counter() - t0
+    return {"completed": len(stats), "duration": wall, "total_output_tokens": OUTPUT_LEN * len(stats),
+            "output_throughput": OUTPUT_LEN * len(stats) / wall,
+            "median_ttft_ms": statistics.median(s[0] for s in stats) * 1e3,
+            "median_tpot_ms": statistics.median(s[1] for s in stats) * 1e3, "client": "peers_serving.own_load"}
+
+
+def _stream_one(host: str, port: int, model: str, prompt: list[int]) -> tuple[float, float]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    first = last = None
+    for line in conn.getresponse():
+        if line.startswith(b"data: {"):
+            last = time.perf_counter()
+            first = first or last
+    conn.close()
+    if first is None:
+        raise RuntimeError("a streamed completion returned no tokens")
+    return first - t0, (last - first) / (OUTPUT_LEN - 1)
