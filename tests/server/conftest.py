@@ -27,7 +27,7 @@ class ServerProcess(launcher.ServerProcess):
         """Unlabelled view of /metrics: 'name{labels}' -> value."""
         text = httpx.get(self.url + "/metrics", timeout=5.0).text
         out = {}
-        for line in text.splitlines():
+        for line in text.split("\n"):         # label values may hold U+2028 and friends
             if line and not line.startswith("#"):
                 key, value = line.rsplit(" ", 1)
                 out[key] = float(value)
@@ -78,6 +78,15 @@ def launch():
 def server(llama_dir, tmp_path_factory):
     """One server for every test that does not need special flags (starting one costs seconds)."""
     srv = start_server(llama_dir, tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def scratch_server(llama_dir, tmp_path_factory):
+    """A server for tests that try to break it (fuzzing, extreme sampling values), so a failure
+    there never takes down the server the other tests share."""
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("scratch-server"))
     yield srv
     srv.stop()
 

@@ -1,8 +1,10 @@
-"""A PP=2 server (two stage processes) answers like the one-stage offline engine, and its SIGINT
-shutdown stops the stage processes."""
+"""A PP=2 server (two stage processes) answers like the one-stage offline engine, survives
+edge-of-range sampling values, and its SIGINT shutdown finishes open requests and stops the
+stage processes."""
 from __future__ import annotations
 
 import pytest
+from http_checks import EXTREME_SAMPLING, assert_extreme_sampling_is_safe
 
 from stagewise import SamplingParams
 
@@ -54,6 +56,12 @@ def test_pp2_server_matches_offline(pp_server, offline):
                                     SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
     assert len([k for k in pp_server.metrics() if k.startswith("stagewise_stage_busy_fraction{")]) == 2
     assert httpx.get(pp_server.url + "/health").status_code == 200
+
+
+def test_pp2_extreme_sampling_values(pp_server):
+    """The sampler runs on the last stage at PP=2: edge-of-range values still get a 4xx or a correct answer."""
+    for case, means_greedy in EXTREME_SAMPLING:
+        assert_extreme_sampling_is_safe(pp_server.url, case, means_greedy)
 
 
 def test_sigint_finishes_in_flight_requests_then_exits(pp_server):

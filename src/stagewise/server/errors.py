@@ -63,8 +63,9 @@ def _param(loc) -> str | None:
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
-    # NOTE: a union reports one error per member; the deepest one got furthest ("prompt.1.1", not "prompt").
-    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    # NOTE: a union reports one error per member; the deepest one got furthest ("prompt.1.1", not "prompt"),
+    # and at equal depth a failed check says more than a type mismatch.
+    err = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type")).endswith("_type")))
     kind, param = err.get("type"), _param(err.get("loc", ()))
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}; remove it.", param,

@@ -16,12 +16,11 @@ import pydantic_core
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
-from ..request import SamplingParams
+from ..request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from .errors import bad_request, from_validation_error, from_value_error
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
 MAX_N = 16                           # choices per prompt
-MAX_STOP_TOKEN_IDS = 256
 MAX_MAP_ITEMS = 64                   # entries of metadata / logit_bias
 
 
@@ -38,6 +37,7 @@ Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]             # fits the en
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[int], _FAST]           # unbounded ints: the engine checks them against the vocabulary
 Strs = Annotated[list[str], _FAST]
+StopStrs = Annotated[list[str], _FAST, _at_most(MAX_STOP_STRINGS)]
 Anys = Annotated[list[Any], _FAST]                                  # items checked where used
 StopTokenIds = Annotated[list[Int], _FAST, _at_most(MAX_STOP_TOKEN_IDS)]
 FloatRows = Annotated[list[Annotated[list[Finite], _FAST]], _FAST]
@@ -89,7 +89,7 @@ class SamplingFields(_Strict):
     presence_penalty: Finite | None = None
     frequency_penalty: Finite | None = None
     seed: Int | None = None
-    stop: str | Strs | None = None
+    stop: str | StopStrs | None = None
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     min_tokens: Int | None = None
