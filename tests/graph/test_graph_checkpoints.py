@@ -5,6 +5,7 @@ import torch
 
 from stagewise.graph.policy import decide_verdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
+from tape import TapeBackend
 from stagewise.model.attention import AttentionMetadata, ForwardBatch
 from stagewise.model.loader import load_hf_config, load_model
 from stagewise.parallel.partition import stage_infos
@@ -27,8 +28,9 @@ class GraphPipeline:
             hkv, d = model.kv_cache_spec()
             caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, hkv, d) if info.owns(i) else None
                       for i in range(num_layers)]
+            emulator = TapeBackend if emulation == "tape" else None
             runner = StageGraphRunner(model, info, self.policy, ForwardBatch(None, caches), torch.float32, "cpu",
-                                      emulation=emulation, max_seq_len=len(TABLE) * BLOCK_SIZE)
+                                      emulator=emulator, max_seq_len=len(TABLE) * BLOCK_SIZE)
             runner.capture()
             self.stages.append((model, runner))
 

@@ -10,7 +10,7 @@ from graph_toys import Step, clone_batch, fill_history, toy_pipeline
 from stagewise.graph import cuda
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from stagewise.graph.tape import TapeSegment
+from tape import TapeSegment
 from stagewise.parallel.proxy import ProxyTensors
 
 

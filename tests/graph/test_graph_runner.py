@@ -5,6 +5,7 @@ from graph_toys import Step, ToyStage, clone_batch, fill_history, kv_caches, toy
 
 from stagewise.graph.policy import GraphVerdict, decide_verdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
+from tape import TapeBackend
 from stagewise.model.attention import ForwardBatch
 from stagewise.parallel.partition import stage_infos
 from stagewise.parallel.proxy import ProxyTensors
@@ -24,7 +25,8 @@ def make_runner(model, batch, backend="breakable", emulation="tape", decode=Fals
     policy = resolve_graph_policy(prefill_graph=backend, buckets=buckets, decode_graph=decode,
                                   decode_graph_max_bs=8, device_type="cpu", full_slots=4)
     kw.setdefault("max_seq_len", 32)   # 8 blocks: keeps full graphs' static attention small
-    runner = StageGraphRunner(model, model.stage, policy, batch, torch.float32, "cpu", emulation=emulation, **kw)
+    emulator = TapeBackend if emulation == "tape" else None
+    runner = StageGraphRunner(model, model.stage, policy, batch, torch.float32, "cpu", emulator=emulator, **kw)
     runner.capture()
     return runner
 

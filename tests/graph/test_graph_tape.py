@@ -6,7 +6,7 @@ from graph_toys import Step, ToyStage, clone_batch, fill_history, kv_caches
 
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from stagewise.graph.tape import CaptureError
+from tape import CaptureError, TapeBackend
 from stagewise.model.attention import ForwardBatch
 from stagewise.parallel.partition import stage_infos
 
@@ -15,7 +15,8 @@ def runner_for(model_cls, emulation, backend="breakable"):
     info = stage_infos(2, 1)[0]
     model, batch = model_cls(info).eval(), ForwardBatch(None, kv_caches(info))
     policy = resolve_graph_policy(backend, buckets=[8], device_type="cpu")
-    runner = StageGraphRunner(model, info, policy, batch, torch.float32, "cpu", emulation=emulation, max_seq_len=32)
+    emulator = TapeBackend if emulation == "tape" else None
+    runner = StageGraphRunner(model, info, policy, batch, torch.float32, "cpu", emulator=emulator, max_seq_len=32)
     return runner, model, batch
 
 
@@ -108,7 +109,7 @@ def test_tape_breakable_has_one_break_per_attention_layer():
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_tape_replay_follows_new_input_data(mode):
-    from stagewise.graph.tape import Provenance, TapeSegment
+    from tape import Provenance, TapeSegment
     x = torch.randn(4, 3)
     seg = TapeSegment(Provenance([x]))
     with mode():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,12 +22,9 @@ from .buffers import StaticInputs
 from .dummy import DummyMetadata
 from .policy import GraphPolicy, GraphVerdict
 from .static_attention import StaticAttentionMetadata, StaticForwardBatch
-from .tape import TapeBackend
 from .trim import trim_output
 
 log = logging.getLogger("stagewise.graph")
-
-EMULATIONS = ("rerun", "tape")
 
 
 class _Kind:
@@ -54,21 +51,20 @@ class _Kind:
 class StageGraphRunner:
     """Captured prefill/decode graphs of one stage. See `forward` for the per-step contract.
 
-    `emulation` picks the CPU stand-in for breakable/full: "rerun" (re-run the body on the static
-    buffers, no extra memory) or "tape" (aten-op tape that freezes Python like a CUDA graph; a
-    test tool, it keeps every intermediate). `max_seq_len` bounds full graphs' block tables
-    (default: the whole KV cache, correct but slow for static attention).
+    Without CUDA, breakable/full run a CPU stand-in: by default `RerunBackend` (re-run the body on
+    the static buffers, no extra memory); `emulator(rows, breakable=..., persistent=...)` replaces
+    it (the tests pass an aten-op tape that freezes Python like a CUDA graph). `max_seq_len`
+    bounds full graphs' block tables (default: the whole KV cache, correct but slow for static
+    attention).
     """
 
     def __init__(self, model: torch.nn.Module, stage: StageInfo, policy: GraphPolicy, batch: ForwardBatch,
                  dtype: torch.dtype, device: torch.device | str, *, max_seq_len: int | None = None,
-                 emulation: str = "rerun"):
-        if emulation not in EMULATIONS:
-            raise ValueError(f"emulation must be one of {', '.join(EMULATIONS)}, got {emulation!r}.")
+                 emulator: Callable[..., GraphBackend] | None = None):
         self.model, self.stage, self.policy, self.batch = model, stage, policy, batch
         self.dtype, self.device = dtype, torch.device(device)
-        self.max_seq_len, self.emulation = max_seq_len, emulation
-        self.binding = bind_forward(model.forward, stage.rank, stage.is_first)  # startup check (SPEC 5)
+        self.max_seq_len, self.emulator = max_seq_len, emulator
+        self.binding = bind_forward(model.forward, stage.rank, stage.is_first)  # a stage that cannot take a proxy fails here, at start-up
         self.variants = self._variants()
         self.inputs = self._make_inputs() if policy.enabled else None
         self._cuda = None
@@ -110,8 +106,8 @@ class StageGraphRunner:
             from .cuda import CudaBreakableBackend, CudaContext, CudaFullBackend
             self._cuda = self._cuda or CudaContext(self.device)
             return (CudaBreakableBackend if name == "breakable" else CudaFullBackend)(self._cuda, rows)
-        if self.emulation == "tape":
-            return TapeBackend(rows, breakable=name == "breakable", persistent=self._persistent_tensors)
+        if self.emulator is not None:
+            return self.emulator(rows, breakable=name == "breakable", persistent=self._persistent_tensors)
         return RerunBackend()
 
     def _persistent_tensors(self) -> list[torch.Tensor]:

@@ -1,4 +1,6 @@
-"""Tape emulator (notes §6, level 2): a CPU stand-in for CUDA graphs that catches frozen-Python bugs.
+"""Tape emulator (a test tool): a CPU stand-in for CUDA graphs that catches frozen-Python bugs.
+
+Pass it as `StageGraphRunner(..., emulator=TapeBackend)`.
 
 While a segment is open a TorchDispatchMode logs every aten call; replay re-issues the logged
 ops without running any segment Python, so a batch-derived branch or scalar stays frozen exactly
@@ -13,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .segments import Segment, SegmentedBackend
+from stagewise.graph.segments import Segment, SegmentedBackend
 
 aten = torch.ops.aten
 
