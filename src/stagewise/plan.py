@@ -83,5 +83,7 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)          # request_id -> token id
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)           # request_id -> why (that request only)
+    # request_id -> (index of the first prompt token covered, its logprobs and the next ones')
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     error: str | None = None                                       # a stage failed the whole plan
     stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage

@@ -48,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None          # top-n logprobs per generated token
+    prompt_logprobs: int | None = None   # logprob (+ top-n) of every prompt token after the first
     min_tokens: int = 0
     skip_special_tokens: bool = True
 
@@ -69,6 +70,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not check(value):
                 raise ValueError(f"{name} must be {rule}, got {_shown(value)}.")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs), got 0.")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
 
@@ -106,7 +109,7 @@ def _shown(v: Any) -> str:
 
 # (field, check, the rule as the error message states it)
 _RULES = (
-    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("max_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 1 (0 only with prompt_logprobs)"),
     ("temperature", lambda v: _is_num(v) and 0 <= v <= 1e6, "a finite number in [0, 1e6] (0 = greedy)"),
     ("top_p", _in(0.0, 1.0, lo_open=True), "a number in (0, 1]"),
     ("top_k", lambda v: _is_int(v) and v >= -1, "-1 (off) or an integer >= 0"),
@@ -122,6 +125,8 @@ _RULES = (
      f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
     ("ignore_eos", lambda v: isinstance(v, bool), "true or false"),
     ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an integer in [0, {MAX_LOGPROBS}]"),
+    ("prompt_logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+     f"an integer in [0, {MAX_LOGPROBS}] or null"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
 )
@@ -153,6 +158,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -174,6 +181,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache

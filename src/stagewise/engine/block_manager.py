@@ -72,7 +72,9 @@ class BlockManager:
     def match_prefix(self, req: Request) -> int:
         """Attach cached blocks for the longest known prefix; returns the cached token count.
         At least one prompt token is always left to compute (its logits start decoding)."""
-        if not self.enable_prefix_caching or req.input_embeds is not None or req.block_ids:
+        # NOTE: prompt logprobs need every prompt row's logits, so such a request computes its prompt.
+        if (not self.enable_prefix_caching or req.input_embeds is not None or req.block_ids
+                or req.params.prompt_logprobs is not None):
             return 0
         num_full = (req.num_tokens - 1) // self.block_size
         self.num_queried_tokens += len(req.prompt_token_ids)

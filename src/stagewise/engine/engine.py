@@ -120,7 +120,7 @@ class Engine:
         for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            reason = finish_check(req, self.tok, self.max_len)
+            reason = finish_check(req, self.tok, self.max_len) if req.output_token_ids else FinishReason.LENGTH
             outputs.append(self._finish(req, reason) if reason else make_output(req))
         return outputs
 

@@ -68,6 +68,9 @@ def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, voca
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size}).")
+    if req.input_embeds is not None and req.params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs needs a prompt of text or token ids; an input_embeds prompt has no "
+                         "tokens to score.")
     if req.num_prompt_tokens >= max_model_len:
         raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the model's context is "
                                  f"{max_model_len}; shorten the prompt to leave room for output.")

@@ -163,7 +163,11 @@ class Scheduler:
                 failed.append((req, why))
                 continue
             self.blocks.register_full_blocks(req, seq.start + seq.num_tokens)
-            if seq.sample and seq.request_id in result.sampled:
+            if seq.request_id in result.prompt_logprobs:
+                _extend_prompt_logprobs(req, *result.prompt_logprobs[seq.request_id])
+            if seq.sample and seq.request_id in result.sampled and req.params.max_tokens == 0:
+                got_token.append(req)            # scoring only: the prompt is done, nothing is generated
+            elif seq.sample and seq.request_id in result.sampled:
                 token = result.sampled[seq.request_id]
                 req.output_token_ids.append(token)
                 if seq.request_id in result.logprobs:
@@ -187,3 +191,11 @@ class Scheduler:
                 self._release(self.zombies.pop(rid))
             return None
         return self.requests.get(rid)
+
+
+def _extend_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+    """Append the entries for prompt tokens not recorded yet (a preempted request recomputes its
+    prompt, and its entries must not repeat)."""
+    for k, entry in enumerate(entries):
+        if first + k == len(req.prompt_logprobs):
+            req.prompt_logprobs.append(entry)

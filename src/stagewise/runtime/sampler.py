@@ -157,3 +157,19 @@ class Sampler:
             n, token = rows[i].params.logprobs, draws[i].token
             top = {int(t): float(v) for t, v in zip(top_ids[j, :n], top_vals[j, :n])} if n else {}
             draws[i].logprob = TokenLogprob(token, float(raw[j, token]), top)
+
+
+PROMPT_LOGPROB_ROWS = 256     # LM-head rows per slice: bounds the [rows, vocab] logits in memory
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprob]:
+    """Row i of `hidden` `[n, H]` predicts `targets[i]`: its logprob and the top-n alternatives."""
+    entries = []
+    for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        logprobs = compute_logits(hidden[lo:lo + PROMPT_LOGPROB_ROWS]).float().log_softmax(-1)   # [r, V]
+        want = torch.tensor(targets[lo:lo + PROMPT_LOGPROB_ROWS], device=logprobs.device)
+        chosen = logprobs.gather(1, want[:, None])[:, 0].tolist()
+        top_vals, top_ids = logprobs.topk(top_n, -1) if top_n else (logprobs[:, :0], want[:, None][:, :0])
+        for t, lp, ids, vals in zip(want.tolist(), chosen, top_ids.tolist(), top_vals.tolist()):
+            entries.append(TokenLogprob(t, lp, dict(zip(ids, vals))))
+    return entries

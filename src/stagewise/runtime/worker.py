@@ -22,7 +22,7 @@ from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepPlan, StepResult
 from ..request import SamplingParams
-from .sampler import Sampler
+from .sampler import Sampler, prompt_logprobs
 from .setup import build_stage
 
 log = logging.getLogger("stagewise.worker")
@@ -79,7 +79,11 @@ class Worker:
             ids, positions, meta, embeds, sample_rows = self._prepare(plan)
             self.batch.meta = meta
             out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
-            return self._sample(plan, out, sample_rows) if self.stage.is_last else out
+            if not self.stage.is_last:
+                return out
+            result = self._sample(plan, out, sample_rows)
+            self._prompt_logprobs(plan, out, result)
+            return result
 
     def apply_deltas(self, plan: StepPlan) -> None:
         if plan.zero_block_ids:
@@ -129,6 +133,19 @@ class Worker:
         for offset, rows in parts:
             embeds[offset:offset + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
         return embeds
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
+        """Logprobs of the prompt tokens this step's rows predict, for requests that ask for them
+        (only those pay for the extra LM-head rows)."""
+        row = 0
+        for seq in plan.seqs:
+            st = self.reqs[seq.request_id]
+            k, last = st.params.prompt_logprobs, min(seq.start + seq.num_tokens, st.num_prompt_tokens - 1)
+            if k is not None and seq.start < last:
+                targets = st.token_ids[seq.start + 1:last + 1]
+                entries = prompt_logprobs(self.model.compute_logits, hidden[row:row + len(targets)], targets, k)
+                result.prompt_logprobs[seq.request_id] = (seq.start + 1, entries)
+            row += seq.num_tokens
 
     def _sample(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> StepResult:
         result = StepResult(plan.plan_id)
