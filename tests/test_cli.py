@@ -22,9 +22,19 @@ def test_generate_on_demo_model_streams_text(tmp_path):
     demo = run("demo-model", "--out", str(tmp_path / "demo"))
     assert demo.returncode == 0, demo.stderr
     out = run("--log-level", "WARNING", "generate", "--model", str(tmp_path / "demo"), "--prompt", "Once upon",
-              "--max-tokens", "12", "--ignore-eos")
+              "--max-tokens", "12", "--ignore-eos", "--no-chat")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon") and len(out.stdout.strip()) > len("Once upon")
+
+
+def test_generate_uses_the_chat_template_when_the_model_has_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))   # "demo" builds the demo model here
+    args = ["--log-level", "WARNING", "generate", "--model", "demo", "--max-tokens", "6", "--ignore-eos"]
+    assert main(args + ["--prompt", "Hi"]) == 0
+    question, answer = capsys.readouterr().out.split("\n", 1)
+    assert question == "Hi" and answer.strip() and "<|user|>" not in answer   # the question, then the reply
+    assert main(args + ["--prompt", "Hi", "--no-chat"]) == 0
+    assert capsys.readouterr().out.startswith("Hi") and (tmp_path / "demo-model" / "model.safetensors").exists()
 
 
 def test_plan_prints_stage_table(llama_dir, capsys):

@@ -72,7 +72,8 @@ def read_tensor(reader_tensor, path: Path) -> torch.Tensor:
     """One GGUF tensor as float32, in torch dim order (GGUF lists dims reversed)."""
     qtype = GGMLQuantizationType(reader_tensor.tensor_type)
     try:
-        array = dequantize(reader_tensor.data, qtype)
+        # A plain ndarray view of the memmap: numpy's memmap subclass hooks cost more than the dequantization.
+        array = dequantize(np.asarray(reader_tensor.data), qtype)
     except NotImplementedError:
         raise ValueError(f"Tensor {reader_tensor.name} in {path} is stored as {qtype.name}, which stagewise cannot "
                          f"dequantize; re-quantize the model to a supported type such as Q8_0, Q4_K or F16.") from None
@@ -83,21 +84,23 @@ def read_tensor(reader_tensor, path: Path) -> torch.Tensor:
 
 def load_gguf_stage(model: nn.Module, path: Path, hf_config) -> None:
     """Dequantize this stage's tensors (`model.is_stage_weight`) from `path` into `model`, in the model's dtype."""
-    started = time.perf_counter()
+    started, types = time.perf_counter(), Counter()
     arch = gguf_facts(path).meta["general.architecture"]
     table, dtype = model.weight_table(), next(model.parameters()).dtype
     mine = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
     mine = [(t, name) for t, name in mine if name is not None and model.is_stage_weight(name)]
     _check_complete(model, table, [name for _, name in mine], path)
-    types: Counter = Counter()
-    for tensor, name in mine:
-        value = _to_hf_layout(read_tensor(tensor, path), tensor.name, arch, hf_config)
-        expected = table[model.canonical_name(name)].shape
-        if tuple(value.shape) != expected:
-            raise ValueError(f"Tensor {tensor.name} in {path} has shape {tuple(value.shape)}, but the file's metadata "
-                             f"implies {expected}; the GGUF file is inconsistent.")
-        model.load_weights([(name, value.to(dtype))])
-        types[tensor.tensor_type.name] += 1
+
+    def dequantized():  # one tensor at a time, so at most one float32 copy is alive
+        for tensor, name in mine:
+            value = _to_hf_layout(read_tensor(tensor, path), tensor.name, arch, hf_config)
+            expected = table[model.canonical_name(name)].shape
+            if tuple(value.shape) != expected:
+                raise ValueError(f"Tensor {tensor.name} in {path} has shape {tuple(value.shape)}, but the file's "
+                                 f"metadata implies {expected}; the GGUF file is inconsistent.")
+            types[tensor.tensor_type.name] += 1
+            yield name, value.to(dtype)
+    model.load_weights(dequantized())
     log.info("Stage %d: dequantized %d GGUF tensors (%s) to %s in %.2f s", model.stage.rank, len(mine),
              ", ".join(f"{n} {t}" for t, n in types.most_common()), dtype, time.perf_counter() - started)
 
