@@ -116,7 +116,7 @@ def _write_tokenizer(writer, hf_dir: Path) -> None:
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool = True,
                tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write `hf_dir` as a GGUF file; `qtype` other than F32 quantizes every 2-D tensor (norms stay F32)."""
+    """Write `hf_dir` as a GGUF file; `qtype` other than F32 stores every 2-D tensor in that type (norms stay F32)."""
     import gguf
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
@@ -128,10 +128,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool =
         _write_tokenizer(writer, hf_dir)
     quant = gguf.GGMLQuantizationType[qtype]
     for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
-        if quant != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
-        else:
+        if quant == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
             writer.add_tensor(name, array)
+        elif quant == gguf.GGMLQuantizationType.F16:   # a plain float16 array: the writer infers F16
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,11 +39,12 @@ def test_f32_gguf_logits_match_hf(family, tiny_gguf, eager_pipeline, hf_logits, 
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied"])
-def test_q8_0_gguf_logits_match_hf_on_dequantized_weights(family, tiny_gguf, eager_pipeline, hf_logits, request,
-                                                          tmp_path, gguf_tools):
-    reference = gguf_tools.dequantized_hf_dir(request.getfixturevalue(f"{family}_dir"), tmp_path / "dq", "Q8_0")
-    got = eager_pipeline(tiny_gguf(family, "Q8_0"), pp_size=2).prefill_logits(PROMPT_IDS)
+@pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("llama_tied", "Q8_0"), ("llama", "F16"),
+                                          ("llama", "BF16"), ("llama", "Q4_1"), ("qwen3", "Q4_0"), ("qwen2", "Q5_1")])
+def test_quantized_gguf_logits_match_hf_on_dequantized_weights(family, qtype, tiny_gguf, eager_pipeline, hf_logits,
+                                                               request, tmp_path, gguf_tools):
+    reference = gguf_tools.dequantized_hf_dir(request.getfixturevalue(f"{family}_dir"), tmp_path / "dq", qtype)
+    got = eager_pipeline(tiny_gguf(family, qtype), pp_size=2).prefill_logits(PROMPT_IDS)
     assert torch.allclose(got, hf_logits(reference, PROMPT_IDS), atol=1e-4, rtol=0)
 
 
@@ -204,17 +205,19 @@ def smollm2() -> Path:
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2):
     from transformers import AutoModelForCausalLM
-    prompts = ["The capital of France is", "def fibonacci(n):", "Pipelines are"]
+    prompts, params = ["The capital of France is", "def fibonacci(n):"], SamplingParams(max_tokens=8, temperature=0,
+                                                                                          ignore_eos=True)
     with LLM() as llm:   # no model: the default, resolved to the same file
         assert llm.config.model == str(smollm2)
         tok = llm.engine.tok.tokenizer
         ids = [tok.encode(p) for p in prompts]
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, use_tqdm=False,
-                                                               sampling_params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=params,
+                                                               use_tqdm=False)]
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0   # never stop early, like ignore_eos
     for prompt_ids, got in zip(ids, ours):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=10, min_new_tokens=10)
+            want = hf.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=params.max_tokens)
         assert got == want[0, len(prompt_ids):].tolist()
     assert tok.decode(ours[0]).startswith(" Paris.")
 
