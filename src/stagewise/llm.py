@@ -58,6 +58,15 @@ class LLM:
         prompts = [self.engine.tok.chat_prompt(c) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def score(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[float]:
+        """Log-likelihood of each continuation after its prompt: the sum of the continuation tokens'
+        logprobs, with prompt and continuation tokenized apart (as evaluation harnesses do)."""
+        encode = self.engine.tok.encode
+        pairs = [(encode(p), encode(c)) for p, c in zip(prompts, continuations, strict=True)]
+        outs = self.generate(prompt_token_ids=[p + c for p, c in pairs], use_tqdm=False,
+                             sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=0))
+        return [sum(e.logprob for e in out.prompt_logprobs[len(p):]) for out, (p, _) in zip(outs, pairs)]
+
     def stats(self) -> dict:
         return self.engine.stats()
 

@@ -56,3 +56,13 @@ def test_two_stages_with_graphs(llama_dir, hf_lp):
 def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_score_sums_the_continuation_logprobs(llama_dir, hf_logits):
+    with LLM(model=str(llama_dir)) as llm:
+        tok = llm.engine.tok
+        got = llm.score(["The cat sat", "Once upon"], [" on the mat", " a time"])
+        for (p, c), value in zip([("The cat sat", " on the mat"), ("Once upon", " a time")], got):
+            ids, n = tok.encode(p) + tok.encode(c), len(tok.encode(p))
+            lp = hf_logits(llama_dir, ids).log_softmax(-1)
+            assert abs(value - sum(float(lp[i - 1, ids[i]]) for i in range(n, len(ids)))) < 1e-3
