@@ -30,7 +30,6 @@ CONTENTS = (f"config.json and either {SINGLE_FILE} or {INDEX_FILE} with its shar
 # GGUF `general.architecture` -> the stage-model architecture that runs it (Mistral GGUFs say "llama").
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "gpt2": "GPT2LMHeadModel"}
-_GGUF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gpt2": "GPT2Config"}
 _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
 
@@ -142,10 +141,18 @@ class GGUFFacts(NamedTuple):
     rope_freqs: list | None  # per-frequency rope divisors (llama3-style long-context rope), if stored
 
 
+def _file_key(path: str | Path) -> tuple[str, int, int]:
+    stat = Path(path).stat()
+    return str(path), stat.st_size, stat.st_mtime_ns
+
+
 def gguf_reader(path: str | Path):
     """A memory-mapped `gguf.GGUFReader`, shared within the process while the file is unchanged."""
-    stat = Path(path).stat()
-    return _open_gguf(str(path), stat.st_size, stat.st_mtime_ns)
+    return _open_gguf(*_file_key(path))
+
+
+def gguf_facts(path: str | Path) -> GGUFFacts:
+    return _gguf_facts(*_file_key(path))
 
 
 @functools.lru_cache(maxsize=2)
@@ -160,11 +167,6 @@ def _open_gguf(path: str, size: int, mtime_ns: int):
     except Exception as exc:  # noqa: BLE001 -- a cut-off file fails in numpy, struct or the reader itself
         raise ValueError(f"{path} is truncated or damaged ({size} bytes; reading it failed with {type(exc).__name__}: "
                          f"{exc}); download or convert it again.") from None
-
-
-def gguf_facts(path: str | Path) -> GGUFFacts:
-    stat = Path(path).stat()
-    return _gguf_facts(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
@@ -196,7 +198,8 @@ def _gguf_hf_config(path: Path):
                   bos_token_id=facts.meta.get("tokenizer.ggml.bos_token_id"),
                   eos_token_id=facts.meta.get("tokenizer.ggml.eos_token_id"))
     kwargs = _gpt2_kwargs(facts, path) if arch == "gpt2" else _llama_kwargs(facts, arch, path)
-    return getattr(transformers, _GGUF_CONFIGS[arch])(**kwargs, **common)
+    config_class = GGUF_ARCHITECTURES[arch].replace("LMHeadModel", "Config").replace("ForCausalLM", "Config")
+    return getattr(transformers, config_class)(**kwargs, **common)
 
 
 def _metadata_getter(facts: GGUFFacts, arch: str, path: Path):
@@ -257,25 +260,18 @@ def _llama3_rope(divisors: list, theta: float, head_dim: int, path: Path) -> dic
     if factor <= 1.0:
         return {}
     mid = (div > 1 + 1e-6) & (div < factor * (1 - 1e-6))
-    params = None
     if mid.sum() >= 2:
         slope, intercept = np.polyfit(1 / wavelen[mid], (1 / div[mid] - 1 / factor) / (1 - 1 / factor), 1)
-        high = round(float(1 - 1 / intercept), 4)   # the recipes use round numbers; the check below guards it
-        params = dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=high,
-                      original_max_position_embeddings=int(round(slope * (high - 1))))
-    if params is None or not np.allclose(_llama3_divisors(wavelen, params), div, rtol=1e-4):
-        raise ValueError(f"{path} stores rope frequency factors (rope_freqs.weight) that follow no llama3 rope "
-                         f"recipe stagewise can reproduce; this model is not supported.")
-    return params
-
-
-def _llama3_divisors(wavelen, params: dict):
-    import numpy as np
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    orig = params["original_max_position_embeddings"]
-    smooth = (orig / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
+        high = round(float(1 - 1 / intercept), 4)   # recipes use round numbers; the check below guards it
+        orig = int(round(slope * (high - 1)))
+        smooth = (orig / wavelen - 1) / (high - 1)
+        rebuilt = np.where(wavelen < orig / high, 1.0,
+                           np.where(wavelen > orig, factor, 1 / ((1 - smooth) / factor + smooth)))
+        if np.allclose(rebuilt, div, rtol=1e-4):
+            return dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=high,
+                        original_max_position_embeddings=orig)
+    raise ValueError(f"{path} stores rope frequency factors (rope_freqs.weight) that follow no llama3 rope recipe "
+                     f"stagewise can reproduce; this model is not supported.")
 
 
 def _gguf_tokenizer(path: Path):
