@@ -29,6 +29,8 @@ HELP = {
     "prefill_graph_max_tokens": "largest captured prefill bucket",
     "prefill_graph_buckets": "explicit bucket list, e.g. 16,32,64",
     "decode_graph": "capture decode graphs per batch size",
+    "dist_ifname": "network interface for traffic between pipeline ranks (default: the one routing to "
+                   "--master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)",
 }
 
 
@@ -120,10 +122,16 @@ def cmd_demo_model(args) -> int:
 
 
 def _worker_role(config: EngineConfig) -> int | None:
-    """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver."""
+    """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver.
+    Every pipeline node first picks the network interface it talks on (errors here are the user's to fix)."""
     from .checkpoint import eos_token_ids_of, load_hf_config
     from .executor.launch import run_headless, torchrun_env
+    from .executor.netif import use_interface
+    from .executor.watchdog import install as install_stop_watchdog
+    install_stop_watchdog()
     env = torchrun_env()
+    if config.pp_size > 1 or env:
+        use_interface(env["addr"] if env else config.master_addr, config.dist_ifname)
     model_dir = config.model
     if not (env and env["rank"] > 0) and config.node_rank == 0:
         return None
@@ -136,8 +144,10 @@ def _worker_role(config: EngineConfig) -> int | None:
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so `finally` blocks stop every stage process."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    """SIGTERM unwinds like Ctrl-C, so `finally` blocks stop every stage process; a process stuck in
+    torch.distributed is stopped by a watchdog instead."""
+    from .executor.watchdog import install as install_stop_watchdog
+    install_stop_watchdog()
 
 
 def cmd_generate(args) -> int:

@@ -57,6 +57,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None              # None: a free port (single node only)
     dist_timeout_s: float = 60.0
+    dist_ifname: str | None = None              # None: the interface that routes to master_addr
     threads_per_stage: int | None = None        # None: 1 when pp_size > 1, else torch default
     # graphs (SPEC item 10)
     prefill_graph: str = "auto"

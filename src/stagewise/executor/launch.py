@@ -3,21 +3,29 @@
 World = pp_size + 1 ranks: rank 0 is the driver (it owns the scheduler), rank s+1 runs
 stage s. Messages travel a ring: driver → stage 0 → … → last stage → driver. Node n of
 `nnodes` hosts stages [n*k, (n+1)*k) for k = pp_size / nnodes; node 0 also hosts the driver.
+Rank 0 serves the rendezvous store on --master-addr only; every rank waits for the others in
+short Python steps, so SIGINT/SIGTERM are handled while a node waits for its peers.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import signal
 import socket
 import time
+import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_sentinels
 
 import torch.distributed as dist
 
+from .netif import master_ip, use_interface
+
 DRIVER_RANK = 0
+RDZV_POLL_S = 0.1
+_local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
 
 
 def stage_rank(stage: int) -> int:
@@ -36,15 +44,71 @@ def free_port() -> int:
 
 
 def init_group(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> None:
-    backend = "gloo"   # NOTE: gloo on CPU and for GPU host staging; proxies are small next to compute here.
     env = torchrun_env()
     if env and env["world_size"] != world_size:
         raise ValueError(f"torchrun started {env['world_size']} processes but --pp-size {world_size - 1} needs "
                          f"{world_size} (one driver + one per stage); use --nproc-per-node {world_size}.")
-    # NOTE: under torchrun the agent already serves a store on MASTER_PORT: join it via env://.
-    init_method = "env://" if env else f"tcp://{addr}:{port}"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    use_interface(addr)       # NOTE: before the group exists: gloo reads GLOO_SOCKET_IFNAME when it is built
+    store = rendezvous(rank, world_size, addr, port, timeout_s)
+    # NOTE: gloo on CPU and for GPU host staging; proxies are small next to compute here.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> dist.Store:
+    """Join the store at addr:port (rank 0 serves it, unless torchrun's agent does) and wait
+    until every rank has joined, polling so the Python signal handlers keep running."""
+    deadline = time.monotonic() + timeout_s
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=_listen(addr, port))
+    else:
+        _await_store(addr, port, deadline, timeout_s)
+        store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
+    keys = [f"stagewise/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank{r}" for r in range(world_size)]
+    if store.add(keys[rank], 1) > 1:
+        raise ValueError(f"Two processes joined the pipeline at {addr}:{port} as rank {rank}; "
+                         f"give every node its own --node-rank.")
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(f"Ranks {', '.join(missing)} (rank r runs stage r-1) did not join the rendezvous at "
+                               f"{addr}:{port} within {timeout_s:.0f} s; start every node with the same "
+                               f"--master-addr, --master-port and --pp-size.")
+        time.sleep(RDZV_POLL_S)
+    return store
+
+
+def _listen(addr: str, port: int) -> int:
+    """A listening socket on addr:port for the store (TCPStore alone would listen on every interface)."""
+    ip = master_ip(addr)
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ip, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--master-addr {addr} is not an address of this host, yet node 0 serves the "
+                             f"rendezvous there; run --node-rank 0 on the host that owns {addr}.") from None
+        raise ValueError(f"Cannot serve the rendezvous on {addr}:{port} ({exc.strerror}); "
+                         f"choose a free --master-port.") from None
+    sock.listen(128)
+    return sock.detach()
+
+
+def _await_store(addr: str, port: int, deadline: float, timeout_s: float) -> None:
+    """Wait until the store accepts connections, in short tries (TCPStore's own retry blocks signals)."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Nothing answered at --master-addr {addr}:{port} within {timeout_s:.0f} s; "
+                                   f"start node 0 with the same --master-addr and --master-port, and let TCP "
+                                   f"port {port} through between the hosts.") from None
+            time.sleep(RDZV_POLL_S * 3)
 
 
 def destroy_group() -> None:
@@ -58,7 +122,17 @@ def die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def kill_local_stages() -> None:
+    """SIGKILL every stage process this process started and is still running."""
+    for p in list(_local_stages):
+        if p.is_alive():
+            p.kill()
 
 
 def torchrun_env() -> dict | None:
@@ -76,6 +150,7 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     # NOTE: stages share cores; OpenMP's default spin-waiting makes small ops many times slower
     # there. Children inherit this; a value the user set wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    use_interface(addr, config.dist_ifname)     # children inherit the choice
     from .stage_proc import stage_main
     ctx = mp.get_context("spawn")
     procs, readers = [], []
@@ -84,6 +159,7 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
         p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True,
                         args=(config, model_dir, s, addr, port, eos_token_ids, True, models, writer))
         p.start()
+        _local_stages.add(p)
         writer.close()
         procs.append(p)
         readers.append(reader)
@@ -107,6 +183,9 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
 def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     """A non-driver node: run this node's stages until the driver shuts them down."""
     procs = spawn_stages(config, model_dir, config.node_rank, config.master_addr, config.master_port, eos_token_ids)
-    for p in procs:
-        p.join()
-    return max((p.exitcode or 0) for p in procs)
+    try:
+        for p in procs:
+            p.join()
+    finally:             # a signal (SystemExit / KeyboardInterrupt) must not leave stages behind
+        kill_local_stages()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1

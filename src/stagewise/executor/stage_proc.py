@@ -36,9 +36,10 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
         for arch, cls in models.items():
             register_model(arch, cls)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
-    init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, config.dist_timeout_s)
     code = 0
     try:
+        # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
+        init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, max(config.dist_timeout_s, 300.0))
         _serve(config, model_dir, stage_idx, eos_ids)
     except Exception as exc:   # a peer died or timed out: exit and let the cascade reach the driver
         log.error("stage %d stopped: %s", stage_idx, exc)
