@@ -2,12 +2,11 @@
 device from config.json (or a GGUF file's metadata) alone — nothing is loaded or launched."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..config import EngineConfig
-from collections import Counter
-from pathlib import Path
-
 from ..checkpoint import gguf_facts, gguf_file_of, load_hf_config, max_model_len
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
@@ -52,5 +51,5 @@ def _gguf_line(model_dir: str, dtype: torch.dtype) -> str:
         return ""
     types = Counter(gguf_facts(path).types.values())
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
-    return (f"GGUF {Path(path).name}: {listed} tensors, {Path(path).stat().st_size / 2**20:.1f} MiB on disk, "
+    return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk, "
             f"dequantized to {dtype} at load\n")
