@@ -199,7 +199,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=options.api_key_from_env(),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: ${options.API_KEY_ENV})")
     g.add_argument("--max-request-bytes", type=options.parse_size, default=options.DEFAULT_MAX_REQUEST_BYTES,
-                   metavar="SIZE", help="largest request body, e.g. 16MiB; larger ones get 413 (default: 4MiB)")
+                   metavar="SIZE", help="largest request body, e.g. 16MiB; larger ones get 413 (default: 2MiB)")
     g.add_argument("--graceful-timeout", type=float, default=options.DEFAULT_GRACEFUL_TIMEOUT_S, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long open requests may finish before they are cut (default: 10)")
 

@@ -133,3 +133,18 @@ def test_stop_strings_match_offline(client, offline):
     expected = offline.generate(PROMPTS[0], greedy(30, stop=[stop], ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert got.choices[0].text == expected.text and got.choices[0].finish_reason == expected.finish_reason
     assert stop not in got.choices[0].text
+
+
+def test_generate_prompt_logprobs_scores_a_prompt(server, offline):
+    """max_tokens 0 with prompt_logprobs: the prompt's log-likelihood, as offline `LLM` gives it."""
+    ids = offline.engine.tok.encode(PROMPTS[0])
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": 0, "prompt_logprobs": 1}}
+    got = httpx.post(server.url + "/generate", json=body, timeout=30).json()
+    ref = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=1),
+                           use_tqdm=False)[0].prompt_logprobs
+    assert got["token_ids"] == [] and got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(ids)
+    assert [e["token_id"] for e in got["prompt_logprobs"][1:]] == ids[1:]
+    assert all(abs(e["logprob"] - r.logprob) < 1e-4 and len(e["top"]) == 1
+               for e, r in zip(got["prompt_logprobs"][1:], ref[1:]))
+    no_score = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_tokens": 0}})
+    assert no_score.status_code == 400 and no_score.json()["error"]["param"] == "sampling_params.max_tokens"

@@ -161,3 +161,22 @@ def test_stage_death_while_idle_turns_health_503(fake_server):
     assert health.status_code == 503 and "stage-1" in health.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
     assert r.status_code == 503 and "stage-1" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fake_server", ["dead"], indirect=True)
+def test_server_fault_is_a_generic_500_and_the_details_go_to_the_log(fake_server, caplog):
+    url, engine = fake_server
+
+    def broken_encode(text: str):
+        raise RuntimeError("secret detail at /srv/models/private")
+    engine.tok.encode = broken_encode
+    with caplog.at_level("ERROR", logger="stagewise.server"):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 500 and set(r.json()) == {"error"}, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "logged" in err["message"]
+    assert "RuntimeError" not in r.text and "secret" not in r.text and "/srv" not in r.text
+    assert "secret detail" in caplog.text                      # the details are in the server log
+    ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=10)
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(url + "/health").status_code == 200

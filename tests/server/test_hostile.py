@@ -80,7 +80,7 @@ def test_non_json_content_type_is_415(server, content_type):
 
 
 def test_body_over_the_limit_is_413_by_content_length_and_chunked(server):
-    big = json.dumps({"prompt": "word " * (1 << 20)}).encode()           # 5 MiB > the 4 MiB default
+    big = json.dumps({"prompt": "word " * (1 << 20)}).encode()           # 5 MiB > the 2 MiB default
     assert_error(post_raw(server, C, big), 413, code="request_too_large")
 
     def chunks():                                  # no Content-Length: counted while reading

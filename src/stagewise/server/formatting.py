@@ -66,11 +66,12 @@ def chat_logprobs(tok, lps: list[TokenLogprob] | None) -> dict | None:
     return {"content": content, "refusal": None}
 
 
-def native_logprobs(lps: list[TokenLogprob] | None) -> list[dict] | None:
+def native_logprobs(lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """Native shape; a None entry (the first prompt token, which nothing predicts) stays None."""
     if lps is None:
         return None
-    return [{"token_id": lp.token_id, "logprob": float(lp.logprob),
-             "top": {str(t): float(v) for t, v in _sorted_top(lp)}} for lp in lps]
+    return [None if lp is None else {"token_id": lp.token_id, "logprob": float(lp.logprob),
+                                     "top": {str(t): float(v) for t, v in _sorted_top(lp)}} for lp in lps]
 
 
 def _sorted_top(lp: TokenLogprob) -> list[tuple[int, float]]:
@@ -170,8 +171,8 @@ class NativeShape(Shape):
         out = finals[0]
         c = out.outputs[0]
         return {"id": self.id, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-                "logprobs": native_logprobs(c.logprobs), "num_cached_tokens": out.num_cached_tokens,
-                "usage": self.serving.usage(inputs, finals, 1)}
+                "logprobs": native_logprobs(c.logprobs), "prompt_logprobs": native_logprobs(out.prompt_logprobs),
+                "num_cached_tokens": out.num_cached_tokens, "usage": self.serving.usage(inputs, finals, 1)}
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         st = self.state(i)
@@ -184,4 +185,5 @@ class NativeShape(Shape):
                  "logprobs": native_logprobs(lps)}]
 
     def tail(self, inputs, finals) -> list[dict]:
-        return [{"id": self.id, "usage": self.serving.usage(inputs, finals, 1)}]
+        return [{"id": self.id, "prompt_logprobs": native_logprobs(finals[0].prompt_logprobs),
+                 "usage": self.serving.usage(inputs, finals, 1)}]

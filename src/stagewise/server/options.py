@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20     # a 128K-token prompt as text or token ids fits several times over
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as token ids, four times as text
 DEFAULT_GRACEFUL_TIMEOUT_S = 10.0
 API_KEY_ENV = "STAGEWISE_API_KEY"
 _UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import pydantic_core
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
 from ..request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-from .errors import bad_request, from_validation_error, from_value_error
+from .errors import bad_request, from_value_error
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
 MAX_N = 16                           # choices per prompt
@@ -103,6 +102,7 @@ class SamplingFields(_Strict):
 class NativeSampling(SamplingFields):
     """/generate's `sampling_params`: every SamplingParams field."""
     logprobs: Int | None = None
+    prompt_logprobs: Int | None = None       # with max_tokens 0: score the prompt only
 
 
 class StreamOptions(_Strict):
@@ -225,30 +225,10 @@ class GenerateRequest(_Strict):
             raise bad_request("Give exactly one of text, input_ids or input_embeds.", given[1] if given else "text")
 
 
-def parse_request(body: bytes, schema: type[BaseModel]):
-    """A request object from the raw body (UTF-8 JSON); any problem is a 400 naming the field.
-    Lone surrogate escapes ("\\ud800"), invalid UTF-8 and nesting deeper than 200 are invalid JSON."""
-    try:
-        data = pydantic_core.from_json(body)
-    except ValueError as exc:
-        raise bad_request(f"The request body is not valid JSON ({exc}); send one JSON object in UTF-8 (lone "
-                          f"surrogate escapes such as \\ud800 are not text).", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, not {_JSON_TYPES.get(type(data), 'that')}.")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
-
-
 def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
-                         param_prefix: str = "") -> SamplingParams:
+                         param_prefix: str = "", **extra) -> SamplingParams:
     """SamplingParams from validated fields; its own checks (ranges) become 400s naming the field."""
-    kwargs = dict(fields, max_tokens=max_tokens, logprobs=logprobs)
+    kwargs = dict(fields, max_tokens=max_tokens, logprobs=logprobs, **extra)
     if seed_offset and kwargs.get("seed") is not None:
         kwargs["seed"] += seed_offset          # n > 1 with a seed: distinct but reproducible choices
     try:

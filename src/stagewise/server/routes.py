@@ -16,8 +16,9 @@ from ..request import SamplingParams
 from .bridge import PromptInput
 from .errors import bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
+from .intake import parse_request
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                       make_sampling_params, parse_request)
+                       make_sampling_params)
 from .serving import ClientGone, Serving
 
 CLIENT_GONE = 499            # nginx's "client closed request": logged, never seen by anyone
@@ -85,8 +86,10 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     else:
         prompt = PromptInput(input_embeds=_embeds_tensor(serving, req.input_embeds))
     sp = req.sampling_params
-    max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens")
-    params = [make_sampling_params(sp.sampling_kwargs(), max_tokens, sp.logprobs, param_prefix="sampling_params.")]
+    max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens",
+                                        minimum=0 if sp.prompt_logprobs is not None else 1)
+    params = [make_sampling_params(sp.sampling_kwargs(), max_tokens, sp.logprobs, param_prefix="sampling_params.",
+                                   prompt_logprobs=sp.prompt_logprobs)]
     return Job([prompt], params, NativeShape(serving), req.stream)
 
 

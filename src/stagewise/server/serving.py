@@ -89,9 +89,9 @@ class Serving:
         return PromptInput(prompt_token_ids=self.tok.encode(text))
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None,
-                       param: str = "max_tokens") -> int:
+                       param: str = "max_tokens", minimum: int = 1) -> int:
         """The explicit limit (checked against the context and the KV cache) or the default, capped to fit.
-        `default` None means: the rest of the context."""
+        `default` None means: the rest of the context; `minimum` 0 allows scoring a prompt only."""
         room = min(self.max_model_len, self.kv_capacity_tokens) - prompt_len
         if prompt_len >= self.max_model_len:
             raise bad_request(f"The prompt has {prompt_len} tokens but the model's context is {self.max_model_len}; "
@@ -102,8 +102,8 @@ class Serving:
                               f"--kv-cache-memory.", "prompt", "context_length_exceeded")
         if requested is None:
             return room if default is None else min(default, room)
-        if requested < 1:
-            raise bad_request(f"max_tokens must be an integer >= 1, got {requested!r}.", param)
+        if requested < minimum:
+            raise bad_request(f"max_tokens must be an integer >= {minimum}, got {requested!r}.", param)
         if requested > room:
             limit = ("context is" if room == self.max_model_len - prompt_len else "KV cache holds")
             total = min(self.max_model_len, self.kv_capacity_tokens)
