@@ -46,6 +46,7 @@ def summarize(rounds: list[dict]) -> dict | None:
     s["per_round_tps"] = [r["throughput"]["output_tokens"] / r["throughput"]["wall_s"] for r in ok
                           if "throughput" in r]
     s["per_round_bs1"] = [r["decode_bs1"] for r in ok]
+    s["per_round_load"] = [r.get("load_at_start", float("nan")) for r in ok]
     return s
 
 
@@ -215,7 +216,7 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
               "(output tok/s; one `generate` call with all requests). TTFT: one request with max_tokens=1 on a "
               "never-seen prompt (wall time of the whole call; median of the round's prompts). Decode: "
               f"(time for 1+{size['decode_n']} tokens − time for 1 token) / {size['decode_n']}, on 32-token "
-              f"prompts, batch 1 and batch {b}. Peak RSS: the engine's whole process tree, sampled every 0.25 s "
+              f"prompts, batch 1 and batch {b}. Peak RSS: the engine's whole process tree, sampled every 0.5 s (PSS every 2 s) "
               "(PSS counts shared pages once; vLLM runs three processes). stagewise and vLLM allocate a 2 GiB KV cache "
               "up front; HF grows its cache per request; llama.cpp holds a 2048-token context.", "",
               "### fp32", "", engine_table(runs, summaries, ("float32",), bs_key), "",
@@ -244,9 +245,10 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
                   f"{size['serve_prompts']} random 128-token prompts × 64 tokens in the same run.", "",
                   serving_table(serve, summaries)]
     lines += ["", "## Per round", "", markdown_table(
-        ["engine", "offline tok/s per round", "decode batch 1 ms/token per round"],
+        ["engine", "offline tok/s per round", "decode batch 1 ms/token per round", "1-min load at the run's start"],
         [[label, " / ".join(f"{v:.0f}" for v in s["per_round_tps"]) or "—",
-          " / ".join(f"{v:.1f}" for v in s["per_round_bs1"])] for label, s in summaries.items() if s])]
+          " / ".join(f"{v:.1f}" for v in s["per_round_bs1"]), " / ".join(f"{v:.1f}" for v in s["per_round_load"])]
+         for label, s in summaries.items() if s])]
     failed = [(label, r) for label, rounds in results.items() for r in rounds if "error" in r]
     for label, r in failed:
         lines += ["", f"**{label} failed**: {r['error']}", "", "```", r.get("log_tail", "")[-800:].strip(), "```"]
