@@ -72,9 +72,11 @@ def test_valid_surrogate_pair_is_text(server):
 def test_non_json_content_type_is_415(server, content_type):
     headers = {"content-type": content_type} if content_type else {}
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    rejected = server.metric("stagewise_requests_total", status="rejected")
     for path in (C, CHAT, GEN):
         r = httpx.post(server.url + path, content=body, headers=headers, timeout=30)
         assert_error(r, 415, code="unsupported_media_type")
+    assert server.metric("stagewise_requests_total", status="rejected") == rejected + 3
     ok = post_raw(server, C, body, **{"content-type": "application/json; charset=utf-8"})
     assert ok.status_code == 200, ok.text
 

@@ -50,7 +50,8 @@ def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions
 
     app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes,
+                       on_reject=metrics.reject)
     app.state.bridge, app.state.metrics, app.state.serving = bridge, metrics, serving
 
     def counted(handler):

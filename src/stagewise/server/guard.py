@@ -26,10 +26,11 @@ class BodyTooLarge(APIError):
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_reject=lambda: None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.on_reject = on_reject          # counts the refusal (metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -37,6 +38,7 @@ class RequestGuard:
         headers = Headers(scope=scope)
         error = self._check(scope, headers)
         if error is not None:
+            self.on_reject()
             response = error.response()
             if error.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
