@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="run vLLM without LD_PRELOAD of tcmalloc and Intel OpenMP (its CPU setup guide's advice)")
     ap.add_argument("--no-serving", action="store_true", help="skip the serving comparison")
     ap.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds per engine run, then killed")
+    ap.add_argument("--report-from", default=None, metavar="JSON",
+                    help="only re-render results/peers*.md and .png from a run saved by this script")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. other load)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -148,6 +150,10 @@ def run_rounds(args, runs: list[dict], spec: dict, tmp: Path) -> tuple[dict, lis
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_from:                        # re-render a saved run, no measuring
+        saved = json.loads(Path(args.report_from).read_text())
+        write_outputs(**saved)
+        return 0
     t_start = time.perf_counter()
     load_before = load_line()
     paths = peers_model.prepare()
@@ -163,18 +169,26 @@ def main(argv=None) -> int:
     meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
             "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
-            "hf_dir": paths["hf_dir"], "user_notes": args.note}
+            "hf_dir": str(paths["hf_dir"]), "user_notes": args.note}
+    saved = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "env"} for r in runs], "results": results,
+             "machine": machine, "serve": serve, "notes": notes,
+             "spec": {"agree": spec["agree"], "agree_tokens": spec["agree_tokens"]}}
+    saved_path = peers_model.cache_root() / f"last-run{'-quick' if args.quick else ''}.json"
+    saved_path.write_text(json.dumps(saved, indent=1))
+    write_outputs(**saved)
+    print(f"(measurements saved to {saved_path}; --report-from it re-renders the report)")
+    return 0
+
+
+def write_outputs(meta, runs, results, machine, serve, notes, spec) -> None:
     text = peers_report.report(meta, runs, results, machine, serve, spec, notes)
-    suffix = "-quick" if args.quick else ""
+    suffix = "-quick" if meta["quick"] else ""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     md, png = RESULTS_DIR / f"peers{suffix}.md", RESULTS_DIR / f"peers{suffix}.png"
     md.write_text(text.rstrip() + "\n")
     peers_report.plot(runs, results, png)
-    (peers_model.cache_root() / f"last-run{suffix}.json").write_text(
-        json.dumps({"results": results, "machine": machine, "serving": serve}, default=str, indent=1))
     print(text)
-    print(f"\nwritten to {md} and {png}; {meta['wall_min']:.1f} min")
-    return 0
+    print(f"\nwritten to {md} and {png}; the run took {meta['wall_min']:.1f} min")
 
 
 if __name__ == "__main__":

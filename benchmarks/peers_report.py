@@ -272,7 +272,8 @@ def plot(runs, results: dict, path: Path) -> None:
     metrics = [(k or bs_key, name.replace("batch B", f"batch {bs_key.removeprefix('decode_bs')}"), hib)
                for k, name, hib in METRICS]
     panels = [("fp32 (llama.cpp Q4_1 for reference)", ("float32", "q4_1")), ("bf16", ("bfloat16",))]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5), sharey=True)
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     for ax, (title, dtypes) in zip(axes, panels):
         group = [r for r in runs if r["dtype"] in dtypes and summaries[r["label"]]]
         base = next((summaries[r["label"]] for r in group if r["engine"] == "stagewise"), None)
@@ -294,8 +295,11 @@ def plot(runs, results: dict, path: Path) -> None:
         ax.set_xticks(range(len(metrics)), [m[1] for m in metrics], fontsize=8)
         ax.set_title(f"{title}: value / stagewise")
         ax.set_ylim(min(lo, 1 / hi) / 1.3, max(hi, 1 / lo) * 1.3)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("relative to stagewise (log scale)")
+    axes[0].set_ylabel("value / stagewise's (log scale)")
     fig.suptitle("SmolLM2-135M-Instruct on 2 CPU threads: peers relative to stagewise")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
