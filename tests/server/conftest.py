@@ -43,8 +43,8 @@ class ServerProcess(launcher.ServerProcess):
         return total
 
 
-def start_server(model_dir: Path, tmp_dir: Path, *args: str, env: dict | None = None) -> ServerProcess:
-    server = ServerProcess(model_dir, tmp_dir / "server.log", *args, env=env)
+def start_server(model_dir: Path, tmp_dir: Path, *args: str) -> ServerProcess:
+    server = ServerProcess(model_dir, tmp_dir / "server.log", *args)
     try:
         server.wait_healthy()
     except BaseException:

@@ -18,7 +18,7 @@ HOST = "127.0.0.1"
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path, log_path: Path, *args: str, env: dict | None = None):
+    def __init__(self, model_dir: str | Path, log_path: Path, *args: str):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
@@ -26,7 +26,7 @@ class ServerProcess:
                "--host", HOST, "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {})))
+                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
