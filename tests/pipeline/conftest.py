@@ -2,7 +2,8 @@
 
 Each namespace has only `lo` and its end of the veth (10.77.0.1/24 and 10.77.0.2/24), so
 traffic stays inside them, and the host name resolves to 127.0.0.1 there as on many real
-machines. The namespaces (and every process still inside them) are removed at teardown.
+machines. Every scenario gets its own pair, so "no process left in either host" is exact.
+The namespaces (and every process still inside them) are removed at teardown.
 """
 from __future__ import annotations
 
@@ -93,14 +94,20 @@ def _remove(hosts: list[Host]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
-    """(host A, host B): namespaces with unique names per run, always removed."""
+def make_hosts():
+    """Factory: a fresh (host A, host B) pair with unique names per call; all removed at the end."""
     if not sys.platform.startswith("linux"):
         pytest.skip("network namespaces need Linux")
-    tag = uuid.uuid4().hex[:6]
     made: list[Host] = []
+
+    def make() -> tuple[Host, Host]:
+        tag = uuid.uuid4().hex[:6]
+        made.extend([Host(f"sw{tag}a", "", ""), Host(f"sw{tag}b", "", "")])   # removed even if creation fails
+        pair = _create(tag)
+        made[-2:] = pair
+        return pair
+
     try:
-        made = list(_create(tag))
-        yield tuple(made)
+        yield make
     finally:
-        _remove(made or [Host(f"sw{tag}a", "", ""), Host(f"sw{tag}b", "", "")])
+        _remove(made)

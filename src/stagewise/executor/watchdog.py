@@ -3,9 +3,11 @@
 Python runs signal handlers only between bytecodes of the main thread, so a node blocked in a
 gloo connect or receive would ignore Ctrl-C and SIGTERM until that call returns. The signal
 still wakes a watcher thread (through `signal.set_wakeup_fd`): if the process has not exited
-`grace_s` later, it kills this node's stage processes and exits. A process that unwound in time
-exits at once too, skipping seconds of interpreter teardown. While another handler owns a
-signal (the HTTP server's graceful drain), the watcher leaves that signal to it.
+`grace_s` later, it kills this node's stage processes and exits. A handler that lands inside a
+message transfer stops the node at once (unwinding there would leave a half-read message on a
+link that the orderly shutdown reuses); peers see the closed links and stop. A process that
+unwound exits at once too, skipping seconds of torch teardown. Signals another handler owns
+(the server's graceful drain) are left to it.
 """
 from __future__ import annotations
 
@@ -17,19 +19,28 @@ import sys
 import threading
 import time
 
+from ..parallel import transport
+
 GRACE_S = 1.5
 _installed = False
 _stop_signal: int | None = None          # the first SIGINT/SIGTERM our handlers own
 
 
 def _exit_on_term(signum, frame):
-    _note_stop(signum)
-    raise SystemExit(128 + signum)          # unwinds like Ctrl-C, so `finally` blocks stop the stages
+    _unwind_when_safe(signum, frame, SystemExit(128 + signum))   # `finally` blocks stop the stages
 
 
 def _interrupt(signum, frame):
+    _unwind_when_safe(signum, frame, KeyboardInterrupt())
+
+
+def _unwind_when_safe(signum: int, frame, exc: BaseException) -> None:
     _note_stop(signum)
-    raise KeyboardInterrupt
+    while frame is not None:
+        if frame.f_code.co_filename == transport.__file__:
+            _hard_stop(signum)
+        frame = frame.f_back
+    raise exc
 
 
 def _note_stop(signum: int) -> None:
@@ -63,14 +74,19 @@ def install(grace_s: float = GRACE_S) -> bool:
 
 def _watch(reader: socket.socket, writer: socket.socket, grace_s: float) -> None:
     """`writer` stays referenced here: closing it would silence the wakeup fd."""
+    signum = _first_owned_signal(reader)
+    _note_stop(signum)
+    time.sleep(grace_s)
+    print(f"stagewise: {signal.Signals(signum).name} did not stop the process within {grace_s:.1f} s "
+          f"(it was waiting in torch.distributed); killing its stage processes.", file=sys.stderr)
+    _hard_stop(signum)
+
+
+def _first_owned_signal(reader: socket.socket) -> int:
     while True:
         for signum in reader.recv(64):
             if signal.getsignal(signum) is OUR_HANDLERS.get(signum):
-                _note_stop(signum)
-                time.sleep(grace_s)
-                print(f"stagewise: {signal.Signals(signum).name} did not stop the process within {grace_s:.1f} s "
-                      f"(it was waiting in torch.distributed); killing its stage processes.", file=sys.stderr)
-                _hard_stop(signum)
+                return signum
 
 
 def _exit_now_if_stopping() -> None:
