@@ -6,7 +6,9 @@ resolved later by the pieces that own it, from these fields.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 GIB = 1 << 30
 PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
@@ -125,6 +127,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"Unknown engine option(s): {', '.join(unknown)}; see `stagewise serve --help`.")
         return cls(**kwargs)
+
+
+def cache_root() -> Path:
+    """`$STAGEWISE_CACHE`, else `~/.cache/stagewise`: the demo model, the default model, converted tokenizers."""
+    return Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise")
 
 
 def _parse_int_list(name: str, text: str) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig
 
-from stagewise.checkpoint import cache_root
+from stagewise.config import cache_root
 from stagewise.model.llama import LlamaForCausalLM
 from stagewise.parallel.partition import StageInfo
 

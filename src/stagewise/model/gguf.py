@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from stagewise.checkpoint import gguf_facts, gguf_reader
+from stagewise.gguf_meta import gguf_facts, gguf_reader
 
 log = logging.getLogger("stagewise.model")
 

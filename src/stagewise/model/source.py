@@ -18,7 +18,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-from stagewise.checkpoint import cache_root
+from stagewise.config import cache_root
 
 log = logging.getLogger("stagewise.model")
 

@@ -7,7 +7,8 @@ from collections import Counter
 import torch
 
 from ..config import EngineConfig
-from ..checkpoint import gguf_facts, gguf_file_of, load_hf_config, max_model_len
+from ..checkpoint import gguf_file_of, load_hf_config, max_model_len
+from ..gguf_meta import gguf_facts
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
 from ..parallel.partition import stage_infos
