@@ -39,8 +39,8 @@ def test_api_key_flag_defaults_to_the_environment(monkeypatch):
                                      {"authorization": KEY}, {"authorization": f"Bearer {KEY}x"}],
                          ids=["none", "wrong", "basic", "bare", "longer"])
 def test_routes_need_the_key(guarded, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/generate"), ("GET", "/v1/nothing")):
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/v1/nothing")):
         r = httpx.request(method, guarded.url + path, json=NORMAL, headers=headers, timeout=30)
         assert_error(r, 401, code="invalid_api_key")
         assert r.headers["www-authenticate"] == "Bearer"
@@ -57,11 +57,14 @@ def test_openai_client_with_the_key(guarded):
     from openai import OpenAI
     with OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
         assert [m.id for m in client.models.list().data] == [NAME]
+        assert client.models.retrieve(NAME).id == NAME           # the name travels percent-encoded
         out = client.completions.create(model=NAME, prompt="Hello", max_tokens=3, temperature=0)
         assert out.model == NAME and out.choices[0].finish_reason in ("stop", "length")
     with OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0, timeout=60) as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            client.models.retrieve(NAME)
 
 
 def test_served_name_everywhere_and_no_path(guarded, llama_dir):

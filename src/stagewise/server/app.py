@@ -68,11 +68,19 @@ def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions
     app.add_api_route("/v1/chat/completions", counted(routes.chat_completions), methods=["POST"])
     app.add_api_route("/generate", counted(routes.generate), methods=["POST"])
 
+    card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
+            "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
-                "max_model_len": serving.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise APIError(f"The model {model_id[:200]!r} does not exist on this server; it serves {name!r} "
+                           f"(see GET /v1/models).", 404, None, "model_not_found")
+        return card
 
     @app.get("/health")
     async def health():

@@ -30,6 +30,7 @@ class PromptInput:
     """One engine submission: exactly one of ids or embeddings, and its length in positions."""
     prompt_token_ids: list[int] | None = None
     input_embeds: Any = None                 # torch.Tensor [T, H]
+    text: str | None = None                  # the prompt as the client wrote it (echoed back), if text
 
     @property
     def num_tokens(self) -> int:

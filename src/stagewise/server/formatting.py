@@ -1,27 +1,32 @@
-"""Response shapes: cumulative engine outputs as whole bodies and stream deltas, and engine
-logprobs, in the OpenAI completions, OpenAI chat and native /generate forms."""
+"""Response shapes: cumulative engine outputs as whole bodies and stream deltas, in the OpenAI
+completions (with `echo`), OpenAI chat and native /generate forms. Which logprob entries a
+response shows, and their shapes, live in `logprobs.py`.
+"""
 from __future__ import annotations
 
 import logging
 import time
 import uuid
 
-from ..request import RequestOutput, TokenLogprob
+from ..request import RequestOutput
+from .logprobs import (TokenSpans, chat_entries, completion_entries, join_entries, native_entries,
+                       shown_count)
 
 log = logging.getLogger("stagewise.server")
 
 
 class StreamState:
-    """What one choice has sent so far; `advance` returns only the new text and logprobs."""
+    """What one choice has sent so far; `advance` returns only the new text."""
 
-    def __init__(self):
+    def __init__(self, spans: TokenSpans | None = None):
         self.text = ""
         self.num_tokens = 0
-        self.num_logprobs = 0
-        self.offset_before = 0        # completions text_offset of the next token
-        self.started = False
+        self.num_shown = 0            # output tokens whose logprob entries were sent
+        self.spans = spans
+        self.started = False          # chat: the role chunk is sent; completions: the echo is sent
+        self.prompt_chars = 0         # completions with echo: text_offset of the output's first character
 
-    def advance(self, out: RequestOutput) -> tuple[str, list[TokenLogprob]]:
+    def advance(self, out: RequestOutput) -> str:
         c = out.outputs[0]
         # NOTE: a trailing U+FFFD is half a UTF-8 character that the next token completes: hold it back.
         text = c.text if out.finished else c.text.rstrip("\ufffd")
@@ -31,71 +36,46 @@ class StreamState:
         elif text:
             log.debug("stream text is not an extension of what was sent; dropping the difference")
         self.num_tokens = len(c.token_ids)
-        lps = list(c.logprobs or [])[self.num_logprobs:]
-        self.num_logprobs += len(lps)
-        return delta, lps
+        return delta
 
-
-def _token_text(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(tok, lps: list[TokenLogprob] | None, start_offset: int = 0) -> dict | None:
-    if lps is None:
-        return None
-    tokens = [_token_text(tok, lp.token_id) for lp in lps]
-    offsets, at = [], start_offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(lp.logprob) for lp in lps],
-            "top_logprobs": [{_token_text(tok, t): float(v) for t, v in _sorted_top(lp)} for lp in lps],
-            "text_offset": offsets}
-
-
-def chat_logprobs(tok, lps: list[TokenLogprob] | None) -> dict | None:
-    if lps is None:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict:
-        text = _token_text(tok, token_id)
-        return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
-
-    content = [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in _sorted_top(lp)])
-               for lp in lps]
-    return {"content": content, "refusal": None}
-
-
-def native_logprobs(lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
-    """Native shape; a None entry (the first prompt token, which nothing predicts) stays None."""
-    if lps is None:
-        return None
-    return [None if lp is None else {"token_id": lp.token_id, "logprob": float(lp.logprob),
-                                     "top": {str(t): float(v) for t, v in _sorted_top(lp)}} for lp in lps]
-
-
-def _sorted_top(lp: TokenLogprob) -> list[tuple[int, float]]:
-    return sorted((lp.top or {}).items(), key=lambda kv: -kv[1])
+    def new_shown(self, out: RequestOutput, keep_stop_token: bool) -> tuple[int, int]:
+        """The output tokens [begin, end) whose entries this update sends: those starting in the text sent."""
+        shown = shown_count(self.spans, out.outputs[0].token_ids, self.text, out.finished, keep_stop_token)
+        begin, self.num_shown = self.num_shown, max(self.num_shown, shown)
+        return begin, self.num_shown
 
 
 class Shape:
     """Response shapes for one endpoint: a whole body, stream chunks, and the stream's tail."""
 
     chunk_object = ""
+    keep_stop_token = False           # show the stop token's logprob entry when it adds no text
 
-    def __init__(self, serving, req=None, prefix: str = "cmpl"):
+    def __init__(self, serving, req=None, prefix: str = "cmpl", logprobs: bool = False):
         self.serving, self.tok = serving, serving.tok
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = getattr(req, "n", 1)
         self.include_usage = bool(req is not None and req.stream_options and req.stream_options.include_usage)
+        self.logprobs = logprobs
+        self.skip_special = getattr(req, "skip_special_tokens", None) is not False
         self.states: dict[int, StreamState] = {}
 
     def head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.serving.model_name}
 
     def state(self, i: int) -> StreamState:
-        return self.states.setdefault(i, StreamState())
+        if i not in self.states:
+            self.states[i] = StreamState(self.spans() if self.logprobs else None)
+        return self.states[i]
+
+    def spans(self) -> TokenSpans:
+        return TokenSpans(self.tok, self.skip_special)
+
+    def shown(self, out: RequestOutput) -> int:
+        """How many output tokens a whole (non-streamed) body shows entries for."""
+        c = out.outputs[0]
+        return shown_count(self.spans(), c.token_ids, c.text, out.finished, self.keep_stop_token)
 
     def tail(self, inputs, finals) -> list[dict]:
         if not self.include_usage:
@@ -111,40 +91,76 @@ class Shape:
 
 class CompletionShape(Shape):
     chunk_object = "text_completion"
+    keep_stop_token = True        # legacy completions end with the generated token; harnesses drop it
 
-    def __init__(self, serving, req):
-        super().__init__(serving, req, "cmpl")
-        self.logprobs = req.logprobs is not None
+    def __init__(self, serving, req, inputs):
+        super().__init__(serving, req, "cmpl", req.logprobs is not None)
+        self.echo, self.inputs = req.echo, inputs
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": i, "text": f.outputs[0].text, "finish_reason": f.outputs[0].finish_reason,
-                    "logprobs": completion_logprobs(self.tok, f.outputs[0].logprobs) if self.logprobs else None}
-                   for i, f in enumerate(finals)]
+        choices = []
+        for i, f in enumerate(finals):
+            c = f.outputs[0]
+            prompt_text, prompt_lps = self.prompt(i, f) if self.echo else ("", None)
+            logprobs = None
+            if self.logprobs:
+                spans = self.spans()
+                n = shown_count(spans, c.token_ids, c.text, f.finished, True)
+                logprobs = self.entries(f, spans, 0, n, len(prompt_text))
+                logprobs = join_entries(prompt_lps, logprobs) if prompt_lps else logprobs
+            choices.append({"index": i, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs})
         return dict(self.head("text_completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
 
+    def prompt(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
+        """The echoed prompt: its text as given (token ids: decoded) and, with logprobs, its entries
+        (the first token's logprob and top_logprobs null: nothing predicts it)."""
+        ids, given = self.inputs[i].prompt_token_ids, self.inputs[i].text
+        if not self.logprobs:
+            return (given if given is not None else self.tok.decode(ids, self.skip_special)), None
+        spans = self.spans().extend(ids)
+        text = given if given is not None else spans.flushed_text()
+        lps = out.prompt_logprobs or [None] * len(ids)
+        # NOTE: a text prompt that does not decode back to itself (a normalizing tokenizer) keeps offsets inside it
+        return text, completion_entries(self.tok, ids, lps, [min(s, len(text)) for s in spans.starts])
+
+    def entries(self, out: RequestOutput, spans: TokenSpans, begin: int, end: int, base_offset: int) -> dict:
+        c = out.outputs[0]
+        return completion_entries(self.tok, c.token_ids[begin:end], list(c.logprobs or [])[begin:end],
+                                  [base_offset + s for s in spans.starts[begin:end]])
+
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
-        st = self.state(i)
-        text, lps = st.advance(out)
-        if not text and not out.finished and not lps:
-            return []
-        lp = completion_logprobs(self.tok, lps, st.offset_before) if self.logprobs else None
-        if lp:
-            st.offset_before += sum(len(t) for t in lp["tokens"])
-        return [self.chunk({"index": i, "text": text, "logprobs": lp, "finish_reason": out.outputs[0].finish_reason})]
+        st, chunks = self.state(i), []
+        if self.echo and not st.started:
+            st.started = True
+            text, lps = self.prompt(i, out)
+            st.prompt_chars = len(text)
+            chunks.append(self.chunk({"index": i, "text": text, "logprobs": lps, "finish_reason": None}))
+        text = st.advance(out)
+        lp, begin, end = None, 0, 0
+        if self.logprobs:
+            begin, end = st.new_shown(out, self.keep_stop_token)
+            lp = self.entries(out, st.spans, begin, end, st.prompt_chars)
+        if text or end > begin or out.finished:
+            chunks.append(self.chunk({"index": i, "text": text, "logprobs": lp,
+                                      "finish_reason": out.outputs[0].finish_reason}))
+        return chunks
 
 
 class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, serving, req):
-        super().__init__(serving, req, "chatcmpl")
-        self.logprobs = req.logprobs
+        super().__init__(serving, req, "chatcmpl", req.logprobs)
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
-                    "logprobs": chat_logprobs(self.tok, f.outputs[0].logprobs) if self.logprobs else None,
+                    "logprobs": self.entries(f, 0, self.shown(f)) if self.logprobs else None,
                     "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
         return dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
+
+    def entries(self, out: RequestOutput, begin: int, end: int) -> dict:
+        return chat_entries(self.tok, list(out.outputs[0].logprobs or [])[begin:end])
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         st, chunks = self.state(i), []
@@ -152,38 +168,45 @@ class ChatShape(Shape):
             st.started = True
             chunks.append(self.chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}))
-        text, lps = st.advance(out)
-        if text or lps or out.finished:
+        text = st.advance(out)
+        begin, end = st.new_shown(out, self.keep_stop_token) if self.logprobs else (0, 0)
+        if text or end > begin or out.finished:
             delta = {"content": text} if text else {}
-            lp = chat_logprobs(self.tok, lps) if self.logprobs else None
+            lp = self.entries(out, begin, end) if self.logprobs else None
             chunks.append(self.chunk({"index": i, "delta": delta, "logprobs": lp,
                                       "finish_reason": out.outputs[0].finish_reason}))
         return chunks
 
 
 class NativeShape(Shape):
+    """Raw engine results: every generated token (a stop token too) with its logprob entry."""
     chunk_object = "generate.chunk"
 
     def __init__(self, serving):
         super().__init__(serving, None, "gen")
 
+    def state(self, i: int) -> StreamState:
+        return self.states.setdefault(i, StreamState())
+
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
         out = finals[0]
         c = out.outputs[0]
         return {"id": self.id, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-                "logprobs": native_logprobs(c.logprobs), "prompt_logprobs": native_logprobs(out.prompt_logprobs),
+                "logprobs": native_entries(c.logprobs), "prompt_logprobs": native_entries(out.prompt_logprobs),
                 "num_cached_tokens": out.num_cached_tokens, "usage": self.serving.usage(inputs, finals, 1)}
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         st = self.state(i)
         ids_before = st.num_tokens
-        text, lps = st.advance(out)
+        text = st.advance(out)
         ids = out.outputs[0].token_ids[ids_before:st.num_tokens]
         if not text and not ids and not out.finished:
             return []
+        lps = list(out.outputs[0].logprobs or [])[ids_before:st.num_tokens]
         return [{"id": self.id, "text": text, "token_ids": list(ids), "finish_reason": out.outputs[0].finish_reason,
-                 "logprobs": native_logprobs(lps)}]
+                 "logprobs": native_entries(lps)}]
 
     def tail(self, inputs, finals) -> list[dict]:
-        return [{"id": self.id, "prompt_logprobs": native_logprobs(finals[0].prompt_logprobs),
+        # the prompt's entries once, at the end (the first output already has them all)
+        return [{"id": self.id, "prompt_logprobs": native_entries(finals[0].prompt_logprobs),
                  "usage": self.serving.usage(inputs, finals, 1)}]

@@ -10,12 +10,13 @@ are bounded, and only the first unknown key is reported.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
-from ..request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from ..request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from .errors import bad_request, from_value_error
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
@@ -137,8 +138,6 @@ class CompletionRequest(_OpenAIFields):
         self.check_common()
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (only best_of == n); remove it.", "best_of", "unsupported")
-        if self.echo:
-            raise bad_request("echo is not supported by this server; set it to false.", "echo", "unsupported")
         if self.suffix:
             raise bad_request("suffix (insertion) is not supported by this server; remove it.", "suffix", "unsupported")
 
@@ -195,6 +194,9 @@ class ChatCompletionRequest(_OpenAIFields):
                               "response_format", "unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.",
+                              "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise bad_request("Give max_tokens or max_completion_tokens, not both with different values.",
@@ -225,13 +227,23 @@ class GenerateRequest(_Strict):
             raise bad_request("Give exactly one of text, input_ids or input_embeds.", given[1] if given else "text")
 
 
-def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+def make_sampling_params(fields: dict, max_tokens: int, logprobs: int | None, choice: int = 0,
                          param_prefix: str = "", **extra) -> SamplingParams:
     """SamplingParams from validated fields; its own checks (ranges) become 400s naming the field."""
     kwargs = dict(fields, max_tokens=max_tokens, logprobs=logprobs, **extra)
-    if seed_offset and kwargs.get("seed") is not None:
-        kwargs["seed"] += seed_offset          # n > 1 with a seed: distinct but reproducible choices
+    if kwargs.get("seed") is not None:
+        kwargs["seed"] = choice_seed(kwargs["seed"], choice)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise from_value_error(exc, param_prefix) from None
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of an n > 1 request: choice 0 keeps the request's seed, choice j
+    gets a 63-bit hash of (seed, j), so no choice of one seed replays a choice of another (with
+    seed + j, seed 124's first choice was seed 123's second) and each stays reproducible."""
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

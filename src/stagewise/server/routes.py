@@ -51,11 +51,15 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     prompts = _completion_prompts(serving, req.prompt, req.n)
     inputs, params, fields = [], [], req.sampling_kwargs()
     for prompt in prompts:
-        max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        # echo with max_tokens 0 scores the prompt only; the engine computes prompt logprobs only for echo
+        max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                            minimum=0 if req.echo else 1)
+        scored = req.echo and (req.logprobs is not None or max_tokens == 0)
         for j in range(req.n):
             inputs.append(prompt)
-            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j))
-    return Job(inputs, params, CompletionShape(serving, req), req.stream)
+            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j,
+                                               prompt_logprobs=(req.logprobs or 0) if scored else None))
+    return Job(inputs, params, CompletionShape(serving, req, inputs), req.stream)
 
 
 def chat_job(serving: Serving, body: bytes) -> Job:

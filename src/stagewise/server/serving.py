@@ -86,7 +86,7 @@ class Serving:
         if not text:
             raise bad_request(f"{param} is empty; give at least one character.", param)
         self.check_chars(len(text), param)
-        return PromptInput(prompt_token_ids=self.tok.encode(text))
+        return PromptInput(prompt_token_ids=self.tok.encode(text), text=text)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None,
                        param: str = "max_tokens", minimum: int = 1) -> int:

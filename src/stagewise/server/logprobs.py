@@ -1,0 +1,104 @@
+"""Logprob entries in the OpenAI completions, OpenAI chat and native shapes, and which tokens a
+response may show them for. A token is shown when its text starts inside the text the response
+shows, so a stop string trims tokens and text alike and a stream never sends an entry for a
+token whose text is later cut; `TokenSpans` finds where each token's text starts.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from ..request import TokenLogprob
+
+REPLACEMENT = "\ufffd"     # what a decoder gives for an incomplete UTF-8 sequence
+
+
+class TokenSpans:
+    """Decodes ids one at a time the way the engine builds output text (a small window of recent
+    tokens, a character held back until its last byte arrives) and records where each token's
+    text starts. A token that only begins a character starts where that character does."""
+
+    def __init__(self, tok, skip_special_tokens: bool = True):
+        self.tok, self.skip = tok, skip_special_tokens
+        self.ids: list[int] = []
+        self.starts: list[int] = []
+        self.text = ""
+        self._window = (0, 0)          # [start, read): tokens decoded as context / already in `text`
+
+    def extend(self, ids) -> "TokenSpans":
+        for token_id in ids:
+            self.ids.append(int(token_id))
+            self.starts.append(len(self.text))
+            start, read = self._window
+            before = self.tok.decode(self.ids[start:read], self.skip) if read > start else ""
+            now = self.tok.decode(self.ids[start:], self.skip)
+            if len(now) > len(before) and not now.endswith(REPLACEMENT):
+                self._window = (read, len(self.ids))
+                self.text += now[len(before):]
+        return self
+
+    def flushed_text(self) -> str:
+        """All the text, an incomplete last character included (as U+FFFD), as a finished output shows it."""
+        start, read = self._window
+        if read == len(self.ids):
+            return self.text
+        before = self.tok.decode(self.ids[start:read], self.skip) if read > start else ""
+        return self.text + self.tok.decode(self.ids[start:], self.skip)[len(before):]
+
+    def count_before(self, num_chars: int) -> int:
+        """How many tokens start before character `num_chars` (starts never decrease)."""
+        return bisect_left(self.starts, num_chars)
+
+
+def shown_count(spans: TokenSpans, token_ids: list[int], text: str, finished: bool, keep_stop_token: bool) -> int:
+    """How many output tokens a response shows for `text`: those starting inside it. With
+    `keep_stop_token` (completions), a finished output whose text nothing cut shows every token,
+    the final stop token (EOS, which has no text) included: clients read the generated token last."""
+    spans.extend(token_ids[len(spans.ids):])
+    if finished and keep_stop_token and spans.flushed_text() == text:
+        return len(token_ids)
+    return spans.count_before(len(text))
+
+
+def token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def sorted_top(lp: TokenLogprob) -> list[tuple[int, float]]:
+    return sorted((lp.top or {}).items(), key=lambda kv: -kv[1])
+
+
+def _top_by_text(tok, lp: TokenLogprob) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for token_id, value in sorted_top(lp):       # two ids with one text: keep the likelier
+        top.setdefault(token_text(tok, token_id), float(value))
+    return top
+
+
+def completion_entries(tok, token_ids: list[int], lps: list[TokenLogprob | None], offsets: list[int]) -> dict:
+    """The completions `logprobs` object; a None entry (a prompt's first token) has null logprobs."""
+    return {"tokens": [token_text(tok, t) for t in token_ids],
+            "token_logprobs": [None if lp is None else float(lp.logprob) for lp in lps],
+            "top_logprobs": [None if lp is None else _top_by_text(tok, lp) for lp in lps],
+            "text_offset": list(offsets)}
+
+
+def join_entries(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def chat_entries(tok, lps: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tok, token_id)
+        return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in sorted_top(lp)])
+               for lp in lps]
+    return {"content": content, "refusal": None}
+
+
+def native_entries(lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """Native shape; a None entry (the first prompt token, which nothing predicts) stays None."""
+    if lps is None:
+        return None
+    return [None if lp is None else {"token_id": lp.token_id, "logprob": float(lp.logprob),
+                                     "top": {str(t): float(v) for t, v in sorted_top(lp)}} for lp in lps]
