@@ -91,7 +91,7 @@ class Shape:
 
 class CompletionShape(Shape):
     chunk_object = "text_completion"
-    keep_stop_token = True        # legacy completions end with the generated token; harnesses drop it
+    keep_stop_token = True        # the generated token comes last: evaluation harnesses drop that entry
 
     def __init__(self, serving, req, inputs):
         super().__init__(serving, req, "cmpl", req.logprobs is not None)
