@@ -127,7 +127,7 @@ def _worker_role(config: EngineConfig) -> int | None:
     from .checkpoint import eos_token_ids_of, load_hf_config
     from .executor.launch import run_headless, torchrun_env
     from .executor.netif import use_interface
-    from .executor.watchdog import install as install_stop_watchdog
+    from .executor.watchdog import exit_now, install as install_stop_watchdog
     install_stop_watchdog()
     env = torchrun_env()
     if config.pp_size > 1 or env:
@@ -140,7 +140,7 @@ def _worker_role(config: EngineConfig) -> int | None:
         from .executor.stage_proc import stage_main
         stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], eos_ids, spawned=False)
         return 0
-    return run_headless(config, model_dir, eos_ids)
+    exit_now(run_headless(config, model_dir, eos_ids))    # a headless node has nothing to tear down
 
 
 def _exit_on_sigterm() -> None:

@@ -298,3 +298,27 @@ def test_interface_choice_overrides_and_errors(make_hosts, llama_dir):
     out, err = cli.communicate(timeout=120)
     assert cli.returncode == 2, err[-2000:]
     assert err.decode().strip().splitlines()[-1].startswith("error: No local network interface can reach")
+
+
+def test_rendezvous_errors_are_one_sentence():
+    """No store, missing ranks, a duplicate rank, and an address or port node 0 cannot serve on."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stagewise.executor.launch import free_port, rendezvous
+    port = free_port()
+    with pytest.raises(TimeoutError, match=r"Nothing answered at --master-addr 127\.0\.0\.1:\d+ within 1 s"):
+        rendezvous(1, 3, "127.0.0.1", port, 1.0)
+    store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False)
+    with pytest.raises(TimeoutError, match=r"The driver, stage 1 did not join the rendezvous at 127\.0\.0\.1"):
+        rendezvous(1, 3, "127.0.0.1", port, 1.0)
+    with pytest.raises(ValueError, match="as rank 1; give every node its own --node-rank"):
+        rendezvous(1, 3, "127.0.0.1", port, 1.0)
+    with pytest.raises(ValueError, match=r"Address already in use.*choose a free --master-port"):
+        rendezvous(0, 3, "127.0.0.1", port, 1.0)
+    with pytest.raises(TimeoutError, match=r"Stage 0 did not join"):
+        rendezvous(0, 2, "127.0.0.1", free_port(), 1.0)
+    with pytest.raises(ValueError, match="is not an address of this host"):
+        rendezvous(0, 2, "198.51.100.7", free_port(), 1.0)     # TEST-NET-2: never local
+    del store

@@ -71,12 +71,15 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
                          f"give every node its own --node-rank.")
     while not store.check(keys):
         if time.monotonic() > deadline:
-            missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
-            raise TimeoutError(f"Ranks {', '.join(missing)} (rank r runs stage r-1) did not join the rendezvous at "
-                               f"{addr}:{port} within {timeout_s:.0f} s; start every node with the same "
-                               f"--master-addr, --master-port and --pp-size.")
+            raise TimeoutError(_missing_ranks(store, keys, addr, port, timeout_s))
         time.sleep(RDZV_POLL_S)
     return store
+
+
+def _missing_ranks(store: dist.Store, keys: list[str], addr: str, port: int, timeout_s: float) -> str:
+    missing = [f"stage {r - 1}" if r else "the driver" for r, key in enumerate(keys) if not store.check([key])]
+    return (f"{', '.join(missing).capitalize()} did not join the rendezvous at {addr}:{port} within "
+            f"{timeout_s:.0f} s; start every node with the same --master-addr, --master-port and --pp-size.")
 
 
 def _listen(addr: str, port: int) -> int:

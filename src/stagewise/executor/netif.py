@@ -28,7 +28,7 @@ IFREQ_BYTES = 40                                 # struct ifreq on 64-bit Linux
 class DistInterface:
     ifname: str
     address: str        # the local address peers reach this node on ("" when the user named the interface)
-    source: str         # "route", "--dist-ifname" or the variable that set it
+    source: str         # what chose it: the route, --dist-ifname or GLOO_SOCKET_IFNAME
 
 
 def master_ip(master_addr: str) -> str:

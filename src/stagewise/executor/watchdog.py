@@ -12,6 +12,7 @@ unwound exits at once too, skipping seconds of torch teardown. Signals another h
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -96,11 +97,17 @@ def _exit_now_if_stopping() -> None:
 
 
 def _hard_stop(signum: int) -> None:
+    exit_now(128 + signum)
+
+
+def exit_now(code: int) -> None:
+    """Kill this process's stage processes, flush, and exit without the seconds of torch teardown."""
     from .launch import kill_local_stages
     kill_local_stages()
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(128 + signum)
+    os._exit(code)
