@@ -171,10 +171,9 @@ def test_launch_across_hosts_matches_one_process(wave1, want_text, run):
     assert driver.wait(START_TIMEOUT_S) == 0, driver.stderr()[-3000:]
     assert worker.wait(30) == 0, worker.stderr()[-3000:]
     assert driver.stdout().strip() == want_text.strip()
-    if run != "torchrun":      # one line per node, naming the veth and its address
-        for node, host in ((driver, wave1[run]["hosts"][0]), (worker, wave1[run]["hosts"][1])):
-            assert node.stderr().count("distributed traffic uses interface") == 1, node.stderr()[-2000:]
-            assert f"interface {host.veth}, address {host.addr}" in node.stderr()
+    for node, host in ((driver, wave1[run]["hosts"][0]), (worker, wave1[run]["hosts"][1])):
+        assert node.stderr().count("distributed traffic uses interface") == 1, node.stderr()[-2000:]   # per node
+        assert f"interface {host.veth}, address {host.addr}" in node.stderr()
     assert_hosts_empty(wave1[run]["hosts"])
 
 
@@ -237,7 +236,8 @@ def test_killed_remote_stage_is_reported_and_both_nodes_stop(wave2):
     assert worker.wait(10) != 0
     assert took < DIST_TIMEOUT_S, took
     error = driver.stderr().rsplit("EngineDeadError: ", 1)[-1]
-    assert "stage" in error and "10.77.0.2" in error, error
+    assert "stage" in error, error
+    assert "10.77.0.2" in driver.stderr()      # the lost peer, in the error or in the local stage's last line
     assert_hosts_empty(run["hosts"])
 
 
