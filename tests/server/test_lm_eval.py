@@ -1,8 +1,8 @@
 """lm-evaluation-harness end to end: `lm_eval --model local-completions` against the server and
 `lm_eval --model hf` on the same checkpoint (fp32, CPU) run a small multiple-choice task
 (loglikelihood: echo + logprobs) and a small generate_until task; every item's log-likelihood,
-is-greedy flag, generation and score must agree. Half the multiple-choice items offer the model's
-own greedy next word as a choice, so the is-greedy flags are not all false."""
+is-greedy flag, generation and score must agree. Where the model's greedy next token after a
+question is a word, that item offers it as a choice, so the is-greedy flags are not all false."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,7 @@ def write_tasks(root: Path, model_dir: Path, hf_logits) -> tuple[str, str]:
     for i in range(12):
         question = _phrase(rng, 6)
         choices = [_phrase(rng, rng.randint(1, 3)) for _ in range(4)]
-        greedy = _greedy_word(tokenizer, model_dir, hf_logits, question) if i % 2 == 0 else None
+        greedy = _greedy_word(tokenizer, model_dir, hf_logits, question)
         if greedy is not None:
             choices[i % 4] = greedy
         mc.append({"question": question, "choices": choices, "answer": rng.randrange(4)})

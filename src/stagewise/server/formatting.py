@@ -72,10 +72,10 @@ class Shape:
     def spans(self) -> TokenSpans:
         return TokenSpans(self.tok, self.skip_special)
 
-    def shown(self, out: RequestOutput) -> int:
-        """How many output tokens a whole (non-streamed) body shows entries for."""
-        c = out.outputs[0]
-        return shown_count(self.spans(), c.token_ids, c.text, out.finished, self.keep_stop_token)
+    def shown(self, out: RequestOutput) -> tuple[TokenSpans, int]:
+        """The output's token spans, and how many tokens a whole (non-streamed) body shows entries for."""
+        c, spans = out.outputs[0], self.spans()
+        return spans, shown_count(spans, c.token_ids, c.text, out.finished, self.keep_stop_token)
 
     def tail(self, inputs, finals) -> list[dict]:
         if not self.include_usage:
@@ -104,8 +104,7 @@ class CompletionShape(Shape):
             prompt_text, prompt_lps = self.prompt(i, f) if self.echo else ("", None)
             logprobs = None
             if self.logprobs:
-                spans = self.spans()
-                n = shown_count(spans, c.token_ids, c.text, f.finished, True)
+                spans, n = self.shown(f)
                 logprobs = self.entries(f, spans, 0, n, len(prompt_text))
                 logprobs = join_entries(prompt_lps, logprobs) if prompt_lps else logprobs
             choices.append({"index": i, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
@@ -155,7 +154,7 @@ class ChatShape(Shape):
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
-                    "logprobs": self.entries(f, 0, self.shown(f)) if self.logprobs else None,
+                    "logprobs": self.entries(f, 0, self.shown(f)[1]) if self.logprobs else None,
                     "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
         return dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
 

@@ -105,7 +105,8 @@ async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
         finals = await serving.run(raw, sub)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(job.shape.body(job.inputs, finals))
+    # NOTE: a long echoed prompt with logprobs takes a decode per token: shape it off the event loop
+    return JSONResponse(await serving.off_loop(job.shape.body, job.inputs, finals))
 
 
 def _render_chat(serving: Serving, messages: list[dict]) -> str:
