@@ -40,6 +40,10 @@ def prefix_offsets(tok, ids: list[int]) -> dict[int, int]:
     return out
 
 
+def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
+    return len(got) == len(want) and all(abs(a - b) < tol for a, b in zip(got, want))
+
+
 def entries(lp) -> dict:
     return {k: getattr(lp, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
@@ -131,10 +135,6 @@ def _stop_cutting_a_token(tok, ids: list[int], text: str) -> tuple[str, int, int
             if text.find(text[cut:end]) == cut:
                 return text[cut:end], cut, j
     raise AssertionError(f"no token to cut in {text!r}")
-
-
-def close(got: list[float], want: list[float], tol: float = 1e-5) -> bool:
-    return len(got) == len(want) and all(abs(a - b) < tol for a, b in zip(got, want))
 
 
 def test_stop_string_trims_logprobs_with_the_text(client, model, offline):
