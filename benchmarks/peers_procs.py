@@ -29,6 +29,14 @@ def base_env() -> dict:
                 OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
 
 
+def stagewise_env(src: str | None) -> dict:
+    """base_env, importing stagewise from `src` (e.g. a clean export of a commit) when given."""
+    env = base_env()
+    if src:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def vllm_env(threads: int, python: str | None = None) -> dict:
     env = dict(base_env(), VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING")

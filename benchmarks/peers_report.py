@@ -37,12 +37,12 @@ def summarize(rounds: list[dict]) -> dict | None:
          "peak_pss": max(r["peak_pss_mib"] for r in ok), "agree": ok[0]["agree"], "n_ok": len(ok)}
     for length in ok[0]["ttft_ms"]:
         s[f"ttft{length}"] = min(statistics.median(r["ttft_ms"][length]) for r in ok)
-    for key in ok[0]:
+    for key in {k for r in ok for k in r}:              # some workloads run in the first round only
+        have = [r[key] for r in ok if key in r]
         if key.startswith("decode_bs"):
-            s[key] = min(r[key] for r in ok)
-        elif isinstance(ok[0][key], dict) and "wall_s" in ok[0][key]:
-            s["tps" if key == "throughput" else f"{key}_tps"] = max(r[key]["output_tokens"] / r[key]["wall_s"]
-                                                                    for r in ok)
+            s[key] = min(have)
+        elif isinstance(have[0], dict) and "wall_s" in have[0]:
+            s["tps" if key == "throughput" else f"{key}_tps"] = max(v["output_tokens"] / v["wall_s"] for v in have)
     s["per_round_tps"] = [r["throughput"]["output_tokens"] / r["throughput"]["wall_s"] for r in ok
                           if "throughput" in r]
     s["per_round_bs1"] = [r["decode_bs1"] for r in ok]

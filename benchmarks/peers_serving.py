@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peers_procs import VLLM_CLI, ProcTree, base_env, vllm_env
+from peers_procs import VLLM_CLI, ProcTree, stagewise_env, vllm_env
 
 HOST = "127.0.0.1"             # loopback only
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 64, 16
@@ -39,7 +39,7 @@ def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -
     for name, cmd in servers.items():
         port = free_port()
         preload = None if args.vllm_no_preload else args.vllm_python
-        env = vllm_env(args.threads, preload) if name.startswith("vllm") else base_env()
+        env = vllm_env(args.threads, preload) if name.startswith("vllm") else stagewise_env(args.stagewise_src)
         print(f"[serving] {name} ...", flush=True)
         tag = name.replace(" ", "_")
         server = ProcTree(cmd + ["--host", HOST, "--port", str(port)], env, tmp / f"{tag}.log", tmp)
