@@ -139,7 +139,7 @@ def stagewise_line(src: str | None) -> str:
     git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     if src:
-        return f"stagewise imported from `{src}` (HEAD of the checkout was {head})."
+        return f"stagewise imported from `{src}` (the checkout's HEAD at the start was {head})."
     dirty = len(git("status", "--porcelain", "--", "src").splitlines())
     return f"stagewise from the checkout at {head}" + (f", with {dirty} uncommitted file(s) under src/." if dirty else ".")
 
