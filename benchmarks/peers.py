@@ -56,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Python of a venv with llama-cpp-python ('' to skip)")
     ap.add_argument("--stagewise-src", default=None, metavar="DIR",
                     help="import stagewise from DIR (e.g. `git archive HEAD src | tar -x -C DIR`, then DIR/src)")
+    ap.add_argument("--llamacpp-repeats", type=int, default=3, help="llama.cpp runs per round (best kept)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     ap.add_argument("--vllm-no-preload", action="store_true",
                     help="run vLLM without LD_PRELOAD of tcmalloc and Intel OpenMP (its CPU setup guide's advice)")
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. other load)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds = 1
+        args.rounds, args.llamacpp_repeats = 1, 1
     if args.rounds < 1 or args.threads < 1:
         ap.error("--rounds and --threads must be at least 1.")
     return args
@@ -110,9 +111,11 @@ def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
     """(label, python, spec overrides) of every engine/precision that can run here."""
     main_py, env, sw_env = sys.executable, base_env(), stagewise_env(args.stagewise_src)
     hf = str(paths["hf_dir"])
-    runs = [dict(label="stagewise fp32", engine="stagewise", dtype="float32", python=main_py, env=sw_env, model_dir=hf),
-            dict(label="HF fp32", engine="hf", dtype="float32", python=main_py, env=env, model_dir=hf),
-            dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=sw_env, model_dir=hf)]
+    runs = [dict(label="stagewise fp32", engine="stagewise", dtype="float32", python=main_py, env=sw_env),
+            dict(label="HF fp32", engine="hf", dtype="float32", python=main_py, env=env),
+            dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=sw_env)]
+    for run in runs:
+        run["model_dir"] = hf
     notes.append(stagewise_line(args.stagewise_src))
     if args.vllm_python and Path(args.vllm_python).exists():
         venv = vllm_env(args.threads, vllm_preload_python(args))
@@ -136,12 +139,13 @@ def stagewise_line(src: str | None) -> str:
     """Which stagewise was measured: the checkout shares its tree with work in progress."""
     import subprocess
     repo = Path(__file__).resolve().parents[1]
-    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     if src:
         return f"stagewise imported from `{src}` (the checkout's HEAD at the start was {head})."
     dirty = len(git("status", "--porcelain", "--", "src").splitlines())
-    return f"stagewise from the checkout at {head}" + (f", with {dirty} uncommitted file(s) under src/." if dirty else ".")
+    return f"stagewise from the checkout at {head}" + (f", {dirty} file(s) under src/ uncommitted." if dirty else ".")
 
 
 def spec_for(run: dict, spec: dict, threads: int, with_serving: bool) -> dict:
@@ -167,11 +171,14 @@ def run_rounds(args, runs: list[dict], spec: dict, tmp: Path) -> tuple[dict, lis
         order = runs if rnd % 2 == 0 else list(reversed(runs))
         for run in order:
             s = spec_for(run, spec, args.threads, not args.no_serving)
-            print(f"[round {rnd + 1}/{args.rounds}] {run['label']} ...", flush=True)
-            res = run_worker(run["python"], run["env"], s, tmp, f"{run['label']}-r{rnd}".replace(" ", "_"),
-                             args.engine_timeout)
-            print(f"    {peers_report.one_line(res)}", flush=True)
-            results[run["label"]].append(res)
+            # NOTE: llama.cpp's 2-thread path collapses whenever another process holds a core, and
+            # its runs take seconds: several per round, the best is kept like any other round.
+            for rep in range(args.llamacpp_repeats if run.get("single_stream") else 1):
+                print(f"[round {rnd + 1}/{args.rounds}] {run['label']} ...", flush=True)
+                tag = f"{run['label']}-r{rnd}-{rep}".replace(" ", "_")
+                res = run_worker(run["python"], run["env"], s, tmp, tag, args.engine_timeout)
+                print(f"    {peers_report.one_line(res)}", flush=True)
+                results[run["label"]].append(res)
     machine.append(run_worker(sys.executable, base_env(), machine_spec, tmp, "machine-end", 300))
     return results, machine
 
@@ -197,6 +204,7 @@ def main(argv=None) -> int:
     meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
             "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
+            "llamacpp_repeats": args.llamacpp_repeats,
             "hf_dir": str(paths["hf_dir"]), "user_notes": args.note}
     saved = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "env"} for r in runs], "results": results,
              "machine": machine, "serve": serve, "notes": notes,

@@ -134,7 +134,8 @@ def run_worker(python: str, env: dict, spec: dict, tmp: Path, tag: str, timeout_
     wall = time.monotonic() - t0
     if out_path.exists():
         res = json.loads(out_path.read_text())
-        res.update(run_wall_s=wall, load_at_start=load, peak_rss_mib=tree.peak_rss / 2**20, peak_pss_mib=tree.peak_pss / 2**20)
+        res.update(run_wall_s=wall, load_at_start=load, peak_rss_mib=tree.peak_rss / 2**20,
+                   peak_pss_mib=tree.peak_pss / 2**20)
         return res
     why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exited with code {tree.proc.returncode}"
     return {"error": why, "log_tail": tree.tail()}

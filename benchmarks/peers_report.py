@@ -1,4 +1,4 @@
-"""Tables and the plot of benchmarks/peers.py: per-round engine results reduced to the best round
+"""Tables and the plot of benchmarks/peers.py: per-run engine results reduced to the best run
 (times: lowest; throughput: highest; memory: highest), ratios to stagewise at the same precision,
 roofline figures from the machine's measured bandwidth and torch.mm rate, greedy agreement with HF
 fp32, serving, and bars of every metric normalised to stagewise.
@@ -75,7 +75,7 @@ def engine_table(runs, summaries, dtypes: tuple[str, ...], bs_key: str) -> str:
     b = bs_key.removeprefix("decode_bs")
     return markdown_table(["engine", "startup s", "offline output tok/s", "TTFT 200 tok ms", "TTFT 512 tok ms",
                            "decode ms/token, batch 1", f"decode ms/step, batch {b}", "peak RSS MiB (PSS)",
-                           "rounds ok"], rows)
+                           "runs ok"], rows)
 
 
 def ratio_table(runs, summaries, bs_key: str) -> str:
@@ -198,7 +198,8 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
         "for stagewise, HF and vLLM, bf16 by the engine's own cast; F32 and BF16 GGUF files for llama.cpp), plus "
         "llama.cpp on the original Q4_1 file for reference. Same seeded token-id prompts, greedy, ignore_eos, "
         f"{meta['threads']} threads per engine, OMP_WAIT_POLICY=PASSIVE for all. Each engine runs in its own "
-        f"process per round; {meta['rounds']} round(s), engine order reversed every other round; the best round "
+        f"process per round; {meta['rounds']} round(s), engine order reversed every other round, llama.cpp "
+        f"{meta.get('llamacpp_repeats', 1)} run(s) per round (its runs take seconds); the best run "
         "is reported. Prefix caching stays on (the default) but every timed prompt is one the engine has never "
         "seen.", "",
         f"{meta['machine_line']}. 1-minute {meta['load_before']} at the start, {meta['load_after']} at the end "
@@ -212,11 +213,13 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
                              [[_fmt(mach.get("read_gbps"), 1), _fmt(mach.get("copy_gbps"), 1),
                                _fmt(mach.get("mm_gflops_float32")), _fmt(mach.get("mm_gflops_bfloat16"))]]),
               "", "## Engines", "",
-              f"Offline throughput: {size['n_req']} requests, prompts 32–256 tokens, {size['out']} output tokens each "
+              f"Offline throughput: {size['n_req']} requests, prompts 32–256 tokens, {size['out']} output tokens "
+              "each "
               "(output tok/s; one `generate` call with all requests). TTFT: one request with max_tokens=1 on a "
               "never-seen prompt (wall time of the whole call; median of the round's prompts). Decode: "
               f"(time for 1+{size['decode_n']} tokens − time for 1 token) / {size['decode_n']}, on 32-token "
-              f"prompts, batch 1 and batch {b}. Peak RSS: the engine's whole process tree, sampled every 0.5 s (PSS every 2 s) "
+              f"prompts, batch 1 and batch {b}. Peak RSS: the engine's whole process tree, sampled every 0.5 s "
+              "(PSS every 2 s) "
               "(PSS counts shared pages once; vLLM runs three processes). stagewise and vLLM allocate a 2 GiB KV cache "
               "up front; HF grows its cache per request; llama.cpp holds a 2048-token context.", "",
               "### fp32", "", engine_table(runs, summaries, ("float32",), bs_key), "",
@@ -244,8 +247,8 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
                   "the 2 CPUs). Offline: the same engine's `generate` on "
                   f"{size['serve_prompts']} random 128-token prompts × 64 tokens in the same run.", "",
                   serving_table(serve, summaries)]
-    lines += ["", "## Per round", "", markdown_table(
-        ["engine", "offline tok/s per round", "decode batch 1 ms/token per round", "1-min load at the run's start"],
+    lines += ["", "## Per run", "", markdown_table(
+        ["engine", "offline tok/s per run", "decode batch 1 ms/token per run", "1-min load at the run's start"],
         [[label, " / ".join(f"{v:.0f}" for v in s["per_round_tps"]) or "—",
           " / ".join(f"{v:.1f}" for v in s["per_round_bs1"]), " / ".join(f"{v:.1f}" for v in s["per_round_load"])]
          for label, s in summaries.items() if s])]
@@ -257,9 +260,11 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
     return "\n".join(lines)
 
 
-METRICS = [("tps", "offline tok/s\n(higher is better)", True), ("ttft200", "TTFT, 200 tokens\n(lower is better)", False),
+METRICS = [("tps", "offline tok/s\n(higher is better)", True),
+           ("ttft200", "TTFT, 200 tokens\n(lower is better)", False),
            ("ttft512", "TTFT, 512 tokens\n(lower is better)", False),
-           ("decode_bs1", "decode batch 1\n(lower is better)", False), (None, "decode batch B\n(lower is better)", False),
+           ("decode_bs1", "decode batch 1\n(lower is better)", False),
+           (None, "decode batch B\n(lower is better)", False),
            ("peak_rss", "peak RSS\n(lower is better)", False)]
 
 
