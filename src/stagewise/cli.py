@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 import sys
 import time
 import typing
 
 from .config import EngineConfig
+from .errors import EngineDeadError
 
 SIZE_FIELDS = ("kv_cache_memory",)    # "2GiB", "512MiB" or bytes
 ALIASES = {"pp_size": ["--pipeline-parallel-size"]}
@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EngineDeadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -21,6 +21,7 @@ from ..errors import EngineDeadError
 from .launch import DRIVER_RANK, destroy_group, free_port, init_group, spawn_stages, stage_rank, torchrun_env
 
 log = logging.getLogger("stagewise.executor")
+MONITOR_GRACE_S = 2.0
 
 
 class MultiprocExecutor:
@@ -54,7 +55,8 @@ class MultiprocExecutor:
     def _await_ready(self):
         plans = []
         for s in range(self.config.pp_size):
-            msg = recv_message(stage_rank(s), max(self.timeout, 600.0))
+            # NOTE: polled, so Ctrl-C reaches a user's script while the stages load their weights.
+            msg = recv_message(stage_rank(s), max(self.timeout, 600.0), poll_s=0.05)
             if "error" in msg.obj:
                 raise RuntimeError(msg.obj["error"])
             plans.append(msg.obj["memory_plan"])
@@ -80,18 +82,38 @@ class MultiprocExecutor:
                 self.pending.popleft().wait(self.timeout)
             self.pending.append(send_message(msg, stage_rank(0)))
         except Exception as exc:
-            self._fail(f"sending to stage 0 failed: {exc}")
+            self._fail(self._link_failure(0, "sending to", exc))
+        except BaseException:
+            self._interrupted()
+            raise
         self.last_traffic = time.monotonic()
 
     def _recv(self) -> Message:
-        last = stage_rank(self.config.pp_size - 1)
+        last = self.config.pp_size - 1
         try:
-            msg = recv_message(last, self.timeout)
+            msg = recv_message(stage_rank(last), self.timeout)
         except Exception as exc:
-            time.sleep(0.2)          # let the monitor name the dead stage first
-            self._fail(self.dead or f"no answer from the last stage within {self.timeout:.0f} s ({exc})")
+            time.sleep(0.2)          # let the monitor name a stage that was killed here first
+            self._fail(self.dead or self._link_failure(last, "receiving from", exc))
+        except BaseException:
+            self._interrupted()
+            raise
         self.last_traffic = time.monotonic()
         return msg
+
+    def _link_failure(self, stage: int, doing: str, exc: Exception) -> str:
+        """Why a link failed, naming the stage behind it and its node: a timeout, or a closed link."""
+        node = stage // self.config.stages_per_node
+        where = f"stage {stage} (node {node})"
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            return f"no answer from {where} within {self.timeout:.0f} s ({exc}); a stage is stuck or unreachable."
+        hint = " (see the other nodes' logs)" if self.config.nnodes > 1 else ""
+        return f"{doing} {where} failed ({exc}); a stage process died or lost its connection{hint}."
+
+    def _interrupted(self) -> None:
+        """Ctrl-C (or another exception) mid-transfer: the links hold half a message, never reuse them."""
+        self.dead = self.dead or "The pipeline was interrupted in the middle of a transfer."
+        self._kill_all()
 
     # faults and liveness
     def _check(self) -> None:
@@ -108,13 +130,18 @@ class MultiprocExecutor:
         while alive and not self.closing:
             for sentinel in wait_sentinels(list(alive), timeout=1.0):
                 p = alive.pop(sentinel)
+                if p.exitcode == 1 and not self.closing:
+                    # NOTE: exit code 1 is a stage stopping because a peer's link failed; give the link
+                    # error (which names the stage behind it) a moment to be the reported cause.
+                    time.sleep(MONITOR_GRACE_S)
                 if not self.closing and not self.dead:
                     self.dead = f"{p.name} (pid {p.pid}) died unexpectedly with exit code {p.exitcode}."
                     log.error(self.dead)
                     self._kill_all()
 
     def _heartbeat(self) -> None:
-        """An idle driver sends a heartbeat around the ring every timeout/4 (SPEC: links time out)."""
+        """An idle driver sends a heartbeat around the ring every timeout/4, so an idle link never
+        hits the group timeout."""
         period = self.timeout / 4
         while not self.closing and not self.dead:
             time.sleep(min(period, 1.0))

@@ -8,6 +8,7 @@ peer posts its receive). Receives take a deadline; a dead peer surfaces as an er
 from __future__ import annotations
 
 import pickle
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -47,10 +48,16 @@ def send_message(msg: Message, dst: int, group=None) -> PendingSend:
     return PendingSend(works, keep)
 
 
-def recv_message(src: int, timeout_s: float, group=None) -> Message:
+def recv_message(src: int, timeout_s: float, group=None, poll_s: float | None = None) -> Message:
+    """`poll_s`: wait for the message's start in Python steps of that length (signals are handled
+    between them) instead of blocking in C++; for long waits such as start-up."""
     deadline = timedelta(seconds=timeout_s)
     size = torch.empty(1, dtype=torch.int64)
-    dist.irecv(size, src, group=group).wait(deadline)
+    work = dist.irecv(size, src, group=group)
+    if poll_s:
+        _wait_interruptibly(work, deadline, poll_s)
+    else:
+        work.wait(deadline)
     header = torch.empty(int(size[0]), dtype=torch.uint8)
     dist.irecv(header, src, group=group).wait(deadline)
     kind, obj, meta = pickle.loads(header.numpy().tobytes())
@@ -61,3 +68,25 @@ def recv_message(src: int, timeout_s: float, group=None) -> Message:
             dist.irecv(t, src, group=group).wait(deadline)
         tensors[key] = t
     return Message(kind, obj, tensors)
+
+
+def _wait_interruptibly(work, deadline: timedelta, poll_s: float) -> None:
+    """`work.wait` in a helper thread while this thread wakes every `poll_s` to run signal handlers.
+
+    NOTE: gloo's `is_completed()` stays False until someone waits, so polling it cannot work. If a
+    signal unwinds this thread, the helper stays blocked until the links close."""
+    done, failed = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            work.wait(deadline)
+        except Exception as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True, name="stagewise-recv").start()
+    while not done.wait(poll_s):
+        pass
+    if failed:
+        raise failed[0]
