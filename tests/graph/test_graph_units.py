@@ -1,4 +1,5 @@
-"""SPEC acceptance examples for graph/: buffers, fill, binding, trim, ladders, policy, verdicts."""
+"""The documented graph behaviours, example by example: buffers, fill, binding, trim, ladders, policy,
+verdicts (docs/graphs.md states them)."""
 import collections
 
 import pytest
@@ -24,7 +25,7 @@ def inputs(rank=1, size=2, max_tokens=16, keys=FULL_CONTRACT):
     return StaticInputs(stage(rank, size), max_tokens, H, keys, torch.float32, "cpu")
 
 
-# buffers (SPEC 2, 3, 9)
+# buffers: allocated once, filled as snapshots with zeroed padding, embeddings buffer
 def test_proxy_buffers_full_contract_non_first_stage():
     assert inputs().proxy_shapes() == {"hidden_states": (16, 8), "residual": (16, 8)}
     assert all(torch.count_nonzero(t) == 0 for t in inputs().proxy.values())
@@ -87,7 +88,7 @@ def test_fill_first_stage_ids_and_embeds():
         buf.fill(5, 4, input_ids=torch.arange(5), positions=torch.arange(5))
 
 
-# binding (SPEC 5)
+# binding of optional inputs by name
 def test_binding_input_embeds_only_at_stage_0_and_error_at_stage_1():
     def forward(ids, pos, batch, input_embeds=None):
         pass
@@ -118,7 +119,7 @@ def test_binding_first_declared_embeds_name_wins_and_kwargs_do_not_count():
         bind_forward(loose, 0, True).kwargs(torch.zeros(1, H), None)
 
 
-# trim (SPEC 7)
+# trim to the live rows
 def test_trim_proxy_to_live_rows():
     out = trim_output(ProxyTensors({"hidden_states": torch.arange(10).reshape(5, 2)}), 3)
     assert isinstance(out, ProxyTensors) and out["hidden_states"].shape == (3, 2)
@@ -139,7 +140,7 @@ def test_trim_rejects_dict():
         trim_output({"hidden_states": torch.zeros(5, 2)}, 3)
 
 
-# ladders (SPEC 10)
+# bucket ladders
 def test_prefill_ladder_8192():
     ladder = prefill_bucket_ladder(8192)
     assert ladder[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
@@ -163,7 +164,7 @@ def test_decode_ladder_and_pick():
     assert pick_bucket([4, 8, 16], 17) is None
 
 
-# policy (SPEC 10)
+# policy resolved once at start-up
 def test_policy_auto_under_pp_is_off_and_logged():
     policy = resolve_graph_policy("auto", pp_size=4, device_type="cuda")
     assert policy.backend == "off" and policy.buckets == ()
@@ -215,7 +216,7 @@ def test_policy_decode_graphs():
     assert policy.max_rows == 16
 
 
-# verdicts (SPEC 6)
+# one verdict per step, for every stage
 def test_verdict_padding_factor_two():
     policy = resolve_graph_policy("breakable", buckets=[4, 8, 16], device_type="cuda")
     assert decide_verdict(policy, 1, False, 1) == GraphVerdict("prefill", None, "padding")

@@ -1,4 +1,5 @@
-"""Layer placement: which global layer ids each pipeline stage owns (SPEC item 1)."""
+"""Layer placement: which global layer ids each pipeline stage owns. N layers over P stages give
+N // P each and one more to the last N % P stages; every stage keeps global layer ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
