@@ -39,7 +39,8 @@ def parse_bytes(value) -> int | None:
 class EngineConfig:
     model: str | None = None                    # HF checkpoint directory; None = built-in demo model
     tokenizer: str | None = None                # defaults to the model directory
-    dtype: str = "auto"                         # auto: float32 on CPU, checkpoint dtype on CUDA
+    dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 512, else fp32; CUDA: checkpoint's
+    int8_weights: bool = False                  # int8 copies serve steps of <= 4 rows (runtime.quantize)
     device: str = "auto"                        # auto: cuda when available, else cpu
     seed: int = 0
     # KV cache and scheduling
@@ -60,7 +61,7 @@ class EngineConfig:
     master_port: int | None = None              # None: a free port (single node only)
     dist_timeout_s: float = 60.0
     dist_ifname: str | None = None              # None: the interface that routes to master_addr
-    threads_per_stage: int | None = None        # None: 1 when pp_size > 1, else torch default
+    threads_per_stage: int | None = None        # None: cores / stages per node if pp_size > 1, else torch's
     # graphs (SPEC item 10)
     prefill_graph: str = "auto"
     prefill_graph_max_tokens: int | None = None

@@ -1,9 +1,8 @@
-"""LocalExecutor: the single stage runs in the driver's process; a plan runs as it is submitted."""
+"""LocalExecutor: the single stage runs in the driver's process; a plan runs as it is submitted.
+Intra-op threads are the stage's business (runtime.setup.intra_op_threads)."""
 from __future__ import annotations
 
 from collections import deque
-
-import torch
 
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
@@ -13,8 +12,6 @@ from ..runtime.worker import Worker
 
 class LocalExecutor:
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
-        if config.threads_per_stage:
-            torch.set_num_threads(config.threads_per_stage)
         stage = StageInfo.single(num_layers_of(load_hf_config(model_dir), model_dir))
         self.worker = Worker(config, model_dir, stage, eos_token_ids)
         self.memory_plans = [self.worker.memory_plan]

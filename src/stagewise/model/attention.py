@@ -52,6 +52,11 @@ class AttentionMetadata:
     # (first row, length) of each prefill with no cached prefix: causal SDPA on its own rows
     causal_spans: list[tuple[int, int]] = field(default_factory=list)
 
+    @property
+    def is_plain_decode(self) -> bool:
+        """All rows are one-token sequences in one decode group, in batch order (see _split_by_length)."""
+        return len(self.groups) == 1 and not self.causal_spans and isinstance(self.groups[0], _DecodeGroup)
+
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
@@ -107,6 +112,8 @@ def _split_by_length(members: list[int], seq_lens: list[int], bs: int) -> list[l
     if not members:
         return []
     blocks = {i: -(-seq_lens[i] // bs) for i in members}
+    if len(set(blocks.values())) == 1:
+        return [members]     # nothing to cut; batch order keeps the all-decode fast path open
     groups = [sorted(members, key=blocks.__getitem__)]
     area = len(members) * max(blocks.values())                  # padded key blocks gathered
     while len(groups) < MAX_DECODE_GROUPS:
@@ -123,7 +130,7 @@ def _split_by_length(members: list[int], seq_lens: list[int], bs: int) -> list[l
         g = groups.pop(gi)
         groups[gi:gi] = [g[:cut], g[cut:]]
         area -= saving
-    return groups
+    return groups if len(groups) > 1 else [members]
 
 
 def _decode_group(members: list[int], starts, s_lens, tables, bs: int, device) -> _DecodeGroup:
@@ -173,6 +180,8 @@ def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: tor
     rows, hq, d = q.shape
     hkv = k.shape[1]
     write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
+    if rows == T and meta.is_plain_decode:
+        return _decode_in_order(meta.groups[0], kv_cache, q, scale)
     out = q.new_empty(rows, hq, d)  # [rows, Hq, D]; every live row is written below
     out[T:].zero_()                 # padding rows
     for start, n in meta.causal_spans:
@@ -194,6 +203,15 @@ def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: tor
         og = og.transpose(1, 2).reshape(-1, hq, d)                     # [G*qmax, Hq, D]
         out.index_copy_(0, grp.row_ids, og.index_select(0, grp.out_index))
     return out
+
+
+def _decode_in_order(grp: _DecodeGroup, kv_cache: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every row is a one-token sequence, in batch order: q and the output need no row gather or scatter."""
+    rows, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    kg, vg = _gather_kv(kv_cache, grp.block_ids)                      # [G, Hkv, L, D]
+    og = F.scaled_dot_product_attention(q.reshape(rows, hkv, hq // hkv, d), kg, vg, attn_mask=grp.mask, scale=scale)
+    return og.reshape(rows, hq, d)
 
 
 class ForwardBatch:

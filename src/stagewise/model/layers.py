@@ -14,10 +14,18 @@ from torch import nn
 
 from stagewise.parallel.partition import StageInfo
 
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """HF's NewGELUActivation: one fused kernel in float32; below it, HF's formula op by op so a
+    bf16 model rounds where HF's does."""
+    if x.dtype == torch.float32:
+        return F.gelu(x, approximate="tanh")
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
@@ -38,8 +46,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)   # one fused op instead of five
-        return self.weight * x32.to(x.dtype)
+        if x.dtype == torch.float32:   # one call; the weight product is the same multiply HF does last
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * x32.to(x.dtype)   # HF rounds the normed value before the weight product
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: `norm(x)`. With residual: `(norm(x + residual), x + residual)`."""
@@ -91,7 +101,11 @@ def _llama3_inv_freq(inv: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables precomputed up to max positions, indexed by `positions` (no data-dependent work)."""
+    """cos/sin tables precomputed up to max positions, indexed by `positions` (no data-dependent work).
+
+    Besides the half-width tables (`forward`) it keeps full-width ones with the rotate-half sign
+    folded in (`tables`), so applying rope is one cat and three elementwise ops per call.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
@@ -99,6 +113,8 @@ class RotaryEmbedding(nn.Module):
         # NOTE: non-persistent, so the loader must call reset_buffers() after to_empty().
         self.register_buffer("cos_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("cos_full", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -108,10 +124,18 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv[None, :]  # [P, D/2] float32, same product as HF
         self.cos_cache.copy_(freqs.cos())
         self.sin_cache.copy_(freqs.sin())
+        self.cos_full.copy_(torch.cat((self.cos_cache, self.cos_cache), -1))       # [P, D]
+        self.sin_signed.copy_(torch.cat((-self.sin_cache, self.sin_cache), -1))    # [P, D]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` -> (cos, sin) each `[T, D/2]` float32."""
         return self.cos_cache[positions], self.sin_cache[positions]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[T]` -> (cos, signed sin) each `[T, 1, D]` in `dtype` (HF casts them to the
+        activation dtype too), for `apply_rotary_full`; built once per forward, shared by all layers."""
+        cos, sin = self.cos_full[positions, None], self.sin_signed[positions, None]
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,6 +144,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rope on x `[T, H, D]` (any row stride) with `RotaryEmbedding.tables`: HF's
+    `x * cos + rotate_half(x) * sin`, bit for bit (the sign moves from x2 onto sin, exactly)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)   # [x2, x1]
+    return x * cos + swapped * sin_signed
 
 
 class FusedLinear(nn.Linear):

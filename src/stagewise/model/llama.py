@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.layers import (FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, StageModel, apply_rotary,
+from stagewise.model.layers import (FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, StageModel, apply_rotary_full,
                                     build_layers, rope_parameters)
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
@@ -37,7 +37,6 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(hf_config)
         self.scale = self.head_dim ** -0.5
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_rows, kv_rows, kv_rows)
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
         self.o_proj = nn.Linear(q_rows, hf_config.hidden_size, bias=o_bias, dtype=dtype)
@@ -46,14 +45,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)      # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        """cos/sin: `RotaryEmbedding.tables` `[T, 1, D]` in the activation dtype."""
+        T, hq, hkv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)                                   # [T, (Hq + 2 Hkv) D]
+        v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)                   # [T, Hkv, D]
+        if self.q_norm is None:
+            # q and k are adjacent columns: rope both heads' sets in one pass
+            qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]                             # [T, Hq, D], [T, Hkv, D]
+        else:
+            q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
+            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
+            q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
         out = batch.attention(self.layer_id, q, k, v, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, -1))
 
@@ -137,7 +140,7 @@ class LlamaForCausalLM(StageModel):
             residual = None  # layer 0 starts the residual stream from the embeddings
         else:
             hidden, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
-        cos, sin = self.rotary(positions)  # [T, D/2] each
+        cos, sin = self.rotary.tables(positions, hidden.dtype)  # [T, 1, D] each, once for all layers
         for layer_id in range(self.stage.start, self.stage.end):
             hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
         if not self.stage.is_last:
@@ -148,8 +151,9 @@ class LlamaForCausalLM(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return F.linear(hidden, head.weight).float()
+        if self.lm_head is not None:   # a module: runtime.quantize may give it an int8 path
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim

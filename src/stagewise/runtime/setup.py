@@ -19,6 +19,7 @@ from ..model.loader import load_model, resolve_dtype
 from ..parallel.partition import StageInfo
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
+from .quantize import quantize_int8
 
 log = logging.getLogger("stagewise.runtime")
 
@@ -41,19 +42,35 @@ def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def intra_op_threads(config: EngineConfig) -> int | None:
+    """Threads for one stage process: `threads_per_stage`, else under PP the cores this process may
+    use shared evenly by the node's stages (one stage per core on a 2-core box). None at PP=1:
+    the stage runs in the caller's process, whose torch setting (all cores by default) stands."""
+    if config.threads_per_stage:
+        return config.threads_per_stage
+    if config.pp_size == 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // config.stages_per_node)
+
+
 def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
+    threads = intra_op_threads(config)
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
     model = load_model(model_dir, stage, dtype, device)
+    int8_bytes = quantize_int8(model) if config.int8_weights else 0
     policy = policy_for(config, device.type)
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))
     num_kv_heads, head_dim = model.kv_cache_spec()
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
-    plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
+    plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes, int8_bytes)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
                                          head_dim, dtype, device)
     runner.capture()
@@ -61,8 +78,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     return StageParts(model, runner, runner, plan, device, batch)
 
 
-def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes, extra_weight_bytes) -> MemoryPlan:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + extra_weight_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
     hidden = model.hidden_size
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden

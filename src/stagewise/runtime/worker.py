@@ -151,7 +151,8 @@ class Worker:
         result = StepResult(plan.plan_id)
         if not sample_rows:
             return result
-        logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()  # [R, V]
+        rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]   # decode: every row
+        logits = self.model.compute_logits(rows).float().cpu()  # [R, V]
         seqs = [s for s in plan.seqs if s.sample]
         draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs])
         for seq, draw in zip(seqs, draws):
