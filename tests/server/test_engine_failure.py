@@ -1,10 +1,15 @@
-"""Engine death behind a live server: in-flight requests get errors (streaming and not), new ones
-get 503, /health turns 503, and nothing hangs. Uses a scripted fake engine (no model) served by
-uvicorn in a thread, so the failure is deterministic and fast."""
+"""Engine death behind a live server, in both engine layouts (the engine in its own process, the
+default, and in a thread of the server): in-flight requests get errors (streaming and not), new
+ones get 503, /health turns 503, and nothing hangs. Uses a scripted fake engine (no model) served
+by uvicorn in a thread, so the failure is deterministic and fast; in the process layout the fake
+engine runs in the spawned engine process, which a test also kills outright."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +27,7 @@ except ImportError:
 class FakeTok:
     eos_token_ids = ()
     hidden_size = 4
+    vocab_size = 100
     tokenizer = None
 
     def encode(self, text: str) -> list[int]:
@@ -34,14 +40,28 @@ class FakeTok:
         return "".join(m["content"] for m in messages)
 
 
+class FakeExecutor:
+    """`dead` turns into a stage's death message once the file `dead_flag` exists (any process can
+    create it), as the real executor's monitor flags a stage that died while the engine idles."""
+
+    num_blocks = 257
+
+    def __init__(self, dead_flag: str):
+        self.dead_flag = dead_flag
+
+    @property
+    def dead(self) -> str | None:
+        return Path(self.dead_flag).read_text() if os.path.exists(self.dead_flag) else None
+
+
 class FakeEngine:
     """One token per request per step; from step `die_at_step` on, the first step with two requests
     running raises EngineDeadError (a plain RuntimeError when `bug`: an engine bug)."""
 
-    def __init__(self, die_at_step: int, bug: bool = False):
+    def __init__(self, die_at_step: int, bug: bool = False, dead_flag: str = "/nonexistent"):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 4096, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)
-        self.executor = SimpleNamespace(num_blocks=257, dead=None)
+        self.executor = FakeExecutor(dead_flag)
         self.scheduler = SimpleNamespace(next_plan_id=0)
         self.requests: dict[str, list] = {}
         self.inbox: list = []
@@ -100,14 +120,28 @@ def _out(rid, ids, reason, error=None) -> RequestOutput:
                          finished=reason is not None, metrics={"arrival_time": time.monotonic()})
 
 
-@pytest.fixture(params=["dead", "bug"])
-def fake_server(request):
+def fake_engine(spec) -> FakeEngine:
+    """The engine factory the engine process calls (`spec` stands in for the EngineConfig)."""
+    return FakeEngine(spec.die_at_step, spec.bug, spec.dead_flag)
+
+
+@pytest.fixture(params=[("dead", "process"), ("bug", "process"), ("dead", "thread"), ("bug", "thread")],
+                ids=lambda p: "-".join(p))
+def fake_server(request, tmp_path):
+    """(url, bridge, spec): a server on a fake engine in the layout the param names; the engine dies
+    of a stage failure ("dead") or of a bug at step 4, or when `spec.dead_flag` is written."""
     import uvicorn
     from stagewise.server.app import build_app
-    from stagewise.server.bridge import AsyncEngine
+    from stagewise.server.engine_process import ProcessEngine
+    from stagewise.server.engine_thread import ThreadEngine
     from stagewise.server.options import ServerOptions
-    engine = FakeEngine(die_at_step=4, bug=request.param == "bug")
-    app = build_app(AsyncEngine(engine), ServerOptions(served_model_name="fake"))
+    failure, layout = request.param
+    spec = SimpleNamespace(die_at_step=4, bug=failure == "bug", dead_flag=str(tmp_path / "stage-died"))
+    if layout == "process":
+        bridge = ProcessEngine(spec, engine_factory=fake_engine, tokenizer=FakeTok())
+    else:
+        bridge = ThreadEngine(fake_engine(spec))
+    app = build_app(bridge, ServerOptions(served_model_name="fake"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -116,14 +150,17 @@ def fake_server(request):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not server.started:
         time.sleep(0.05)
-    yield url, engine
+    yield url, bridge, spec
     server.should_exit = True
     thread.join(10)
-    assert engine.shut_down
+    if layout == "process":
+        assert bridge._proc.exitcode is not None          # the engine process was stopped (or died)
+    else:
+        assert bridge.engine.shut_down
 
 
 def test_engine_death_fails_requests_and_health(fake_server):
-    url, engine = fake_server
+    url, bridge, spec = fake_server
     ok = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "abc", "max_tokens": 3}, timeout=10)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "bcd"
     results = {}
@@ -138,7 +175,7 @@ def test_engine_death_fails_requests_and_health(fake_server):
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     thread.join(10)
     # a dead stage is news for the client; an engine bug's exception stays in the server log
-    why = "internal error" if engine.bug else "stage 1 died"
+    why = "internal error" if spec.bug else "stage 1 died"
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and why in events[-2], events[-3:]
     plain = results["plain"]
     assert plain.status_code == 503 and why in plain.json()["error"]["message"], plain.text
@@ -149,11 +186,12 @@ def test_engine_death_fails_requests_and_health(fake_server):
     assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
 
 
-@pytest.mark.parametrize("fake_server", ["dead"], indirect=True)
+@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "thread")], indirect=True,
+                         ids=["process", "thread"])
 def test_stage_death_while_idle_turns_health_503(fake_server):
-    url, engine = fake_server
+    url, bridge, spec = fake_server
     assert httpx.get(url + "/health").status_code == 200
-    engine.executor.dead = "stagewise-stage-1 (pid 123) died unexpectedly with exit code -9."
+    Path(spec.dead_flag).write_text("stagewise-stage-1 (pid 123) died unexpectedly with exit code -9.")
     deadline = time.monotonic() + 5
     while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -163,13 +201,14 @@ def test_stage_death_while_idle_turns_health_503(fake_server):
     assert r.status_code == 503 and "stage-1" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("fake_server", ["dead"], indirect=True)
+@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "thread")], indirect=True,
+                         ids=["process", "thread"])
 def test_server_fault_is_a_generic_500_and_the_details_go_to_the_log(fake_server, caplog):
-    url, engine = fake_server
+    url, bridge, spec = fake_server
 
     def broken_encode(text: str):
         raise RuntimeError("secret detail at /srv/models/private")
-    engine.tok.encode = broken_encode
+    bridge.info.tok.encode = broken_encode
     with caplog.at_level("ERROR", logger="stagewise.server"):
         r = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=10)
     assert r.status_code == 500 and set(r.json()) == {"error"}, r.text
@@ -180,3 +219,23 @@ def test_server_fault_is_a_generic_500_and_the_details_go_to_the_log(fake_server
     ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=10)
     assert ok.status_code == 200, ok.text
     assert httpx.get(url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("fake_server", [("dead", "process")], indirect=True, ids=["process"])
+def test_killed_engine_process_fails_open_requests_and_health(fake_server):
+    """SIGKILL the engine process mid-stream: the stream ends with an error event, /health and new
+    requests answer 503 naming the engine process, and the server stays up."""
+    url, bridge, spec = fake_server
+    with httpx.stream("POST", url + "/v1/completions", timeout=10, json={
+            "prompt": "abc", "max_tokens": 2000, "stream": True}) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 2:
+                    os.kill(bridge._proc.pid, signal.SIGKILL)
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "engine process" in events[-2], events[-3:]
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]
+    again = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=10)
+    assert again.status_code == 503 and "engine process" in again.json()["error"]["message"]

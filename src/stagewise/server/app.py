@@ -1,13 +1,15 @@
 """The FastAPI app (`build_app`) and the blocking entry point `stagewise serve` calls (`run_server`).
 
-Lifespan: the engine thread starts with the app and stops after it. In front of the routes,
-`RequestGuard` checks the API key, content type and body size. On SIGINT/SIGTERM the server
-drains (see `shutdown.py`), then the lifespan hook stops the engine thread and the stage processes.
+Lifespan: the bridge to the engine (its own process by default) starts with the app and stops
+after it. In front of the routes, `RequestGuard` checks the API key, content type and body size.
+On SIGINT/SIGTERM the server drains (see `shutdown.py`), then the lifespan hook stops the engine
+and the stage processes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -25,15 +27,18 @@ from .serving import Serving
 
 log = logging.getLogger("stagewise.server")
 BACKSTOP_SHUTDOWN_S = 5.0     # uvicorn's own wait after the drain (which already ended every request)
+# "process" (default): the engine loop in its own process; "thread": in a thread of the server's
+LAYOUT_ENV = "STAGEWISE_SERVER_ENGINE"
+LAYOUTS = ("process", "thread")
 
 
 def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions()) -> FastAPI:
     """An app around a (not yet started) bridge; the app's lifespan starts and stops it."""
     bridge = engine_bridge
-    model_path = str(bridge.engine.model_dir)
+    model_path = bridge.info.model_dir
     name = options.served_model_name or served_name_for(model_path)
     # requests may still name the model by its path (the old default name); responses never show it
-    aliases = tuple(a for a in (bridge.engine.config.model, model_path, served_name_for(model_path)) if a)
+    aliases = tuple(a for a in (bridge.info.config_model, model_path, served_name_for(model_path)) if a)
     metrics = ServerMetrics(lambda: bridge.snapshot, name)
     bridge.metrics = metrics
     serving = Serving(bridge, name, aliases)
@@ -101,10 +106,8 @@ def run_server(config: EngineConfig, host: str, port: int, options: ServerOption
                log_level: str = "info") -> None:
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
     import uvicorn
-    from ..engine.engine import Engine
     from .shutdown import DrainingServer
-    engine = Engine(config)
-    bridge = AsyncEngine(engine)
+    bridge = start_engine(config)
     try:
         app = build_app(bridge, options)
         uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
@@ -112,3 +115,17 @@ def run_server(config: EngineConfig, host: str, port: int, options: ServerOption
         DrainingServer(uv_config, bridge, options.graceful_timeout_s).run()
     finally:
         bridge.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
+
+
+def start_engine(config: EngineConfig) -> AsyncEngine:
+    """The engine behind the server, in the layout `$STAGEWISE_SERVER_ENGINE` names (default: its own
+    process); blocks while it loads and captures."""
+    layout = os.environ.get(LAYOUT_ENV, "process") or "process"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{LAYOUT_ENV}={layout!r} is not an engine layout; use one of {', '.join(LAYOUTS)}.")
+    if layout == "thread":
+        from ..engine.engine import Engine
+        from .engine_thread import ThreadEngine
+        return ThreadEngine(Engine(config))
+    from .engine_process import ProcessEngine
+    return ProcessEngine(config)

@@ -1,10 +1,11 @@
-"""AsyncEngine: runs `Engine.step()` in one background thread and streams each request's
-outputs to the asyncio side through its own queue (via `loop.call_soon_threadsafe`).
+"""AsyncEngine: the server's side of the engine, whatever process runs it. It owns request ids,
+each HTTP call's output queue, aborts on disconnect, engine death (fail everyone, report
+unhealthy), the shutdown drain (refuse new requests, cut the open ones at the deadline) and the
+facts the server reads at start-up (`EngineInfo`); it does not know HTTP.
 
-It owns request ids, aborts on disconnect, engine death (fail everyone, report unhealthy),
-the shutdown drain (refuse new requests, cut the open ones at the deadline) and shutdown; it
-does not know HTTP. `snapshot` is the engine's latest `stats()`, published
-by the engine thread so scrapers never touch the scheduler from another thread.
+Two layouts implement the engine side: `ProcessEngine` (engine_process.py, the default: the
+engine loop in its own process) and `ThreadEngine` (engine_thread.py: in a thread of this one).
+Both deliver cumulative `RequestOutput`s to `_dispatch` on the event loop.
 """
 from __future__ import annotations
 
@@ -16,13 +17,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from ..errors import EngineDeadError
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 
 log = logging.getLogger("stagewise.server")
-IDLE_PUBLISH_S = 1.0          # refresh the stats snapshot this often while idle
-NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
 ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
+SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
 
 
 @dataclass
@@ -35,6 +34,26 @@ class PromptInput:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) if self.input_embeds is None else int(self.input_embeds.shape[0])
+
+
+@dataclass
+class EngineInfo:
+    """What the server reads about the engine at start-up."""
+    tok: Any                                 # engine.inputs.Tokenizer (or anything with its methods)
+    max_model_len: int
+    kv_capacity_tokens: int                  # what one request could ever hold (block 0 is reserved)
+    model_dir: str
+    config_model: str | None                 # the model as configured (a path or a name), an alias
+    vocab_size: int
+
+
+def engine_facts(engine) -> dict:
+    """EngineInfo's fields but the tokenizer, from an engine object (the real `Engine` or one with
+    its surface); plain values, so they can cross processes."""
+    blocks = int(engine.stats().get("num_kv_blocks", 0)) or int(engine.executor.num_blocks)
+    return {"max_model_len": int(engine.max_model_len), "kv_capacity_tokens": (blocks - 1) * int(engine.config.block_size),
+            "model_dir": str(engine.model_dir), "config_model": engine.config.model,
+            "vocab_size": int(engine.tok.vocab_size)}
 
 
 class Submission:
@@ -58,42 +77,36 @@ class ServerUnavailable(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None):
-        self.engine = engine
+    """The layout-independent part; subclasses implement `_add`, `_abort`, `_wake`, `start`, `stop`
+    and `_engine_alive`, and hand outputs to `_post` (any thread) or `_dispatch` (event loop)."""
+
+    def __init__(self, info: EngineInfo, snapshot: dict, metrics=None):
+        self.info = info
         self.metrics = metrics
         self.dead: str | None = None
         self.draining = False                              # shutting down: no new requests
         self.stopping = False
-        self._stopped = False
-        self.snapshot: dict = engine.stats()
+        self.snapshot: dict = snapshot                     # the engine's latest stats()
         self._lock = threading.Lock()                      # guards _streams and dead
         self._streams: dict[str, tuple[asyncio.Queue, int]] = {}   # id -> (queue, prompt length)
-        self._wake = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="stagewise-engine", daemon=True)
 
-    # lifecycle (event loop thread)
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread.start()
+    # layout hooks
+    def _add(self, items: list[tuple[str, PromptInput, SamplingParams]]) -> None:
+        raise NotImplementedError
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort what is still running, let the engine thread finish, then stop the engine (once)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self.stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.warning("engine thread did not stop within %.0f s; shutting the engine down anyway", timeout_s)
-        self._fail_all("The request was aborted because the server is shutting down; retry later.", "abort")
-        self.engine.shutdown()
+    def _abort(self, rids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        pass
+
+    def _engine_alive(self) -> bool:
+        raise NotImplementedError
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead is None and not self.draining and not self.stopping and self._thread.is_alive()
+        return self.dead is None and not self.draining and not self.stopping and self._engine_alive()
 
     # the shutdown drain (event loop thread)
     def begin_drain(self) -> None:
@@ -108,33 +121,33 @@ class AsyncEngine:
         """End every open request now with `why` (an abort), and stop computing them."""
         with self._lock:
             ids = list(self._streams)
-        for rid in ids:
-            self.engine.abort(rid)
-        self._wake.set()
+        self._abort(ids)
+        self._wake()
         self._fail_all(why, "abort")
 
     # requests (event loop thread)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> "Submission":
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
         """Queue every input, all or none: raises ValueError (bad input) or ServerUnavailable.
         The caller must `stream()` the submission or `release()` it."""
         sub = Submission(asyncio.Queue())
         with self._lock:
             if self.dead or self.stopping or self.draining:
                 raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
+            items = []
+            for inp, p in zip(inputs, params):
+                rid = f"req-{uuid.uuid4().hex}"
+                self._streams[rid] = (sub.queue, inp.num_tokens)
+                sub.add(rid)
+                items.append((rid, inp, p))
             try:
-                for inp, p in zip(inputs, params):
-                    rid = f"req-{uuid.uuid4().hex}"
-                    self._streams[rid] = (sub.queue, inp.num_tokens)
-                    sub.add(rid)
-                    self.engine.add_request(params=p, prompt_token_ids=inp.prompt_token_ids,
-                                            input_embeds=inp.input_embeds, request_id=rid)
+                self._add(items)
             except BaseException:
                 self._release_locked(sub)
                 raise
-        self._wake.set()
+        self._wake()
         return sub
 
-    async def stream(self, sub: "Submission") -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream(self, sub: Submission) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (index, cumulative output) until every request finishes. Leaving early (client gone,
         cancellation) aborts the unfinished ones, which frees their KV blocks."""
         try:
@@ -154,15 +167,15 @@ class AsyncEngine:
         finally:
             self.release(sub)
 
-    def release(self, sub: "Submission") -> None:
+    def release(self, sub: Submission) -> None:
         """Abort what is unfinished and forget the submission; safe to call more than once."""
         with self._lock:
             self._release_locked(sub)
-        self._wake.set()
+        self._wake()
 
-    def _release_locked(self, sub: "Submission") -> None:
-        for rid in sub.pending:
-            self.engine.abort(rid)
+    def _release_locked(self, sub: Submission) -> None:
+        if sub.pending:
+            self._abort(list(sub.pending))
         sub.pending.clear()
         for rid in sub.index:
             self._streams.pop(rid, None)
@@ -171,89 +184,21 @@ class AsyncEngine:
         entry = self._streams.get(rid)
         return entry[1] if entry else 0
 
-    # engine thread
-    def _run(self) -> None:
-        try:
-            self._loop_forever()
-        except BaseException:                      # never let the engine thread die silently
-            log.exception("engine thread failed")
-            self._die(ENGINE_FAULT, [])
-
-    def _loop_forever(self) -> None:
-        last_publish = 0.0
-        while True:
-            self._wake.clear()
-            if self.stopping:
-                return self._drain_for_stop()
-            if not self.engine.has_unfinished():
-                # NOTE: an idle engine never calls the executor, so a stage that died meanwhile would
-                # only show at the next request; the executor's monitor flags it, check it here.
-                why = getattr(self.engine.executor, "dead", None)
-                if why:
-                    self._die(str(why), [])
-                    self.engine.shutdown()
-                    return
-                if time.monotonic() - last_publish > IDLE_PUBLISH_S:
-                    self._publish()
-                    last_publish = time.monotonic()
-                self._wake.wait(IDLE_PUBLISH_S)
-                continue
-            progressed = self._step()
-            if progressed is None:
-                return
-            self._publish()
-            last_publish = time.monotonic()
-            if not progressed:
-                self._wake.wait(NO_PROGRESS_WAIT_S)
-
-    def _step(self) -> bool | None:
-        """One engine step; True if it did work, None if the engine died."""
-        plan_id = self.engine.scheduler.next_plan_id
-        try:
-            outputs = self.engine.step()
-        except EngineDeadError as exc:
-            self._die(str(exc), exc.outputs)
-            return None
-        except Exception:                          # a bug, not a request problem: stop serving loudly
-            log.exception("engine step failed")
-            self._die(ENGINE_FAULT, [])
-            self.engine.shutdown()                 # free the stage processes now, not at server exit
-            return None
-        self._deliver(outputs)
-        return bool(outputs) or self.engine.scheduler.next_plan_id != plan_id
-
-    def _drain_for_stop(self, timeout_s: float = 5.0) -> None:
-        with self._lock:
-            ids = list(self._streams)
-        for rid in ids:
-            self.engine.abort(rid)
-        deadline = time.monotonic() + timeout_s
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
-            if self._step() is None:
-                return
-            self._publish()
-
-    def _publish(self) -> None:
-        try:
-            self.snapshot = self.engine.stats()
-        except Exception:                           # stats must never take the loop down
-            log.exception("engine.stats() failed")
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
+    # outputs
+    def _observe(self, outputs: list[RequestOutput], now: float) -> None:
+        """Per-request metrics of the finished outputs; never costs a client its answer."""
+        if self.metrics is None:
             return
-        if self.metrics is not None:
-            now = time.monotonic()
-            try:
-                for out in outputs:
-                    if out.finished:
-                        self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
-            except Exception:                       # metrics must never cost a client its answer
-                log.exception("recording request metrics failed")
-        self._post(outputs)
+        try:
+            for out in outputs:
+                if out.finished:
+                    self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
+        except Exception:
+            log.exception("recording request metrics failed")
 
     def _post(self, outputs: list[RequestOutput]) -> None:
-        if self._loop is None or self._loop.is_closed():
+        """Hand outputs to the event loop from any thread."""
+        if not outputs or self._loop is None or self._loop.is_closed():
             return
         try:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
@@ -266,19 +211,21 @@ class AsyncEngine:
             if entry is not None:
                 entry[0].put_nowait(out)
 
-    def _die(self, why: str, outputs) -> None:
+    def _die(self, why: str, outputs: list[RequestOutput]) -> None:
+        """The engine is gone: deliver its last outputs, then fail every open request with `why`."""
         log.error("engine is dead: %s", why)
         with self._lock:
             self.dead = why
-        self._deliver(list(outputs))
+        self._observe(outputs, time.monotonic())
+        self._post(outputs)
         self._fail_all(why, "error")
 
     def _fail_all(self, why: str, reason: str) -> None:
         """Finish every stream still open with `reason` (after the real outputs already posted)."""
         with self._lock:
             ids = list(self._streams)
-        self._post([_final_output(rid, reason, why) for rid in ids])
+        self._post([final_output(rid, reason, why) for rid in ids])
 
 
-def _final_output(rid: str, reason: str, message: str) -> RequestOutput:
+def final_output(rid: str, reason: str, message: str) -> RequestOutput:
     return RequestOutput(rid, None, [], [CompletionOutput(0, "", [], reason, None, message)], finished=True)

@@ -49,14 +49,11 @@ def chars_per_token_bound(tok) -> int:
 class Serving:
     def __init__(self, bridge: AsyncEngine, model_name: str, aliases: tuple[str, ...] = ()):
         self.bridge = bridge
-        self.engine = bridge.engine
-        self.tok = bridge.engine.tok
+        self.tok = bridge.info.tok
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
-        self.max_model_len = int(self.engine.max_model_len)
-        # NOTE: block 0 is reserved by the block manager; the rest is what one request could ever hold.
-        blocks = int(self.bridge.snapshot.get("num_kv_blocks", 0)) or int(self.engine.executor.num_blocks)
-        self.kv_capacity_tokens = (blocks - 1) * int(self.engine.config.block_size)
+        self.max_model_len = bridge.info.max_model_len
+        self.kv_capacity_tokens = bridge.info.kv_capacity_tokens
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
