@@ -17,8 +17,8 @@ environment, found at /opt/peers/vllm and /opt/peers/llamacpp by default, instal
     /opt/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds break vllm's import
     apt-get install libtcmalloc-minimal4                # optional: vLLM's recommended LD_PRELOAD
     python -m venv /opt/peers/llamacpp                  # builds llama.cpp from source: ~10 CPU-minutes
-    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 /opt/peers/llamacpp/bin/pip wheel \
-        --no-deps llama-cpp-python==0.3.36 -w /opt/peers/wheels
+    export CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2
+    nice -n 19 /opt/peers/llamacpp/bin/pip wheel --no-deps llama-cpp-python==0.3.36 -w /opt/peers/wheels
     /opt/peers/llamacpp/bin/pip install /opt/peers/wheels/llama_cpp_python-0.3.36-*.whl
 """
 from __future__ import annotations
