@@ -102,3 +102,15 @@ def test_threads_per_stage_default():
     assert intra_op_threads(EngineConfig(model="x", threads_per_stage=3)) == 3
     cores = len(os.sched_getaffinity(0))
     assert intra_op_threads(EngineConfig(model="x", pp_size=2)) == max(1, cores // 2)
+
+
+def test_one_row_bf16_steps_use_native_gemv_and_restore_onednn():
+    from stagewise.runtime.kernels import gemm_kernels
+    cpu = torch.device("cpu")
+    assert torch.backends.mkldnn.enabled
+    with gemm_kernels(1, torch.bfloat16, cpu):
+        assert not torch.backends.mkldnn.enabled
+    assert torch.backends.mkldnn.enabled
+    for rows, dtype in ((2, torch.bfloat16), (1, torch.float32)):
+        with gemm_kernels(rows, dtype, cpu):
+            assert torch.backends.mkldnn.enabled

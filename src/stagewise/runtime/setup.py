@@ -17,6 +17,7 @@ from ..checkpoint import load_hf_config, max_model_len
 from ..graph.policy import policy_for
 from ..model.loader import load_model, resolve_dtype
 from ..parallel.partition import StageInfo
+from .allocator import keep_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
 from .quantize import quantize_int8
@@ -60,6 +61,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     threads = intra_op_threads(config)
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)
+    if device.type == "cpu":
+        keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
     model = load_model(model_dir, stage, dtype, device)

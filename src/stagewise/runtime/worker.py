@@ -22,6 +22,7 @@ from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepPlan, StepResult
 from ..request import SamplingParams
+from .kernels import gemm_kernels
 from .sampler import Sampler, prompt_logprobs
 from .setup import build_stage
 
@@ -44,6 +45,7 @@ class Worker:
         self.model, self.runner, self.memory_plan = parts.model, parts.runner, parts.memory_plan
         self.decode_runner = parts.decode_runner
         self.device, self.batch = parts.device, parts.batch
+        self.dtype = next(self.model.parameters()).dtype
         self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
         self.busy_s = 0.0
@@ -78,10 +80,13 @@ class Worker:
         with torch.inference_mode():
             ids, positions, meta, embeds, sample_rows = self._prepare(plan)
             self.batch.meta = meta
-            out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
+            eager = plan.verdict is None or plan.verdict.bucket is None   # captured graphs keep their kernels
+            with gemm_kernels(meta.num_tokens if eager else 0, self.dtype, self.device):
+                out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
             if not self.stage.is_last:
                 return out
-            result = self._sample(plan, out, sample_rows)
+            with gemm_kernels(len(sample_rows), self.dtype, self.device):
+                result = self._sample(plan, out, sample_rows)
             self._prompt_logprobs(plan, out, result)
             return result
 

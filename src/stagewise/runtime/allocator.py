@@ -1,0 +1,37 @@
+"""Keep freed activation memory in the process (glibc malloc settings, once per stage process).
+
+glibc hands blocks above its mmap threshold straight back to the kernel on free and trims the
+heap top, so every large temporary (a [512, 1536] activation is 3 MiB) comes back as fresh pages
+that fault on first touch: an RMSNorm over 512x576 fp32 takes ~1 ms instead of ~0.1 ms. Raising
+both thresholds keeps those pages mapped for the next step (vLLM gets the same by preloading
+tcmalloc). A no-op where the C library is not glibc.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("stagewise.runtime")
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20      # glibc's ceiling for this setting on 64-bit
+TRIM_THRESHOLD_BYTES = 512 << 20     # freed memory a process may keep before trimming
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings once; True if the C library took them."""
+    global _done
+    if _done:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
+                                                                                     TRIM_THRESHOLD_BYTES))
+    if not _done:
+        log.debug("mallopt refused the thresholds; large temporaries keep faulting fresh pages")
+    return _done
