@@ -37,6 +37,7 @@ CONFIGS = {   # name -> (code, engine options, patch)
     "fp32": ("now", dict(dtype="float32"), None),
     "bf16 (auto)": ("now", dict(dtype="auto"), None),
     "bf16, oneDNN GEMV at 1 row": ("now", dict(dtype="auto"), "onednn_gemv"),
+    "bf16, glibc malloc defaults": ("now", dict(dtype="auto"), "glibc_malloc"),
     "bf16, 1 thread": ("now", dict(dtype="auto", threads_per_stage=1), None),
     "bf16 + int8 decode weights": ("now", dict(dtype="auto", int8_weights=True), None),
 }
@@ -75,6 +76,9 @@ def run_config(spec: dict) -> dict:
     if spec["patch"] == "onednn_gemv":       # the lever off: oneDNN serves one-row steps too
         import stagewise.runtime.kernels as kernels
         kernels.prefers_native_gemv = lambda rows, dtype, device: False
+    if spec["patch"] == "glibc_malloc":      # the lever off: freed activations go back to the kernel
+        import stagewise.runtime.setup as setup
+        setup.keep_freed_memory = lambda: False
     q, out = spec["quick"], {"load": os.getloadavg()[0]}
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], device="cpu", kv_cache_memory="1GiB", max_model_len=2048, **spec["options"])

@@ -138,14 +138,6 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope on x `[T, H, D]` with cos/sin `[T, D/2]`; same arithmetic as HF's rotate_half."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rope on x `[T, H, D]` (any row stride) with `RotaryEmbedding.tables`: HF's
     `x * cos + rotate_half(x) * sin`, bit for bit (the sign moves from x2 onto sin, exactly)."""
