@@ -42,6 +42,10 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
+    def descendants(self) -> list[int]:
+        """Pids of every process below the server (its engine process, the stage processes)."""
+        return descendants(self.proc.pid)
+
     def stop(self, grace_s: float = 15.0, sig: int = signal.SIGINT) -> int | None:
         """`sig` (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
         if self.proc.poll() is None:
@@ -53,3 +57,37 @@ class ServerProcess:
                 self.proc.wait(5)
         self.log.close()
         return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every living process below `pid` (read from /proc; Linux)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Wait until none of `pids` runs (zombies count as gone); returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

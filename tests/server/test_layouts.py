@@ -1,0 +1,59 @@
+"""The engine layouts behind `stagewise serve`: by default the engine runs in a process of its
+own, which dies with the server (nothing is left behind even when the server is SIGKILLed);
+`STAGEWISE_SERVER_ENGINE=thread` runs it in a thread of the server and answers the same."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from launcher import wait_gone
+
+from stagewise import SamplingParams
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+PROMPTS = ["The quick brown fox", "Once upon a time"]
+
+
+def _greedy(url: str, prompt: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_engine_process_dies_with_a_killed_server(launch, llama_dir, tmp_path, offline):
+    server = launch(llama_dir, tmp_path)
+    try:
+        below = server.descendants()                  # the engine process (and multiprocessing's tracker)
+        assert any(b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in below), below
+        ref = offline.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert [_greedy(server.url, p) for p in PROMPTS] == [r.outputs[0].text for r in ref]
+        server.proc.send_signal(signal.SIGKILL)       # no drain, no clean-up code runs in the server
+        assert server.proc.wait(10) == -signal.SIGKILL
+        assert wait_gone(below) == []                 # PDEATHSIG took the engine process down too
+    finally:
+        server.stop()
+
+
+def test_thread_layout_answers_like_the_process_layout(launch, llama_dir, tmp_path, server, monkeypatch):
+    monkeypatch.setenv("STAGEWISE_SERVER_ENGINE", "thread")
+    threaded = launch(llama_dir, tmp_path)
+    try:
+        assert threaded.descendants() == []           # the engine runs inside the server process
+        assert [_greedy(threaded.url, p) for p in PROMPTS] == [_greedy(server.url, p) for p in PROMPTS]
+        assert threaded.metric("stagewise_engine_steps_total") > 0
+    finally:
+        assert threaded.stop() == 0
+
+
+def test_unknown_layout_is_one_sentence(monkeypatch):
+    from stagewise.config import EngineConfig
+    from stagewise.server.app import start_engine
+    monkeypatch.setenv("STAGEWISE_SERVER_ENGINE", "fibers")
+    with pytest.raises(ValueError, match="STAGEWISE_SERVER_ENGINE='fibers' is not an engine layout; use one of "
+                                         "process, thread."):
+        start_engine(EngineConfig(model="unused"))
