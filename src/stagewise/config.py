@@ -40,7 +40,6 @@ class EngineConfig:
     model: str | None = None                    # HF checkpoint directory; None = built-in demo model
     tokenizer: str | None = None                # defaults to the model directory
     dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 512, else fp32; CUDA: checkpoint's
-    int8_weights: bool = False                  # int8 copies serve steps of <= 4 rows (runtime.quantize)
     device: str = "auto"                        # auto: cuda when available, else cpu
     seed: int = 0
     # KV cache and scheduling

@@ -1,5 +1,5 @@
 """The CPU fast paths against the plain computations they replace: the sampler's finite check and
-argmax, the in-order decode attention, int8 weights for small steps, dtype `auto` and threads."""
+argmax, the in-order decode attention, one-row GEMV kernels, dtype `auto` and stage threads."""
 from __future__ import annotations
 
 import os
@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagewise import LLM, SamplingParams
 from stagewise.config import EngineConfig
 from stagewise.model.attention import AttentionMetadata, sdpa_paged_attention
-from stagewise.runtime.quantize import INT8_MAX_ROWS, Int8Linear, quantize_int8
 from stagewise.runtime.sampler import row_argmax, rows_finite
 from stagewise.runtime.setup import intra_op_threads
 
@@ -48,42 +46,6 @@ def test_in_order_decode_attention_equals_the_general_path():
     general = sdpa_paged_attention(meta, cache.clone(), q, k, v, 0.3)      # rows 4 > T 3
     torch.testing.assert_close(fast, general[:3], rtol=0, atol=1e-6)
     assert not AttentionMetadata.build([1, 4], [5, 4], tables[:2], bs).is_plain_decode
-
-
-def test_int8_linear_uses_int8_for_small_steps_only():
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
-    q8 = Int8Linear(lin.weight, lin.bias)
-    dequant = q8.qweight.float() * q8.scales.float()[:, None]                 # what the int8 path multiplies
-    x = torch.randn(INT8_MAX_ROWS, 64).bfloat16()
-    small = q8(x).float()
-    torch.testing.assert_close(small, x.float() @ dequant.T + lin.bias.float(), rtol=0.02, atol=0.02)
-    assert not torch.equal(small, lin(x).float())                              # not the bf16 weight
-    big = torch.randn(INT8_MAX_ROWS + 1, 64).bfloat16()
-    assert torch.equal(q8(big), lin(big))                                      # larger steps: bf16 GEMM
-
-
-def test_int8_needs_bf16_activations(llama_dir):
-    from stagewise.model.loader import load_model
-    from stagewise.parallel.partition import StageInfo
-    with pytest.raises(ValueError, match="bfloat16"):
-        quantize_int8(load_model(llama_dir, StageInfo.single(4), torch.float32))
-
-
-def test_engine_with_int8_weights_stays_near_bf16(llama_tied_dir):
-    """int8 copies serve the decode steps; their logits stay within int8 rounding of bf16's, so the
-    first decode tokens agree on the well-separated fixture weights."""
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    prompts = [[5, 17, 230, 44, 9], list(range(10, 60, 3))]
-    runs = {}
-    for int8 in (False, True):
-        with LLM(model=str(llama_tied_dir), dtype="bfloat16", int8_weights=int8, kv_cache_memory="16MiB") as llm:
-            model = llm.engine.executor.worker.model
-            runs[int8] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts,
-                                                                       sampling_params=params, use_tqdm=False)]
-            heads = sum(isinstance(m, Int8Linear) for m in model.modules())
-            assert heads == (3 * 4 + 1 if int8 else 0)       # qkv, o, gate_up, down per layer + tied head
-    assert [t[:2] for t in runs[True]] == [t[:2] for t in runs[False]]
 
 
 def test_dtype_auto_keeps_small_models_in_float32(llama_dir):

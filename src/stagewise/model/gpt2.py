@@ -135,9 +135,8 @@ class GPT2LMHeadModel(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
-        if self.lm_head is not None:   # a module: runtime.quantize may give it an int8 path
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.wte.weight).float()
+        head = self.lm_head if self.lm_head is not None else self.wte
+        return F.linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_heads, self.hidden_size // self.num_heads

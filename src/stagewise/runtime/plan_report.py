@@ -14,7 +14,6 @@ from ..model.registry import get_model_class
 from ..parallel.partition import stage_infos
 from .kv_cache import kv_bytes_per_block
 from .memory import estimate_activation_bytes, format_memory_table, plan_kv
-from .quantize import int8_bytes
 
 
 def plan_report(config: EngineConfig) -> str:
@@ -30,7 +29,6 @@ def plan_report(config: EngineConfig) -> str:
         with torch.device("meta"):
             model = cls(hf, stage, dtype)
         weights = sum(p.numel() for p in model.parameters()) * itemsize
-        weights += int8_bytes(model) if config.int8_weights else 0
         heads, head_dim = model.kv_cache_spec()
         block = kv_bytes_per_block(stage, heads, head_dim, config.block_size, dtype)
         act = estimate_activation_bytes(config.chunked_prefill_size, model.hidden_size,

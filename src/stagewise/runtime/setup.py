@@ -20,7 +20,6 @@ from ..parallel.partition import StageInfo
 from .allocator import keep_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
-from .quantize import quantize_int8
 
 log = logging.getLogger("stagewise.runtime")
 
@@ -66,14 +65,13 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
     model = load_model(model_dir, stage, dtype, device)
-    int8_bytes = quantize_int8(model) if config.int8_weights else 0
     policy = policy_for(config, device.type)
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))
     num_kv_heads, head_dim = model.kv_cache_spec()
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
-    plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes, int8_bytes)
+    plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
                                          head_dim, dtype, device)
     runner.capture()
@@ -81,8 +79,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     return StageParts(model, runner, runner, plan, device, batch)
 
 
-def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes, extra_weight_bytes) -> MemoryPlan:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + extra_weight_bytes
+def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     itemsize = torch.empty((), dtype=dtype).element_size()
     hidden = model.hidden_size
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
