@@ -1,8 +1,9 @@
 """Prometheus metrics for one server, in its own CollectorRegistry.
 
-Per-request counters and latency histograms are observed by the engine thread as requests
-finish; engine state (queues, KV, prefix cache, graph replays, stage busy time) is read at
-scrape time from the bridge's published `stats()` snapshot.
+Per-request counters and latency histograms are observed by the bridge as final outputs arrive
+(on the event loop when the engine runs in its own process); engine state (queues, KV, prefix
+cache, graph replays, stage busy time) is read at scrape time from the latest `stats()` snapshot
+the engine published.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class ServerMetrics:
         r.register(_EngineCollector(snapshot, model_name))
 
     def observe_finished(self, out, num_prompt_tokens: int, now: float) -> None:
-        """Called on the engine thread with a request's final output (`now`: time.monotonic())."""
+        """Called with a request's final output (`now`: time.monotonic() when the engine produced it)."""
         completion = out.outputs[0]
         self.requests.labels(self.model_name, completion.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(num_prompt_tokens or len(out.prompt_token_ids))
