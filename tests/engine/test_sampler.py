@@ -66,6 +66,41 @@ def test_draws_follow_the_distribution():
     assert torch.allclose(counts / 4000, probs, atol=0.03)
 
 
+def test_filtered_draws_follow_the_renormalised_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4).contiguous()
+    for params, expect in [(SamplingParams(top_k=2), [0.625, 0.375, 0, 0]),
+                           (SamplingParams(top_p=0.7), [0.625, 0.375, 0, 0]),
+                           (SamplingParams(min_p=0.25), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])]:
+        counts = torch.bincount(torch.tensor(draws(Sampler(3), logits, [Row(params)] * 4000)), minlength=4)
+        assert torch.allclose(counts / 4000, torch.tensor(expect), atol=0.03), params
+
+
+def test_a_seeded_top_k_row_does_not_depend_on_its_neighbours_top_k():
+    """Rows that all have a top-k are ranked with one partial sort as wide as the widest; the
+    draw of a seeded row must not change with that width."""
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(4))
+    p = SamplingParams(temperature=1.0, top_k=20, seed=9)
+    alone = [draws(Sampler(0), logits, [Row(p, list(range(k)))])[0] for k in range(20)]
+    batch = torch.cat([torch.randn(1, 500), logits])
+    for other in (SamplingParams(top_k=300), SamplingParams(top_p=0.9), SamplingParams()):
+        assert alone == [draws(Sampler(1), batch, [Row(other), Row(p, list(range(k)))])[1] for k in range(20)]
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.75])
+def test_top_p_on_the_head_of_the_ranking_cuts_where_a_full_sort_does(monkeypatch, top_p):
+    """An 8k-token row whose top-1024 head holds 78% of the mass: only the head is ranked."""
+    import stagewise.runtime.sampler as sampler_mod
+    logits = 2 * torch.randn(1, 8192, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=11)
+    head_mass = logits.topk(sampler_mod.TOP_P_HEAD).values.logsumexp(-1) - logits.logsumexp(-1)
+    assert head_mass.exp().item() > top_p
+    head = [draws(Sampler(0), logits, [Row(params, list(range(k)))])[0] for k in range(100)]
+    monkeypatch.setattr(sampler_mod, "TOP_P_HEAD", 10 ** 6)           # every row fully sorted
+    full = [draws(Sampler(0), logits, [Row(params, list(range(k)))])[0] for k in range(100)]
+    assert head == full and len(set(head)) > 1
+
+
 def test_greedy_and_logprobs():
     logits = torch.tensor([[0.0, 3.0, 1.0]])
     (d,) = Sampler().sample(logits, [Row(SamplingParams(temperature=0, logprobs=2))])

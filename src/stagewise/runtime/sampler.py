@@ -9,13 +9,14 @@ whatever it is batched with, and after preemption.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from ..request import SamplingParams, TokenLogprob
 
+TOP_P_HEAD = 1024     # top-p without top-k: tokens ranked before falling back to a full sort
 NONFINITE = "the model produced non-finite logits for this request"
 
 
@@ -148,24 +149,60 @@ class Sampler:
         return [Draw(t) if t is not None else Draw(None, None, NONFINITE) for t in tokens]
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
-        """Random draws `[S, V]`: temperature, filters, then an exponential race (argmax p / E,
-        E ~ Exp(1), samples p exactly); None where the distribution is not finite."""
+        """Random draws `[S, V]`: temperature, filters, then one uniform number per row through the
+        row's cumulative distribution in token-id order (exact, and a few hundred microseconds where
+        exponential noise over the whole vocabulary costs ~1 ms per row); None where the
+        distribution is not finite. Only rows with a top-k or top-p are ranked, and when every
+        such row has a top-k, only as wide as the widest."""
         params = [r.params for r in rows]
+        vocab = x.shape[1]
         temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)
-        sorted_logits, order = (x / temps[:, None]).sort(dim=-1, descending=True, stable=True)
-        probs = filter_sorted(sorted_logits, params).softmax(-1)
-        noise = torch.empty_like(probs)
+        x = x / temps[:, None]
+        probs = torch.zeros_like(x)
+        ranked = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+        unranked = sorted(set(range(len(rows))) - set(ranked))
+        if unranked:      # min-p alone compares with the row's maximum: no sort
+            y = x[unranked]
+            floor = torch.tensor([math.log(params[j].min_p) if params[j].min_p > 0 else float("-inf")
+                                  for j in unranked], dtype=y.dtype)
+            probs[unranked] = y.masked_fill(y < y.amax(-1, keepdim=True) + floor[:, None], float("-inf")).softmax(-1)
+        if ranked:
+            sub = [params[j] for j in ranked]
+            values, order, sub = self._rank(x[ranked], sub)
+            probs[ranked] = torch.zeros(len(ranked), vocab, dtype=x.dtype).scatter_(
+                1, order, filter_sorted(values, sub).softmax(-1))
+        uniform = torch.empty(len(rows), 1, dtype=torch.float64)
         unseeded = [j for j, p in enumerate(params) if p.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, generator=self.generator)
         for j, (p, row) in enumerate(zip(params, rows)):
             if p.seed is not None:
                 gen = torch.Generator().manual_seed(hash((p.seed, self._num_outputs(row))) & 0x7FFF_FFFF_FFFF)
-                noise[j].exponential_(generator=gen)
-        picks = (probs / noise).argmax(-1, keepdim=True)
-        tokens = order.gather(-1, picks).squeeze(-1).tolist()
-        valid = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()
-        return [t if v else None for t, v in zip(tokens, valid)]
+                uniform[j] = torch.rand(1, dtype=torch.float64, generator=gen)
+        cdf = probs.double().cumsum(-1)
+        valid = (torch.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0)).tolist()
+        # first token whose cumulative mass exceeds u * total: a zero-probability token never is
+        picks = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+        return [t if v else None for t, v in zip(picks[:, 0].tolist(), valid)]
+
+    @staticmethod
+    def _rank(x: torch.Tensor, params: list[SamplingParams]):
+        """The head of each row in descending order, as wide as the filters need, and the params
+        to filter it with. A top-k bounds the width. A top-p without a top-k first tries the top
+        TOP_P_HEAD tokens: when they hold at least top_p of the row's mass, the cut lies among them,
+        and filtering the head with top_p / head_mass cuts exactly where the whole row would.
+        Otherwise the whole row is sorted (~2 ms per 50k-token row)."""
+        vocab = x.shape[1]
+        widths = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if max(widths) < vocab:
+            return *x.topk(max(widths), dim=-1), params
+        if vocab > 2 * TOP_P_HEAD and all(w <= TOP_P_HEAD or w == vocab for w in widths):
+            values, order = x.topk(TOP_P_HEAD, dim=-1)
+            mass = (values.logsumexp(-1) - x.logsumexp(-1)).exp().tolist()
+            if all(w < vocab or m >= p.top_p for w, m, p in zip(widths, mass, params)):
+                return values, order, [p if w < vocab else replace(p, top_p=min(1.0, p.top_p / m))
+                                       for w, m, p in zip(widths, mass, params)]
+        return *x.sort(dim=-1, descending=True, stable=True), params
 
     def _add_logprobs(self, logits: torch.Tensor, rows: list[SampleRow], draws: list[Draw]) -> None:
         """The model's raw logprobs (before penalties and filters) of the chosen token and the top-n."""
