@@ -7,6 +7,7 @@ timings on a shared CPU drift by ±15% between runs.
 from __future__ import annotations
 
 import os
+import subprocess
 
 # NOTE: set before torch loads OpenMP. On a CPU shared with other jobs, OpenMP's default
 # spin-waiting makes 2-thread ops up to ~10x slower than 1 thread; passive waiting keeps both
@@ -107,6 +108,14 @@ def write_result(name: str, text: str, quick: bool = False) -> Path:
     path = RESULTS_DIR / f"{name}{'-quick' if quick else ''}.md"
     path.write_text(text.rstrip() + "\n")
     return path
+
+
+def export_src(rev: str, into: Path) -> Path:
+    """`git archive REV src` extracted under `into`: stagewise as it was at REV, for before/after runs."""
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "src"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
 
 
 def load_line() -> str:

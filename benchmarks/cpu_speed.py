@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, build_llama_checkpoint, markdown_table, random_workload, write_result  # noqa: E402
+from common import (RESULTS_DIR, build_llama_checkpoint, export_src, markdown_table, random_workload,  # noqa: E402
+                    write_result)
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
@@ -112,12 +113,6 @@ def run_config(spec: dict) -> dict:
 
 
 # ---- the parent: rounds, machine facts, report ---------------------------------------------------
-
-def export_src(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "src"
-
 
 def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -> dict:
     spec = dict(model=model, options=options, patch=patch, quick=quick)

@@ -156,7 +156,7 @@ def agreement_table(runs, summaries, spec: dict, hf_dir: Path) -> str:
         else:
             same = mean = "—"
         rows.append([run["label"], same, mean, "`" + tok.decode(s["agree"][0][:16]).replace("\n", "\\n") + "`"])
-    return markdown_table([f"engine", f"prompts identical to {REFERENCE} ({spec['agree_tokens']} tokens)",
+    return markdown_table(["engine", f"prompts identical to {REFERENCE} ({spec['agree_tokens']} tokens)",
                            "mean tokens equal before the first difference",
                            f"\"{tok.decode(spec['agree'][0])}\" → (16 tokens)"], rows)
 

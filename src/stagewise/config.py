@@ -37,7 +37,7 @@ def parse_bytes(value) -> int | None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None                    # HF checkpoint directory; None = built-in demo model
+    model: str | None = None                    # HF checkpoint dir or .gguf; None = SmolLM2-135M-Instruct, 'demo' = demo model
     tokenizer: str | None = None                # defaults to the model directory
     dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 512, else fp32; CUDA: checkpoint's
     device: str = "auto"                        # auto: cuda when available, else cpu
@@ -61,7 +61,7 @@ class EngineConfig:
     dist_timeout_s: float = 60.0
     dist_ifname: str | None = None              # None: the interface that routes to master_addr
     threads_per_stage: int | None = None        # None: cores / stages per node if pp_size > 1, else torch's
-    # graphs (SPEC item 10)
+    # captured graphs (docs/graphs.md)
     prefill_graph: str = "auto"
     prefill_graph_max_tokens: int | None = None
     prefill_graph_buckets: tuple[int, ...] | None = None

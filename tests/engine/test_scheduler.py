@@ -66,7 +66,6 @@ def test_chunked_prefill_then_decode_and_budget():
 def test_preemption_picks_idle_requests_and_resumes_from_scratch():
     s = Scheduler(BlockManager(5, 4), max_num_seqs=4, token_budget=64)   # 4 usable blocks
     a, b = make_req("a", 7, max_tokens=8), make_req("b", 7, max_tokens=8, start=100)
-    reqs = {"a": a, "b": b}
     s.add(a), s.add(b)
     for _ in range(12):
         plan = s.schedule()

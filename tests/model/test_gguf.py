@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from stagewise import LLM, SamplingParams
-from stagewise.checkpoint import cache_root, eos_token_ids_of, load_hf_config, load_tokenizer
+from stagewise.checkpoint import eos_token_ids_of, load_hf_config, load_tokenizer
 from stagewise.cli import main
+from stagewise.config import cache_root
 from stagewise.model import gguf as gguf_loader
 from stagewise.model.loader import load_model
 from stagewise.model.source import default_model_path, ensure_default_model, resolve_model

@@ -14,16 +14,7 @@ except ImportError:
     import httpx
 
 
-def _multiproc_missing() -> str | None:
-    try:
-        import stagewise.executor.multiproc  # noqa: F401
-    except Exception as exc:         # noqa: BLE001  (any import failure means: not ready)
-        return f"stagewise.executor.multiproc does not import yet ({type(exc).__name__}: {exc})"
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_multiproc_missing() is not None,
-                                                   reason=_multiproc_missing() or "")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,7 @@ class OutputBuffers:
 
 class Bridges:
     """Persistent q/k/v/out buffers for attention breaks, one set per attention shape, shared by
-    every layer and bucket: closures over them pin nothing in the graph pool (notes §1)."""
+    every layer and bucket: closures over them pin nothing in the graph pool."""
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows

@@ -1,4 +1,4 @@
-"""Bind a stage forward's optional inputs by name, from its signature (SPEC 5).
+"""Bind a stage forward's optional inputs by name, from its signature.
 
 `input_embeds`/`inputs_embeds` (whichever is declared first) and `pp_proxy_tensors` are
 always passed as keywords and only when declared; the required `input_ids, positions, batch`

@@ -1,4 +1,4 @@
-"""Static input buffers of one stage's graphs (SPEC 2, 3, 9): allocated once, zero-filled,
+"""Static input buffers of one stage's graphs: allocated once, zero-filled,
 never reallocated, because captured graphs read their addresses.
 
 `fill` snapshots the live step into rows `[:T]` and zeroes `[T:B)`; `views(B)` hands capture

@@ -2,7 +2,7 @@
 them with live metadata) and `cuda_full` (one graph per bucket, static-shape attention inside).
 
 Both share one memory pool and one side stream per stage (`CudaContext`), warm up twice before
-each capture, and are captured largest bucket first so smaller buckets reuse the pool (notes §3-4).
+each capture, and are captured largest bucket first so smaller buckets reuse the pool.
 Not exercised on CPU machines; every CUDA call sits behind these classes.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CudaContext:
         """Make the stage's GPU current and run on the side stream, joined before and after.
 
         NOTE: capturing on the default stream is illegal, and another current device gives an empty
-        graph and silently wrong results (notes §3).
+        graph and silently wrong results.
         """
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
@@ -67,7 +67,7 @@ class CudaSegment(Segment):
 class CudaSegmentedBackend(SegmentedBackend):
     """Shared by both CUDA backends; `breakable` decides where segments end."""
 
-    warmups = 2   # absorbs lazy work: cuBLAS workspaces, Triton autotune, lazy caches (notes §3)
+    warmups = 2   # absorbs lazy work: cuBLAS workspaces, Triton autotune, lazy caches
 
     def __init__(self, ctx: CudaContext, max_rows: int, breakable: bool):
         super().__init__(max_rows, breakable)

@@ -1,4 +1,4 @@
-"""Graph policy (SPEC 10), resolved once at startup, and the per-step verdict (SPEC 6).
+"""Graph policy, resolved once at startup, and the per-step verdict (replay a bucket or run eager).
 
 The driver resolves a `GraphPolicy`, logs its `log_lines`, and calls `decide_verdict` once per
 step; the verdict travels in the step plan so every stage replays the same bucket or all run
@@ -94,7 +94,8 @@ def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: lis
     if choice != "auto":
         return choice
     if pp_size > 1:
-        # NOTE: graphs under PP are opt-in (SPEC 10); an explicit choice is kept as given.
+        # NOTE: under PP, auto leaves graphs off and the log says how to opt in; an explicit choice
+        # is kept as given.
         logs.append(f"prefill graphs: off (auto with pp_size={pp_size}); "
                     "pass --prefill-graph breakable to capture them")
         return "off"

@@ -2,7 +2,7 @@
 
 A body runs once under capture; with `breakable` every attention call closes the open segment,
 runs attention eagerly on bridge buffers, keeps a closure that re-runs it with the live metadata
-at replay, and opens the next segment (notes §1, §7). Without `breakable` (full graphs) the whole
+at replay, and opens the next segment. Without `breakable` (full graphs) the whole
 body is one segment. Subclasses say what a segment is (a CUDAGraph, an aten-op tape).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trim a replayed output from its bucket's B rows to the step's T live rows (SPEC 7), and the
+"""Trim a replayed output from its bucket's B rows to the step's T live rows, and the
 small tree helpers graph backends use on stage outputs (tensor, ProxyTensors, tuple/list).
 
 Returned rows are views of graph memory that the next replay overwrites: the caller sends

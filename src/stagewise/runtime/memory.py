@@ -1,4 +1,4 @@
-"""Per-stage memory plan (SPEC item 11): weights, static graph buffers, graph pools and the
+"""Per-stage memory plan: weights, static graph buffers, graph pools and the
 activation peak are accounted first; the KV pool gets the rest of the budget.
 
 An explicit `kv_cache_memory` sizes the KV pool directly. Otherwise the budget is 90% of

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from ..request import CompletionOutput, RequestOutput, SamplingParams
+from .errors import ServerUnavailable
 
 log = logging.getLogger("stagewise.server")
 ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
@@ -70,10 +71,6 @@ class Submission:
 
     def __len__(self) -> int:
         return len(self.index)
-
-
-class ServerUnavailable(RuntimeError):
-    """The engine died or the server is shutting down; new requests get HTTP 503."""
 
 
 class AsyncEngine:

@@ -30,6 +30,21 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int):
+        super().__init__(f"The request body is larger than this server's limit of {limit} bytes; send less "
+                         f"(or start the server with a larger --max-request-bytes).", 413, None,
+                         "request_too_large")
+
+
+class ServerUnavailable(RuntimeError):
+    """The engine died or the server is shutting down; new requests get HTTP 503."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
 def internal_error() -> APIError:
     """A real server fault: the details go to the log, never to the client."""
     return APIError("The server had an internal error while processing the request; it logged the details. "

@@ -12,17 +12,10 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from .errors import APIError, BodyTooLarge
 
 OPEN_PATHS = ("/health", "/metrics")
 BODY_METHODS = ("POST", "PUT", "PATCH")
-
-
-class BodyTooLarge(APIError):
-    def __init__(self, limit: int):
-        super().__init__(f"The request body is larger than this server's limit of {limit} bytes; send less "
-                         f"(or start the server with a larger --max-request-bytes).", 413, None,
-                         "request_too_large")
 
 
 class RequestGuard:

@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ..request import SamplingParams
 from .bridge import PromptInput
-from .errors import bad_request
+from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
 from .intake import parse_request
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                        make_sampling_params)
-from .serving import ClientGone, Serving
+from .serving import Serving
 
 CLIENT_GONE = 499            # nginx's "client closed request": logged, never seen by anyone
 

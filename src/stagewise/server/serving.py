@@ -23,17 +23,13 @@ from starlette.background import BackgroundTask
 
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
-from .bridge import AsyncEngine, PromptInput, ServerUnavailable, Submission
-from .errors import APIError, bad_request, from_value_error, internal_error
+from .bridge import AsyncEngine, PromptInput, Submission
+from .errors import APIError, ClientGone, ServerUnavailable, bad_request, from_value_error, internal_error
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
 MIN_CHARS_PER_TOKEN_BOUND = 64  # the prompt-characters bound per context token, at least
 INTAKE_THREADS = 4
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 def chars_per_token_bound(tok) -> int:
