@@ -127,7 +127,7 @@ def machine_line() -> str:
     import platform
     import transformers
     return (f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
-            f"{os.cpu_count()} CPUs (shared), fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+            f"{os.cpu_count()} CPUs (shared), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
 
 
 def _spin(_=None) -> float:

@@ -40,6 +40,7 @@ CONFIGS = {   # name -> (code, engine options, patch)
     "bf16, oneDNN GEMV at 1 row": ("now", dict(dtype="auto"), "onednn_gemv"),
     "bf16, glibc malloc defaults": ("now", dict(dtype="auto"), "glibc_malloc"),
     "bf16, 1 thread": ("now", dict(dtype="auto", threads_per_stage=1), None),
+    "bf16, OMP_WAIT_POLICY=PASSIVE": ("now", dict(dtype="auto"), "omp_passive"),
 }
 COMPILED = {"bf16 + compiled decode graph (batch 1)": ("now", dict(dtype="auto", decode_graph="compiled",
                                                                    decode_graph_max_bs=1), None)}
@@ -116,7 +117,10 @@ def run_config(spec: dict) -> dict:
 
 def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -> dict:
     spec = dict(model=model, options=options, patch=patch, quick=quick)
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, PYTHONPATH=str(src))
+    env.pop("OMP_WAIT_POLICY", None)                 # OpenMP's default, as a user runs it
+    if patch == "omp_passive":                       # threads sleep between parallel regions
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode:
@@ -174,10 +178,10 @@ def timed_s(fn) -> float:
 
 
 def auto_rule_rows(tmp: Path, quick: bool, src: Path) -> list[list]:
-    """fp32 vs bf16 on narrower Llamas (8 layers, 32k vocab): where bf16 starts to pay."""
+    """fp32 vs bf16 on narrower Llamas (8 layers, the real model's vocabulary): where bf16 starts to pay."""
     rows = []
     for hidden in (256, 512):
-        path = build_llama_checkpoint(tmp / f"h{hidden}", vocab_size=32000, hidden_size=hidden,
+        path = build_llama_checkpoint(tmp / f"h{hidden}", vocab_size=VOCAB, hidden_size=hidden,
                                       intermediate_size=hidden * 8 // 3, num_hidden_layers=8,
                                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),
                                       max_position_embeddings=2048)
@@ -246,9 +250,6 @@ def main(argv=None) -> int:
 # ---- report ----------------------------------------------------------------------------------------
 
 BEFORE = "before, bf16"
-REFERENCE = {   # measured before this work on this machine (another run): vLLM-CPU and llama.cpp
-    "llama.cpp F32 decode b1 ms": 28.6, "vLLM-CPU fp32 decode b1 ms": 49.2, "vLLM-CPU bf16 decode b1 ms": 34.8,
-    "vLLM-CPU bf16 offline tok/s": 479.0, "vLLM-CPU bf16 TTFT 200 ms": 67.3}
 COLUMNS = (("offline_tok_s", "offline tok/s", max), ("ttft200_ms", "TTFT 200 ms", min),
            ("ttft512_ms", "TTFT 512 ms", min), ("decode1_ms", "decode b1 ms/token", min),
            ("decode1_cpu_ms", "decode b1 CPU ms/token", min), ("decode32_ms", "decode b32 ms/step", min))
@@ -285,7 +286,7 @@ def report(raw: dict, args, started: float, load0: float) -> str:
     lines = [
         "# CPU speed levers on SmolLM2-135M-Instruct", "",
         f"Model `{raw['model']}` (30 layers, hidden 576, vocab 49152, tied head; the dequantized Q4_1 weights). "
-        f"{os.cpu_count()} shared CPUs; torch {torch.__version__}; OMP_WAIT_POLICY=PASSIVE for every configuration. "
+        f"{os.cpu_count()} shared CPUs; torch {torch.__version__}; OpenMP's default wait policy (unset) except where a row says otherwise. "
         f"'before' = `git archive {args.before_rev} src` (the code before the CPU work); the rest = the working tree. "
         f"{len(machine)} round(s), each configuration in its own process, order reversed every other round; best "
         f"of the rounds per figure. 1-minute load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
@@ -309,12 +310,11 @@ def report(raw: dict, args, started: float, load0: float) -> str:
         "Why batch-1 steps use torch's native bf16 GEMV, and why weight-only int8 was left out: at one row it "
         "streams half of bf16's bytes but its kernel is no faster than the native bf16 GEMV here.", "",
         markdown_table(["round", "threads", "native bf16", "oneDNN bf16", "int8 (weight-only)", "fp32"],
-                       [[i + 1, *row] for i, m in enumerate(machine) for row in m.get("gemv", [])]), "",
-        "## Reference numbers (vLLM-CPU and llama.cpp, measured before this work in another run)", "",
-        markdown_table(["figure", "value"], [[k, v] for k, v in REFERENCE.items()]),
+                       [[i + 1, *row] for i, m in enumerate(machine) for row in m.get("gemv", [])]),
+        "", "The same model against vLLM-CPU and llama.cpp: `peers.md`.",
     ]
     if raw["auto_rows"]:
-        lines += ["", "## dtype auto: fp32 / bf16 on narrower models (8 layers, 32k vocab)", "",
+        lines += ["", "## dtype auto: fp32 / bf16 on narrower models (8 layers, vocab 49152)", "",
                   markdown_table(["hidden", "decode b1 ms fp32 / bf16", "decode b32 ms", "TTFT 200 ms",
                                   "offline tok/s bf16 / fp32"], raw["auto_rows"])]
     lines += ["", "## Per round", "", markdown_table(

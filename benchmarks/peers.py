@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -32,8 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, load_line, machine_line  # noqa: E402  (sets OMP_WAIT_POLICY=PASSIVE)
+from common import RESULTS_DIR, load_line, machine_line  # noqa: E402
 import peers_model  # noqa: E402
+import peers_procs  # noqa: E402
 import peers_report  # noqa: E402
 from peers_procs import base_env, run_worker, stagewise_env, vllm_env  # noqa: E402
 from peers_serving import serving  # noqa: E402
@@ -64,8 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds per engine run, then killed")
     ap.add_argument("--report-from", default=None, metavar="JSON",
                     help="only re-render results/peers*.md and .png from a run saved by this script")
+    ap.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE"), default=None,
+                    help="force OpenMP's wait policy on every engine (default: each engine's own)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. other load)")
     args = ap.parse_args(argv)
+    peers_procs.OMP_WAIT_POLICY = args.omp_wait_policy
+    os.environ.pop("OMP_WAIT_POLICY", None)          # the parent's own workers follow base_env too
     if args.quick:
         args.rounds, args.llamacpp_repeats = 1, 1
     if args.rounds < 1 or args.threads < 1:
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
     meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
             "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
-            "llamacpp_repeats": args.llamacpp_repeats,
+            "llamacpp_repeats": args.llamacpp_repeats, "omp_wait_policy": args.omp_wait_policy,
             "hf_dir": str(paths["hf_dir"]), "user_notes": args.note}
     saved = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "env"} for r in runs], "results": results,
              "machine": machine, "serve": serve, "notes": notes,

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for code in (("before", "now") if r % 2 == 0 else ("now", "before")):
                 env = dict(os.environ, PYTHONPATH=str(srcs[code]))
+                env.pop("OMP_WAIT_POLICY", None)        # OpenMP's default, as a user runs it
                 proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
                                       text=True, check=True)
                 runs[code].append(json.loads(proc.stdout.strip().splitlines()[-1]))
