@@ -65,7 +65,7 @@ def forward_latency(runner, batch, model, n: int, bucket: int | None, device: st
 
 def ttft(model_dir, options: dict, lengths: list[int], vocab: int) -> dict[int, float]:
     out = {}
-    with LLM(model=str(model_dir), pp_size=2, **options) as llm:
+    with LLM(model=str(model_dir), pp_size=2, dtype="float32", **options) as llm:
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         llm.generate(prompt_token_ids=[[7] * 16], sampling_params=params, use_tqdm=False)   # warm
         for i, n in enumerate(lengths):

@@ -39,7 +39,7 @@ def parse_bytes(value) -> int | None:
 class EngineConfig:
     model: str | None = None                    # HF checkpoint dir or .gguf; None = SmolLM2-135M-Instruct, 'demo' = demo model
     tokenizer: str | None = None                # defaults to the model directory
-    dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 512, else fp32; CUDA: checkpoint's
+    dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 256, else fp32; CUDA: checkpoint's
     device: str = "auto"                        # auto: cuda when available, else cpu
     seed: int = 0
     # KV cache and scheduling

@@ -51,7 +51,7 @@ def test_dtype_auto_keeps_small_models_in_float32(llama_dir):
     from stagewise.model.loader import load_hf_config, resolve_dtype
     config = load_hf_config(llama_dir)
     assert resolve_dtype("auto", config, "cpu") == torch.float32            # hidden 64
-    config.hidden_size = 576
+    config.hidden_size = 256
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     native = "amx_bf16" in flags or "avx512_bf16" in flags
