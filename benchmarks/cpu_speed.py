@@ -180,7 +180,7 @@ def timed_s(fn) -> float:
 def auto_rule_rows(tmp: Path, quick: bool, src: Path) -> list[list]:
     """fp32 vs bf16 on narrower Llamas (8 layers, the real model's vocabulary): where bf16 starts to pay."""
     rows = []
-    for hidden in (256, 512):
+    for hidden in (128, 256, 512):
         path = build_llama_checkpoint(tmp / f"h{hidden}", vocab_size=VOCAB, hidden_size=hidden,
                                       intermediate_size=hidden * 8 // 3, num_hidden_layers=8,
                                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192),

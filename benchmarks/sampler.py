@@ -69,13 +69,13 @@ def main(argv=None) -> int:
         print(json.dumps(worker()))
         return 0
     load0 = load_line()
+    os.environ.pop("OMP_WAIT_POLICY", None)          # OpenMP's default in the workers, as a user runs it
     with tempfile.TemporaryDirectory(prefix="stagewise-sampler-") as tmp:
         srcs = {"before": export_src(args.before_rev, Path(tmp)), "now": Path(__file__).resolve().parent.parent / "src"}
         runs: dict[str, list[dict]] = {"before": [], "now": []}
         for r in range(args.rounds):
             for code in (("before", "now") if r % 2 == 0 else ("now", "before")):
                 env = dict(os.environ, PYTHONPATH=str(srcs[code]))
-                env.pop("OMP_WAIT_POLICY", None)        # OpenMP's default, as a user runs it
                 proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
                                       text=True, check=True)
                 runs[code].append(json.loads(proc.stdout.strip().splitlines()[-1]))
