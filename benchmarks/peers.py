@@ -215,16 +215,22 @@ def main(argv=None) -> int:
     saved = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "env"} for r in runs], "results": results,
              "machine": machine, "serve": serve, "notes": notes,
              "spec": {"agree": spec["agree"], "agree_tokens": spec["agree_tokens"]}}
-    saved_path = peers_model.cache_root() / f"last-run{'-quick' if args.quick else ''}.json"
+    saved_path = peers_model.cache_root() / f"last-run{run_suffix(meta)}.json"
     saved_path.write_text(json.dumps(saved, indent=1))
     write_outputs(**saved)
     print(f"(measurements saved to {saved_path}; --report-from it re-renders the report)")
     return 0
 
 
+def run_suffix(meta: dict) -> str:
+    """peers.md for the engines' own OpenMP defaults, peers-omp-passive.md etc. for a forced policy."""
+    policy = meta.get("omp_wait_policy")
+    return ("-quick" if meta["quick"] else "") + (f"-omp-{policy.lower()}" if policy else "")
+
+
 def write_outputs(meta, runs, results, machine, serve, notes, spec) -> None:
     text = peers_report.report(meta, runs, results, machine, serve, spec, notes)
-    suffix = "-quick" if meta["quick"] else ""
+    suffix = run_suffix(meta)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     md, png = RESULTS_DIR / f"peers{suffix}.md", RESULTS_DIR / f"peers{suffix}.png"
     md.write_text(text.rstrip() + "\n")
