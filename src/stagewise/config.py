@@ -37,7 +37,7 @@ def parse_bytes(value) -> int | None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None                    # HF checkpoint dir or .gguf; None = SmolLM2-135M-Instruct, 'demo' = demo model
+    model: str | None = None                    # HF dir or .gguf; None: SmolLM2-135M-Instruct; 'demo'
     tokenizer: str | None = None                # defaults to the model directory
     dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 256, else fp32; CUDA: checkpoint's
     device: str = "auto"                        # auto: cuda when available, else cpu

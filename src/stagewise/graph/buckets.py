@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-# (first, last, step) rungs of the prefill ladder: fine steps where prompts are short, coarser above; past the last rung the step is 512.
+# (first, last, step) rungs of the prefill ladder: fine steps where prompts are short, coarser
+# above; past the last rung the step is 512.
 _PREFILL_RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
 _TAIL_STEP = 512
 
