@@ -12,17 +12,24 @@ from ..request import CompletionOutput, FinishReason, Request, RequestOutput
 REPLACEMENT = "\ufffd"     # what a decoder gives for an incomplete UTF-8 sequence
 
 
+def decode_incremental(tok, ids: list[int], offsets: tuple[int, int], skip_special_tokens: bool,
+                       flush: bool = False) -> tuple[str, tuple[int, int]]:
+    """The text `ids[read:]` adds, decoded with `ids[start:read]` as context (`offsets` = (start,
+    read)), and the offsets to use next. Empty, offsets unchanged, while a character is incomplete,
+    unless `flush`."""
+    start, read = offsets
+    before = tok.decode(ids[start:read], skip_special_tokens) if read > start else ""
+    now = tok.decode(ids[start:], skip_special_tokens)
+    if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not flush):
+        return "", offsets
+    return now[len(before):], (read, len(ids))
+
+
 def decode_new_text(req: Request, tok, flush: bool = False) -> str:
     """Decode the request's newest tokens; returns the text they add (empty while a character
     is incomplete, unless `flush`). Updates `req.decoded` and the decode offsets."""
-    ids, skip = req.output_token_ids, req.params.skip_special_tokens
-    start, read = req.decode_offsets
-    before = tok.decode(ids[start:read], skip) if read > start else ""
-    now = tok.decode(ids[start:], skip)
-    if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not flush):
-        return ""
-    req.decode_offsets = (read, len(ids))
-    new = now[len(before):]
+    new, req.decode_offsets = decode_incremental(tok, req.output_token_ids, req.decode_offsets,
+                                                 req.params.skip_special_tokens, flush)
     req.decoded += new
     return new
 

@@ -103,8 +103,8 @@ def _llama3_inv_freq(inv: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables precomputed up to max positions, indexed by `positions` (no data-dependent work).
 
-    Besides the half-width tables (`forward`) it keeps full-width ones with the rotate-half sign
-    folded in (`tables`), so applying rope is one cat and three elementwise ops per call.
+    The half-width tables are HF's; `tables` serves full-width ones built from them with the
+    rotate-half sign folded in, so applying rope is one cat and three elementwise ops per call.
     """
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
@@ -126,10 +126,6 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache.copy_(freqs.sin())
         self.cos_full.copy_(torch.cat((self.cos_cache, self.cos_cache), -1))       # [P, D]
         self.sin_signed.copy_(torch.cat((-self.sin_cache, self.sin_cache), -1))    # [P, D]
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[T]` -> (cos, sin) each `[T, D/2]` float32."""
-        return self.cos_cache[positions], self.sin_cache[positions]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` -> (cos, signed sin) each `[T, 1, D]` in `dtype` (HF casts them to the

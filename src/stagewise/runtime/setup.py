@@ -57,10 +57,10 @@ def intra_op_threads(config: EngineConfig) -> int | None:
 def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
-    threads = intra_op_threads(config)
-    if threads and device.type == "cpu":
-        torch.set_num_threads(threads)
     if device.type == "cpu":
+        threads = intra_op_threads(config)
+        if threads:
+            torch.set_num_threads(threads)
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)

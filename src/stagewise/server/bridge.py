@@ -21,6 +21,8 @@ from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .errors import ServerUnavailable
 
 log = logging.getLogger("stagewise.server")
+IDLE_PUBLISH_S = 1.0          # engine loops refresh the stats snapshot this often while idle
+NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
 ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
 SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
 
@@ -222,6 +224,15 @@ class AsyncEngine:
         with self._lock:
             ids = list(self._streams)
         self._post([final_output(rid, reason, why) for rid in ids])
+
+
+def idle_stage_death(engine) -> str | None:
+    """Why a stage died, if one did while the engine was idle.
+
+    NOTE: an idle engine never calls the executor, so a stage that died meanwhile would only show
+    at the next request; the executor's monitor flags it, and the engine loops check it here."""
+    why = getattr(engine.executor, "dead", None)
+    return str(why) if why else None
 
 
 def final_output(rid: str, reason: str, message: str) -> RequestOutput:

@@ -8,6 +8,8 @@ can cut text held back earlier, so the text travels as (characters kept, new tai
 """
 from __future__ import annotations
 
+from os.path import commonprefix
+
 from ..request import CompletionOutput, RequestOutput
 
 # one delta: (request id, text chars kept, text tail, new token ids, new logprobs | None,
@@ -24,7 +26,7 @@ class DeltaEncoder:
     def encode(self, out: RequestOutput) -> Delta:
         c = out.outputs[0]
         text, n_ids, n_lps, n_plps = self._sent.pop(out.request_id, ("", 0, 0, 0))
-        keep = len(text) if c.text.startswith(text) else _common_prefix_len(text, c.text)
+        keep = len(text) if c.text.startswith(text) else len(commonprefix([text, c.text]))
         lps = None if c.logprobs is None else c.logprobs[n_lps:]
         plps = None if out.prompt_logprobs is None else out.prompt_logprobs[n_plps:]
         if not out.finished:
@@ -71,11 +73,3 @@ class OutputAssembler:
 
     def clear(self) -> None:
         self._outputs.clear()
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

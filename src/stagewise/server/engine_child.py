@@ -14,14 +14,13 @@ import sys
 import time
 
 from ..errors import EngineDeadError
-from .bridge import ENGINE_FAULT, engine_facts, final_output
+from .bridge import (ENGINE_FAULT, IDLE_PUBLISH_S, NO_PROGRESS_WAIT_S, engine_facts, final_output,
+                     idle_stage_death)
 from .deltas import DeltaEncoder
 
 log = logging.getLogger("stagewise.server")
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"      # the CLI's
-IDLE_PUBLISH_S = 1.0          # refresh the stats snapshot this often while idle
 BUSY_PUBLISH_S = 0.05         # a step without outputs still refreshes it this often
-NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
 STOP_DRAIN_S = 5.0            # at stop, how long aborted requests get to leave the pipeline
 # start-up errors the CLI prints as one line; anything else is logged here with its traceback
 USER_ERRORS = (ValueError, FileNotFoundError, EngineDeadError)
@@ -107,11 +106,9 @@ class EngineLoop:
             if self.stop_requested:
                 return self._stop()
             if not self.engine.has_unfinished():
-                # NOTE: an idle engine never calls the executor, so a stage that died meanwhile would
-                # only show at the next request; the executor's monitor flags it, check it here.
-                why = getattr(self.engine.executor, "dead", None)
+                why = idle_stage_death(self.engine)
                 if why:
-                    self._send(("dead", str(why), []))
+                    self._send(("dead", why, []))
                     self.engine.shutdown()
                     return 1
                 if self.refused or time.monotonic() - self.last_publish > IDLE_PUBLISH_S:

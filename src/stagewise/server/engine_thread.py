@@ -12,11 +12,10 @@ import time
 
 from ..errors import EngineDeadError
 from ..request import RequestOutput
-from .bridge import ENGINE_FAULT, SHUTTING_DOWN, AsyncEngine, EngineInfo, engine_facts
+from .bridge import (ENGINE_FAULT, IDLE_PUBLISH_S, NO_PROGRESS_WAIT_S, SHUTTING_DOWN, AsyncEngine, EngineInfo,
+                     engine_facts, idle_stage_death)
 
 log = logging.getLogger("stagewise.server")
-IDLE_PUBLISH_S = 1.0          # refresh the stats snapshot this often while idle
-NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
 
 
 class ThreadEngine(AsyncEngine):
@@ -76,11 +75,9 @@ class ThreadEngine(AsyncEngine):
             if self.stopping:
                 return self._drain_for_stop()
             if not self.engine.has_unfinished():
-                # NOTE: an idle engine never calls the executor, so a stage that died meanwhile would
-                # only show at the next request; the executor's monitor flags it, check it here.
-                why = getattr(self.engine.executor, "dead", None)
+                why = idle_stage_death(self.engine)
                 if why:
-                    self._die(str(why), [])
+                    self._die(why, [])
                     self.engine.shutdown()
                     return
                 if time.monotonic() - last_publish > IDLE_PUBLISH_S:

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from ..engine.outputs import decode_incremental
 from ..request import TokenLogprob
-
-REPLACEMENT = "\ufffd"     # what a decoder gives for an incomplete UTF-8 sequence
 
 
 class TokenSpans:
@@ -28,21 +27,13 @@ class TokenSpans:
         for token_id in ids:
             self.ids.append(int(token_id))
             self.starts.append(len(self.text))
-            start, read = self._window
-            before = self.tok.decode(self.ids[start:read], self.skip) if read > start else ""
-            now = self.tok.decode(self.ids[start:], self.skip)
-            if len(now) > len(before) and not now.endswith(REPLACEMENT):
-                self._window = (read, len(self.ids))
-                self.text += now[len(before):]
+            new, self._window = decode_incremental(self.tok, self.ids, self._window, self.skip)
+            self.text += new
         return self
 
     def flushed_text(self) -> str:
         """All the text, an incomplete last character included (as U+FFFD), as a finished output shows it."""
-        start, read = self._window
-        if read == len(self.ids):
-            return self.text
-        before = self.tok.decode(self.ids[start:read], self.skip) if read > start else ""
-        return self.text + self.tok.decode(self.ids[start:], self.skip)[len(before):]
+        return self.text + decode_incremental(self.tok, self.ids, self._window, self.skip, flush=True)[0]
 
     def count_before(self, num_chars: int) -> int:
         """How many tokens start before character `num_chars` (starts never decrease)."""
