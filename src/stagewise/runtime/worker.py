@@ -43,7 +43,6 @@ class Worker:
         self.config, self.stage, self.eos_token_ids = config, stage, tuple(eos_token_ids)
         parts = build_stage(config, model_dir, stage)
         self.model, self.runner, self.memory_plan = parts.model, parts.runner, parts.memory_plan
-        self.decode_runner = parts.decode_runner
         self.device, self.batch = parts.device, parts.batch
         self.dtype = next(self.model.parameters()).dtype
         self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
@@ -76,13 +75,12 @@ class Worker:
         return StepResult(plan.plan_id, error=why) if self.stage.is_last else PlanFailed(why)
 
     def _run(self, plan: StepPlan, proxy: ProxyTensors | None) -> ProxyTensors | StepResult:
-        runner = self.decode_runner if plan.verdict is not None and plan.verdict.kind == "decode" else self.runner
         with torch.inference_mode():
             ids, positions, meta, embeds, sample_rows = self._prepare(plan)
             self.batch.meta = meta
             eager = plan.verdict is None or plan.verdict.bucket is None   # captured graphs keep their kernels
             with gemm_kernels(meta.num_tokens if eager else 0, self.dtype, self.device):
-                out = runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
+                out = self.runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
             if not self.stage.is_last:
                 return out
             with gemm_kernels(len(sample_rows), self.dtype, self.device):
