@@ -1,9 +1,12 @@
-"""Every error class a user of stagewise can catch, in one place.
+"""Every error class a user of stagewise can catch, in one place, and `describe_exit` for the
+messages that report a process that ended.
 
 Each message is one sentence saying what was wrong and what to do; the server turns
 `ValueError`s into HTTP 400 and `EngineDeadError` into 503.
 """
 from __future__ import annotations
+
+import signal
 
 
 class EngineDeadError(RuntimeError):
@@ -21,3 +24,16 @@ class PromptTooLongError(ValueError):
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
     """A checkpoint directory or one of its files is missing (catchable as either base)."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, for people: 'was killed by SIGKILL (exit code -9)', 'exited with code 1'."""
+    if exitcode is None:
+        return "ended (its exit code is not known yet)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"

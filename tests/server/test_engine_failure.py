@@ -1,8 +1,8 @@
-"""Engine death behind a live server, in both engine layouts (the engine in its own process, the
-default, and in a thread of the server): in-flight requests get errors (streaming and not), new
-ones get 503, /health turns 503, and nothing hangs. Uses a scripted fake engine (no model) served
-by uvicorn in a thread, so the failure is deterministic and fast; in the process layout the fake
-engine runs in the spawned engine process, which a test also kills outright."""
+"""Engine death behind a live server, with the engine core in its own process (what `stagewise
+serve` runs) and in a thread of the server (the same core and client over the same pipes):
+in-flight requests get errors (streaming and not), new ones get 503, /health turns 503, and
+nothing hangs. Uses a scripted fake engine (no model) served by uvicorn in a thread, so the
+failure is deterministic and fast; a test also kills the engine process outright."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stagewise.engine.outputs import StepOutputs
 from stagewise.errors import EngineDeadError
 from stagewise.executor.launch import free_port
 from stagewise.request import CompletionOutput, RequestOutput
@@ -61,8 +62,8 @@ class FakeEngine:
     def __init__(self, die_at_step: int, bug: bool = False, dead_flag: str = "/nonexistent"):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 4096, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)
+        self.kv_capacity_tokens = (FakeExecutor.num_blocks - 1) * 16
         self.executor = FakeExecutor(dead_flag)
-        self.scheduler = SimpleNamespace(next_plan_id=0)
         self.requests: dict[str, list] = {}
         self.inbox: list = []
         self.lock = threading.Lock()
@@ -79,7 +80,13 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.inbox)
 
-    def step(self) -> list[RequestOutput]:
+    def fault(self) -> str | None:
+        return self.executor.dead
+
+    def step(self) -> StepOutputs:
+        return StepOutputs(self._step(), progressed=True)
+
+    def _step(self) -> list[RequestOutput]:
         with self.lock:
             inbox, self.inbox = self.inbox, []
         for kind, item in inbox:
@@ -91,7 +98,6 @@ class FakeEngine:
             return []
         time.sleep(0.02)
         self.steps += 1
-        self.scheduler.next_plan_id += 1
         if self.steps >= self.die_at_step and len(self.requests) >= 2:
             if self.bug:
                 raise RuntimeError("stage 1 died of a bug")
@@ -125,22 +131,18 @@ def fake_engine(spec) -> FakeEngine:
     return FakeEngine(spec.die_at_step, spec.bug, spec.dead_flag)
 
 
-@pytest.fixture(params=[("dead", "process"), ("bug", "process"), ("dead", "thread"), ("bug", "thread")],
+@pytest.fixture(params=[("dead", "process"), ("bug", "process"), ("dead", "inproc"), ("bug", "inproc")],
                 ids=lambda p: "-".join(p))
 def fake_server(request, tmp_path):
-    """(url, bridge, spec): a server on a fake engine in the layout the param names; the engine dies
-    of a stage failure ("dead") or of a bug at step 4, or when `spec.dead_flag` is written."""
+    """(url, bridge, spec): a server on a fake engine whose core runs where the param names; the
+    engine dies of a stage failure ("dead") or of a bug at step 4, or when `spec.dead_flag` is written."""
     import uvicorn
+    from stagewise.engine.client import EngineClient
     from stagewise.server.app import build_app
-    from stagewise.server.engine_process import ProcessEngine
-    from stagewise.server.engine_thread import ThreadEngine
     from stagewise.server.options import ServerOptions
     failure, layout = request.param
     spec = SimpleNamespace(die_at_step=4, bug=failure == "bug", dead_flag=str(tmp_path / "stage-died"))
-    if layout == "process":
-        bridge = ProcessEngine(spec, engine_factory=fake_engine, tokenizer=FakeTok())
-    else:
-        bridge = ThreadEngine(fake_engine(spec))
+    bridge = EngineClient(spec, engine_factory=fake_engine, tokenizer=FakeTok(), in_process=layout == "inproc")
     app = build_app(bridge, ServerOptions(served_model_name="fake"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -153,10 +155,8 @@ def fake_server(request, tmp_path):
     yield url, bridge, spec
     server.should_exit = True
     thread.join(10)
-    if layout == "process":
-        assert bridge._proc.exitcode is not None          # the engine process was stopped (or died)
-    else:
-        assert bridge.engine.shut_down
+    bridge._proc.join(5)
+    assert bridge._proc.exitcode is not None          # the engine core was stopped (or died)
 
 
 def test_engine_death_fails_requests_and_health(fake_server):
@@ -186,8 +186,8 @@ def test_engine_death_fails_requests_and_health(fake_server):
     assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
 
 
-@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "thread")], indirect=True,
-                         ids=["process", "thread"])
+@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "inproc")], indirect=True,
+                         ids=["process", "inproc"])
 def test_stage_death_while_idle_turns_health_503(fake_server):
     url, bridge, spec = fake_server
     assert httpx.get(url + "/health").status_code == 200
@@ -201,8 +201,8 @@ def test_stage_death_while_idle_turns_health_503(fake_server):
     assert r.status_code == 503 and "stage-1" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "thread")], indirect=True,
-                         ids=["process", "thread"])
+@pytest.mark.parametrize("fake_server", [("dead", "process"), ("dead", "inproc")], indirect=True,
+                         ids=["process", "inproc"])
 def test_server_fault_is_a_generic_500_and_the_details_go_to_the_log(fake_server, caplog):
     url, bridge, spec = fake_server
 

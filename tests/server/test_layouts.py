@@ -1,6 +1,5 @@
-"""The engine layouts behind `stagewise serve`: by default the engine runs in a process of its
-own, which dies with the server (nothing is left behind even when the server is SIGKILLed);
-`STAGEWISE_SERVER_ENGINE=thread` runs it in a thread of the server and answers the same."""
+"""The engine behind `stagewise serve` runs in a process of its own, which dies with the server
+(nothing is left behind even when the server is SIGKILLed)."""
 from __future__ import annotations
 
 import signal
@@ -38,22 +37,3 @@ def test_engine_process_dies_with_a_killed_server(launch, llama_dir, tmp_path, o
     finally:
         server.stop()
 
-
-def test_thread_layout_answers_like_the_process_layout(launch, llama_dir, tmp_path, server, monkeypatch):
-    monkeypatch.setenv("STAGEWISE_SERVER_ENGINE", "thread")
-    threaded = launch(llama_dir, tmp_path)
-    try:
-        assert threaded.descendants() == []           # the engine runs inside the server process
-        assert [_greedy(threaded.url, p) for p in PROMPTS] == [_greedy(server.url, p) for p in PROMPTS]
-        assert threaded.metric("stagewise_engine_steps_total") > 0
-    finally:
-        assert threaded.stop() == 0
-
-
-def test_unknown_layout_is_one_sentence(monkeypatch):
-    from stagewise.config import EngineConfig
-    from stagewise.server.app import start_engine
-    monkeypatch.setenv("STAGEWISE_SERVER_ENGINE", "fibers")
-    with pytest.raises(ValueError, match="STAGEWISE_SERVER_ENGINE='fibers' is not an engine layout; use one of "
-                                         "process, thread."):
-        start_engine(EngineConfig(model="unused"))

@@ -3,7 +3,8 @@ schedule → submit (up to `depth` plans in flight) → collect the oldest → a
 changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
 `add_request` and `abort` may be called from other threads: they only validate and post
-to an inbox that `step()` drains.
+to an inbox that `step()` drains. Callers outside `engine/` use this class's surface only
+(`step`, `fault`, `kv_capacity_tokens`, `stats`), never the scheduler or the executor.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from typing import Iterator
 
 from ..config import EngineConfig
 from ..checkpoint import max_model_len, num_layers_of
@@ -23,7 +25,7 @@ from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
 from .block_manager import BlockManager
 from .inputs import Tokenizer, check_prompt
-from .outputs import finish_check, make_output
+from .outputs import StepOutputs, finish_check, make_output
 from .scheduler import Scheduler
 from .stats import EngineStats
 
@@ -76,15 +78,21 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self.inbox.append(("abort", request_id))
 
+    def fault(self) -> str | None:
+        """Why the engine cannot go on, or None. A stage that died while the engine idled shows
+        here too: an idle engine never calls the executor, but the executor's monitor flags it."""
+        return self.dead or self.executor.dead
+
     def is_alive(self) -> bool:
-        """False once a stage died (noticed even while idle) or the engine failed."""
-        return not self.dead and not getattr(self.executor, "dead", None)
+        return self.fault() is None
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests or self.inbox or self.inflight)
 
     # the step loop
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
+        """Outputs of requests that changed; `.progressed` is False when nothing could be scheduled
+        or collected (the caller should wait for new requests instead of spinning)."""
         outputs = self._drain_inbox()
         while len(self.inflight) < self.config.depth:
             plan = self.scheduler.schedule()
@@ -94,7 +102,7 @@ class Engine:
             self.executor.submit(plan)
             self.inflight.append(plan)
         if not self.inflight:
-            return outputs
+            return StepOutputs(outputs, progressed=bool(outputs))
         try:
             result = self.executor.collect()
         except EngineDeadError as exc:
@@ -103,7 +111,13 @@ class Engine:
         if result.plan_id != plan.plan_id:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
                       f"got {result.plan_id}); the pipeline is inconsistent.")
-        return outputs + self._apply(plan, result)
+        return StepOutputs(outputs + self._apply(plan, result), progressed=True)
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        """Step until no request is unfinished, yielding every output (the offline loop of `LLM`
+        and `stagewise generate`; serving runs `EngineCore` instead)."""
+        while self.has_unfinished():
+            yield from self.step()
 
     def _verdict(self, plan: StepPlan):
         decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)

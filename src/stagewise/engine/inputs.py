@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import PromptTooLongError
-from ..request import Request
+from ..request import Request, SamplingParams
 
 
 class Tokenizer:
@@ -77,3 +77,15 @@ def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, voca
     if req.num_prompt_tokens >= kv_capacity_tokens:
         raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the KV cache holds "
                                  f"{kv_capacity_tokens}; raise kv_cache_memory or shorten the prompt.")
+
+
+def check_request(tok, facts, params, prompt_token_ids=None, input_embeds=None) -> None:
+    """The checks `Engine.add_request` makes, for a client that holds only the tokenizer and the
+    engine's facts (`max_model_len`, `kv_capacity_tokens`, `vocab_size`), so bad input is refused
+    before anything is sent to the engine."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+    # NOTE: called on the class: the client's tokenizer may be any object with `hidden_size`
+    ids, embeds = Tokenizer.encode_prompt(tok, None, prompt_token_ids, input_embeds)
+    check_prompt(Request("check", ids, params, input_embeds=embeds), facts.max_model_len, facts.kv_capacity_tokens,
+                 facts.vocab_size)

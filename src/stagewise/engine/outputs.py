@@ -12,6 +12,15 @@ from ..request import CompletionOutput, FinishReason, Request, RequestOutput
 REPLACEMENT = "\ufffd"     # what a decoder gives for an incomplete UTF-8 sequence
 
 
+class StepOutputs(list):
+    """What `Engine.step()` returns: the outputs of the requests that changed (a list, so callers
+    that only iterate need nothing else), and whether the step did any work."""
+
+    def __init__(self, outputs=(), progressed: bool = False):
+        super().__init__(outputs)
+        self.progressed = progressed
+
+
 def decode_incremental(tok, ids: list[int], offsets: tuple[int, int], skip_special_tokens: bool,
                        flush: bool = False) -> tuple[str, tuple[int, int]]:
     """The text `ids[read:]` adds, decoded with `ids[start:read]` as context (`offsets` = (start,

@@ -1,7 +1,7 @@
 """The FastAPI app (`build_app`) and the blocking entry point `stagewise serve` calls (`run_server`).
 
-Lifespan: the bridge to the engine (its own process by default) starts with the app and stops
-after it. In front of the routes, `RequestGuard` checks the API key, content type and body size.
+Lifespan: the engine client (the engine core runs in its own process) starts with the app and
+stops after it. In front of the routes, `RequestGuard` checks the API key, content type and body size.
 On SIGINT/SIGTERM the server drains (see `shutdown.py`), then the lifespan hook stops the engine
 and the stage processes.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 
@@ -18,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
 from . import routes
-from .bridge import AsyncEngine
+from ..engine.client import EngineClient
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -27,37 +26,33 @@ from .serving import Serving
 
 log = logging.getLogger("stagewise.server")
 BACKSTOP_SHUTDOWN_S = 5.0     # uvicorn's own wait after the drain (which already ended every request)
-# "process" (default): the engine loop in its own process; "thread": in a thread of the server's
-LAYOUT_ENV = "STAGEWISE_SERVER_ENGINE"
-LAYOUTS = ("process", "thread")
 
 
-def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions()) -> FastAPI:
-    """An app around a (not yet started) bridge; the app's lifespan starts and stops it."""
-    bridge = engine_bridge
-    model_path = bridge.info.model_dir
+def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) -> FastAPI:
+    """An app around a (not yet started) engine client; the app's lifespan starts and stops it."""
+    model_path = engine.info.model_dir
     name = options.served_model_name or served_name_for(model_path)
     # requests may still name the model by its path (the old default name); responses never show it
-    aliases = tuple(a for a in (bridge.info.config_model, model_path, served_name_for(model_path)) if a)
-    metrics = ServerMetrics(lambda: bridge.snapshot, name)
-    bridge.metrics = metrics
-    serving = Serving(bridge, name, aliases)
+    aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
+    metrics = ServerMetrics(lambda: engine.snapshot, name)
+    engine.metrics = metrics
+    serving = Serving(engine, name, aliases)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        bridge.start()
+        engine.start()
         log.info("serving %s as %r (max_model_len %d)", model_path, name, serving.max_model_len)
         yield
         log.info("shutting down: stopping the engine")
         serving.close()
-        await asyncio.to_thread(bridge.stop)
+        await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes,
                        on_reject=metrics.reject)
-    app.state.bridge, app.state.metrics, app.state.serving = bridge, metrics, serving
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
 
     def counted(handler):
         async def endpoint(raw: Request):
@@ -89,9 +84,9 @@ def build_app(engine_bridge: AsyncEngine, options: ServerOptions = ServerOptions
 
     @app.get("/health")
     async def health():
-        if bridge.is_healthy:
+        if engine.is_healthy:
             return {"status": "ok"}
-        why = bridge.dead or "The server is shutting down."
+        why = engine.dead or "The server is shutting down."
         return JSONResponse(APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body(),
                             status_code=503)
 
@@ -107,25 +102,12 @@ def run_server(config: EngineConfig, host: str, port: int, options: ServerOption
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
     import uvicorn
     from .shutdown import DrainingServer
-    bridge = start_engine(config)
+    engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
-        app = build_app(bridge, options)
+        app = build_app(engine, options)
         uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                    timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S)
-        DrainingServer(uv_config, bridge, options.graceful_timeout_s).run()
+        DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
     finally:
-        bridge.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
+        engine.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
 
-
-def start_engine(config: EngineConfig) -> AsyncEngine:
-    """The engine behind the server, in the layout `$STAGEWISE_SERVER_ENGINE` names (default: its own
-    process); blocks while it loads and captures."""
-    layout = os.environ.get(LAYOUT_ENV, "process") or "process"
-    if layout not in LAYOUTS:
-        raise ValueError(f"{LAYOUT_ENV}={layout!r} is not an engine layout; use one of {', '.join(LAYOUTS)}.")
-    if layout == "thread":
-        from ..engine.engine import Engine
-        from .engine_thread import ThreadEngine
-        return ThreadEngine(Engine(config))
-    from .engine_process import ProcessEngine
-    return ProcessEngine(config)

@@ -37,10 +37,6 @@ class BodyTooLarge(APIError):
                          "request_too_large")
 
 
-class ServerUnavailable(RuntimeError):
-    """The engine died or the server is shutting down; new requests get HTTP 503."""
-
-
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 

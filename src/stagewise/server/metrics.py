@@ -1,6 +1,6 @@
 """Prometheus metrics for one server, in its own CollectorRegistry.
 
-Per-request counters and latency histograms are observed by the bridge as final outputs arrive
+Per-request counters and latency histograms are observed by the engine client as final outputs arrive
 (on the event loop when the engine runs in its own process); engine state (queues, KV, prefix
 cache, graph replays, stage busy time) is read at scrape time from the latest `stats()` snapshot
 the engine published.

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..request import SamplingParams
-from .bridge import PromptInput
+from ..engine.client import PromptInput
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
 from .intake import parse_request

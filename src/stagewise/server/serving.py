@@ -23,8 +23,8 @@ from starlette.background import BackgroundTask
 
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
-from .bridge import AsyncEngine, PromptInput, Submission
-from .errors import APIError, ClientGone, ServerUnavailable, bad_request, from_value_error, internal_error
+from ..engine.client import EngineClient, PromptInput, ServerUnavailable, Submission
+from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
@@ -43,13 +43,13 @@ def chars_per_token_bound(tok) -> int:
 
 
 class Serving:
-    def __init__(self, bridge: AsyncEngine, model_name: str, aliases: tuple[str, ...] = ()):
-        self.bridge = bridge
-        self.tok = bridge.info.tok
+    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = ()):
+        self.engine = engine
+        self.tok = engine.info.tok
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
-        self.max_model_len = bridge.info.max_model_len
-        self.kv_capacity_tokens = bridge.info.kv_capacity_tokens
+        self.max_model_len = engine.info.max_model_len
+        self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -109,7 +109,7 @@ class Serving:
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
         """Queue the requests now, so bad input is a 400 before any response (or stream) starts."""
         try:
-            return self.bridge.submit(inputs, params)
+            return self.engine.submit(inputs, params)
         except ServerUnavailable as exc:
             raise APIError(str(exc), 503, None, None, "service_unavailable") from None
         except EngineDeadError as exc:
@@ -123,7 +123,7 @@ class Serving:
         finals: list[RequestOutput | None] = [None] * len(sub)
 
         async def consume():
-            async with aclosing(self.bridge.stream(sub)) as gen:
+            async with aclosing(self.engine.stream(sub)) as gen:
                 async for i, out in gen:
                     if out.finished:
                         finals[i] = out
@@ -137,7 +137,7 @@ class Serving:
             if not consumer.done():
                 consumer.cancel()
                 await asyncio.gather(consumer, return_exceptions=True)
-            self.bridge.release(sub)
+            self.engine.release(sub)
         if consumer not in done:
             raise ClientGone()
         consumer.result()
@@ -155,11 +155,11 @@ class Serving:
         # body iterator ever starts (then its `finally` never runs).
         return StreamingResponse(self._sse(sub, render, tail), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(self.bridge.release, sub))
+                                 background=BackgroundTask(self.engine.release, sub))
 
     def failure(self, out: RequestOutput) -> APIError:
         completion = out.outputs[0]
-        if completion.finish_reason == "abort" or not self.bridge.is_healthy:
+        if completion.finish_reason == "abort" or not self.engine.is_healthy:
             return APIError(completion.error or "The request was aborted; retry later.", 503, None, None,
                             "service_unavailable")
         log.error("request %s failed in the engine: %s", out.request_id, completion.error or "no message")
@@ -174,7 +174,7 @@ class Serving:
         """`render(index, output)` chunks per update, `tail(finals)` at the end, then [DONE].
         An engine failure mid-stream, or the shutdown deadline, becomes one `{"error": ...}` event."""
         finals: list[RequestOutput | None] = [None] * len(sub)
-        async with aclosing(self.bridge.stream(sub)) as gen:
+        async with aclosing(self.engine.stream(sub)) as gen:
             async for i, out in gen:
                 if out.finished:
                     finals[i] = out

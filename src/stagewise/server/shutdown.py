@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from .bridge import AsyncEngine
+from ..engine.client import EngineClient
 
 log = logging.getLogger("stagewise.server")
 FLUSH_S = 2.0          # after the cut: time for the last events to reach their clients
@@ -21,9 +21,9 @@ CUT_MESSAGE = "The server shut down before this request finished (graceful-shutd
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, bridge: AsyncEngine, graceful_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, graceful_timeout_s: float):
         super().__init__(config)
-        self.bridge, self.graceful_timeout_s = bridge, graceful_timeout_s
+        self.engine, self.graceful_timeout_s = engine, graceful_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._drain_task: asyncio.Task | None = None
@@ -46,15 +46,15 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
-        bridge = self.bridge
-        bridge.begin_drain()
-        log.info("shutting down: %d open request(s) get up to %.1f s to finish", bridge.num_open,
+        engine = self.engine
+        engine.begin_drain()
+        log.info("shutting down: %d open request(s) get up to %.1f s to finish", engine.num_open,
                  self.graceful_timeout_s)
-        await _wait_until(lambda: bridge.num_open == 0, self.graceful_timeout_s)
-        if bridge.num_open:
-            log.warning("graceful-shutdown deadline: cutting %d open request(s)", bridge.num_open)
-            bridge.cut_open(CUT_MESSAGE)
-            await _wait_until(lambda: bridge.num_open == 0, FLUSH_S)
+        await _wait_until(lambda: engine.num_open == 0, self.graceful_timeout_s)
+        if engine.num_open:
+            log.warning("graceful-shutdown deadline: cutting %d open request(s)", engine.num_open)
+            engine.cut_open(CUT_MESSAGE)
+            await _wait_until(lambda: engine.num_open == 0, FLUSH_S)
         self.should_exit = True
 
 

@@ -1,0 +1,298 @@
+"""EngineClient: the caller's side of an engine core (core.py), for an asyncio caller (the server).
+
+It owns request ids, each caller's output queue, aborts when a caller leaves, engine death
+(fail everyone, report unhealthy), the shutdown drain (refuse new requests, cut the open ones at
+the deadline) and the facts read at start-up (`EngineInfo`); it knows no HTTP. Requests are
+checked here (the tokenizer stays in this process), so bad input is refused before anything is
+sent; a sender thread writes to the core, so a large request never blocks the event loop on a
+full pipe. The core's messages are read on the event loop (`loop.add_reader`) and their deltas
+assembled into the cumulative `RequestOutput`s callers stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..request import RequestOutput, SamplingParams
+from .core import final_output
+from ..errors import describe_exit
+from .core_runner import EXIT_WAIT_S, await_ready, kill_core, start_core, stop_core
+from .deltas import OutputAssembler
+from .inputs import check_request
+from .messages import (AbortRequests, AddRequests, ClientMessage, EngineDied, EngineFacts, EngineOutputs, NewRequest,
+                       OutputDelta, StopEngine, recv, send)
+
+log = logging.getLogger("stagewise.server")
+SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
+
+
+class ServerUnavailable(RuntimeError):
+    """The engine died or the server is shutting down; new requests are refused (HTTP 503)."""
+
+
+@dataclass
+class PromptInput:
+    """One engine submission: exactly one of ids or embeddings, and its length in positions."""
+    prompt_token_ids: list[int] | None = None
+    input_embeds: Any = None                 # torch.Tensor [T, H]
+    text: str | None = None                  # the prompt as the client wrote it (echoed back), if text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids or ()) if self.input_embeds is None else int(self.input_embeds.shape[0])
+
+
+@dataclass
+class EngineInfo(EngineFacts):
+    """What the caller reads about the engine at start-up: the core's facts plus this process's
+    tokenizer (engine.inputs.Tokenizer, or anything with its methods)."""
+    tok: Any = None
+
+    @classmethod
+    def of(cls, tok, facts: EngineFacts) -> "EngineInfo":
+        return cls(tok=tok, **dataclasses.asdict(facts))
+
+
+class Submission:
+    """The requests of one call (prompts x n), sharing one queue."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.index: dict[str, int] = {}
+        self.pending: set[str] = set()
+
+    def add(self, rid: str) -> None:
+        self.index[rid] = len(self.index)
+        self.pending.add(rid)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+
+
+def _real_engine(config):
+    from .engine import Engine
+    return Engine(config)
+
+
+def _tokenizer(config):
+    from .inputs import Tokenizer
+    return Tokenizer(config.model, config.tokenizer)
+
+
+class EngineClient:
+    """Starts the engine core and blocks until it is ready (its start-up error is raised here).
+    `engine_factory(config)` builds the engine in the core; `tokenizer` defaults to the
+    checkpoint's, loaded here while the engine loads; `in_process` runs the core in a thread."""
+
+    def __init__(self, config, metrics=None, *, engine_factory=_real_engine, tokenizer=None, in_process=False):
+        self._pipes = start_core(config, engine_factory, in_process)
+        self._proc = self._pipes.runner
+        try:
+            tok = tokenizer if tokenizer is not None else _tokenizer(config)
+            ready = await_ready(self._pipes)
+        except BaseException:
+            kill_core(self._pipes)
+            raise
+        self.info = EngineInfo.of(tok, ready.facts)
+        self.snapshot: dict = ready.snapshot                # the engine's latest stats()
+        self.metrics = metrics
+        self.dead: str | None = None
+        self.draining = False                               # shutting down: no new requests
+        self.stopping = False
+        self._lock = threading.Lock()                       # guards _streams and dead
+        self._streams: dict[str, _Stream] = {}
+        self._assembler = OutputAssembler()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: queue.SimpleQueue[ClientMessage | None] = queue.SimpleQueue()
+        threading.Thread(target=self._send_forever, name="stagewise-engine-sender", daemon=True).start()
+
+    # lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._pipes.from_core.fileno(), self._on_readable)
+
+    def stop(self) -> None:
+        """Let the core abort what is open and shut down (stage processes included), then reap it."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self._outbox.put(StopEngine())
+        stop_core(self._pipes)
+        self._outbox.put(None)
+        self._fail_all(SHUTTING_DOWN, "abort")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead is None and not self.draining and not self.stopping and self._proc.is_alive()
+
+    # the shutdown drain (event loop thread)
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) and report unhealthy; open requests run on."""
+        self.draining = True
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def cut_open(self, why: str) -> None:
+        """End every open request now with `why` (an abort), and stop computing them."""
+        with self._lock:
+            ids = list(self._streams)
+        self._abort(ids)
+        self._fail_all(why, "abort")
+
+    # requests (event loop thread)
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
+        """Queue every input, all or none: raises ValueError (bad input) or ServerUnavailable.
+        The caller must `stream()` the submission or `release()` it."""
+        if self.dead or self.stopping or self.draining:
+            raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
+        for inp, p in zip(inputs, params):
+            check_request(self.info.tok, self.info, p, inp.prompt_token_ids, inp.input_embeds)
+        sub = Submission()
+        with self._lock:
+            if self.dead or self.stopping:
+                raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
+            new = []
+            for inp, p in zip(inputs, params):
+                rid = f"req-{uuid.uuid4().hex}"
+                self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens)
+                sub.add(rid)
+                new.append(NewRequest(rid, inp.prompt_token_ids, inp.input_embeds, p))
+        self._outbox.put(AddRequests(new))
+        return sub
+
+    async def stream(self, sub: Submission) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (index, cumulative output) until every request finishes. Leaving early (caller gone,
+        cancellation) aborts the unfinished ones, which frees their KV blocks."""
+        try:
+            while sub.pending:
+                latest = {}
+                out = await sub.queue.get()
+                latest[out.request_id] = out
+                while not sub.queue.empty():       # outputs are cumulative: keep only the newest
+                    out = sub.queue.get_nowait()
+                    latest[out.request_id] = out
+                for rid, out in latest.items():
+                    if rid not in sub.pending:     # a late duplicate final (engine death, shutdown)
+                        continue
+                    if out.finished:
+                        sub.pending.discard(rid)
+                    yield sub.index[rid], out
+        finally:
+            self.release(sub)
+
+    def release(self, sub: Submission) -> None:
+        """Abort what is unfinished and forget the submission; safe to call more than once."""
+        with self._lock:
+            if sub.pending:
+                self._abort(list(sub.pending))
+            sub.pending.clear()
+            for rid in sub.index:
+                self._streams.pop(rid, None)
+
+    def num_prompt_tokens(self, rid: str) -> int:
+        entry = self._streams.get(rid)
+        return entry.num_prompt_tokens if entry else 0
+
+    def _abort(self, rids: list[str]) -> None:
+        if rids:
+            self._outbox.put(AbortRequests(rids))
+
+    def _send_forever(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                send(self._pipes.to_core, msg)
+            except OSError:         # the core is gone; the reader reports it
+                return
+
+    # outputs in (event loop)
+    def _on_readable(self) -> None:
+        conn = self._pipes.from_core
+        try:
+            while conn.poll():
+                self._handle(recv(conn))
+        except (EOFError, OSError):
+            if self._loop is not None:
+                self._loop.remove_reader(conn.fileno())
+            self._core_exited()
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, EngineOutputs):
+            if msg.snapshot is not None:
+                self.snapshot = msg.snapshot
+            self._dispatch(self._assemble(msg.deltas, msg.time))
+        elif isinstance(msg, EngineDied):
+            self._die(msg.why, self._assemble(msg.deltas, time.monotonic()))
+
+    def _assemble(self, deltas: list[OutputDelta], now: float) -> list[RequestOutput]:
+        outputs = []
+        for delta in deltas:
+            s = self._streams.get(delta.request_id)
+            outputs.append(self._assembler.apply(delta, s.prompt_token_ids if s else [], s.arrival if s else None))
+        self._observe(outputs, now)
+        return outputs
+
+    def _core_exited(self) -> None:
+        # NOTE: reap it whatever happened before (a dead engine's process would stay <defunct>)
+        self._proc.join(EXIT_WAIT_S)
+        if self.stopping or self.dead:
+            return
+        self._die(f"The engine process (pid {self._proc.pid}) died unexpectedly: it {describe_exit(self._proc.exitcode)}; "
+                  f"restart the server.", [])
+
+    def _observe(self, outputs: list[RequestOutput], now: float) -> None:
+        """Per-request metrics of the finished outputs; never costs a caller its answer."""
+        if self.metrics is None:
+            return
+        try:
+            for out in outputs:
+                if out.finished:
+                    self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
+        except Exception:
+            log.exception("recording request metrics failed")
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to the event loop from any thread."""
+        if not outputs or self._loop is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:                        # loop closed during shutdown
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                entry.queue.put_nowait(out)
+
+    def _die(self, why: str, outputs: list[RequestOutput]) -> None:
+        """The engine is gone: deliver its last outputs, then fail every open request with `why`."""
+        log.error("engine is dead: %s", why)
+        with self._lock:
+            self.dead = why
+        self._post(outputs)
+        self._fail_all(why, "error")
+        self._assembler.clear()
+
+    def _fail_all(self, why: str, reason: str) -> None:
+        """Finish every stream still open with `reason` (after the real outputs already posted)."""
+        with self._lock:
+            ids = list(self._streams)
+        self._post([final_output(rid, reason, why) for rid in ids])

@@ -1,0 +1,219 @@
+"""EngineCore: the serving loop around `Engine.step`, the one every served engine runs. It reads
+client messages (adds, aborts, stop) from its inbox, steps while there is work, publishes
+output deltas and the stats snapshot (at once when a step has outputs, else paced), notices a
+stage that died while idle, and at stop aborts what is open and drains it (bounded).
+
+`engine_main` runs it as the engine process of `stagewise serve` (spawned by `EngineClient`);
+`serve` runs it wherever it is called (a thread of the client's process, for scripted engines
+in tests). The loop never waits for the HTTP side's GIL in the process layout.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import time
+from multiprocessing.connection import Connection
+
+from ..errors import EngineDeadError
+from ..request import CompletionOutput, RequestOutput
+from .deltas import DeltaEncoder
+from .messages import (AbortRequests, AddRequests, ClientMessage, CoreMessage, EngineDied, EngineFacts, EngineFailed,
+                       EngineOutputs, EngineReady, StopEngine, recv, send)
+
+log = logging.getLogger("stagewise.engine")
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"      # the CLI's
+IDLE_PUBLISH_S = 1.0          # an idle core refreshes the stats snapshot this often
+BUSY_PUBLISH_S = 0.05         # a step without outputs still refreshes it this often
+NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
+STOP_DRAIN_S = 5.0            # at stop, how long aborted requests get to leave the pipeline
+ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
+# start-up errors the CLI prints as one line; anything else is logged here with its traceback
+USER_ERRORS = (ValueError, FileNotFoundError, EngineDeadError)
+
+
+class ClientGone(Exception):
+    """The client closed its end of a pipe: nobody is left to serve."""
+
+
+def engine_main(config, engine_factory, log_level: int, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of the engine process (multiprocessing spawn). It ignores SIGINT (the client
+    drains, then stops it in order) and dies with its parent (PDEATHSIG)."""
+    from ..executor.launch import die_with_parent
+    from ..executor.watchdog import exit_now
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    code = 1
+    try:
+        code = serve(config, engine_factory, inbox, outbox)
+    finally:
+        exit_now(code)        # skips interpreter teardown (seconds with torch loaded)
+
+
+def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
+    """Build the engine with `engine_factory(config)`, say ready (or why not), serve until stopped.
+    Returns the exit code: 0 stopped, 1 failed."""
+    try:
+        engine = engine_factory(config)
+        ready = EngineReady(engine_facts(engine), engine.stats())
+    except BaseException as exc:        # noqa: BLE001  (reported to the client, which raises it)
+        if not isinstance(exc, USER_ERRORS):
+            log.exception("the engine failed to start")
+        _send_quietly(outbox, EngineFailed(_picklable(exc)))
+        return 1
+    _send_quietly(outbox, ready)
+    return EngineCore(engine, inbox, outbox).run()
+
+
+def engine_facts(engine) -> EngineFacts:
+    return EngineFacts(max_model_len=int(engine.max_model_len), kv_capacity_tokens=int(engine.kv_capacity_tokens),
+                       model_dir=str(engine.model_dir), config_model=engine.config.model,
+                       vocab_size=int(engine.tok.vocab_size))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:                   # noqa: BLE001  (an exception type that does not round-trip)
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _send_quietly(conn: Connection, msg: CoreMessage) -> None:
+    try:
+        send(conn, msg)
+    except OSError:
+        pass
+
+
+def final_output(rid: str, reason: str, message: str) -> RequestOutput:
+    """The last output of a request the engine never ran (refused) or could not finish."""
+    return RequestOutput(rid, None, [], [CompletionOutput(0, "", [], reason, None, message)], finished=True)
+
+
+class EngineCore:
+    def __init__(self, engine, inbox: Connection, outbox: Connection):
+        self.engine, self.inbox, self.outbox = engine, inbox, outbox
+        self.encoder = DeltaEncoder()
+        self.live: set[str] = set()                 # requests added and not finished
+        self.refused: list[RequestOutput] = []      # final outputs of adds the engine refused
+        self.stop_requested = False
+        self.last_publish = 0.0
+
+    def run(self) -> int:
+        """Serve until the client says stop (0) or the engine dies (1)."""
+        try:
+            return self._serve()
+        except ClientGone:
+            log.warning("the client closed the engine's pipes; stopping the engine")
+            self.engine.shutdown()
+            return 0
+        except Exception:                    # a bug of this loop: say so, never hang the client
+            log.exception("the engine loop failed")
+            _send_quietly(self.outbox, EngineDied(ENGINE_FAULT))
+            self.engine.shutdown()
+            return 1
+
+    def _serve(self) -> int:
+        while True:
+            self._read(0.0 if self.engine.has_unfinished() or self.refused else IDLE_PUBLISH_S)
+            if self.stop_requested:
+                return self._stop()
+            if not self.engine.has_unfinished():
+                if self._died_idle():
+                    return 1
+                if self.refused or time.monotonic() - self.last_publish > IDLE_PUBLISH_S:
+                    self._publish([])
+                continue
+            progressed = self._step()
+            if progressed is None:
+                return 1
+            if not progressed:
+                self._read(NO_PROGRESS_WAIT_S)
+
+    def _died_idle(self) -> bool:
+        why = self.engine.fault()
+        if why:
+            self._send(EngineDied(why))
+            self.engine.shutdown()
+        return bool(why)
+
+    # requests in
+    def _read(self, timeout_s: float) -> None:
+        """Handle every message waiting (after up to `timeout_s` for the first)."""
+        try:
+            if not self.inbox.poll(timeout_s):
+                return
+            while True:
+                self._handle(recv(self.inbox))      # type: ignore[arg-type]
+                if not self.inbox.poll():
+                    return
+        except (EOFError, OSError):
+            raise ClientGone() from None
+
+    def _handle(self, msg: ClientMessage) -> None:
+        if isinstance(msg, AddRequests):
+            for r in msg.requests:
+                try:
+                    self.engine.add_request(params=r.params, prompt_token_ids=r.prompt_token_ids,
+                                            input_embeds=r.input_embeds, request_id=r.request_id)
+                    self.live.add(r.request_id)
+                except Exception as exc:     # noqa: BLE001  (the client checked it; fail this request alone)
+                    log.error("request %s refused by the engine: %s", r.request_id, exc)
+                    self.refused.append(final_output(r.request_id, "error", str(exc)))
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort(rid)
+        elif isinstance(msg, StopEngine):
+            self.stop_requested = True
+
+    # steps and outputs out
+    def _step(self) -> bool | None:
+        """One engine step; True if it did work, None if the engine died."""
+        try:
+            outputs = self.engine.step()
+        except EngineDeadError as exc:
+            self._send(EngineDied(str(exc), [self.encoder.encode(o) for o in exc.outputs]))
+            return None
+        except Exception:                    # a bug, not a request problem: stop serving loudly
+            log.exception("engine step failed")
+            self._send(EngineDied(ENGINE_FAULT))
+            self.engine.shutdown()           # free the stage processes now
+            return None
+        if outputs or time.monotonic() - self.last_publish > BUSY_PUBLISH_S:
+            self._publish(outputs)
+        return outputs.progressed
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        outputs = self.refused + outputs
+        self.refused = []
+        deltas = [self.encoder.encode(o) for o in outputs]
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        try:
+            snapshot = self.engine.stats()
+        except Exception:                    # stats must never take the loop down
+            log.exception("engine.stats() failed")
+            snapshot = None
+        self.last_publish = time.monotonic()
+        self._send(EngineOutputs(self.last_publish, deltas, snapshot))
+
+    def _send(self, msg: CoreMessage) -> None:
+        try:
+            send(self.outbox, msg)
+        except OSError:
+            raise ClientGone() from None
+
+    def _stop(self) -> int:
+        """Abort everything, let the aborts leave the pipeline (bounded), stop the engine."""
+        for rid in list(self.live):
+            self.engine.abort(rid)
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            if self._step() is None:
+                return 1
+        self._publish([])
+        self.engine.shutdown()
+        return 0

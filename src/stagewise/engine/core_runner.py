@@ -1,0 +1,118 @@
+"""Where an engine core runs, for `EngineClient`: a spawned process of its own (what `stagewise
+serve` uses: the HTTP event loop and the step loop never wait for each other's GIL), or a thread
+of the client's process (scripted engines in tests). Either way the two sides speak the same
+messages over a pipe pair, so the client cannot tell them apart; `CoreRunner` is the little it
+needs: liveness, the exit code, and stopping.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Callable, Protocol
+
+from ..errors import EngineDeadError, describe_exit
+from .core import STOP_DRAIN_S, engine_main, serve
+from .messages import EngineFailed, EngineReady, recv
+
+STARTUP_POLL_S = 0.1
+EXIT_WAIT_S = 2.0             # after the core closed its pipe: time for its exit code to show
+STOP_WAIT_S = 10.0 + STOP_DRAIN_S
+
+
+class CoreRunner(Protocol):
+    pid: int | None
+    exitcode: int | None                     # None while running; < 0: killed by that signal
+
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+
+
+@dataclass
+class CorePipes:
+    runner: CoreRunner
+    to_core: Connection
+    from_core: Connection
+
+
+class CoreThread(threading.Thread):
+    """The core in a thread of this process; `kill` cannot stop a thread, so it only closes the
+    pipe the core reads (the core then stops its engine and returns)."""
+
+    def __init__(self, config, engine_factory: Callable, inbox: Connection, outbox: Connection):
+        super().__init__(name="stagewise-engine-core", daemon=True)
+        self.pid: int | None = os.getpid()
+        self.exitcode: int | None = None
+        self._args = (config, engine_factory, inbox, outbox)
+
+    def run(self) -> None:
+        try:
+            self.exitcode = serve(*self._args)
+        except BaseException:                # noqa: BLE001  (serve reports its own faults; never hang)
+            logging.getLogger("stagewise.engine").exception("the engine core thread failed")
+            self.exitcode = 1
+        finally:
+            for conn in self._args[2:]:
+                conn.close()
+
+    def kill(self) -> None:
+        self._args[2].close()
+
+
+def start_core(config, engine_factory: Callable, in_process: bool = False) -> CorePipes:
+    """Start a core that builds its engine with `engine_factory(config)` (a module-level callable
+    when spawned); returns at once, before the engine is ready."""
+    ctx = mp.get_context("spawn")
+    core_in, to_core = ctx.Pipe(duplex=False)
+    from_core, core_out = ctx.Pipe(duplex=False)
+    runner: CoreRunner
+    if in_process:
+        runner = CoreThread(config, engine_factory, core_in, core_out)
+        runner.start()
+        return CorePipes(runner, to_core, from_core)
+    # NOTE: not a daemon: at PP > 1 the engine process spawns the stage processes itself
+    proc = ctx.Process(target=engine_main, name="stagewise-engine", daemon=False,
+                       args=(config, engine_factory, logging.getLogger().getEffectiveLevel(), core_in, core_out))
+    proc.start()
+    core_in.close()
+    core_out.close()
+    return CorePipes(proc, to_core, from_core)
+
+
+def await_ready(pipes: CorePipes) -> EngineReady:
+    """Block until the core says ready; raises its start-up error, or says how it exited."""
+    while not pipes.from_core.poll(STARTUP_POLL_S):
+        if not pipes.runner.is_alive():
+            raise _exited_while_starting(pipes.runner)
+    try:
+        msg = recv(pipes.from_core)
+    except (EOFError, OSError):
+        pipes.runner.join(EXIT_WAIT_S)
+        raise _exited_while_starting(pipes.runner) from None
+    if isinstance(msg, EngineFailed):
+        raise msg.error
+    assert isinstance(msg, EngineReady), msg
+    return msg
+
+
+def _exited_while_starting(runner: CoreRunner) -> EngineDeadError:
+    return EngineDeadError(f"The engine process {describe_exit(runner.exitcode)} while starting (see the log "
+                           f"above); fix the cause and restart the server.")
+
+
+def stop_core(pipes: CorePipes, timeout_s: float = STOP_WAIT_S) -> None:
+    """Wait for a core told to stop; kill it if it lingers."""
+    pipes.runner.join(timeout_s)
+    if pipes.runner.is_alive():
+        logging.getLogger("stagewise.engine").warning("the engine did not stop within %.0f s; killing it", timeout_s)
+        kill_core(pipes)
+
+
+def kill_core(pipes: CorePipes) -> None:
+    if pipes.runner.is_alive():
+        pipes.runner.kill()       # a process's stage processes follow (PDEATHSIG)
+    pipes.runner.join(5.0)
