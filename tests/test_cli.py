@@ -55,3 +55,13 @@ def test_bad_flags_get_one_clear_sentence(llama_dir, capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_prompt_too_long_for_the_context_prints_only_the_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))
+    long_prompt = "tell me more " * 2000
+    assert main(["--log-level", "WARNING", "generate", "--model", "demo", "--max-model-len", "128",
+                 "--prompt", long_prompt]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""                                    # the prompt is not echoed before the error
+    assert "context is 128" in err and len(err.strip().splitlines()) == 1 and len(err) < 400

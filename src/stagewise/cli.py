@@ -154,41 +154,36 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_generate(args) -> int:
-    from .engine.engine import Engine
+    from .llm import LLM
     _exit_on_sigterm()
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
         return role
-    engine = Engine(config)
-    try:
+    with LLM(**dataclasses.asdict(config)) as llm:
+        engine = llm.engine
         chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
         prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
         params = sampling_from_args(args)
         for prompt in prompts:
-            if chat:  # show the question, not the template around it
-                print(prompt, flush=True)
-                _stream_one(engine, engine.tok.chat_prompt([{"role": "user", "content": prompt}]), params, echo=False)
-            else:
-                _stream_one(engine, prompt, params)
-    finally:
-        engine.shutdown()
+            text = engine.tok.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
+            # NOTE: queued before anything is printed, so a refused prompt is only its error
+            req = engine.add_request(text, params)
+            # with the template, show the question, not the template around it
+            print(prompt, end="\n" if chat else "", flush=True)
+            _stream(engine, req.request_id)
     return 0
 
 
-def _stream_one(engine, prompt: str, params, echo: bool = True) -> None:
-    req = engine.add_request(prompt, params)
-    if echo:
-        print(prompt, end="", flush=True)
+def _stream(engine, request_id: str) -> None:
     shown = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == req.request_id:
-                text = out.outputs[0].text
-                print(text[shown:], end="", flush=True)
-                shown = len(text)
-                if out.finished and out.outputs[0].error:
-                    print(f"\nerror: {out.outputs[0].error}", file=sys.stderr)
+    for out in engine.run_until_done():
+        if out.request_id == request_id:
+            text = out.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+            if out.finished and out.outputs[0].error:
+                print(f"\nerror: {out.outputs[0].error}", file=sys.stderr)
     print()
 
 

@@ -43,11 +43,10 @@ class LLM:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm)
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            for out in self.engine.run_until_done():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
         finally:
             bar.close()
 

@@ -12,6 +12,9 @@ class Tokenizer:
         from ..checkpoint import eos_token_ids_of, hidden_size_of, load_hf_config, load_tokenizer, vocab_size_of
         self.hf_config = load_hf_config(model_dir)
         self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+        # NOTE: the engine checks prompt lengths against its own context (one sentence); HF's
+        # "Token indices sequence length is longer than ..." warning would only repeat it, worse.
+        self.tokenizer.model_max_length = int(1e30)
         self.eos_token_ids = eos_token_ids_of(model_dir, self.hf_config)
         self.vocab_size = vocab_size_of(self.hf_config)
         self.hidden_size = hidden_size_of(self.hf_config)
@@ -72,11 +75,16 @@ def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, voca
         raise ValueError("prompt_logprobs needs a prompt of text or token ids; an input_embeds prompt has no "
                          "tokens to score.")
     if req.num_prompt_tokens >= max_model_len:
-        raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the model's context is "
+        raise PromptTooLongError(f"The prompt has {num_tokens(req.num_prompt_tokens)} but the model's context is "
                                  f"{max_model_len}; shorten the prompt to leave room for output.")
     if req.num_prompt_tokens >= kv_capacity_tokens:
-        raise PromptTooLongError(f"The prompt has {req.num_prompt_tokens} tokens but the KV cache holds "
+        raise PromptTooLongError(f"The prompt has {num_tokens(req.num_prompt_tokens)} but the KV cache holds "
                                  f"{kv_capacity_tokens}; raise kv_cache_memory or shorten the prompt.")
+
+
+def num_tokens(n: int) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def check_request(tok, facts, params, prompt_token_ids=None, input_embeds=None) -> None:

@@ -36,7 +36,7 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) ->
     aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
     metrics = ServerMetrics(lambda: engine.snapshot, name)
     engine.metrics = metrics
-    serving = Serving(engine, name, aliases)
+    serving = Serving(engine, name, aliases, options.body_timeout_s)
     created = int(time.time())
 
     @asynccontextmanager
@@ -48,7 +48,10 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) ->
         serving.close()
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # NOTE: no slash redirects: a 307 to a Location built from the client's Host header, before the
+    # API-key check, for a route that does not exist as written; a wrong path is a 404
+    app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes,
                        on_reject=metrics.reject)
@@ -100,14 +103,19 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) ->
 def run_server(config: EngineConfig, host: str, port: int, options: ServerOptions = ServerOptions(), *,
                log_level: str = "info") -> None:
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
-    import uvicorn
     from .shutdown import DrainingServer
     engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
         app = build_app(engine, options)
-        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                   timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S)
-        DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
+        DrainingServer(uvicorn_config(app, host, port, log_level), engine, options.graceful_timeout_s).run()
     finally:
         engine.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
 
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info"):
+    """How `stagewise serve` runs uvicorn (tests that serve an app in a thread use it too)."""
+    import uvicorn
+    from .http11 import JSONErrorsH11Protocol
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S, http=JSONErrorsH11Protocol)

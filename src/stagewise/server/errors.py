@@ -6,6 +6,7 @@ and what to do; FastAPI's default 422 and Starlette's HTML/plain errors never re
 from __future__ import annotations
 
 import logging
+import re
 import reprlib
 
 from fastapi import FastAPI, Request
@@ -63,6 +64,7 @@ def from_value_error(exc: ValueError, param_prefix: str = "") -> APIError:
 _SHORT = reprlib.Repr()
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 60, 60, 2, 4, 4
 # NOTE: pydantic appends the union member it tried ("stop.str"); drop type names from the path.
+_MODEL_NAME = re.compile(r"a valid dictionary or instance of \w+")
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict[str,any]", "dict[str,str]", "dict[str,float]"}
 
 
@@ -83,7 +85,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
                            "unrecognized_argument")
     if kind == "missing":
         return bad_request(f"Missing required parameter: {param}.", param, "missing_required_parameter")
-    return bad_request(f"Invalid value for {param or 'the request body'}: {err.get('msg', 'invalid')} "
+    # NOTE: pydantic names the schema class it wanted ("or instance of StreamOptions"); clients know JSON
+    msg = _MODEL_NAME.sub("a JSON object", str(err.get("msg", "invalid")))
+    return bad_request(f"Invalid value for {param or 'the request body'}: {msg} "
                        f"(got {_SHORT.repr(err.get('input'))}); fix the request and retry.", param, "invalid_type")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as token ids, four times as text
 DEFAULT_GRACEFUL_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 20.0
 API_KEY_ENV = "STAGEWISE_API_KEY"
 _UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
 
@@ -20,12 +21,15 @@ class ServerOptions:
     api_key: str | None = None                    # None: no authentication
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     graceful_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024 (1KiB), got {self.max_request_bytes}.")
         if not self.graceful_timeout_s >= 0:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; give a non-empty key or leave it out.")
 

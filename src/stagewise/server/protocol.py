@@ -151,11 +151,15 @@ class ChatMessage(_Strict):
         if not isinstance(self.content, list):
             return self.content or ""
         texts = []
-        for part in self.content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) and isinstance(part.get("type"), str) else "non-text"
-                raise bad_request(f"messages[{i}].content holds a {kind[:40]!r} part; this server accepts only "
-                                  f"text parts.", f"messages.{i}.content", "unsupported")
+        for j, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content[{j}] is a text part without a 'text' string; write it as "
+                                  f"{{\"type\": \"text\", \"text\": \"...\"}}.", f"messages.{i}.content.{j}.text")
+            if kind != "text":
+                shown = repr(kind[:40]) if isinstance(kind, str) else "non-text"
+                raise bad_request(f"messages[{i}].content[{j}] is a {shown} part; this server accepts only text "
+                                  f"parts.", f"messages.{i}.content", "unsupported")
             texts.append(part["text"])
         return "".join(texts)
 

@@ -7,7 +7,9 @@ the context, /generate 16 (SamplingParams' default, as offline `LLM`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +23,7 @@ from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, Com
                        make_sampling_params)
 from .serving import Serving
 
+log = logging.getLogger("stagewise.server")
 CLIENT_GONE = 499            # nginx's "client closed request": logged, never seen by anyone
 
 
@@ -33,15 +36,25 @@ class Job:
 
 
 async def completions(serving: Serving, raw: Request) -> Response:
-    return await _answer(serving, raw, await serving.off_loop(completion_job, serving, await raw.body()))
+    return await _serve(serving, raw, completion_job)
 
 
 async def chat_completions(serving: Serving, raw: Request) -> Response:
-    return await _answer(serving, raw, await serving.off_loop(chat_job, serving, await raw.body()))
+    return await _serve(serving, raw, chat_job)
 
 
 async def generate(serving: Serving, raw: Request) -> Response:
-    return await _answer(serving, raw, await serving.off_loop(generate_job, serving, await raw.body()))
+    return await _serve(serving, raw, generate_job)
+
+
+async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, bytes], Job]) -> Response:
+    try:
+        body = await serving.read_body(raw)
+    except ClientGone:
+        # NOTE: a client leaving is not a server fault: no traceback, no warning
+        log.debug("client left while sending %s %s", raw.method, raw.url.path)
+        return Response(status_code=CLIENT_GONE)
+    return await _answer(serving, raw, await serving.off_loop(make_job, serving, body))
 
 
 def completion_job(serving: Serving, body: bytes) -> Job:
@@ -86,7 +99,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     if req.text is not None:
         prompt = serving.text_input(req.text, "text")
     elif req.input_ids is not None:
-        prompt = _ids_input(req.input_ids, "input_ids")
+        prompt = _ids_input(serving, req.input_ids, "input_ids")
     else:
         prompt = PromptInput(input_embeds=_embeds_tensor(serving, req.input_embeds))
     sp = req.sampling_params
@@ -130,16 +143,21 @@ def _completion_prompts(serving: Serving, prompt, n: int) -> list[PromptInput]:
         raise bad_request("prompt is empty; give a string, a list of strings or a list of token ids.", "prompt")
     if isinstance(prompt[0], int):          # the schema allows only all-int, all-str or all-list lists
         serving.check_choices(1, n)
-        return [_ids_input(prompt, "prompt")]
+        return [_ids_input(serving, prompt, "prompt")]
     serving.check_choices(len(prompt), n)
     if isinstance(prompt[0], str):
         return [serving.text_input(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_ids_input(ids, f"prompt[{i}]") for i, ids in enumerate(prompt)]
+    return [_ids_input(serving, ids, f"prompt[{i}]") for i, ids in enumerate(prompt)]
 
 
-def _ids_input(ids: list[int], param: str) -> PromptInput:
+def _ids_input(serving: Serving, ids: list[int], param: str) -> PromptInput:
     if not ids:
         raise bad_request(f"{param} is an empty list of token ids; give at least one.", param.split("[")[0])
+    vocab = serving.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"{param} holds the token id {bad}, outside this model's vocabulary [0, {vocab}).",
+                          param.split("[")[0])
     return PromptInput(prompt_token_ids=ids)
 
 

@@ -20,10 +20,13 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from ..engine.client import EngineClient, PromptInput, ServerUnavailable, Submission
+from ..engine.inputs import num_tokens
+from .options import DEFAULT_BODY_TIMEOUT_S
 from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error
 
 log = logging.getLogger("stagewise.server")
@@ -43,16 +46,30 @@ def chars_per_token_bound(tok) -> int:
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = ()):
+    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.engine = engine
         self.tok = engine.info.tok
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.max_model_len = engine.info.max_model_len
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
+        self.vocab_size = engine.info.vocab_size
+        self.body_timeout_s = body_timeout_s
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
+
+    async def read_body(self, raw: Request) -> bytes:
+        """The whole body, within `body_timeout_s` (a trickling client must not hold a connection
+        for as long as it likes); raises ClientGone if the client disconnects meanwhile."""
+        try:
+            return await asyncio.wait_for(raw.body(), self.body_timeout_s)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        except asyncio.TimeoutError:
+            raise APIError(f"The request body did not arrive within {self.body_timeout_s:g} s; send it at once "
+                           f"(or start the server with a larger --body-timeout).", 408, None, "timeout") from None
 
     async def off_loop(self, fn, *args):
         """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
@@ -87,10 +104,10 @@ class Serving:
         `default` None means: the rest of the context; `minimum` 0 allows scoring a prompt only."""
         room = min(self.max_model_len, self.kv_capacity_tokens) - prompt_len
         if prompt_len >= self.max_model_len:
-            raise bad_request(f"The prompt has {prompt_len} tokens but the model's context is {self.max_model_len}; "
+            raise bad_request(f"The prompt has {num_tokens(prompt_len)} but the model's context is {self.max_model_len}; "
                               f"shorten the prompt to leave room for output.", "prompt", "context_length_exceeded")
         if room < 1:
-            raise bad_request(f"The prompt has {prompt_len} tokens but the KV cache holds only "
+            raise bad_request(f"The prompt has {num_tokens(prompt_len)} but the KV cache holds only "
                               f"{self.kv_capacity_tokens}; shorten the prompt or start the server with a larger "
                               f"--kv-cache-memory.", "prompt", "context_length_exceeded")
         if requested is None:
@@ -100,7 +117,7 @@ class Serving:
         if requested > room:
             limit = ("context is" if room == self.max_model_len - prompt_len else "KV cache holds")
             total = min(self.max_model_len, self.kv_capacity_tokens)
-            raise bad_request(f"The prompt has {prompt_len} tokens and max_tokens asks for {requested} more, but the "
+            raise bad_request(f"The prompt has {num_tokens(prompt_len)} and max_tokens asks for {requested} more, but the "
                               f"model's {limit} {total} tokens; lower max_tokens to at most {room}.",
                               param, "context_length_exceeded")
         return requested
