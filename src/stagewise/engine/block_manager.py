@@ -77,7 +77,9 @@ class BlockManager:
                 or req.params.prompt_logprobs is not None):
             return 0
         num_full = (req.num_tokens - 1) // self.block_size
-        self.num_queried_tokens += len(req.prompt_token_ids)
+        # NOTE: every token looked up counts, outputs too: a preempted request looks up its outputs
+        # as well, and counting only its prompt let hits exceed queries
+        self.num_queried_tokens += req.num_tokens
         tokens = req.all_token_ids
         for i, h in enumerate(self._prefix_hashes(req, num_full)):
             block = self.block_of.get(h)

@@ -60,6 +60,8 @@ class EngineStats:
             "kv_usage": scheduler.blocks.usage,
             "num_kv_blocks": scheduler.blocks.num_blocks,
             "prefix_cache_hit_rate": scheduler.blocks.prefix_hit_rate,
+            "prefix_cache_queries": scheduler.blocks.num_queried_tokens,
+            "prefix_cache_hits": scheduler.blocks.num_hit_tokens,
             "stage_busy_s": list(self.stage_busy_s),
             "stage_busy_fraction": [b / wall if wall > 0 else 0.0 for b in self.stage_busy_s],
         }

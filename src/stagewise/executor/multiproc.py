@@ -17,7 +17,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
-from ..errors import EngineDeadError
+from ..errors import EngineDeadError, describe_exit
 from .launch import DRIVER_RANK, destroy_group, free_port, init_group, spawn_stages, stage_rank, torchrun_env
 
 log = logging.getLogger("stagewise.executor")
@@ -101,14 +101,29 @@ class MultiprocExecutor:
         self.last_traffic = time.monotonic()
         return msg
 
+    def _where(self, stage: int) -> str:
+        return f"stage {stage} (node {stage // self.config.stages_per_node})"
+
     def _link_failure(self, stage: int, doing: str, exc: Exception) -> str:
-        """Why a link failed, naming the stage behind it and its node: a timeout, or a closed link."""
-        node = stage // self.config.stages_per_node
-        where = f"stage {stage} (node {node})"
+        """Why a link failed, naming the stage behind it and its node: a timeout, or a closed link.
+        NOTE: gloo's own text (a source path inside the torch build) goes to the log, not to people."""
+        where = self._where(stage)
+        log.error("%s %s failed: %s", doing, where, exc)
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            return f"no answer from {where} within {self.timeout:.0f} s ({exc}); a stage is stuck or unreachable."
-        hint = " (see the other nodes' logs)" if self.config.nnodes > 1 else ""
-        return f"{doing} {where} failed ({exc}); a stage process died or lost its connection{hint}."
+            return f"no answer from {where} within {self.timeout:.0f} s; a stage is stuck or unreachable."
+        return f"{doing} {where} failed: the link closed; a stage process died or lost its connection{self._hint()}."
+
+    def _hint(self) -> str:
+        return " (see the other nodes' logs)" if self.config.nnodes > 1 else ""
+
+    def _death_message(self, p) -> str:
+        """Why a local stage process ended. Exit code 1 is a stage that stopped because a link to a
+        neighbour failed: the cause is that neighbour (on another node, when there are several)."""
+        where = self._where(self.procs.index(p))
+        if p.exitcode == 1:
+            return (f"{where} stopped because its link to a neighbouring stage failed; a stage "
+                    f"{'on another node ' if self.config.nnodes > 1 else ''}died or became unreachable{self._hint()}.")
+        return f"{where} (pid {p.pid}) died unexpectedly: it {describe_exit(p.exitcode)}."
 
     def _interrupted(self) -> None:
         """Ctrl-C (or another exception) mid-transfer: the links hold half a message, never reuse them."""
@@ -130,12 +145,13 @@ class MultiprocExecutor:
         while alive and not self.closing:
             for sentinel in wait_sentinels(list(alive), timeout=1.0):
                 p = alive.pop(sentinel)
+                p.join(MONITOR_GRACE_S)     # NOTE: the sentinel can fire before the exit status is reapable
                 if p.exitcode == 1 and not self.closing:
                     # NOTE: exit code 1 is a stage stopping because a peer's link failed; give the link
                     # error (which names the stage behind it) a moment to be the reported cause.
                     time.sleep(MONITOR_GRACE_S)
                 if not self.closing and not self.dead:
-                    self.dead = f"{p.name} (pid {p.pid}) died unexpectedly with exit code {p.exitcode}."
+                    self.dead = self._death_message(p)
                     log.error(self.dead)
                     self._kill_all()
 

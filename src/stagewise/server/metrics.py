@@ -77,8 +77,11 @@ class _EngineCollector:
         yield _gauge("stagewise_num_requests_waiting", "Requests waiting to be scheduled.", m, s.get("waiting", 0))
         yield _gauge("stagewise_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", m, s.get("kv_usage", 0.0))
         yield _gauge("stagewise_num_kv_blocks", "KV cache blocks per stage.", m, s.get("num_kv_blocks", 0))
-        yield _gauge("stagewise_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
-                     "tokens looked up.", m, s.get("prefix_cache_hit_rate", 0.0))
+        # counters, not a ratio: rate(hits) / rate(queries) is the hit rate over any window
+        yield _counter("stagewise_prefix_cache_queries", "Tokens looked up in the prefix cache.", m,
+                       s.get("prefix_cache_queries", 0))
+        yield _counter("stagewise_prefix_cache_hits", "Tokens looked up in the prefix cache and found there.", m,
+                       s.get("prefix_cache_hits", 0))
         yield _counter("stagewise_num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", m,
                        s.get("num_preemptions", 0))
         yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
