@@ -65,3 +65,27 @@ def test_a_prompt_too_long_for_the_context_prints_only_the_error(tmp_path, monke
     out, err = capsys.readouterr()
     assert out == ""                                    # the prompt is not echoed before the error
     assert "context is 128" in err and len(err.strip().splitlines()) == 1 and len(err) < 400
+
+
+def test_help_shows_defaults_and_says_generate_is_greedy():
+    generate = run("generate", "--help", timeout=60).stdout
+    assert "greedy by default" in generate and "OpenAI" in generate
+    flat = " ".join(generate.split())
+    assert "--temperature TEMPERATURE 0 (or below 1e-5): greedy (default: 0.0)" in flat
+    assert "--max-tokens MAX_TOKENS tokens to generate, at most (default: 64)" in flat
+    assert "--block-size BLOCK_SIZE tokens per KV cache block (default: 16)" in flat
+    serve = " ".join(run("serve", "--help", timeout=60).stdout.split())
+    assert "--graceful-timeout SECONDS" in serve and "(default: 10.0)" in serve and "--body-timeout" in serve
+    assert "--port PORT port to listen on (default: 8000)" in serve
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--kv-cache-memory", "2"], "kv_cache_memory '2' is 2 bytes, less than 4096; write a unit"),
+    (["generate", "--kv-cache-memory", "lots"], "kv_cache_memory 'lots' is not a size"),
+    (["serve", "--max-request-bytes", "big"], "max_request_bytes 'big' is not a size"),
+    (["generate", "--stop-token-ids", "2,x"], "stop_token_ids must be a comma-separated list of integers"),
+])
+def test_sizes_and_lists_share_one_rule_and_one_sentence(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

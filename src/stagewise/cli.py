@@ -1,7 +1,8 @@
 """`stagewise serve | generate | bench | plan | demo-model`.
 
-Engine flags are generated from EngineConfig's fields (defaults come from the dataclass);
-every command that builds an engine accepts all of them.
+Flags are generated from dataclasses (cli_flags.py): engine flags from EngineConfig (every
+command that builds an engine accepts all of them), sampling flags from SamplingParams, server
+flags from ServerOptions; each field carries its help text and default.
 """
 from __future__ import annotations
 
@@ -10,77 +11,44 @@ import dataclasses
 import logging
 import sys
 import time
-import typing
 
+from .cli_flags import HelpFormatter, add_dataclass_args, values_of
 from .config import EngineConfig
 from .errors import EngineDeadError
 
-SIZE_FIELDS = ("kv_cache_memory",)    # "2GiB", "512MiB" or bytes
-ALIASES = {"pp_size": ["--pipeline-parallel-size"]}
-HELP = {
-    "model": "HF checkpoint directory or .gguf file; 'demo' for the tiny random demo model "
-             "(default: SmolLM2-135M-Instruct, downloaded once)",
-    "kv_cache_memory": "KV cache bytes per stage, e.g. 2GiB (default: planned from memory)",
-    "chunked_prefill_size": "token budget of one step (prefill chunks + decodes)",
-    "pp_size": "pipeline stages (processes)",
-    "pp_layer_partition": "layers per stage, e.g. 3,3,2,2",
-    "pp_sync": "keep one plan in flight (no micro-batching; for comparison)",
-    "prefill_graph": "auto | breakable | full | compiled | off",
-    "prefill_graph_max_tokens": "largest captured prefill bucket",
-    "prefill_graph_buckets": "explicit bucket list, e.g. 16,32,64",
-    "decode_graph": "capture decode graphs per batch size",
-    "dist_ifname": "network interface for traffic between pipeline ranks (default: the one routing to "
-                   "--master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)",
-}
+# NOTE: SamplingParams' defaults are the API's (OpenAI's temperature 1, max_tokens 16), which the
+# server keeps; a terminal user trying a model wants a reproducible answer of some length.
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+SAMPLING_NOTE = ("`generate` is greedy by default (temperature 0, up to 64 tokens); the server follows the OpenAI "
+                 "defaults (temperature 1; max_tokens 16 for completions) unless a request says otherwise.")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        flags = ["--" + f.name.replace("_", "-")] + ALIASES.get(f.name, [])
-        kind = hints[f.name]
-        if kind is bool:
-            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=HELP.get(f.name))
-        else:
-            conv = int if kind in (int, int | None) else float if kind in (float, float | None) else str
-            conv = str if f.name in SIZE_FIELDS else conv
-            group.add_argument(*flags, dest=f.name, type=conv, default=f.default, help=HELP.get(f.name),
-                               metavar=f.name.upper())
+    add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of a command, with `--model` resolved to a local path (default model if absent)."""
     from .model.source import resolve_model
-    config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    config = EngineConfig(**values_of(EngineConfig, args))
     return config.replace(model=resolve_model(config.model))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sample-seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    from .request import SamplingParams
+    add_dataclass_args(parser.add_argument_group("sampling", SAMPLING_NOTE), SamplingParams, GENERATE_DEFAULTS)
 
 
 def sampling_from_args(args):
     from .request import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(**values_of(SamplingParams, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stagewise", description="Pipeline-parallel LLM inference with captured prefill graphs.")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = argparse.ArgumentParser(prog="stagewise", description="Pipeline-parallel LLM inference with captured "
+                                     "prefill graphs.", formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -100,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-model", help="write the built-in demo checkpoint (tiny Llama + tokenizer)")
     p.add_argument("--out", default=None, help="output directory (default: the demo cache directory)")
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser shows defaults in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +132,7 @@ def _exit_on_sigterm() -> None:
 def cmd_generate(args) -> int:
     from .llm import LLM
     _exit_on_sigterm()
+    params = sampling_from_args(args)          # a bad sampling flag fails before the model loads
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
@@ -164,7 +141,6 @@ def cmd_generate(args) -> int:
         engine = llm.engine
         chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
         prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
-        params = sampling_from_args(args)
         for prompt in prompts:
             text = engine.tok.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
             # NOTE: queued before anything is printed, so a refused prompt is only its error
@@ -188,30 +164,20 @@ def _stream(engine, request_id: str) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from .server import options
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients see and send (default: the checkpoint's base name)")
-    g.add_argument("--api-key", default=options.api_key_from_env(),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: ${options.API_KEY_ENV})")
-    g.add_argument("--max-request-bytes", type=options.parse_size, default=options.DEFAULT_MAX_REQUEST_BYTES,
-                   metavar="SIZE", help="largest request body, e.g. 16MiB; larger ones get 413 (default: 2MiB)")
-    g.add_argument("--graceful-timeout", type=float, default=options.DEFAULT_GRACEFUL_TIMEOUT_S, metavar="SECONDS",
-                   help="on SIGINT/SIGTERM, how long open requests may finish before they are cut (default: 10)")
+    from .server.options import ServerOptions, api_key_from_env
+    add_dataclass_args(p.add_argument_group("server"), ServerOptions, {"api_key": api_key_from_env()})
+    p.epilog = SAMPLING_NOTE
 
 
 def cmd_serve(args) -> int:
     from .server.options import ServerOptions
-    options = ServerOptions(served_model_name=args.served_model_name, api_key=args.api_key,
-                            max_request_bytes=args.max_request_bytes, graceful_timeout_s=args.graceful_timeout)
+    options = ServerOptions(**values_of(ServerOptions, args))
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
         return role
     from .server.app import run_server
-    run_server(config, args.host, args.port, options, log_level=args.log_level.lower())
+    run_server(config, options, log_level=args.log_level.lower())
     return 0
 
 

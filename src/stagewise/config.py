@@ -1,4 +1,5 @@
-"""EngineConfig: one frozen, validated description of an engine; CLI flags are projections of it.
+"""EngineConfig: one frozen, validated description of an engine; CLI flags are projections of it
+(each field carries its help text, see `flag`). `parse_size` is the one size rule of every option.
 
 Derived values are properties. Policy that needs the model (graph buckets, memory) is
 resolved later by the pieces that own it, from these fields.
@@ -7,69 +8,80 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 GIB = 1 << 30
+# NOTE: graph/policy.py keeps a copy; it belongs here (config may not import graph/)
 PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
+MIN_SIZE_BYTES = 4096          # smaller sizes are almost surely a missing unit ("2" for 2GiB)
+_UNITS = {"tib": 1 << 40, "gib": GIB, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
+          "kb": 10**3, "t": 1 << 40, "g": GIB, "m": 1 << 20, "k": 1 << 10, "b": 1}
 
 
-def parse_bytes(value) -> int | None:
-    """'4GiB', '512MiB', '2g', 1e9 -> bytes; a bare number below 4096 means GiB."""
-    if value is None or isinstance(value, int):
-        return value if value is None or value >= 4096 else int(value * GIB)
-    if isinstance(value, float):
-        return int(value * GIB) if value < 4096 else int(value)
+def flag(default, help: str, **meta):
+    """A dataclass field that is also a command-line flag: its help text (and `size`, `aliases`,
+    `flag`, `cli` hints) travel in the field's metadata, where cli.py reads them."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def parse_size(value, name: str) -> int:
+    """A size in bytes from bytes (int) or text: '4GiB', '512MiB', '2g' (binary), '1GB' (decimal),
+    '4194304' (bytes). The one size rule of every flag and option; `name` goes in the error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be a size such as 2GiB or a number of bytes, not {type(value).__name__}.")
     text = str(value).strip().lower().replace(" ", "")
-    units = {"gib": GIB, "gb": 10**9, "g": GIB, "mib": 1 << 20, "mb": 10**6, "m": 1 << 20,
-             "kib": 1 << 10, "kb": 1000, "k": 1 << 10, "b": 1}
-    for suffix, scale in units.items():
-        if text.endswith(suffix):
-            try:
-                return int(float(text[: -len(suffix)]) * scale)
-            except ValueError:
-                break
+    suffix = next((s for s in _UNITS if text.endswith(s) and text[:-len(s)]), "")
     try:
-        return parse_bytes(float(text))
+        size = int(float(text[:len(text) - len(suffix)]) * _UNITS.get(suffix, 1))
     except ValueError:
-        raise ValueError(f"kv_cache_memory {value!r} is not a size; write bytes or a unit, e.g. 2GiB or 512MiB.") from None
+        raise ValueError(f"{name} {value!r} is not a size; write bytes or a unit, e.g. 2GiB or 512MiB.") from None
+    if size < MIN_SIZE_BYTES:
+        raise ValueError(f"{name} {value!r} is {size} bytes, less than {MIN_SIZE_BYTES}; write a unit, e.g. 2GiB.")
+    return size
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None                    # HF dir or .gguf; None: SmolLM2-135M-Instruct; 'demo'
-    tokenizer: str | None = None                # defaults to the model directory
-    dtype: str = "auto"                         # auto: bf16 on bf16 CPUs if hidden >= 256, else fp32; CUDA: checkpoint's
-    device: str = "auto"                        # auto: cuda when available, else cpu
-    seed: int = 0
+    model: str | None = flag(None, "HF checkpoint directory or .gguf file; 'demo' for the tiny random demo model "
+                             "(default: SmolLM2-135M-Instruct, downloaded once)")
+    tokenizer: str | None = flag(None, "tokenizer directory (default: the model's)")
+    dtype: str = flag("auto", "auto | float32 | bfloat16 | float16; auto: bf16 on CPUs with native bf16 for models of "
+                      "hidden >= 256, else fp32; on CUDA the checkpoint's")
+    device: str = flag("auto", "auto | cpu | cuda; auto: cuda when available")
+    seed: int = flag(0, "seed of the engine's random state")
     # KV cache and scheduling
-    block_size: int = 16
-    kv_cache_memory: int | None = None          # bytes per stage; None = min(1 GiB, what fits)
-    max_num_seqs: int = 64
-    max_model_len: int | None = None            # None: the model's max_position_embeddings
-    chunked_prefill_size: int = 512             # token budget of one step
-    enable_prefix_caching: bool = True
+    block_size: int = flag(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = flag(None, "KV cache bytes per stage, e.g. 2GiB (default: planned from memory, at "
+                                       "most 1GiB)", size=True)
+    max_num_seqs: int = flag(64, "requests in the running batch, at most")
+    max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
+    chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
+    enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
     # pipeline
-    pp_size: int = 1
-    pp_layer_partition: tuple[int, ...] | None = None
-    pp_sync: bool = False                       # one plan in flight (for comparison)
-    pp_depth: int | None = None                 # plans in flight; None = pp_size
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None              # None: a free port (single node only)
-    dist_timeout_s: float = 60.0
-    dist_ifname: str | None = None              # None: the interface that routes to master_addr
-    threads_per_stage: int | None = None        # None: cores / stages per node if pp_size > 1, else torch's
+    pp_size: int = flag(1, "pipeline stages (processes)", aliases=("--pipeline-parallel-size",))
+    pp_layer_partition: tuple[int, ...] | None = flag(None, "layers per stage, e.g. 3,3,2,2 (default: even)")
+    pp_sync: bool = flag(False, "keep one plan in flight (no micro-batching; for comparison)")
+    pp_depth: int | None = flag(None, "plans in flight (default: pp_size)")
+    nnodes: int = flag(1, "nodes of the pipeline")
+    node_rank: int = flag(0, "this node's rank in [0, nnodes)")
+    master_addr: str = flag("127.0.0.1", "address of node 0 (the rendezvous)")
+    master_port: int | None = flag(None, "port of the rendezvous (default: a free one; single node only)")
+    dist_timeout_s: float = flag(60.0, "seconds a stage may take to answer before it counts as stuck")
+    dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
+                                   "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
+    threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "
+                                         "pp_size > 1, else torch's)")
     # captured graphs (docs/graphs.md)
-    prefill_graph: str = "auto"
-    prefill_graph_max_tokens: int | None = None
-    prefill_graph_buckets: tuple[int, ...] | None = None
-    decode_graph: bool = False
-    decode_graph_max_bs: int = 32
+    prefill_graph: str = flag("auto", " | ".join(PREFILL_GRAPH_CHOICES))
+    prefill_graph_max_tokens: int | None = flag(None, "largest captured prefill bucket (default: from the policy)")
+    prefill_graph_buckets: tuple[int, ...] | None = flag(None, "explicit bucket list, e.g. 16,32,64")
+    decode_graph: bool = flag(False, "capture decode graphs per batch size")
+    decode_graph_max_bs: int = flag(32, "largest batch size with a decode graph")
 
     def __post_init__(self):
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         for name in ("pp_layer_partition", "prefill_graph_buckets"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -95,8 +107,6 @@ class EngineConfig:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("A multi-node run needs --master-port (and --master-addr) on every node.")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be positive.")
 
     @property
     def resolved_device(self) -> str:

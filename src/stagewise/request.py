@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import flag
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"          # EOS, a stop token or a stop string
@@ -35,22 +37,23 @@ class SamplingParams:
     can reach the sampler as something it cannot compute with.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                      # -1 or 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None          # top-n logprobs per generated token
-    prompt_logprobs: int | None = None   # logprob (+ top-n) of every prompt token after the first
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
+    max_tokens: int = flag(16, "tokens to generate, at most")
+    temperature: float = flag(1.0, "0 (or below 1e-5): greedy")
+    top_p: float = flag(1.0, "sample from the smallest set of tokens whose probability reaches this")
+    top_k: int = flag(-1, "sample from the k most likely tokens; -1 or 0: off")
+    min_p: float = flag(0.0, "drop tokens less likely than this times the most likely one")
+    repetition_penalty: float = flag(1.0, "> 1 discourages tokens already in the prompt or output")
+    presence_penalty: float = flag(0.0, "subtracted from the logit of every token already generated")
+    frequency_penalty: float = flag(0.0, "subtracted per occurrence of a token already generated")
+    seed: int | None = flag(None, "per-request sampling seed (default: unseeded)", flag="--sample-seed",
+                            dest="sample_seed")
+    stop: list[str] | str | None = flag(None, "stop before this text (repeat for several)")
+    stop_token_ids: list[int] | None = flag(None, "stop after one of these token ids, e.g. 2,13")
+    ignore_eos: bool = flag(False, "keep generating past the end-of-sequence token")
+    logprobs: int | None = flag(None, "top-n logprobs per generated token", cli=False)
+    prompt_logprobs: int | None = flag(None, "logprob (+ top-n) of every prompt token after the first", cli=False)
+    min_tokens: int = flag(0, "tokens to generate before EOS or a stop may end the output")
+    skip_special_tokens: bool = flag(True, "leave special tokens out of the text")
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -56,7 +56,7 @@ def test_one_request_fails_alone_and_its_blocks_are_reusable(faulty_dir, referen
         # later requests cycle through every block, the poisoned ones included
         outs = run(llm, NORMAL * 4)
         assert [o.outputs[0].token_ids for o in outs] == reference
-        assert llm.engine.is_alive()
+        assert llm.engine.fault() is None
 
 
 def test_bad_partition_is_refused_before_any_stage_starts(llama_dir):

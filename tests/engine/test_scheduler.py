@@ -24,7 +24,7 @@ def test_block_zero_is_reserved_and_allocation_is_all_or_nothing():
     r2 = make_req("b", 2)
     assert bm.allocate(r2, 2) is None and r2.block_ids == []
     bm.free_request(r)
-    assert bm.num_free_blocks == 3
+    assert len(bm.free) == 3
 
 
 def test_prefix_cache_hits_only_after_registration_and_leaves_one_token():
@@ -91,14 +91,14 @@ def test_no_double_booking_with_random_pipeline_delays():
             inflight.append(plan)
         if not inflight:
             break
-        if rng.random() < 0.5 and len(inflight) < 3 and s.has_work():
+        if rng.random() < 0.5 and len(inflight) < 3 and (s.waiting or s.running):
             continue
         plan = inflight.pop(0)
         for req in s.update(plan, fake_result(plan, rng.randrange(1000)))[0]:
             if len(req.output_token_ids) >= req.params.max_tokens:
                 s.finish(req, FinishReason.LENGTH)
                 del reqs[req.request_id]
-    assert not reqs and not s.inflight and s.blocks.num_free_blocks == 39
+    assert not reqs and not s.inflight and len(s.blocks.free) == 39
 
 
 def _check_invariant(plans):
@@ -120,7 +120,7 @@ def test_abort_in_flight_defers_block_free():
     plan = s.schedule()
     held = list(a.block_ids)
     s.finish(a, FinishReason.ABORT)
-    assert a.block_ids == held and s.blocks.num_free_blocks == 7 - len(held)   # still owned by the plan
+    assert a.block_ids == held and len(s.blocks.free) == 7 - len(held)   # still owned by the plan
     b = make_req("b", 20, start=500)
     s.add(b)
     plan_b = s.schedule()

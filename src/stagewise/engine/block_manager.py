@@ -40,10 +40,6 @@ class BlockManager:
 
     # capacity
     @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
-
-    @property
     def usage(self) -> float:
         return 1.0 - len(self.free) / (self.num_blocks - 1)
 

@@ -83,9 +83,6 @@ class Engine:
         here too: an idle engine never calls the executor, but the executor's monitor flags it."""
         return self.dead or self.executor.dead
 
-    def is_alive(self) -> bool:
-        return self.fault() is None
-
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests or self.inbox or self.inflight)
 

@@ -40,9 +40,6 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def is_idle(self, req: Request) -> bool:
         return req.request_id not in self.inflight
 

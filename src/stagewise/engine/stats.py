@@ -12,7 +12,6 @@ class _GraphCounter:
         self.replays: Counter = Counter()
         self.eager: Counter = Counter()
         self.padded_tokens = 0
-        self.live_tokens = 0
 
     def record(self, verdict, num_tokens: int) -> None:
         if verdict.bucket is None:
@@ -20,7 +19,6 @@ class _GraphCounter:
         else:
             self.replays[verdict.bucket] += 1
             self.padded_tokens += verdict.bucket - num_tokens
-            self.live_tokens += num_tokens
 
     def snapshot(self) -> dict:
         return {"backend": self.backend, "buckets": list(self.buckets), "replays": dict(self.replays),

@@ -100,14 +100,13 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) ->
     return app
 
 
-def run_server(config: EngineConfig, host: str, port: int, options: ServerOptions = ServerOptions(), *,
-               log_level: str = "info") -> None:
+def run_server(config: EngineConfig, options: ServerOptions = ServerOptions(), *, log_level: str = "info") -> None:
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
     from .shutdown import DrainingServer
     engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
         app = build_app(engine, options)
-        DrainingServer(uvicorn_config(app, host, port, log_level), engine, options.graceful_timeout_s).run()
+        DrainingServer(uvicorn_config(app, options.host, options.port, log_level), engine, options.graceful_timeout_s).run()
     finally:
         engine.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
 

@@ -1,31 +1,39 @@
-"""What a server is started with beyond the engine config: the served model name, the API key,
-the request size limit and the graceful-shutdown timeout. Imports nothing heavy, so the CLI
-can build its parser from it."""
+"""What a server is started with beyond the engine config: where it listens, the served model
+name, the API key, the request size limit and the timeouts. Imports nothing heavy, so the CLI
+builds the server flags from it (each field carries its help text)."""
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..config import flag, parse_size
 
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as token ids, four times as text
 DEFAULT_GRACEFUL_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 20.0
 API_KEY_ENV = "STAGEWISE_API_KEY"
-_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    served_model_name: str | None = None          # None: the checkpoint's base name
-    api_key: str | None = None                    # None: no authentication
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    graceful_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(8000, "port to listen on")
+    served_model_name: str | None = flag(None, "the model name clients see and send (default: the checkpoint's "
+                                         "base name)")
+    api_key: str | None = flag(None, f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: "
+                               f"${API_KEY_ENV}, else none)")
+    max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, "largest request body, e.g. 16MiB; larger ones get 413",
+                                  size=True)
+    graceful_timeout_s: float = flag(DEFAULT_GRACEFUL_TIMEOUT_S, "on SIGINT/SIGTERM, seconds open requests may "
+                                     "finish before they are cut", flag="--graceful-timeout")
+    body_timeout_s: float = flag(DEFAULT_BODY_TIMEOUT_S, "seconds a client may take to send a request body; "
+                                 "slower ones get 408", flag="--body-timeout")
 
     def __post_init__(self):
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be at least 1024 (1KiB), got {self.max_request_bytes}.")
+        object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
         if not self.graceful_timeout_s >= 0:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
@@ -38,21 +46,6 @@ def served_name_for(model_path: str | None) -> str:
     """The name clients see: the checkpoint directory's (or GGUF file's) base name, never its path."""
     name = Path(str(model_path or "").rstrip("/\\")).name
     return name or "stagewise"
-
-
-def parse_size(text: str) -> int:
-    """'4MiB', '512KiB', '1GB' or plain bytes ('4194304') -> bytes (argparse `type=`)."""
-    value = str(text).strip().lower().replace(" ", "")
-    for suffix, scale in _UNITS.items():
-        if value.endswith(suffix) and value[: -len(suffix)]:
-            number = value[: -len(suffix)]
-            break
-    else:
-        number, scale = value, 1
-    try:
-        return int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a unit, e.g. 4MiB or 512KiB.") from None
 
 
 def api_key_from_env() -> str | None:
