@@ -1,7 +1,14 @@
 """stagewise: a compact LLM inference engine built around pipeline parallelism with captured prefill graphs."""
-from .config import EngineConfig
-from .llm import LLM
-from .model.registry import register_model
-from .request import RequestOutput, SamplingParams
+import sys as _sys
+
+from .runtime import threads as _threads
+
+# NOTE: before anything imports torch: OpenMP reads its wait policy once, when torch loads it.
+_threads.set_wait_default(openmp_started="torch" in _sys.modules)
+
+from .config import EngineConfig  # noqa: E402
+from .llm import LLM  # noqa: E402
+from .model.registry import register_model  # noqa: E402
+from .request import RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "register_model"]

@@ -21,6 +21,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import torch.distributed as dist
 
+from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from .netif import master_ip, use_interface
 
 DRIVER_RANK = 0
@@ -150,9 +151,10 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
                  models: dict | None = None, startup_timeout_s: float = 300.0) -> list[mp.Process]:
     """Start this node's stage processes and wait until each has started running stage code,
     so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
-    # NOTE: stages share cores; OpenMP's default spin-waiting makes small ops many times slower
-    # there. Children inherit this; a value the user set wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # NOTE: children inherit os.environ, and read it before their OpenMP starts; a value the user set wins.
+    wait = spawn_env_defaults()
+    threads, why = thread_choice(config)
+    log_once(f"CPU threads: {threads} per stage process ({why}); OpenMP wait in stages: {wait}")
     use_interface(addr, config.dist_ifname)     # children inherit the choice
     from .stage_proc import stage_main
     ctx = mp.get_context("spawn")

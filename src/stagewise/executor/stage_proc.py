@@ -9,12 +9,11 @@ import os
 import signal
 import sys
 
-import torch
-
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import PlanFailed, StepResult
+from ..runtime.threads import configure_threads
 from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, stage_rank
 
 log = logging.getLogger("stagewise.stage")
@@ -30,7 +29,7 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     if started is not None:
         started.send(True)
         started.close()
-    torch.set_num_threads(config.threads_per_stage or 1)
+    configure_threads(config)
     if models:
         from ..model.registry import register_model
         for arch, cls in models.items():

@@ -20,6 +20,7 @@ from ..parallel.partition import StageInfo
 from .allocator import keep_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
+from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
 log = logging.getLogger("stagewise.runtime")
 
@@ -28,7 +29,6 @@ log = logging.getLogger("stagewise.runtime")
 class StageParts:
     model: torch.nn.Module
     runner: Any
-    decode_runner: Any
     memory_plan: MemoryPlan
     device: torch.device
     batch: ForwardBatch
@@ -36,31 +36,21 @@ class StageParts:
 
 def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
     if config.resolved_device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", stage.rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError("--device cuda was given but no CUDA device is visible to this process; "
+                             "use --device cpu (or --device auto).")
+        local = int(os.environ.get("LOCAL_RANK", stage.rank % count))
+        torch.cuda.set_device(local % count)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def intra_op_threads(config: EngineConfig) -> int | None:
-    """Threads for one stage process: `threads_per_stage`, else under PP the cores this process may
-    use shared evenly by the node's stages (one stage per core on a 2-core box). None at PP=1:
-    the stage runs in the caller's process, whose torch setting (all cores by default) stands."""
-    if config.threads_per_stage:
-        return config.threads_per_stage
-    if config.pp_size == 1:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // config.stages_per_node)
 
 
 def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
     if device.type == "cpu":
-        threads = intra_op_threads(config)
-        if threads:
-            torch.set_num_threads(threads)
+        configure_threads(config)
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
@@ -76,7 +66,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
                                          head_dim, dtype, device)
     runner.capture()
     plan.graph_pool_bytes = runner.graph_pool_bytes()
-    return StageParts(model, runner, runner, plan, device, batch)
+    return StageParts(model, runner, plan, device, batch)
 
 
 def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:

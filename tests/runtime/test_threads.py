@@ -1,0 +1,164 @@
+"""Thread sizing follows the CPUs a process may use (affinity mask, cgroup CPU quota, stages per node),
+and the OpenMP wait default never overrides a value the user set. No model is built here."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagewise.config import EngineConfig
+from stagewise.runtime import threads
+from stagewise.runtime.threads import (CpuBudget, cgroup_quota_cpus, configure_threads, set_wait_default,
+                                       spawn_env_defaults, thread_choice, usable_cpus)
+
+AFFINITY = len(os.sched_getaffinity(0))
+
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_VARS}
+    return dict(env, **extra)
+
+
+def _run(code: str, env: dict | None = None, preexec_fn=None) -> str:
+    out = subprocess.run([sys.executable, "-c", code], env=env or _clean_env(), capture_output=True, text=True,
+                         timeout=120, preexec_fn=preexec_fn)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _fake_cgroup(tmp_path: Path, own: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A cgroup mount under tmp_path with `files` ({relative path: text}) and a /proc/self/cgroup."""
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(own)
+    return tmp_path, proc
+
+
+def test_cgroup_v2_quota_is_read_and_rounded_down(tmp_path):
+    root, proc = _fake_cgroup(tmp_path, "0::/\n", {"cpu.max": "150000 100000\n"})
+    assert cgroup_quota_cpus(root, proc) == 1.5
+    assert usable_cpus(root, proc).cpus == 1                    # rounded down
+    assert "quota 1.5" in usable_cpus(root, proc).why or AFFINITY == 1
+    root, proc = _fake_cgroup(tmp_path, "0::/\n", {"cpu.max": "20000 100000\n"})
+    assert usable_cpus(root, proc).cpus == 1                    # at least 1
+
+
+def test_cgroup_tightest_ancestor_wins_and_max_is_unlimited(tmp_path):
+    files = {"cpu.max": "max 100000\n", "app/cpu.max": "100000 100000\n", "app/job/cpu.max": "max 100000\n"}
+    root, proc = _fake_cgroup(tmp_path, "0::/app/job\n", files)
+    assert cgroup_quota_cpus(root, proc) == 1.0
+    root, proc = _fake_cgroup(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert cgroup_quota_cpus(root, proc) is None
+    assert usable_cpus(root, proc).cpus == AFFINITY
+
+
+def test_cgroup_v1_quota(tmp_path):
+    files = {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+             "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}
+    root, proc = _fake_cgroup(tmp_path, "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n1:name=systemd:/\n", files)
+    assert cgroup_quota_cpus(root, proc) == 0.5
+    assert usable_cpus(root, proc).cpus == 1
+
+
+def test_thread_choice_follows_budget_stages_and_flag():
+    one, four = CpuBudget(1, "cgroup CPU quota 1"), CpuBudget(4, "affinity 4 CPUs")
+    assert thread_choice(EngineConfig(model="x"), one, current=2) == (1, "cgroup CPU quota 1, 1 stage")
+    assert thread_choice(EngineConfig(model="x"), four, current=8)[0] == 4      # torch's cpu_count default, capped
+    assert thread_choice(EngineConfig(model="x"), four, current=1)[0] == 1      # a caller that chose fewer keeps them
+    assert thread_choice(EngineConfig(model="x", pp_size=2), four) == (2, "affinity 4 CPUs / 2 stages on this node")
+    assert thread_choice(EngineConfig(model="x", pp_size=2), one)[0] == 1
+    assert thread_choice(EngineConfig(model="x", pp_size=4, nnodes=2, master_port=29500), four)[0] == 2
+    assert thread_choice(EngineConfig(model="x", threads_per_stage=3), one) == (3, "--threads-per-stage")
+
+
+def test_configure_threads_at_pp1_obeys_a_quota(tmp_path, monkeypatch):
+    root, proc = _fake_cgroup(tmp_path, "0::/\n", {"cpu.max": "100000 100000\n"})
+    monkeypatch.setattr(threads, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(threads, "PROC_CGROUP", str(proc))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert configure_threads(EngineConfig(model="x")) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(AFFINITY < 2, reason="needs two CPUs to narrow the affinity mask")
+def test_threads_follow_the_affinity_mask():
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import os, torch; from stagewise.config import EngineConfig; "
+            "from stagewise.runtime.threads import configure_threads; pp1, pp2 = EngineConfig(model='x'), "
+            "EngineConfig(model='x', pp_size=2); torch.set_num_threads({n}); a = configure_threads(pp1); "
+            "b = configure_threads(pp2); os.sched_setaffinity(0, {{{cpu}}}); torch.set_num_threads({n}); "
+            "print(a, b, configure_threads(pp1), configure_threads(pp2))")
+    assert _run(code.format(n=AFFINITY, cpu=cpu)) == f"{AFFINITY} {AFFINITY // 2} 1 1"
+    # taskset-style: the mask is set before Python starts
+    code = "import torch; from stagewise.runtime.threads import usable_cpus; print(usable_cpus().cpus)"
+    assert _run(code, preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) == "1"
+
+
+def test_real_cgroup_quota_limits_threads():
+    """A child process in a real cgroup with a 1-CPU quota (needs root and a writable cpu controller)."""
+    cgroup = _make_cgroup()
+    try:
+        code = ("from stagewise.runtime.threads import usable_cpus; b = usable_cpus(); print(b.cpus, b.why)")
+        out = _run(code, preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+        assert out.startswith("1 ") and ("quota" in out or AFFINITY == 1), out
+    finally:
+        cgroup.rmdir()
+
+
+def _make_cgroup() -> Path:
+    """A child cgroup with a 1-CPU quota, v2 where its cpu controller is enabled, else v1; skip when neither."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup")
+    name = f"stagewise-test-{os.getpid()}"
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+    try:
+        if "cpu" in _read(v2 / "cgroup.subtree_control").split():
+            (v2 / name).mkdir()
+            (v2 / name / "cpu.max").write_text("100000 100000")
+            return v2 / name
+        if (v1 / "cpu.cfs_quota_us").exists():
+            (v1 / name).mkdir()
+            (v1 / name / "cpu.cfs_quota_us").write_text("100000")
+            return v1 / name
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup with a CPU quota here: {exc}")
+    pytest.skip("no writable cgroup CPU controller")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_wait_default_never_overrides_the_user():
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
+        env = dict(user)
+        set_wait_default(environ=env)
+        assert env == user
+        assert spawn_env_defaults(env).endswith("(from the environment)") and env == user
+    env = {}
+    set_wait_default(environ=env)
+    assert env == threads.WAIT_DEFAULT
+    env = {}
+    set_wait_default(openmp_started=True, environ=env)          # too late for this process: leave it
+    assert env == {}
+    set_wait_default(environ={})                                 # the module's own record, for later tests
+
+
+def test_package_import_sets_the_default_before_torch_and_keeps_user_values():
+    code = "import os, stagewise; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    expected = " ".join(str(threads.WAIT_DEFAULT.get(k)) for k in threads.WAIT_VARS)
+    assert _run(code) == expected
+    assert _run(code, _clean_env(OMP_WAIT_POLICY="ACTIVE")) == "ACTIVE None"
