@@ -1,44 +1,98 @@
-"""`compiled` backend: per-bucket `torch.compile` of the stage body at static shapes, fed from the
-same static buffers as the graph backends. Attention stays outside the compiled graphs (a dynamo
-graph break) so it reads the live metadata every step, like a breakable graph's attention.
+"""`compiled` backend: the whole stage body as one Inductor graph, fed from the static buffers.
 
-Compiling costs seconds to tens of seconds per bucket; keep bucket lists short on CPU.
+Paged attention is the custom op `stagewise::paged_attention`, an opaque call inside the graph
+(no graph break per layer), so norms, rotary, activations and residual adds fuse around it. The
+op reads the step's live metadata from `live_metadata`, which replay sets around each call, so the
+metadata (Python lists, per-step groups) is never traced or guarded on.
+
+The token dimension is dynamic: one compile serves every row count up to the capture cap, plus
+one specialised for a single row (Dynamo always specialises size 1), so replay needs no padding.
+Inductor's on-disk caches live under the stagewise cache directory (`compile_cache_dir`).
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
-from ..model.attention import ForwardBatch
-from .backend import Body, GraphBackend, live_attention
+from ..model.attention import AttentionMetadata, ForwardBatch, paged_attention as _paged_attention
+from .backend import Body, GraphBackend
+
+_live: list[AttentionMetadata | None] = [None]     # the metadata the op reads; set only by live_metadata
 
 
-@torch._dynamo.disable
-def _eager_attention(live: ForwardBatch, layer_id: int, q, k, v, scale) -> torch.Tensor:
-    # NOTE: a graph break on purpose: the metadata changes every step and must never be guarded on.
-    return live_attention(live, layer_id, q, k, v, scale)
+@contextmanager
+def live_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Scope `meta` as the metadata every `paged_attention` call in the block reads."""
+    if _live[0] is not None:
+        raise RuntimeError("live_metadata is already set: compiled stage bodies do not nest.")
+    _live[0] = meta
+    try:
+        yield
+    finally:
+        _live[0] = None
+
+
+# NOTE: the op writes k/v into `kv_cache` but declares no mutation. Declaring it makes the
+# functionalised graph copy the whole cache tensor back after each call; nothing else in the
+# graph reads a cache, so there is no ordering for the compiler to keep.
+@torch.library.custom_op("stagewise::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`sdpa_paged_attention` on the scoped live metadata: q `[rows, Hq, D]` -> `[rows, Hq, D]`."""
+    meta = _live[0]
+    if meta is None:
+        raise RuntimeError("paged_attention ran outside live_metadata; replay must scope the step's metadata.")
+    return _paged_attention(meta, kv_cache, q, k, v, scale).contiguous()
+
+
+@paged_attention.register_fake
+def _(q, k, v, kv_cache, scale):
+    return q.new_empty(q.shape)
+
+
+def compile_cache_dir() -> str:
+    """Where Inductor keeps compiled code between starts (keyed by graph, config and torch version)."""
+    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
+    return os.path.join(root, "inductor")
+
+
+def use_compile_cache() -> str:
+    """Point Inductor's caches at the stagewise cache directory unless the user chose one."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 class CompiledBackend(GraphBackend):
-    name = "compiled"
+    """Keys are `(rows, variant)`. `capture` compiles at the warm-up sizes; `adopt` registers a
+    new row count on the already-compiled code without running it (the dynamic dimension)."""
 
-    def __init__(self, num_keys: int):
+    name = "compiled"
+    dynamic_rows = True
+
+    def __init__(self, live: ForwardBatch):
         super().__init__()
-        # every key recompiles the same body code at new shapes; allow all of them (+ graph-break pieces)
-        self._limit = max(8, 4 * num_keys)
+        self._batch = live
+        use_compile_cache()
 
     def _config(self):
-        return torch._dynamo.config.patch(recompile_limit=self._limit, accumulated_recompile_limit=16 * self._limit)
+        return torch._dynamo.config.patch(recompile_limit=16, accumulated_recompile_limit=64)
 
     def capture(self, key, body: Body) -> None:
-        fn = torch.compile(body, dynamic=False)
-        with self._config():
-            fn()      # compile at this bucket's static shapes
-            fn()      # and check the guards hold on a second call (no recompile at replay)
-        self._graphs[key] = fn
+        meta = self._batch.meta
+        with self._config(), live_metadata(meta):
+            body()      # compile at these shapes (row dimension dynamic unless one row)
+            body()      # and check the guards hold on a second call (no recompile at replay)
+        self._graphs[key] = body
+
+    def adopt(self, key, body: Body) -> None:
+        self._graphs[key] = body
 
     def replay(self, key):
-        with self._config():
+        with self._config(), live_metadata(self._batch.meta):
             return self._graphs[key]()
 
     def attend(self, live, layer_id, q, k, v, scale):
-        return _eager_attention(live, layer_id, q, k, v, scale)
+        return torch.ops.stagewise.paged_attention(q, k, v, live.kv_caches[layer_id], scale)

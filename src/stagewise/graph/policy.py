@@ -35,6 +35,15 @@ class GraphPolicy:
         return self.backend != "off" or self.decode_backend != "off"
 
     @property
+    def dynamic_rows(self) -> bool:
+        """Prefill replays any row count up to the cap, unpadded (the compiled backend)."""
+        return self.backend == "compiled"
+
+    @property
+    def decode_dynamic_rows(self) -> bool:
+        return self.decode_backend == "compiled"
+
+    @property
     def max_rows(self) -> int:
         """Rows the static buffers need: the largest bucket of either kind."""
         return max(self.buckets[-1:] + self.decode_buckets[-1:], default=0)
@@ -49,20 +58,29 @@ class GraphVerdict:
     reason: str | None = None    # too_large | padding | disabled | unservable | empty | <caller's word>
 
 
+COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up
+
+
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda")."""
     return resolve_graph_policy(
         prefill_graph=config.prefill_graph, max_tokens=config.prefill_graph_max_tokens,
         buckets=config.prefill_graph_buckets, chunked_prefill_size=config.chunked_prefill_size,
         pp_size=config.pp_size, device_type=device_type, decode_graph=config.decode_graph,
-        decode_graph_max_bs=config.decode_graph_max_bs)
+        decode_graph_max_bs=config.decode_graph_max_bs,
+        hidden_size=_hidden_size(config) if config.prefill_graph == "auto" and device_type == "cpu" else None)
+
+
+def _hidden_size(config) -> int | None:
+    from ..checkpoint import load_hf_config     # lazy: only `auto` on CPU asks
+    return getattr(load_hf_config(config.model), "hidden_size", None)
 
 
 def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,
                          buckets: tuple[int, ...] | list[int] | None = None,
                          chunked_prefill_size: int | None = 8192, pp_size: int = 1, device_type: str = "cpu",
                          decode_graph: bool | str = False, decode_graph_max_bs: int = 32,
-                         full_slots: int = 16) -> GraphPolicy:
+                         full_slots: int = 16, hidden_size: int | None = None) -> GraphPolicy:
     """Resolve flags into a policy. Invalid values raise ValueError with one sentence."""
     if prefill_graph not in PREFILL_GRAPH_CHOICES:
         raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, got {prefill_graph!r}.")
@@ -72,14 +90,24 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
         raise ValueError(f"full_slots must be at least 1, got {full_slots}.")
     is_cuda = device_type == "cuda"
     logs: list[str] = []
-    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs)
+    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size)
     ladder, cap = _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size)
     decode_backend = _resolve_decode_backend(decode_graph)
+    if decode_backend == "compiled" and backend == "compiled":
+        decode_backend = "off"      # the compiled prefill body serves decode steps at their own size
+        logs.append("decode steps replay the compiled stage body (dynamic rows)")
     decode_ladder = tuple(decode_bucket_ladder(decode_graph_max_bs)) if decode_backend != "off" else ()
+    if decode_backend == "compiled":
+        decode_ladder = _warmup_sizes(decode_ladder[-1])
     if backend == "off":
         ladder, cap = (), 0
+    elif backend == "compiled":
+        ladder = _warmup_sizes(cap)
     emulated = not is_cuda and (backend in ("breakable", "full") or decode_backend in ("breakable", "full"))
-    if backend != "off":
+    if backend == "compiled":
+        logs.append(f"prefill graphs: compiled, any step of up to {cap} tokens at its own size "
+                    f"(warm-up sizes {list(ladder)}); larger forwards run eager")
+    elif backend != "off":
         logs.append(f"prefill graphs: {backend}, {len(ladder)} buckets {ladder[0]}..{ladder[-1]} "
                     f"(capture cap {cap} tokens); larger forwards run eager")
     if decode_backend != "off":
@@ -90,7 +118,13 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, tuple(logs), full_slots)
 
 
-def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str]) -> str:
+def _warmup_sizes(cap: int) -> tuple[int, ...]:
+    """What a dynamic-rows backend compiles at start-up: one row (always specialised) and the cap."""
+    return (1, cap) if cap > 1 else (1,)
+
+
+def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str],
+                             hidden_size: int | None = None) -> str:
     if choice != "auto":
         return choice
     if pp_size > 1:
@@ -100,7 +134,12 @@ def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: lis
                     "pass --prefill-graph breakable to capture them")
         return "off"
     if not is_cuda:
-        logs.append("prefill graphs: off (auto on a device without CUDA graphs)")
+        if hidden_size is not None and hidden_size >= COMPILE_MIN_HIDDEN:
+            return "compiled"
+        # NOTE: below that size a model is a test or toy one: its steps are cheap and the compile
+        # (tens of seconds on 2 cores) would dominate its start-up.
+        logs.append(f"prefill graphs: off (auto on CPU compiles models of hidden size >= {COMPILE_MIN_HIDDEN}; "
+                    "pass --prefill-graph compiled to compile this one)")
         return "off"
     return "breakable"
 
@@ -152,21 +191,23 @@ def decide_verdict(policy: GraphPolicy, num_tokens: int, is_decode_only: bool, n
     driver passes when the step needs something no graph can serve; it becomes the reason.
     """
     if is_decode_only and policy.decode_backend != "off":
-        verdict = _fit("decode", policy.decode_buckets, num_seqs, unservable)
+        verdict = _fit("decode", policy.decode_buckets, num_seqs, unservable, policy.decode_dynamic_rows)
         if verdict.bucket is not None or policy.backend == "off":
             return verdict
     if policy.backend == "off":
         return GraphVerdict("prefill", None, "disabled")
     if policy.backend == "full" and num_seqs > policy.full_slots:
         unservable = unservable or "unservable"
-    return _fit("prefill", policy.buckets, num_tokens, unservable)
+    return _fit("prefill", policy.buckets, num_tokens, unservable, policy.dynamic_rows)
 
 
-def _fit(kind: str, buckets: tuple[int, ...], n: int, unservable: str | None) -> GraphVerdict:
+def _fit(kind: str, buckets: tuple[int, ...], n: int, unservable: str | None, dynamic: bool = False) -> GraphVerdict:
     if unservable:
         return GraphVerdict(kind, None, unservable)
     if n < 1:
         return GraphVerdict(kind, None, "empty")
+    if dynamic:
+        return GraphVerdict(kind, n, None) if n <= buckets[-1] else GraphVerdict(kind, None, "too_large")
     bucket = pick_bucket(buckets, n)
     if bucket is None:
         return GraphVerdict(kind, None, "too_large")

@@ -34,7 +34,9 @@ class _Kind:
                  full_slots: int):
         self.kind, self.name, self.buckets, self.backend = kind, name, tuple(buckets), backend
         self.full_slots = full_slots
+        self.dynamic_rows = bool(getattr(backend, "dynamic_rows", False))   # any row count, no padding
         self.static_meta: StaticAttentionMetadata | None = None
+        self.graph_batch: GraphBatch | None = None     # the live-attention batch all its bodies share
         self.replays: Counter = Counter()
         self.eager: Counter = Counter()
         self.padded_tokens = 0
@@ -68,6 +70,7 @@ class StageGraphRunner:
         self.variants = self._variants()
         self.inputs = self._make_inputs() if policy.enabled else None
         self._cuda = None
+        self._compiled_model: Any = None     # torch.compile(model), built by the first compiled kind
         self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
                        "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
         self.capture_seconds = 0.0
@@ -94,13 +97,13 @@ class StageGraphRunner:
                             self.device, with_embeds=self.binding.embeds_name is not None)
 
     def _make_kind(self, kind: str, name: str, buckets: tuple[int, ...]) -> _Kind:
-        backend = None if name == "off" else self._make_backend(name, len(buckets))
+        backend = None if name == "off" else self._make_backend(name)
         return _Kind(kind, name, buckets, backend, self.policy.full_slots)
 
-    def _make_backend(self, name: str, num_buckets: int) -> GraphBackend:
+    def _make_backend(self, name: str) -> GraphBackend:
         if name == "compiled":
             from .compiled import CompiledBackend   # lazy: importing torch._dynamo costs seconds
-            return CompiledBackend(num_buckets * len(self.variants))
+            return CompiledBackend(self.batch)
         rows = self.policy.max_rows
         if self.device.type == "cuda" and not self.policy.emulated:
             from .cuda import CudaBreakableBackend, CudaContext, CudaFullBackend
@@ -151,14 +154,21 @@ class StageGraphRunner:
             kind.static_meta = StaticAttentionMetadata(largest, kind.slots(largest), self._max_blocks(),
                                                        dummy.block_size, self.device)
         for bucket in sorted(kind.buckets, reverse=True):
-            for variant in self.variants:
+            for variant in self._kind_variants(kind):
                 self.batch.meta = dummy.get(bucket)
                 self.inputs.zero(bucket)
                 if kind.static_meta is not None:
                     kind.static_meta.reset()
-                kind.backend.capture((bucket, variant), self._body(kind, bucket, variant))
+                kind.backend.capture((bucket, variant), self._body(kind, bucket, variant, mark_dynamic=bucket > 1))
 
-    def _body(self, kind: _Kind, bucket: int, variant: str):
+    def _kind_variants(self, kind: _Kind) -> tuple[str, ...]:
+        """A dynamic-rows (compiled) first stage embeds token ids eagerly and compiles the
+        embeddings body only: one graph fewer to compile, and mixed steps need no second one."""
+        if kind.dynamic_rows and self.stage.is_first and self.binding.embeds_name:
+            return ("embeds",)
+        return self.variants
+
+    def _body(self, kind: _Kind, bucket: int, variant: str, mark_dynamic: bool = False):
         views = self.inputs.views(bucket)
         ids = views["input_ids"] if variant == "ids" else None
         kwargs = self.binding.kwargs(views["input_embeds"] if variant == "embeds" else None, views["proxy"])
@@ -166,11 +176,26 @@ class StageGraphRunner:
         if kind.static_meta is not None:
             batch = StaticForwardBatch(self.batch, kind.static_meta, bucket, kind.slots(bucket))
         else:
-            batch = GraphBatch(self.batch, kind.backend.attend)
+            kind.graph_batch = kind.graph_batch or GraphBatch(self.batch, kind.backend.attend)
+            batch = kind.graph_batch
+        if kind.dynamic_rows:
+            model = self._compiled(views if mark_dynamic else None)
 
         def body():
             return model(ids, positions, batch, **kwargs)
         return body
+
+    def _compiled(self, views: dict | None):
+        """The compiled model (one for the stage); `views` given: their row dimension is dynamic."""
+        if self._compiled_model is None:
+            self._compiled_model = torch.compile(self.model, dynamic=None)
+        if views is not None:
+            rows = [views["positions"], views["input_ids"], views["input_embeds"]]
+            rows += list(views["proxy"].tensors.values()) if views["proxy"] is not None else []
+            for t in rows:
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._compiled_model
 
     def _block_size(self) -> int:
         cache = next((c for c in self.batch.kv_caches if c is not None), None)
@@ -207,6 +232,8 @@ class StageGraphRunner:
             return self._eager(verdict, input_ids, positions, input_embeds, proxy)
         kind = self._kinds[verdict.kind]
         T, B = meta.num_tokens, verdict.bucket
+        if kind.dynamic_rows:
+            input_ids, input_embeds = self._dynamic_inputs(kind, B, input_ids, input_embeds)
         key = (B, self._variant(input_embeds))
         if kind.backend is None or not kind.backend.can_replay(key):
             raise RuntimeError(f"Stage {self.stage.rank}: the verdict asks for a {verdict.kind} graph of bucket {B} "
@@ -223,6 +250,16 @@ class StageGraphRunner:
         kind.replays[B] += 1
         kind.padded_tokens += B - T
         return trim_output(out, T)
+
+    def _dynamic_inputs(self, kind: _Kind, rows: int, input_ids, input_embeds):
+        """Embed ids eagerly where the kind compiled the embeddings body; register `rows` on the
+        compiled code the first time a step has that many."""
+        if self._kind_variants(kind) == ("embeds",) and input_embeds is None:
+            input_ids, input_embeds = None, self.model.embed_tokens(input_ids)     # [T, H]
+        key = (rows, self._variant(input_embeds))
+        if kind.backend is not None and not kind.backend.can_replay(key):
+            kind.backend.adopt(key, self._body(kind, rows, key[1]))
+        return input_ids, input_embeds
 
     def _variant(self, input_embeds) -> str:
         if not self.stage.is_first:

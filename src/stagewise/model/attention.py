@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
+
 
 @dataclass
 class _Group:
@@ -36,6 +38,7 @@ class _DecodeGroup:
     row_ids: torch.Tensor      # [G] which of the T live rows these are
     block_ids: torch.Tensor    # [G, nblk] KV blocks to gather (0-padded; masked out)
     mask: torch.Tensor         # [G, 1, 1, nblk * block_size] True = may attend
+    seq_lens: torch.Tensor     # [G] int64 keys each sequence attends (the in-place kernel's bound)
 
 
 @dataclass
@@ -138,7 +141,8 @@ def _decode_group(members: list[int], starts, s_lens, tables, bs: int, device) -
     sl = s_lens[idx]                                                   # [G]
     nblk = -(-int(sl.max()) // bs)
     mask = torch.arange(nblk * bs)[None, :] < sl[:, None]              # [G, L]
-    return _DecodeGroup(starts[idx].to(device), tables[idx, :nblk].to(device), mask[:, None, None, :].to(device))
+    return _DecodeGroup(starts[idx].to(device), tables[idx, :nblk].to(device), mask[:, None, None, :].to(device),
+                        sl.to(device))
 
 
 def _prefill_group(members: list[int], starts, q_lens, s_lens, tables, bs: int, T: int, device) -> _Group:
@@ -173,15 +177,27 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
+def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the engine runs: `sdpa_paged_attention`, with one-token sequences attended in place
+    by the CPU kernel (no KV gather) where it is available."""
+    return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=cpu_attention.supports(q, kv_cache))
+
+
 def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
-                         k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference paged attention for mixed prefill/decode batches. q/k/v: `[rows, H, D]`, rows >= T."""
+                         k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                         in_place_decode: bool = False) -> torch.Tensor:
+    """Reference paged attention for mixed prefill/decode batches. q/k/v: `[rows, H, D]`, rows >= T.
+    `in_place_decode`: decode groups read the cache in place (`cpu_attention`) instead of SDPA."""
     T = meta.num_tokens
     rows, hq, d = q.shape
     hkv = k.shape[1]
     write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
     if rows == T and meta.is_plain_decode:
-        return _decode_in_order(meta.groups[0], kv_cache, q, scale)
+        grp = meta.groups[0]
+        if in_place_decode:
+            return cpu_attention.decode_attention(q, kv_cache, grp.block_ids, grp.seq_lens, scale)
+        return _decode_in_order(grp, kv_cache, q, scale)
     out = q.new_empty(rows, hq, d)  # [rows, Hq, D]; every live row is written below
     out[T:].zero_()                 # padding rows
     for start, n in meta.causal_spans:
@@ -190,6 +206,11 @@ def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: tor
         os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv)
         out[start:start + n] = os_[0].transpose(0, 1)
     for grp in meta.groups:
+        if isinstance(grp, _DecodeGroup) and in_place_decode:
+            og = cpu_attention.decode_attention(q.index_select(0, grp.row_ids), kv_cache, grp.block_ids,
+                                                grp.seq_lens, scale)
+            out.index_copy_(0, grp.row_ids, og)
+            continue
         kg, vg = _gather_kv(kv_cache, grp.block_ids)                  # [G, Hkv, L, D]
         if isinstance(grp, _DecodeGroup):
             g = grp.row_ids.numel()
@@ -231,4 +252,4 @@ class ForwardBatch:
         cache = self.kv_caches[layer_id]
         if cache is None:
             raise RuntimeError(f"Layer {layer_id} has no KV cache on this stage.")
-        return sdpa_paged_attention(self.meta, cache, q, k, v, scale)
+        return paged_attention(self.meta, cache, q, k, v, scale)

@@ -1,0 +1,174 @@
+"""Decode attention that reads the paged KV cache in place, on CPU: a small C kernel built once
+with the system C compiler and called through ctypes (no torch headers, so it builds in about a
+second; the shared library is cached under the stagewise cache directory, keyed by its source,
+flags and CPU).
+
+Each (sequence, KV head) pair is one OpenMP task: it walks the sequence's block table, scores
+every cached key against the query heads that share the KV head, and accumulates the values,
+so no `[G, L, Hkv, D]` copy of the keys is ever made. float32 and bfloat16 (computed in
+float32, rounded once on output). `available()` is False where no compiler works: callers keep
+the SDPA path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger("stagewise.attention")
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);      /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);                                                /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define LOADF(p, i) ((float)(p)[i])
+#define LOADB(p, i) bf2f((p)[i])
+
+#define DECODE_KERNEL(NAME, T, LOAD, STORE)                                                        \
+void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
+          const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
+          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, T* out) {                    \
+    int64_t grp = Hq / Hkv;                                                                         \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                   \
+    for (int64_t b = 0; b < G; b++) {                                                               \
+        for (int64_t h = 0; h < Hkv; h++) {                                                         \
+            int64_t L = seq_lens[b];                                                                \
+            float* s = (float*)malloc(sizeof(float) * (size_t)(grp * (L > 0 ? L : 1) + grp * D * 2)); \
+            float* qf = s + grp * (L > 0 ? L : 1);                                                  \
+            float* acc = qf + grp * D;                                                              \
+            for (int64_t i = 0; i < grp; i++)                                                       \
+                for (int64_t d = 0; d < D; d++) qf[i * D + d] = LOAD(q + b * q_row + (h * grp + i) * D, d) * scale; \
+            for (int64_t j = 0; j < L; j++) {                                                       \
+                const T* kp = k + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
+                for (int64_t i = 0; i < grp; i++) {                                                 \
+                    float dot = 0.f;                                                                \
+                    _Pragma("omp simd reduction(+:dot)")                                           \
+                    for (int64_t d = 0; d < D; d++) dot += qf[i * D + d] * LOAD(kp, d);             \
+                    s[i * L + j] = dot;                                                             \
+                }                                                                                   \
+            }                                                                                       \
+            for (int64_t i = 0; i < grp; i++) {                                                     \
+                float m = -INFINITY, sum = 0.f;                                                     \
+                for (int64_t j = 0; j < L; j++) m = s[i * L + j] > m ? s[i * L + j] : m;           \
+                for (int64_t j = 0; j < L; j++) { s[i * L + j] = expf(s[i * L + j] - m); sum += s[i * L + j]; } \
+                float inv = sum > 0.f ? 1.f / sum : 0.f;                                            \
+                for (int64_t j = 0; j < L; j++) s[i * L + j] *= inv;                                \
+            }                                                                                       \
+            memset(acc, 0, sizeof(float) * (size_t)(grp * D));                                      \
+            for (int64_t j = 0; j < L; j++) {                                                       \
+                const T* vp = v + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
+                for (int64_t i = 0; i < grp; i++) {                                                 \
+                    float p = s[i * L + j];                                                         \
+                    _Pragma("omp simd")                                                             \
+                    for (int64_t d = 0; d < D; d++) acc[i * D + d] += p * LOAD(vp, d);              \
+                }                                                                                   \
+            }                                                                                       \
+            for (int64_t i = 0; i < grp; i++)                                                       \
+                for (int64_t d = 0; d < D; d++) out[(b * Hq + h * grp + i) * D + d] = STORE(acc[i * D + d]); \
+            free(s);                                                                                \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+#define IDENT(x) (x)
+DECODE_KERNEL(decode_attention_f32, float, LOADF, IDENT)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, LOADB, f2bf)
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags
+
+
+def _cache_path() -> str:
+    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
+    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    return os.path.join(root, "kernels", f"paged_decode_{digest}.so")
+
+
+def _build(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "paged_decode.c"), os.path.join(tmp, "paged_decode.so")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, *_FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(lib, path)      # atomic: concurrent builders never load a half-written file
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
+        return None
+    path = _cache_path()
+    try:
+        if not os.path.exists(path):
+            _build(path)
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("in-place decode attention kernel unavailable (%s); decode attention gathers KV for SDPA",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16):
+        fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, p]
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The kernel serves CPU float32/bfloat16 with the cache's dtype and a dense head layout."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
+            and kv_cache.is_contiguous() and available())
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per sequence: q `[G, Hq, D]`, cache `[2, nb, bs, Hkv, D]`, block_tables
+    `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`."""
+    g, hq, d = q.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
+    out = q.new_empty(g, hq, d)
+    fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
+       tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, out.data_ptr())
+    return out
