@@ -2,7 +2,6 @@
 and the in-flight invariant under random pipeline delays."""
 import random
 
-
 from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler
 from stagewise.plan import StepResult
@@ -57,7 +56,7 @@ def test_chunked_prefill_then_decode_and_budget():
             break
         assert plan.num_tokens <= 5
         starts.append((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].sample))
-        s.update(plan, fake_result(plan))[0]
+        s.update(plan, fake_result(plan))
         if len(reqs["a"].output_token_ids) == 2:
             break
     assert starts[:4] == [(0, 5, False), (5, 5, False), (10, 2, True), (12, 1, True)]
@@ -71,14 +70,14 @@ def test_preemption_picks_idle_requests_and_resumes_from_scratch():
         plan = s.schedule()
         if plan is None:
             break
-        s.update(plan, fake_result(plan))[0]
+        s.update(plan, fake_result(plan))
     assert s.num_preemptions >= 1
     assert any(r.num_preemptions for r in (a, b))
 
 
 def test_no_double_booking_with_random_pipeline_delays():
     rng = random.Random(0)
-    s = Scheduler(BlockManager(40, 4), max_num_seqs=6, token_budget=9)
+    s = Scheduler(BlockManager(40, 4), max_num_seqs=6, token_budget=9, stop_rule=_length)
     reqs = {}
     for i in range(10):
         r = make_req(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 6), start=i * 50)
@@ -94,11 +93,14 @@ def test_no_double_booking_with_random_pipeline_delays():
         if rng.random() < 0.5 and len(inflight) < 3 and (s.waiting or s.running):
             continue
         plan = inflight.pop(0)
-        for req in s.update(plan, fake_result(plan, rng.randrange(1000)))[0]:
-            if len(req.output_token_ids) >= req.params.max_tokens:
-                s.finish(req, FinishReason.LENGTH)
+        for req in s.update(plan, fake_result(plan, rng.randrange(1000))):
+            if req.is_finished:
                 del reqs[req.request_id]
-    assert not reqs and not s.inflight and len(s.blocks.free) == 39
+    assert not reqs and not s.records and len(s.blocks.free) == 39
+
+
+def _length(req):
+    return FinishReason.LENGTH if len(req.output_token_ids) >= req.params.max_tokens else None
 
 
 def _check_invariant(plans):
@@ -119,11 +121,28 @@ def test_abort_in_flight_defers_block_free():
     s.add(a)
     plan = s.schedule()
     held = list(a.block_ids)
-    s.finish(a, FinishReason.ABORT)
+    assert s.abort("a") is a and a.finish_reason is FinishReason.ABORT
     assert a.block_ids == held and len(s.blocks.free) == 7 - len(held)   # still owned by the plan
     b = make_req("b", 20, start=500)
     s.add(b)
     plan_b = s.schedule()
     assert not set(b.block_ids) & set(held)
-    assert s.update(plan, fake_result(plan))[0] == []                         # late result discarded
+    assert s.update(plan, fake_result(plan)) == []                            # late result discarded
     assert a.block_ids == [] and plan_b is not None
+
+
+def test_every_finish_happens_in_update_and_frees_the_record():
+    """Stop rule, a failed row and an abort all finish through the scheduler; finished requests
+    leave no record behind once idle."""
+    s = Scheduler(BlockManager(32, 4), max_num_seqs=4, token_budget=64,
+                  stop_rule=lambda r: FinishReason.STOP if r.output_token_ids[-1] == 9 else None)
+    a, b, c = make_req("a", 5), make_req("b", 5, start=100), make_req("c", 5, start=200)
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.schedule()
+    result = StepResult(plan.plan_id, sampled={"a": 9, "b": 7, "c": 7}, failed={"b": "row b failed"})
+    changed = s.update(plan, result)
+    assert {r.request_id for r in changed} == {"a", "b", "c"}
+    assert (a.finish_reason, b.finish_reason, b.error) == (FinishReason.STOP, FinishReason.ERROR, "row b failed")
+    assert not c.is_finished and s.abort("c") is c and s.abort("c") is None
+    assert s.records == {} and len(s.blocks.free) == 31 and s.requests == {}

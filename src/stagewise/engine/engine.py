@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
-from typing import Iterator
+from typing import Iterator, NoReturn
 
-from ..config import EngineConfig
 from ..checkpoint import max_model_len, num_layers_of
+from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import make_executor
 from ..graph.policy import decide_verdict, policy_for
@@ -48,7 +47,8 @@ class Engine:
         self.executor = make_executor(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
         blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size)
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size,
+                                   stop_rule=lambda req: finish_check(req, self.tok, self.max_len))
         # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
@@ -69,7 +69,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         ids, embeds = self.tok.encode_prompt(prompt, prompt_token_ids, input_embeds)
-        req = Request(request_id or f"req-{next(self._ids)}", ids, params, prompt=prompt if isinstance(prompt, str) else None,
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params,
+                      prompt=prompt if isinstance(prompt, str) else None,
                       input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)
         check_prompt(req, self.max_model_len, self.kv_capacity_tokens, self.tok.vocab_size)
         self.inbox.append(("add", req))
@@ -84,7 +85,7 @@ class Engine:
         return self.dead or self.executor.dead
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.requests or self.inbox or self.inflight)
+        return bool(self.scheduler.has_unfinished() or self.inbox or self.inflight)
 
     # the step loop
     def step(self) -> StepOutputs:
@@ -124,37 +125,33 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.stats_.record_result(result)
-        got_token, failed = self.scheduler.update(plan, result)
+        changed = self.scheduler.update(plan, result)
+        failed = [r for r in changed if r.finish_reason is FinishReason.ERROR]
         if failed:
-            log.warning("%d request(s) failed: %s", len(failed), failed[0][1])
-        outputs = [self._finish(req, FinishReason.ERROR, why) for req, why in failed]
-        for req in got_token:
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            reason = finish_check(req, self.tok, self.max_len) if req.output_token_ids else FinishReason.LENGTH
-            outputs.append(self._finish(req, reason) if reason else make_output(req))
-        return outputs
+            log.warning("%d request(s) failed: %s", len(failed), failed[0].error)
+        return self._outputs(changed)
 
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        self.scheduler.finish(req, reason, error)
-        self.stats_.record_finish(req)
-        return make_output(req)
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        for req in changed:
+            if req.is_finished:
+                self.stats_.record_finish(req)
+        return [make_output(req) for req in changed]
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        outputs = []
+        changed = []
         while self.inbox:
             kind, item = self.inbox.popleft()
             if kind == "add":
                 self.scheduler.add(item)
-            elif item in self.scheduler.requests:
-                outputs.append(self._finish(self.scheduler.requests[item], FinishReason.ABORT))
-        return outputs
+            elif (aborted := self.scheduler.abort(item)) is not None:
+                changed.append(aborted)
+        return self._outputs(changed)
 
-    def _die(self, why: str):
+    def _die(self, why: str) -> NoReturn:
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
         self.dead = why
         log.error("engine failed: %s", why)
-        outputs = [self._finish(r, FinishReason.ERROR, why) for r in list(self.scheduler.requests.values())]
+        outputs = self._outputs(self.scheduler.fail_all(why))
         self.inflight.clear()
         self.shutdown()
         raise EngineDeadError(why, outputs)

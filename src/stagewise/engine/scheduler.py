@@ -4,69 +4,109 @@ The scheduler owns every request transition, for one stage and for many: `add` (
 `schedule` (booked into a plan; `num_computed_tokens` advances at schedule time, so with
 several plans in flight a request is never booked twice, except for consecutive non-final
 prefill chunks, which need no sampled token), `update` (the oldest plan came back: tokens
-applied, or the plan or one of its rows failed), `finish` (stopped, length, aborted, failed)
-and `_release` (blocks freed: at once, or when the request's last in-flight plan returns).
-Preemption (recompute) only picks idle requests.
+applied and stop rules checked, or the plan or one of its rows failed), `abort` and `fail_all`.
+Every finish (stop, length, abort, error) goes through `_finish`; a request's blocks are freed
+at once, or when its last in-flight plan returns. Preemption (recompute) only picks idle requests.
+
+Each request has one `InFlight` record from `add` until its blocks are released.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult
 from ..request import FinishReason, Request, RequestStatus
 from .block_manager import BlockManager
 
+StopRule = Callable[[Request], "FinishReason | None"]     # after a new token: finished, and why?
+
+
+@dataclass
+class InFlight:
+    """The scheduler's state of one request beyond the request itself."""
+    req: Request
+    num_plans: int = 0                    # plans in flight with a row of it
+    awaiting_token: bool = False          # a sampling row of it is in flight
+    stage_known: bool = False             # the stages hold state for it
+    pending_tokens: list[int] = field(default_factory=list)   # deltas not yet sent to the stages
+    pending_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.num_plans == 0
+
+
+def _no_stop(req: Request) -> FinishReason | None:
+    return None
+
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int, stop_rule: StopRule = _no_stop):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
-        self.requests: dict[str, Request] = {}      # unfinished requests by id
+        self.stop_rule = stop_rule
+        self.records: dict[str, InFlight] = {}      # every request not yet released, finished ones too
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.inflight: dict[str, int] = {}          # request_id -> plans in flight
-        self.awaiting_token: set[str] = set()       # a sampling row of it is in flight
-        self.stage_known: set[str] = set()          # requests the stages hold state for
-        self.pending_tokens: dict[str, list[int]] = {}   # deltas not yet sent to the stages
-        self.pending_blocks: dict[str, list[int]] = {}
-        self.to_forget: list[str] = []              # finished ids to drop from stage caches
-        self.zombies: dict[str, Request] = {}       # finished while in flight: free later
+        self.to_forget: list[str] = []              # released ids to drop from stage caches
         self.next_plan_id = 0
         self.num_preemptions = 0
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests by id."""
+        return {rid: r.req for rid, r in self.records.items() if not r.req.is_finished}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
     # queue management
     def add(self, req: Request) -> None:
-        self.requests[req.request_id] = req
+        self.records[req.request_id] = InFlight(req)
         self.waiting.append(req)
 
-    def is_idle(self, req: Request) -> bool:
-        return req.request_id not in self.inflight
+    def abort(self, request_id: str) -> Request | None:
+        """Finish an unfinished request as aborted; returns it (None if unknown or finished)."""
+        rec = self.records.get(request_id)
+        if rec is None or rec.req.is_finished:
+            return None
+        self._finish(rec, FinishReason.ABORT)
+        return rec.req
 
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        """Mark finished and release its blocks now, or once its in-flight plans return."""
+    def fail_all(self, why: str) -> list[Request]:
+        """Finish every unfinished request with an error (the engine cannot go on)."""
+        failed = list(self.requests.values())
+        for req in failed:
+            self._finish(self.records[req.request_id], FinishReason.ERROR, why)
+        return failed
+
+    def _finish(self, rec: InFlight, reason: FinishReason, error: str | None = None) -> None:
+        """The one place a request finishes. Its blocks go now, or once its in-flight plans return."""
+        req = rec.req
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
-        self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.is_idle(req):
-            self._release(req)
-        else:
-            self.zombies[req.request_id] = req
+        if rec.is_idle:
+            self._release(rec)
 
-    def _release(self, req: Request) -> None:
-        self.blocks.free_request(req)
-        self.pending_tokens.pop(req.request_id, None)
-        self.pending_blocks.pop(req.request_id, None)
-        if req.request_id in self.stage_known:
-            self.stage_known.discard(req.request_id)
-            self.to_forget.append(req.request_id)
+    def _release(self, rec: InFlight) -> None:
+        self.blocks.free_request(rec.req)
+        rec.pending_tokens, rec.pending_blocks = [], []
+        if rec.stage_known:
+            rec.stage_known = False
+            self.to_forget.append(rec.req.request_id)
+        if rec.req.is_finished:
+            del self.records[rec.req.request_id]
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self._release(victim)
+        self._release(self.records[victim.request_id])
         victim.status, victim.num_computed_tokens = RequestStatus.WAITING, 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -78,34 +118,40 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.request_id in self.awaiting_token or req not in self.running:
+            if self.records[req.request_id].awaiting_token or req not in self.running:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 0 and self._grow_or_preempt(plan, req, n):
                 self._book(plan, req, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if not req.block_ids:
-                req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new = self.blocks.allocate(req, req.num_computed_tokens + n)
-            if new is None:
-                if not self.running and not self.inflight and not plan.seqs:
-                    self.blocks.free_request(req)
-                    raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
+            n = self._admit(plan, self.waiting[0], budget)
+            if n == 0:
                 break
-            self.waiting.popleft()
-            self._zero_tail(plan, new)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._book(plan, req, n)
             budget -= n
         if not plan.seqs:
             return None
         self.next_plan_id += 1
         plan.finished_req_ids, self.to_forget = self.to_forget, []
         return plan
+
+    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
+        """Move the first waiting request into the plan if its blocks fit; the tokens booked (0: none)."""
+        if not req.block_ids:
+            req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        new = self.blocks.allocate(req, req.num_computed_tokens + n)
+        if new is None:
+            if not self.running and not any(r.num_plans for r in self.records.values()) and not plan.seqs:
+                self.blocks.free_request(req)
+                raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
+            return 0
+        self.waiting.popleft()
+        self._zero_tail(plan, new)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._book(plan, req, n)
+        return n
 
     @staticmethod
     def _zero_tail(plan: StepPlan, new_blocks: list[int]) -> None:
@@ -119,75 +165,80 @@ class Scheduler:
             new = self.blocks.allocate(req, req.num_computed_tokens + n)
             if new is not None:
                 self._zero_tail(plan, new)
-                self.pending_blocks.setdefault(req.request_id, []).extend(new)
+                self.records[req.request_id].pending_blocks.extend(new)
                 return True
-            victims = [r for r in reversed(self.running) if r is not req and self.is_idle(r)]
+            victims = [r for r in reversed(self.running) if r is not req and self.records[r.request_id].is_idle]
             if not victims:
                 return False
             self._preempt(victims[0])
 
     def _book(self, plan: StepPlan, req: Request, n: int) -> None:
-        rid, start = req.request_id, req.num_computed_tokens
+        rec, rid, start = self.records[req.request_id], req.request_id, req.num_computed_tokens
         sample = start + n == req.num_tokens
         plan.seqs.append(ScheduledSeq(rid, start, n, sample))
-        if rid in self.stage_known:
-            plan.cached_reqs.append(CachedRequestData(
-                rid, self.pending_tokens.pop(rid, []), self.pending_blocks.pop(rid, [])))
+        if rec.stage_known:
+            plan.cached_reqs.append(CachedRequestData(rid, rec.pending_tokens, rec.pending_blocks))
         else:
-            self.stage_known.add(rid)
-            self.pending_tokens.pop(rid, None)
-            self.pending_blocks.pop(rid, None)
+            rec.stage_known = True
             # NOTE: an embedding prompt has no ids; its positions hold placeholder 0s.
             ids = req.all_token_ids if req.input_embeds is None else [0] * req.num_prompt_tokens + req.output_token_ids
             plan.new_reqs.append(NewRequestData(rid, ids, req.num_prompt_tokens, req.params,
                                                 list(req.block_ids), req.input_embeds))
+        rec.pending_tokens, rec.pending_blocks = [], []
         req.num_computed_tokens += n
-        self.inflight[rid] = self.inflight.get(rid, 0) + 1
-        if sample:
-            self.awaiting_token.add(rid)
+        rec.num_plans += 1
+        rec.awaiting_token = rec.awaiting_token or sample
 
     # results
-    def update(self, plan: StepPlan, result: StepResult) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """The oldest plan came back. Returns the requests that got a token and the requests that
-        failed with it (the whole plan, or their own row); the caller finishes the failed ones."""
-        got_token, failed = [], []
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """The oldest plan came back: apply each row's token, check the stop rules, finish what is
+        done (or failed, with the whole plan or its own row). Returns every request that changed."""
+        changed = []
         for seq in plan.seqs:
-            req = self._settle(seq)
-            if req is None:
+            rec = self._settle(seq)
+            if rec is None:
                 continue
             why = result.error or result.failed.get(seq.request_id)
             if why:
-                failed.append((req, why))
+                self._finish(rec, FinishReason.ERROR, why)
+                changed.append(rec.req)
                 continue
-            self.blocks.register_full_blocks(req, seq.start + seq.num_tokens)
+            self.blocks.register_full_blocks(rec.req, seq.start + seq.num_tokens)
             if seq.request_id in result.prompt_logprobs:
-                _extend_prompt_logprobs(req, *result.prompt_logprobs[seq.request_id])
-            if seq.sample and seq.request_id in result.sampled and req.params.max_tokens == 0:
-                got_token.append(req)            # scoring only: the prompt is done, nothing is generated
-            elif seq.sample and seq.request_id in result.sampled:
-                token = result.sampled[seq.request_id]
-                req.output_token_ids.append(token)
-                if seq.request_id in result.logprobs:
-                    req.output_logprobs.append(result.logprobs[seq.request_id])
-                self.pending_tokens.setdefault(seq.request_id, []).append(token)
-                got_token.append(req)
-        return got_token, failed
+                _extend_prompt_logprobs(rec.req, *result.prompt_logprobs[seq.request_id])
+            if seq.sample and seq.request_id in result.sampled:
+                self._apply_token(rec, result, seq.request_id)
+                changed.append(rec.req)
+        return changed
 
-    def _settle(self, seq: ScheduledSeq) -> Request | None:
+    def _apply_token(self, rec: InFlight, result: StepResult, rid: str) -> None:
+        req = rec.req
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if req.params.max_tokens == 0:            # scoring only: the prompt is done, nothing is generated
+            self._finish(rec, FinishReason.LENGTH)
+            return
+        token = result.sampled[rid]
+        req.output_token_ids.append(token)
+        if rid in result.logprobs:
+            req.output_logprobs.append(result.logprobs[rid])
+        rec.pending_tokens.append(token)
+        reason = self.stop_rule(req)
+        if reason is not None:
+            self._finish(rec, reason)
+
+    def _settle(self, seq: ScheduledSeq) -> InFlight | None:
         """One row of a returned plan leaves flight; a request finished meanwhile is released once
-        idle. Returns the request if it is still unfinished."""
-        rid = seq.request_id
-        self.inflight[rid] -= 1
-        if self.inflight[rid] == 0:
-            del self.inflight[rid]
+        idle. Returns the record if the request is still unfinished."""
+        rec = self.records[seq.request_id]
+        rec.num_plans -= 1
         if seq.sample:
-            self.awaiting_token.discard(rid)
-        zombie = self.zombies.get(rid)
-        if zombie is not None:
-            if self.is_idle(zombie):
-                self._release(self.zombies.pop(rid))
+            rec.awaiting_token = False
+        if rec.req.is_finished:
+            if rec.is_idle:
+                self._release(rec)
             return None
-        return self.requests.get(rid)
+        return rec
 
 
 def _extend_prompt_logprobs(req: Request, first: int, entries: list) -> None:
