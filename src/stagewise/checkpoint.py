@@ -27,7 +27,8 @@ def require(path: Path, what: str) -> None:
 
 
 def gguf_file_of(model_path: str | Path) -> Path | None:
-    """The GGUF file `model_path` names (a `.gguf` file, or a directory with exactly one and no config.json), else None."""
+    """The GGUF file `model_path` names (a `.gguf` file, or a directory with exactly one and no
+    config.json), else None."""
     path = Path(model_path)
     if path.suffix == GGUF_SUFFIX and not path.is_dir():
         if not path.is_file():

@@ -106,14 +106,15 @@ def _worker_role(config: EngineConfig) -> int | None:
     from .checkpoint import eos_token_ids_of, load_hf_config
     from .executor.launch import run_headless, torchrun_env
     from .executor.netif import use_interface
-    from .executor.watchdog import exit_now, install as install_stop_watchdog
+    from .executor.watchdog import exit_now
+    from .executor.watchdog import install as install_stop_watchdog
     install_stop_watchdog()
     env = torchrun_env()
     if config.pp_size > 1 or env:
         use_interface(env["addr"] if env else config.master_addr, config.dist_ifname)
-    model_dir = config.model
     if not (env and env["rank"] > 0) and config.node_rank == 0:
         return None
+    model_dir = str(config.model)        # resolved by config_from_args
     eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
     if env and env["rank"] > 0:
         from .executor.stage_proc import stage_main
@@ -183,6 +184,7 @@ def cmd_serve(args) -> int:
 
 def cmd_bench(args) -> int:
     import random
+
     from .llm import LLM
     from .request import SamplingParams
     _exit_on_sigterm()

@@ -12,7 +12,6 @@ import typing
 from typing import Any, Callable
 
 
-
 class HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default unless its help already says what the default is (or it has none)."""
 

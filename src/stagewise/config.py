@@ -96,13 +96,15 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
         if self.prefill_graph not in PREFILL_GRAPH_CHOICES:
-            raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, got {self.prefill_graph!r}.")
+            raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, "
+                             f"got {self.prefill_graph!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         if self.pp_size % self.nnodes:
-            raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} (equal stages per node).")
+            raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} "
+                             f"(equal stages per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
         if self.nnodes > 1 and self.master_port is None:

@@ -32,7 +32,7 @@ class LLM:
         order: list[str | RequestOutput] = []
         for (kind, value), p in zip(inputs, params):
             try:
-                req = self.engine.add_request(params=p, **{kind: value})
+                req = self.engine.add_request(params=p, **{kind: value})   # type: ignore[arg-type]
                 order.append(req.request_id)
             except PromptTooLongError as exc:   # that request fails; the batch goes on
                 order.append(_error_output(kind, value, str(exc)))
@@ -64,7 +64,8 @@ class LLM:
         pairs = [(encode(p), encode(c)) for p, c in zip(prompts, continuations, strict=True)]
         outs = self.generate(prompt_token_ids=[p + c for p, c in pairs], use_tqdm=False,
                              sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=0))
-        return [sum(e.logprob for e in out.prompt_logprobs[len(p):]) for out, (p, _) in zip(outs, pairs)]
+        return [sum(e.logprob for e in (out.prompt_logprobs or [])[len(p):] if e is not None)
+                for out, (p, _) in zip(outs, pairs)]
 
     def stats(self) -> dict:
         return self.engine.stats()

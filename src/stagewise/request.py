@@ -84,7 +84,12 @@ class SamplingParams:
 
     @property
     def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)
+        return max((len(s) for s in self.stop_strings), default=0)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as the list `__post_init__` made of it."""
+        return self.stop if isinstance(self.stop, list) else []
 
 
 def _is_int(v: Any) -> bool:

@@ -102,7 +102,8 @@ def test_bad_input_fails_alone(llama_dir):
 
 def test_text_prompts_and_chat(llama_dir):
     with LLM(model=str(llama_dir)) as llm:
-        out = llm.generate("Hello world", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        out = llm.generate("Hello world", params, use_tqdm=False)[0]
         assert out.prompt == "Hello world" and out.prompt_token_ids == llm.tokenizer.encode("Hello world")
         assert len(out.outputs[0].token_ids) == 5 and isinstance(out.outputs[0].text, str)
         chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))

@@ -51,7 +51,7 @@ class Node:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"{self.name} did not exit within {timeout:.0f} s:\n{self.stderr()[-3000:]}")
+            raise AssertionError(f"{self.name} did not exit within {timeout:.0f} s:\n{self.stderr()[-3000:]}") from None
 
     def wait_for(self, predicate, what: str, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

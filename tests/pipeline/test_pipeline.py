@@ -105,8 +105,8 @@ def test_two_nodes_on_localhost(llama_dir, llama_ref):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         driver = subprocess.run([sys.executable, "-m", "stagewise", "--log-level", "WARNING", "generate", *common,
-                                 "--node-rank", "0", "--prompt", "Hello", "--no-chat", "--max-tokens", "8", "--ignore-eos"],
-                                env=env, capture_output=True, text=True, timeout=180)
+                                 "--node-rank", "0", "--prompt", "Hello", "--no-chat", "--max-tokens", "8",
+                                 "--ignore-eos"], env=env, capture_output=True, text=True, timeout=180)
         assert driver.returncode == 0, driver.stderr[-2000:]
         assert worker.wait(timeout=60) == 0
     finally:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import launcher
+import pytest
 
 try:
     import httpx2 as httpx

@@ -26,6 +26,7 @@ def _state(pid: int) -> str | None:
 
 def test_engine_process_is_reaped_after_a_stage_death(tmp_path):
     import uvicorn
+
     from stagewise.engine.client import EngineClient
     from stagewise.server.app import build_app, uvicorn_config
     from stagewise.server.options import ServerOptions

@@ -52,7 +52,8 @@ def typed(tp) -> st.SearchStrategy:
         return st.sampled_from(args)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return model_bodies(tp)
-    return {int: ints, float: ints | floats, bool: st.booleans(), str: texts, type(None): st.none()}.get(tp, json_values)
+    scalars = {int: ints, float: ints | floats, bool: st.booleans(), str: texts, type(None): st.none()}
+    return scalars.get(tp, json_values)
 
 
 def values_for(tp) -> st.SearchStrategy:

@@ -10,7 +10,7 @@ import pytest
 from http_checks import JSON, NORMAL, assert_error, assert_serving, health_latencies_while, httpx
 
 from stagewise.request import SamplingParams
-from stagewise.server.protocol import (ChatCompletionRequest, CompletionRequest, NativeSampling, SamplingFields)
+from stagewise.server.protocol import ChatCompletionRequest, CompletionRequest, NativeSampling, SamplingFields
 
 C, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "hi"}]

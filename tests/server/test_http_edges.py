@@ -22,6 +22,7 @@ except ImportError:
 @pytest.fixture(scope="module")
 def fake_url(tmp_path_factory):
     import uvicorn
+
     from stagewise.engine.client import EngineClient
     from stagewise.server.app import build_app, uvicorn_config
     from stagewise.server.options import ServerOptions

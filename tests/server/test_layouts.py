@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import pytest
 from launcher import wait_gone
 
 from stagewise import SamplingParams

@@ -83,7 +83,8 @@ def test_metrics_cover_requests_latency_and_engine(server, client):
     for name in ("stagewise_requests_total", "stagewise_prompt_tokens_total", "stagewise_generation_tokens_total",
                  "stagewise_time_to_first_token_seconds_bucket", "stagewise_time_per_output_token_seconds_bucket",
                  "stagewise_e2e_request_latency_seconds_bucket", "stagewise_num_requests_running",
-                 "stagewise_num_requests_waiting", "stagewise_kv_cache_usage_ratio", "stagewise_prefix_cache_queries_total",
+                 "stagewise_num_requests_waiting", "stagewise_kv_cache_usage_ratio",
+                 "stagewise_prefix_cache_queries_total",
                  "stagewise_graph_eager_steps_total", "stagewise_graph_padded_token_ratio",
                  "stagewise_stage_busy_fraction", "stagewise_stage_busy_seconds_total",
                  "stagewise_num_preemptions_total"):

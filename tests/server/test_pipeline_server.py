@@ -31,6 +31,7 @@ def pp_server(early_pp_server):
 
 def test_pp2_server_matches_offline(pp_server, offline):
     from concurrent.futures import ThreadPoolExecutor
+
     from openai import OpenAI
     prompts = ["The quick brown fox", "Once upon a time there was", "A B C D", "Numbers: 1 2 3"]
     with OpenAI(base_url=pp_server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:

@@ -29,7 +29,7 @@ CASES = [
     (C, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     (C, {"prompt": "word " * 600}, "prompt"),
     (C, {"prompt": list(range(3, 603))}, "prompt"),
-    (C, {"prompt": [999999]}, "prompt_token_ids"),
+    (C, {"prompt": [999999]}, "prompt"),              # which prompt, not an internal field name
     (C, {"prompt": ""}, "prompt"),
     (C, {"prompt": []}, "prompt"),
     (C, {"prompt": "hi", "best_of": 3}, "best_of"),

@@ -18,16 +18,27 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
+from ..errors import describe_exit
 from ..request import RequestOutput, SamplingParams
 from .core import final_output
-from ..errors import describe_exit
 from .core_runner import EXIT_WAIT_S, await_ready, kill_core, start_core, stop_core
 from .deltas import OutputAssembler
 from .inputs import check_request
-from .messages import (AbortRequests, AddRequests, ClientMessage, EngineDied, EngineFacts, EngineOutputs, NewRequest,
-                       OutputDelta, StopEngine, recv, send)
+from .messages import (
+    AbortRequests,
+    AddRequests,
+    ClientMessage,
+    EngineDied,
+    EngineFacts,
+    EngineOutputs,
+    NewRequest,
+    OutputDelta,
+    StopEngine,
+    recv,
+    send,
+)
 
 log = logging.getLogger("stagewise.server")
 SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
@@ -177,7 +188,7 @@ class EngineClient:
         self._outbox.put(AddRequests(new))
         return sub
 
-    async def stream(self, sub: Submission) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream(self, sub: Submission) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Yield (index, cumulative output) until every request finishes. Leaving early (caller gone,
         cancellation) aborts the unfinished ones, which frees their KV blocks."""
         try:
@@ -253,8 +264,8 @@ class EngineClient:
         self._proc.join(EXIT_WAIT_S)
         if self.stopping or self.dead:
             return
-        self._die(f"The engine process (pid {self._proc.pid}) died unexpectedly: it {describe_exit(self._proc.exitcode)}; "
-                  f"restart the server.", [])
+        how = describe_exit(self._proc.exitcode)
+        self._die(f"The engine process (pid {self._proc.pid}) died unexpectedly: it {how}; restart the server.", [])
 
     def _observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Per-request metrics of the finished outputs; never costs a caller its answer."""

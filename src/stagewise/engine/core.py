@@ -18,8 +18,20 @@ from multiprocessing.connection import Connection
 from ..errors import EngineDeadError
 from ..request import CompletionOutput, RequestOutput
 from .deltas import DeltaEncoder
-from .messages import (AbortRequests, AddRequests, ClientMessage, CoreMessage, EngineDied, EngineFacts, EngineFailed,
-                       EngineOutputs, EngineReady, StopEngine, recv, send)
+from .messages import (
+    AbortRequests,
+    AddRequests,
+    ClientMessage,
+    CoreMessage,
+    EngineDied,
+    EngineFacts,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    StopEngine,
+    recv,
+    send,
+)
 
 log = logging.getLogger("stagewise.engine")
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"      # the CLI's

@@ -24,8 +24,10 @@ STOP_WAIT_S = 10.0 + STOP_DRAIN_S
 
 
 class CoreRunner(Protocol):
-    pid: int | None
-    exitcode: int | None                     # None while running; < 0: killed by that signal
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...     # None while running; < 0: killed by that signal
 
     def is_alive(self) -> bool: ...
     def join(self, timeout: float | None = None) -> None: ...

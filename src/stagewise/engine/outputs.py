@@ -51,16 +51,17 @@ def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
     new = decode_new_text(req, tok)
     can_stop = n_out >= p.min_tokens
     if p.stop and can_stop and new:
-        cut = _find_stop(req.decoded, p.stop, max(0, old_len - p.max_stop_len + 1))
+        cut = _find_stop(req.decoded, p.stop_strings, max(0, old_len - p.max_stop_len + 1))
         if cut is not None:
             req.text = req.decoded[:cut]
             return FinishReason.STOP
-    if can_stop and (token in p.stop_token_ids or token in req.eos_token_ids):
+    if can_stop and (token in (p.stop_token_ids or ()) or token in req.eos_token_ids):
         reason = FinishReason.STOP
     elif n_out >= p.max_tokens or req.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
     else:
-        req.text = req.decoded[:len(req.decoded) - _partial_stop_len(req.decoded, p.stop)] if p.stop else req.decoded
+        held_back = _partial_stop_len(req.decoded, p.stop_strings) if p.stop else 0
+        req.text = req.decoded[:len(req.decoded) - held_back]
         return None
     decode_new_text(req, tok, flush=True)
     req.text = req.decoded

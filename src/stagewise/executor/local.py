@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..checkpoint import load_hf_config, num_layers_of
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
-from ..checkpoint import load_hf_config, num_layers_of
 from ..runtime.worker import Worker
 
 
@@ -20,7 +20,9 @@ class LocalExecutor:
         self.dead: str | None = None
 
     def submit(self, plan: StepPlan) -> None:
-        self.results.append(self.worker.execute(plan, None))
+        result = self.worker.execute(plan, None)
+        assert isinstance(result, StepResult), "a single stage is the last stage: it returns a StepResult"
+        self.results.append(result)
 
     def collect(self) -> StepResult:
         result = self.results.popleft()

@@ -15,13 +15,14 @@ import time
 from collections import deque
 from multiprocessing.connection import wait as wait_sentinels
 
+from ..errors import EngineDeadError, describe_exit
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
-from ..errors import EngineDeadError, describe_exit
 from .launch import DRIVER_RANK, destroy_group, free_port, init_group, spawn_stages, stage_rank, torchrun_env
 
 log = logging.getLogger("stagewise.executor")
 MONITOR_GRACE_S = 2.0
+REAP_WAIT_S = 1.0             # a stage's pipe closed: time for its exit status to become known
 
 
 class MultiprocExecutor:
@@ -44,7 +45,7 @@ class MultiprocExecutor:
                 self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models)
             init_group(DRIVER_RANK, config.pp_size + 1, addr, port, max(self.timeout, 300.0))
             self.memory_plans = self._await_ready()
-        except Exception as exc:
+        except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
             destroy_group()
             raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
@@ -81,7 +82,7 @@ class MultiprocExecutor:
             while len(self.pending) > 2 * self.config.pp_size:
                 self.pending.popleft().wait(self.timeout)
             self.pending.append(send_message(msg, stage_rank(0)))
-        except Exception as exc:
+        except Exception as exc:     # noqa: BLE001  (gloo raises RuntimeError for anything: the link is gone)
             self._fail(self._link_failure(0, "sending to", exc))
         except BaseException:
             self._interrupted()
@@ -92,7 +93,7 @@ class MultiprocExecutor:
         last = self.config.pp_size - 1
         try:
             msg = recv_message(stage_rank(last), self.timeout)
-        except Exception as exc:
+        except Exception as exc:     # noqa: BLE001  (as in _send)
             time.sleep(0.2)          # let the monitor name a stage that was killed here first
             self._fail(self.dead or self._link_failure(last, "receiving from", exc))
         except BaseException:
@@ -141,11 +142,11 @@ class MultiprocExecutor:
         raise EngineDeadError(self.dead)
 
     def _monitor(self) -> None:
-        alive = {p.sentinel: p for p in self.procs}
+        alive: dict = {p.sentinel: p for p in self.procs}
         while alive and not self.closing:
             for sentinel in wait_sentinels(list(alive), timeout=1.0):
                 p = alive.pop(sentinel)
-                p.join(MONITOR_GRACE_S)     # NOTE: the sentinel can fire before the exit status is reapable
+                p.join(REAP_WAIT_S)     # NOTE: the sentinel can fire before the exit status is reapable
                 if p.exitcode == 1 and not self.closing:
                     # NOTE: exit code 1 is a stage stopping because a peer's link failed; give the link
                     # error (which names the stage behind it) a moment to be the reported cause.

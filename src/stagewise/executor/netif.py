@@ -34,7 +34,7 @@ class DistInterface:
 def master_ip(master_addr: str) -> str:
     """--master-addr (an address or a host name) as an IP address."""
     try:
-        return socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0])
     except socket.gaierror as exc:
         raise ValueError(f"--master-addr {master_addr!r} does not resolve ({exc.strerror}); "
                          f"pass the master node's IP address.") from None
@@ -57,7 +57,8 @@ def ipv4_addresses() -> list[tuple[str, str]]:
     size = IFREQ_BYTES * 256
     buf = array.array("B", bytes(size))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        used = struct.unpack("iL", fcntl.ioctl(s.fileno(), SIOCGIFCONF, struct.pack("iL", size, buf.buffer_info()[0])))[0]
+        request = struct.pack("iL", size, buf.buffer_info()[0])
+        used = struct.unpack("iL", fcntl.ioctl(s.fileno(), SIOCGIFCONF, request))[0]
     data = buf.tobytes()[:used]
     return [(data[o:o + 16].split(b"\0")[0].decode().split(":")[0], socket.inet_ntoa(data[o + 20:o + 24]))
             for o in range(0, used, IFREQ_BYTES)]
@@ -82,7 +83,8 @@ def interface_of(address: str) -> str | None:
 def is_loopback_interface(ifname: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            flags = struct.unpack("H", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("256s", ifname.encode()))[16:18])[0]
+            answer = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("256s", ifname.encode()))
+            flags = struct.unpack("H", answer[16:18])[0]
         except OSError:
             return False
     return bool(flags & IFF_LOOPBACK)

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from ..parallel import transport
 
@@ -86,7 +87,7 @@ def _watch(reader: socket.socket, writer: socket.socket, grace_s: float) -> None
 def _first_owned_signal(reader: socket.socket) -> int:
     while True:
         for signum in reader.recv(64):
-            if signal.getsignal(signum) is OUR_HANDLERS.get(signum):
+            if signal.getsignal(signum) is OUR_HANDLERS.get(signal.Signals(signum)):
                 return signum
 
 
@@ -96,12 +97,13 @@ def _exit_now_if_stopping() -> None:
         _hard_stop(_stop_signal)
 
 
-def _hard_stop(signum: int) -> None:
+def _hard_stop(signum: int) -> NoReturn:
     exit_now(128 + signum)
 
 
-def exit_now(code: int) -> None:
-    """Kill this process's stage processes, flush, and exit without the seconds of torch teardown."""
+def exit_now(code: int) -> NoReturn:
+    """Kill this process's stage processes, flush, and exit without the seconds of torch teardown:
+    the one way a stagewise process that loaded torch ends (the CLI's, the engine process)."""
     from .launch import kill_local_stages
     kill_local_stages()
     logging.shutdown()

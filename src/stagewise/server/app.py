@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
-from . import routes
 from ..engine.client import EngineClient
+from . import routes
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -25,11 +25,12 @@ from .options import ServerOptions, served_name_for
 from .serving import Serving
 
 log = logging.getLogger("stagewise.server")
-BACKSTOP_SHUTDOWN_S = 5.0     # uvicorn's own wait after the drain (which already ended every request)
+BACKSTOP_SHUTDOWN_S = 5       # uvicorn's own wait after the drain (which already ended every request)
 
 
-def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) -> FastAPI:
+def build_app(engine: EngineClient, options: ServerOptions | None = None) -> FastAPI:
     """An app around a (not yet started) engine client; the app's lifespan starts and stops it."""
+    options = options or ServerOptions()
     model_path = engine.info.model_dir
     name = options.served_model_name or served_name_for(model_path)
     # requests may still name the model by its path (the old default name); responses never show it
@@ -100,13 +101,15 @@ def build_app(engine: EngineClient, options: ServerOptions = ServerOptions()) ->
     return app
 
 
-def run_server(config: EngineConfig, options: ServerOptions = ServerOptions(), *, log_level: str = "info") -> None:
+def run_server(config: EngineConfig, options: ServerOptions | None = None, *, log_level: str = "info") -> None:
     """Build the engine (blocking: loads and captures), then serve until SIGINT/SIGTERM."""
+    options = options or ServerOptions()
     from .shutdown import DrainingServer
     engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
         app = build_app(engine, options)
-        DrainingServer(uvicorn_config(app, options.host, options.port, log_level), engine, options.graceful_timeout_s).run()
+        uv_config = uvicorn_config(app, options.host, options.port, log_level)
+        DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
     finally:
         engine.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
 
@@ -115,6 +118,7 @@ def run_server(config: EngineConfig, options: ServerOptions = ServerOptions(), *
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info"):
     """How `stagewise serve` runs uvicorn (tests that serve an app in a thread use it too)."""
     import uvicorn
+
     from .http11 import JSONErrorsH11Protocol
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S, http=JSONErrorsH11Protocol)

@@ -9,8 +9,7 @@ import time
 import uuid
 
 from ..request import RequestOutput
-from .logprobs import (TokenSpans, chat_entries, completion_entries, join_entries, native_entries,
-                       shown_count)
+from .logprobs import TokenSpans, chat_entries, completion_entries, join_entries, native_entries, shown_count
 
 log = logging.getLogger("stagewise.server")
 
@@ -40,13 +39,15 @@ class StreamState:
 
     def new_shown(self, out: RequestOutput, keep_stop_token: bool) -> tuple[int, int]:
         """The output tokens [begin, end) whose entries this update sends: those starting in the text sent."""
+        assert self.spans is not None, "token spans are kept only when logprobs are asked for"
         shown = shown_count(self.spans, out.outputs[0].token_ids, self.text, out.finished, keep_stop_token)
         begin, self.num_shown = self.num_shown, max(self.num_shown, shown)
         return begin, self.num_shown
 
 
 class Shape:
-    """Response shapes for one endpoint: a whole body, stream chunks, and the stream's tail."""
+    """Response shapes for one endpoint: a whole body (`body`), stream chunks (`chunks`), and the
+    stream's tail (`tail`)."""
 
     chunk_object = ""
     keep_stop_token = False           # show the stop token's logprob entry when it adds no text
@@ -76,6 +77,12 @@ class Shape:
         """The output's token spans, and how many tokens a whole (non-streamed) body shows entries for."""
         c, spans = out.outputs[0], self.spans()
         return spans, shown_count(spans, c.token_ids, c.text, out.finished, self.keep_stop_token)
+
+    def body(self, inputs, finals: list[RequestOutput]) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        raise NotImplementedError
 
     def tail(self, inputs, finals) -> list[dict]:
         if not self.include_usage:
@@ -139,7 +146,7 @@ class CompletionShape(Shape):
         lp, begin, end = None, 0, 0
         if self.logprobs:
             begin, end = st.new_shown(out, self.keep_stop_token)
-            lp = self.entries(out, st.spans, begin, end, st.prompt_chars)
+            lp = self.entries(out, st.spans or self.spans(), begin, end, st.prompt_chars)
         if text or end > begin or out.finished:
             chunks.append(self.chunk({"index": i, "text": text, "logprobs": lp,
                                       "finish_reason": out.outputs[0].finish_reason}))

@@ -58,7 +58,8 @@ class RequestGuard:
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         # NOTE: compare_digest takes time independent of where the strings differ (no timing oracle).
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        return (scheme.lower() == "bearer" and self.api_key is not None
+                and hmac.compare_digest(token.strip().encode(), self.api_key))
 
     def _limited(self, receive: Receive) -> Receive:
         """`receive` that counts body bytes (chunked bodies have no Content-Length) and stops at the limit."""

@@ -6,6 +6,7 @@ token whose text is later cut; `TokenSpans` finds where each token's text starts
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 
 from ..engine.outputs import decode_incremental
 from ..request import TokenLogprob
@@ -65,7 +66,7 @@ def _top_by_text(tok, lp: TokenLogprob) -> dict[str, float]:
     return top
 
 
-def completion_entries(tok, token_ids: list[int], lps: list[TokenLogprob | None], offsets: list[int]) -> dict:
+def completion_entries(tok, token_ids: list[int], lps: Sequence[TokenLogprob | None], offsets: list[int]) -> dict:
     """The completions `logprobs` object; a None entry (a prompt's first token) has null logprobs."""
     return {"tokens": [token_text(tok, t) for t in token_ids],
             "token_logprobs": [None if lp is None else float(lp.logprob) for lp in lps],
@@ -87,7 +88,7 @@ def chat_entries(tok, lps: list[TokenLogprob]) -> dict:
     return {"content": content, "refusal": None}
 
 
-def native_entries(lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+def native_entries(lps: Sequence[TokenLogprob | None] | None) -> list[dict | None] | None:
     """Native shape; a None entry (the first prompt token, which nothing predicts) stays None."""
     if lps is None:
         return None

@@ -73,9 +73,11 @@ class _EngineCollector:
 
     def collect(self):
         s, m = self.snapshot() or {}, self.model_name
-        yield _gauge("stagewise_num_requests_running", "Requests scheduled in the running batch.", m, s.get("running", 0))
+        yield _gauge("stagewise_num_requests_running", "Requests scheduled in the running batch.", m,
+                     s.get("running", 0))
         yield _gauge("stagewise_num_requests_waiting", "Requests waiting to be scheduled.", m, s.get("waiting", 0))
-        yield _gauge("stagewise_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", m, s.get("kv_usage", 0.0))
+        yield _gauge("stagewise_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", m,
+                     s.get("kv_usage", 0.0))
         yield _gauge("stagewise_num_kv_blocks", "KV cache blocks per stage.", m, s.get("num_kv_blocks", 0))
         # counters, not a ratio: rate(hits) / rate(queries) is the hit rate over any window
         yield _counter("stagewise_prefix_cache_queries", "Tokens looked up in the prefix cache.", m,

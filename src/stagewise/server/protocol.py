@@ -13,8 +13,16 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from ..request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from .errors import bad_request, from_value_error
@@ -59,7 +67,7 @@ def validate_each(value, handler: ValidatorFunctionWrapHandler, model: type[Base
     return items
 
 
-def _ctx(err: dict) -> dict:
+def _ctx(err) -> dict:
     return {"ctx": err["ctx"]} if "ctx" in err else {}
 
 
@@ -189,7 +197,8 @@ class ChatCompletionRequest(_OpenAIFields):
         self.check_common()
         if self.tools or self.functions:
             name = "tools" if self.tools else "functions"
-            raise bad_request(f"{name} (function calling) is not supported by this server; remove it.", name, "unsupported")
+            raise bad_request(f"{name} (function calling) is not supported by this server; remove it.", name,
+                              "unsupported")
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise bad_request(f"{name} is not supported by this server; remove it.", name, "unsupported")

@@ -14,13 +14,18 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..request import SamplingParams
 from ..engine.client import PromptInput
+from ..request import SamplingParams
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
 from .intake import parse_request
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                       make_sampling_params)
+from .protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    make_sampling_params,
+)
 from .serving import Serving
 
 log = logging.getLogger("stagewise.server")
@@ -82,7 +87,8 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     serving.check_choices(1, req.n)
     if len(req.messages) >= serving.max_model_len:
         raise bad_request(f"The conversation has {len(req.messages)} messages, more than the model's context of "
-                          f"{serving.max_model_len} tokens can hold; shorten it.", "messages", "context_length_exceeded")
+                          f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
+                          "context_length_exceeded")
     messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
     serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
     prompt = serving.text_input(_render_chat(serving, messages), "messages")

@@ -22,12 +22,12 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from ..errors import EngineDeadError
-from ..request import RequestOutput, SamplingParams
 from ..engine.client import EngineClient, PromptInput, ServerUnavailable, Submission
 from ..engine.inputs import num_tokens
-from .options import DEFAULT_BODY_TIMEOUT_S
+from ..errors import EngineDeadError
+from ..request import RequestOutput, SamplingParams
 from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error
+from .options import DEFAULT_BODY_TIMEOUT_S
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
@@ -104,7 +104,8 @@ class Serving:
         `default` None means: the rest of the context; `minimum` 0 allows scoring a prompt only."""
         room = min(self.max_model_len, self.kv_capacity_tokens) - prompt_len
         if prompt_len >= self.max_model_len:
-            raise bad_request(f"The prompt has {num_tokens(prompt_len)} but the model's context is {self.max_model_len}; "
+            raise bad_request(f"The prompt has {num_tokens(prompt_len)} but the model's context is "
+                              f"{self.max_model_len}; "
                               f"shorten the prompt to leave room for output.", "prompt", "context_length_exceeded")
         if room < 1:
             raise bad_request(f"The prompt has {num_tokens(prompt_len)} but the KV cache holds only "
@@ -117,7 +118,8 @@ class Serving:
         if requested > room:
             limit = ("context is" if room == self.max_model_len - prompt_len else "KV cache holds")
             total = min(self.max_model_len, self.kv_capacity_tokens)
-            raise bad_request(f"The prompt has {num_tokens(prompt_len)} and max_tokens asks for {requested} more, but the "
+            raise bad_request(f"The prompt has {num_tokens(prompt_len)} and max_tokens asks for {requested} "
+                              f"more, but the "
                               f"model's {limit} {total} tokens; lower max_tokens to at most {room}.",
                               param, "context_length_exceeded")
         return requested
@@ -158,13 +160,14 @@ class Serving:
         if consumer not in done:
             raise ClientGone()
         consumer.result()
-        if any(f is None for f in finals):          # released under us: only at shutdown
+        done_outputs = [f for f in finals if f is not None]
+        if len(done_outputs) < len(finals):          # released under us: only at shutdown
             raise APIError("The request was aborted because the server is shutting down; retry later.", 503,
                            None, None, "service_unavailable")
-        failed = [f for f in finals if f.outputs[0].finish_reason in ("error", "abort")]
+        failed = [f for f in done_outputs if f.outputs[0].finish_reason in ("error", "abort")]
         if failed:
             raise self.failure(failed[0])
-        return finals
+        return done_outputs
 
     def streaming_response(self, sub: Submission, render: Callable[[int, RequestOutput], list[dict]],
                            tail: Callable[[list], list[dict]]) -> StreamingResponse:
