@@ -8,7 +8,7 @@ decode ms/token at batch 1 and ms/step at batch 32, offline throughput (32 reque
 work); the rest import the working tree. The parent measures memory read bandwidth (roofline)
 and, for the dtype `auto` rule, fp32 vs bf16 on narrower models.
 
-    python benchmarks/cpu_speed.py [--quick] [--rounds 2] [--before-rev REV] [--compiled]
+    python benchmarks/cpu_speed.py [--quick] [--rounds 2] [--before-rev REV]
 """
 from __future__ import annotations
 
@@ -32,18 +32,16 @@ from common import (RESULTS_DIR, build_llama_checkpoint, export_src, markdown_ta
 REPO = Path(__file__).resolve().parent.parent
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
 VOCAB = 49152
-CONFIGS = {   # name -> (code, engine options, patch)
-    "before, fp32": ("before", dict(dtype="float32"), None),
-    "before, bf16": ("before", dict(dtype="bfloat16"), None),
-    "fp32": ("now", dict(dtype="float32"), None),
-    "bf16 (auto)": ("now", dict(dtype="auto"), None),
-    "bf16, oneDNN GEMV at 1 row": ("now", dict(dtype="auto"), "onednn_gemv"),
-    "bf16, glibc malloc defaults": ("now", dict(dtype="auto"), "glibc_malloc"),
-    "bf16, 1 thread": ("now", dict(dtype="auto", threads_per_stage=1), None),
-    "bf16, OMP_WAIT_POLICY=PASSIVE": ("now", dict(dtype="auto"), "omp_passive"),
+CONFIGS = {   # name -> (code, engine options, patch); dtype auto everywhere (bf16 only on CPUs with native bf16)
+    "before": ("before", dict(), None),
+    "eager (--prefill-graph off)": ("now", dict(prefill_graph="off"), None),
+    "eager, KV gathered for SDPA": ("now", dict(prefill_graph="off"), "no_kernel"),
+    "compiled (auto), cold cache": ("now", dict(), "cold_cache"),
+    "compiled (auto)": ("now", dict(), None),
+    "compiled, KV gathered for SDPA": ("now", dict(), "no_kernel"),
+    "compiled, one core kept busy": ("now", dict(), "busy_core"),
+    "eager, one core kept busy": ("now", dict(prefill_graph="off"), "busy_core"),
 }
-COMPILED = {"bf16 + compiled decode graph (batch 1)": ("now", dict(dtype="auto", decode_graph="compiled",
-                                                                   decode_graph_max_bs=1), None)}
 
 
 # ---- one configuration, in its own process -------------------------------------------------------
@@ -71,12 +69,6 @@ def decode_read_bytes(model) -> int:
 
 def run_config(spec: dict) -> dict:
     from stagewise import LLM, SamplingParams
-    if spec["patch"] == "onednn_gemv":       # the lever off: oneDNN serves one-row steps too
-        import stagewise.runtime.kernels as kernels
-        kernels.prefers_native_gemv = lambda rows, dtype, device: False
-    if spec["patch"] == "glibc_malloc":      # the lever off: freed activations go back to the kernel
-        import stagewise.runtime.setup as setup
-        setup.keep_freed_memory = lambda: False
     q, out = spec["quick"], {"load": os.getloadavg()[0]}
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], device="cpu", kv_cache_memory="1GiB", max_model_len=2048, **spec["options"])
@@ -118,11 +110,22 @@ def run_config(spec: dict) -> dict:
 def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -> dict:
     spec = dict(model=model, options=options, patch=patch, quick=quick)
     env = dict(os.environ, PYTHONPATH=str(src))
-    env.pop("OMP_WAIT_POLICY", None)                 # OpenMP's default, as a user runs it
-    if patch == "omp_passive":                       # threads sleep between parallel regions
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(var, None)                           # stagewise's own choice, as a user runs it
+    if patch == "no_kernel":                         # the in-place decode attention kernel off
+        env["STAGEWISE_CPU_KERNELS"] = "0"
+    with tempfile.TemporaryDirectory(prefix="stagewise-inductor-") as cold:
+        if patch == "cold_cache":                    # nothing compiled yet: the first start's cost
+            env["TORCHINDUCTOR_CACHE_DIR"] = cold
+        busy = (subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+                if patch == "busy_core" else None)   # another process keeping one core busy
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                                  capture_output=True, text=True, timeout=1800)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise RuntimeError(f"configuration {name!r} failed")
@@ -207,9 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="one round, small workloads")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--before-rev", default="77b6510^", help="git revision of the 'before' code")
+    ap.add_argument("--before-rev", default="a125bb5", help="git revision of the 'before' code (eager, KV gathered)")
     ap.add_argument("--model", default=None, help="default: the peers benchmark's fp32 HF export, else the GGUF")
-    ap.add_argument("--compiled", action="store_true", help="also a compiled batch-1 decode graph (slow start)")
+    ap.add_argument("--only", help="';'-separated configuration names to run (the 'before' one always runs)")
     ap.add_argument("--no-auto-rule", action="store_true", help="skip the narrower-model fp32/bf16 check")
     args = ap.parse_args(argv)
     if args.worker:
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
     if args.model is None:
         from stagewise.model.source import resolve_model
         args.model = str(PEERS_HF) if (PEERS_HF / "config.json").exists() else resolve_model(None)
-    configs = {**CONFIGS, **(COMPILED if args.compiled else {})}
+    configs = {n: c for n, c in CONFIGS.items() if not args.only or n in args.only.split(";") or n == BEFORE}
     rounds = 1 if args.quick else args.rounds
     started, load0 = time.time(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="stagewise-cpu-speed-") as tmp:
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
 
 # ---- report ----------------------------------------------------------------------------------------
 
-BEFORE = "before, bf16"
+BEFORE = "before"
 COLUMNS = (("offline_tok_s", "offline tok/s", max), ("ttft200_ms", "TTFT 200 ms", min),
            ("ttft512_ms", "TTFT 512 ms", min), ("decode1_ms", "decode b1 ms/token", min),
            ("decode1_cpu_ms", "decode b1 CPU ms/token", min), ("decode32_ms", "decode b32 ms/step", min))
@@ -287,7 +290,7 @@ def report(raw: dict, args, started: float, load0: float) -> str:
         "# CPU speed levers on SmolLM2-135M-Instruct", "",
         f"Model `{raw['model']}` (30 layers, hidden 576, vocab 49152, tied head; the dequantized Q4_1 weights). "
         f"{os.cpu_count()} shared CPUs; torch {torch.__version__}; OpenMP's default wait policy (unset) except where a row says otherwise. "
-        f"'before' = `git archive {args.before_rev} src` (the code before the CPU work); the rest = the working tree. "
+        f"'before' = `git archive {args.before_rev} src` (eager, the KV gathered for SDPA); the rest = the working tree. "
         f"{len(machine)} round(s), each configuration in its own process, order reversed every other round; best "
         f"of the rounds per figure. 1-minute load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
         f"end (other engineers' jobs share these CPUs: read the same-round ratios). Run took "

@@ -61,15 +61,15 @@ def test_compiled_equals_eager_one_stage(llama_dir, cache_dir, eager_tokens):
     assert got[1] == got[4]                        # the embedding prompt gives its ids' tokens
     assert cached > 0                              # the fourth prompt did hit the prefix cache
     assert stats["backend"] == "compiled" and not stats["eager"]
-    assert {1, 32} <= set(stats["replays"])        # decode rows and full chunks, each at its own size
-    assert stats["padded_tokens"] == 0
+    assert {2, 3, 32} <= set(stats["replays"])     # decode batches and full chunks, each at its own size
+    assert stats["padded_tokens"] <= stats["replays"][2]    # only one-row steps pad (to two rows)
     assert any(cache_dir.rglob("*")), "Inductor wrote nothing to TORCHINDUCTOR_CACHE_DIR"
 
 
 @pytest.mark.slow
 def test_second_start_hits_the_compile_cache(llama_dir, tmp_path):
     """Two fresh processes compile the same model: the first fills the cache, the second finds
-    every graph there (the rows-dynamic one and the one-row one)."""
+    its graph there."""
     code = (
         "import json, torch._dynamo.utils as u\n"
         "from stagewise import LLM, SamplingParams\n"
@@ -83,8 +83,8 @@ def test_second_start_hits_the_compile_cache(llama_dir, tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = runs
-    assert cold.get("fxgraph_cache_miss", 0) >= 2 and cold.get("fxgraph_cache_hit", 0) == 0, cold
-    assert warm.get("fxgraph_cache_hit", 0) >= 2 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+    assert cold.get("fxgraph_cache_miss", 0) >= 1 and cold.get("fxgraph_cache_hit", 0) == 0, cold
+    assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0, warm
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ Inductor's on-disk caches live under the stagewise cache directory (`compile_cac
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -20,6 +22,7 @@ import torch
 from ..model.attention import AttentionMetadata, ForwardBatch, paged_attention as _paged_attention
 from .backend import Body, GraphBackend
 
+log = logging.getLogger("stagewise.graph")
 _live: list[AttentionMetadata | None] = [None]     # the metadata the op reads; set only by live_metadata
 
 
@@ -81,10 +84,15 @@ class CompiledBackend(GraphBackend):
         return torch._dynamo.config.patch(recompile_limit=16, accumulated_recompile_limit=64)
 
     def capture(self, key, body: Body) -> None:
-        meta = self._batch.meta
-        with self._config(), live_metadata(meta):
+        rows = key[0]
+        log.info("compiling the stage body for %s (Inductor; cached in %s after the first start) ...",
+                 "one row" if rows == 1 else f"2..{rows} rows", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        t0 = time.perf_counter()
+        with self._config(), live_metadata(self._batch.meta):
             body()      # compile at these shapes (row dimension dynamic unless one row)
             body()      # and check the guards hold on a second call (no recompile at replay)
+        log.info("compiled the stage body for %s in %.1f s", "one row" if rows == 1 else f"2..{rows} rows",
+                 time.perf_counter() - t0)
         self._graphs[key] = body
 
     def adopt(self, key, body: Body) -> None:

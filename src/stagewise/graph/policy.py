@@ -118,9 +118,16 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, tuple(logs), full_slots)
 
 
+MIN_DYNAMIC_ROWS = 2   # one-row steps replay on two rows
+
+
 def _warmup_sizes(cap: int) -> tuple[int, ...]:
-    """What a dynamic-rows backend compiles at start-up: one row (always specialised) and the cap."""
-    return (1, cap) if cap > 1 else (1,)
+    """What a dynamic-rows backend compiles at start-up: the cap, with the row dimension dynamic.
+
+    NOTE: Dynamo always specialises a dimension of size 1, so a one-row step would need a second
+    graph (as long again to trace and compile); it runs on two rows instead, the second a padding
+    row, which costs a one-row step almost nothing (its weight reads are the same)."""
+    return (max(cap, MIN_DYNAMIC_ROWS),)
 
 
 def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str],
@@ -207,7 +214,9 @@ def _fit(kind: str, buckets: tuple[int, ...], n: int, unservable: str | None, dy
     if n < 1:
         return GraphVerdict(kind, None, "empty")
     if dynamic:
-        return GraphVerdict(kind, n, None) if n <= buckets[-1] else GraphVerdict(kind, None, "too_large")
+        if n > buckets[-1]:
+            return GraphVerdict(kind, None, "too_large")
+        return GraphVerdict(kind, max(n, MIN_DYNAMIC_ROWS), None)
     bucket = pick_bucket(buckets, n)
     if bucket is None:
         return GraphVerdict(kind, None, "too_large")
