@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS_DIR, build_llama_checkpoint, export_src, markdown_table, random_workload,  # noqa: E402
-                    write_result)
+from common import RESULTS_DIR, build_llama_checkpoint, export_src, markdown_table, random_workload, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
@@ -144,8 +143,9 @@ def gemv_rows(model_dir: str) -> list[list]:
     """One-row GEMMs over every matrix of the model (weights far larger than the cache, as in batch-1
     decode): torch's native bf16 GEMV, oneDNN bf16, weight-only int8 (`aten._weight_int8pack_mm`,
     per-row scales) and fp32, at 1 and 2 threads. Median ms per pass over all matrices."""
-    from stagewise.checkpoint import load_hf_config
     import torch.nn.functional as F
+
+    from stagewise.checkpoint import load_hf_config
     c = load_hf_config(model_dir)
     d = c.hidden_size // c.num_attention_heads
     shapes = [((c.num_attention_heads + 2 * c.num_key_value_heads) * d, c.hidden_size),
@@ -236,7 +236,8 @@ def main(argv=None) -> int:
                 code, options, patch = configs[name]
                 res = spawn(name, srcs[code], args.model, options, patch, args.quick)
                 results[name].append(res)
-                print(f"round {r + 1} {name}: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()})}", flush=True)
+                shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}
+                print(f"round {r + 1} {name}: {json.dumps(shown)}", flush=True)
         raw = dict(results=results, machine=machine, model=args.model, auto_rows=[])
         saved = RESULTS_DIR / f"cpu_speed{'-quick' if args.quick else ''}.json"
         saved.write_text(json.dumps(raw, indent=1))          # kept even if the auto-rule part fails
@@ -256,6 +257,16 @@ BEFORE = "before"
 COLUMNS = (("offline_tok_s", "offline tok/s", max), ("ttft200_ms", "TTFT 200 ms", min),
            ("ttft512_ms", "TTFT 512 ms", min), ("decode1_ms", "decode b1 ms/token", min),
            ("decode1_cpu_ms", "decode b1 CPU ms/token", min), ("decode32_ms", "decode b32 ms/step", min))
+
+
+def cpu_line() -> str:
+    """CPU model and its wide-vector flags: results differ between machines."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    flags = {k.strip(): v for k, v in fields.items()}.get("flags", "").split()
+    wide = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")
+    name = {k.strip(): v for k, v in fields.items()}.get("model name", "unknown CPU").strip()
+    return f"{name}, flags: {' '.join(wide) or 'none of avx2/avx512/amx'}"
 
 
 def best(runs: list[dict], key: str, pick=min) -> float:
@@ -289,8 +300,9 @@ def report(raw: dict, args, started: float, load0: float) -> str:
     lines = [
         "# CPU speed levers on SmolLM2-135M-Instruct", "",
         f"Model `{raw['model']}` (30 layers, hidden 576, vocab 49152, tied head; the dequantized Q4_1 weights). "
-        f"{os.cpu_count()} shared CPUs; torch {torch.__version__}; OpenMP's default wait policy (unset) except where a row says otherwise. "
-        f"'before' = `git archive {args.before_rev} src` (eager, the KV gathered for SDPA); the rest = the working tree. "
+        f"{os.cpu_count()} shared CPUs ({cpu_line()}); torch {torch.__version__}; stagewise's own thread and "
+        f"OpenMP wait choice. 'before' = `git archive {args.before_rev} src` (eager, the KV gathered for SDPA); "
+        "the rest = the working tree. "
         f"{len(machine)} round(s), each configuration in its own process, order reversed every other round; best "
         f"of the rounds per figure. 1-minute load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
         f"end (other engineers' jobs share these CPUs: read the same-round ratios). Run took "

@@ -5,8 +5,8 @@ Paged attention is the custom op `stagewise::paged_attention`, an opaque call in
 op reads the step's live metadata from `live_metadata`, which replay sets around each call, so the
 metadata (Python lists, per-step groups) is never traced or guarded on.
 
-The token dimension is dynamic: one compile serves every row count up to the capture cap, plus
-one specialised for a single row (Dynamo always specialises size 1), so replay needs no padding.
+The token dimension is dynamic (unbacked): one compile serves every row count from 1 to the
+capture cap, so replay needs no padding.
 Inductor's on-disk caches live under the stagewise cache directory (`compile_cache_dir`).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Iterator
 
 import torch
 
-from ..model.attention import AttentionMetadata, ForwardBatch, paged_attention as _paged_attention
+from ..model.attention import AttentionMetadata, ForwardBatch
+from ..model.attention import paged_attention as _paged_attention
 from .backend import Body, GraphBackend
 
 log = logging.getLogger("stagewise.graph")
@@ -84,21 +85,22 @@ class CompiledBackend(GraphBackend):
         return torch._dynamo.config.patch(recompile_limit=16, accumulated_recompile_limit=64)
 
     def capture(self, key, body: Body) -> None:
-        rows = key[0]
+        rows = f"1..{key[0]} rows"
         log.info("compiling the stage body for %s (Inductor; cached in %s after the first start) ...",
-                 "one row" if rows == 1 else f"2..{rows} rows", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+                 rows, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         t0 = time.perf_counter()
+        assert self._batch.meta is not None, "capture runs on the dummy metadata"
         with self._config(), live_metadata(self._batch.meta):
-            body()      # compile at these shapes (row dimension dynamic unless one row)
+            body()      # compile (the row dimension is dynamic)
             body()      # and check the guards hold on a second call (no recompile at replay)
-        log.info("compiled the stage body for %s in %.1f s", "one row" if rows == 1 else f"2..{rows} rows",
-                 time.perf_counter() - t0)
+        log.info("compiled the stage body for %s in %.1f s", rows, time.perf_counter() - t0)
         self._graphs[key] = body
 
     def adopt(self, key, body: Body) -> None:
         self._graphs[key] = body
 
     def replay(self, key):
+        assert self._batch.meta is not None, "the runner sets the step's metadata before a replay"
         with self._config(), live_metadata(self._batch.meta):
             return self._graphs[key]()
 

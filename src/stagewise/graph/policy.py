@@ -72,7 +72,7 @@ def policy_for(config, device_type: str) -> GraphPolicy:
 
 
 def _hidden_size(config) -> int | None:
-    from ..checkpoint import load_hf_config     # lazy: only `auto` on CPU asks
+    from ..checkpoint import load_hf_config  # lazy: only `auto` on CPU asks
     return getattr(load_hf_config(config.model), "hidden_size", None)
 
 
@@ -118,16 +118,9 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, tuple(logs), full_slots)
 
 
-MIN_DYNAMIC_ROWS = 2   # one-row steps replay on two rows
-
-
 def _warmup_sizes(cap: int) -> tuple[int, ...]:
-    """What a dynamic-rows backend compiles at start-up: the cap, with the row dimension dynamic.
-
-    NOTE: Dynamo always specialises a dimension of size 1, so a one-row step would need a second
-    graph (as long again to trace and compile); it runs on two rows instead, the second a padding
-    row, which costs a one-row step almost nothing (its weight reads are the same)."""
-    return (max(cap, MIN_DYNAMIC_ROWS),)
+    """What a dynamic-rows backend compiles at start-up: one graph at the cap, the row count unbacked."""
+    return (cap,)
 
 
 def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str],
@@ -216,7 +209,7 @@ def _fit(kind: str, buckets: tuple[int, ...], n: int, unservable: str | None, dy
     if dynamic:
         if n > buckets[-1]:
             return GraphVerdict(kind, None, "too_large")
-        return GraphVerdict(kind, max(n, MIN_DYNAMIC_ROWS), None)
+        return GraphVerdict(kind, n, None)
     bucket = pick_bucket(buckets, n)
     if bucket is None:
         return GraphVerdict(kind, None, "too_large")

@@ -195,6 +195,7 @@ def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: tor
     write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
     if rows == T and meta.is_plain_decode:
         grp = meta.groups[0]
+        assert isinstance(grp, _DecodeGroup)
         if in_place_decode:
             return cpu_attention.decode_attention(q, kv_cache, grp.block_ids, grp.seq_lens, scale)
         return _decode_in_order(grp, kv_cache, q, scale)
@@ -252,4 +253,6 @@ class ForwardBatch:
         cache = self.kv_caches[layer_id]
         if cache is None:
             raise RuntimeError(f"Layer {layer_id} has no KV cache on this stage.")
+        if self.meta is None:
+            raise RuntimeError("Attention ran before the step's metadata was set.")
         return paged_attention(self.meta, cache, q, k, v, scale)

@@ -42,7 +42,8 @@ class Worker:
     def __init__(self, config: EngineConfig, model_dir: str, stage: StageInfo, eos_token_ids: tuple[int, ...] = ()):
         self.config, self.stage, self.eos_token_ids = config, stage, tuple(eos_token_ids)
         parts = build_stage(config, model_dir, stage)
-        self.model, self.runner, self.memory_plan = parts.model, parts.runner, parts.memory_plan
+        self.model: Any = parts.model     # the model contract (README): duck-typed
+        self.runner, self.memory_plan = parts.runner, parts.memory_plan
         self.device, self.batch = parts.device, parts.batch
         self.dtype = next(self.model.parameters()).dtype
         self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
@@ -58,9 +59,10 @@ class Worker:
         graph memory: send or copy them before the next `execute`."""
         t0 = time.perf_counter()
         self.apply_deltas(plan)
+        result: ProxyTensors | StepResult | PlanFailed
         try:
             result = self._run(plan, proxy)
-        except Exception as exc:      # this plan fails; the engine and the other plans go on
+        except Exception as exc:  # noqa: BLE001 (this plan fails; the engine and the other plans go on)
             log.error("plan %d failed on stage %d:\n%s", plan.plan_id, self.stage.rank, traceback.format_exc())
             result = self.failed(plan, f"stage {self.stage.rank} failed: {type(exc).__name__}: {exc}")
         self.busy_s += time.perf_counter() - t0
@@ -127,7 +129,7 @@ class Worker:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.block_size, dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        embeds = self._embeds(ids_t, embed_parts) if embed_parts and self.stage.is_first else None
+        embeds = self._embeds(ids_t, embed_parts) if embed_parts and ids_t is not None else None
         return (None if embeds is not None else ids_t), pos_t, meta, embeds, sample_rows
 
     def _embeds(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -162,6 +164,7 @@ class Worker:
             if draw.error is not None:
                 result.failed[seq.request_id] = draw.error
                 continue
+            assert draw.token is not None, "a draw without an error has a token"
             result.sampled[seq.request_id] = draw.token
             if draw.logprob is not None:
                 result.logprobs[seq.request_id] = draw.logprob
