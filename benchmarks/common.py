@@ -37,6 +37,7 @@ def build_llama_checkpoint(out_dir: str | Path, *, vocab_size: int = 32000, hidd
     separated and HF and stagewise pick the same tokens despite different summation orders.
     """
     import transformers as tf
+
     from stagewise.model.demo import build_test_tokenizer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,8 @@ def build_llama_checkpoint(out_dir: str | Path, *, vocab_size: int = 32000, hidd
             if param.dim() == 1:
                 param.copy_(1.0 + 0.1 * noise)
             else:
-                param.copy_(noise / param.shape[-1] ** 0.5 * (1.0 if "embed" not in name else param.shape[-1] ** 0.5 * 0.1))
+                scale = 1.0 if "embed" not in name else param.shape[-1] ** 0.5 * 0.1
+                param.copy_(noise / param.shape[-1] ** 0.5 * scale)
     model.save_pretrained(out)
     tok_dir = out / ".tok"
     build_test_tokenizer(tok_dir, 1024, max_length=max_position_embeddings)
@@ -125,6 +127,7 @@ def load_line() -> str:
 
 def machine_line() -> str:
     import platform
+
     import transformers
     return (f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}, "
             f"{os.cpu_count()} CPUs (shared), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")

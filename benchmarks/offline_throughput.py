@@ -20,8 +20,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (load_line, machine_line, markdown_table, median, met, random_workload,  # noqa: E402
-                    temp_checkpoint, timed, write_result)
+from common import (  # noqa: E402
+    load_line,
+    machine_line,
+    markdown_table,
+    median,
+    met,
+    random_workload,
+    temp_checkpoint,
+    timed,
+    write_result,
+)
 
 THROUGHPUT_TARGET = 3.0      # stagewise output tok/s >= 3x HF
 PREFILL_TARGET = 0.3         # stagewise TTFT <= 0.3x an HF forward at 16 tokens
@@ -89,7 +98,8 @@ def throughput(llm, hf, args) -> tuple[list[list], dict]:
     rows = [["stagewise LLM.generate", f"{best['stagewise']:.2f}", total_out, total_out, f"{tps['stagewise']:.0f}",
              f"{tps['stagewise'] / hf_best:.2f}x"]]
     for key, label in (("hf_one_batch", f"HF generate, one batch of {len(prompts)}"),
-                       ("hf_sorted_bs16", f"HF generate, {-(-len(prompts) // 16)} batch(es) of ≤16 sorted by output length")):
+                       ("hf_sorted_bs16",
+                        f"HF generate, {-(-len(prompts) // 16)} batch(es) of ≤16 sorted by output length")):
         rows.append([label, f"{best[key]:.2f}", hf_generated[key], total_out, f"{tps[key]:.0f}",
                      f"{tps[key] / hf_best:.2f}x"])
     info = {"ratio": tps["stagewise"] / hf_best, "same": same, "n": len(prompts), "total_out": total_out,
@@ -170,7 +180,8 @@ def report(args, t_rows, t_info, p_rows, p_ratios) -> str:
         "Greedy, ignore_eos / min_new_tokens so every request yields exactly its requested length. HF must "
         "generate every batch up to its longest output; tok/s counts only the requested tokens for both. "
         f"Best of {args.repeats} interleaved run(s).", "",
-        markdown_table(["system", "wall s", "tokens generated", "tokens counted", "output tok/s", "vs best HF"], t_rows),
+        markdown_table(["system", "wall s", "tokens generated", "tokens counted", "output tok/s", "vs best HF"],
+                       t_rows),
         "",
         f"**stagewise / best HF = {t_info['ratio']:.2f}x** (target ≥ {THROUGHPUT_TARGET:.0f}x: "
         f"{met(t_info['ratio'], THROUGHPUT_TARGET)}). Greedy outputs identical to HF for "

@@ -13,12 +13,12 @@ import random
 import tempfile
 import time
 
+from common import load_line, markdown_table, write_result
+
 from stagewise.engine.inputs import Tokenizer
 from stagewise.engine.outputs import finish_check
-from stagewise.model.demo import build_demo_model, _corpus
+from stagewise.model.demo import _corpus, build_demo_model
 from stagewise.request import FinishReason, Request, SamplingParams
-
-from common import load_line, markdown_table, write_result
 
 STOPS = ["<END OF STORY>", "\n\n\n\n", "Q: Q: Q:", "###"]   # never produced: every step searches them all
 

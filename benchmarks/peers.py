@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, load_line, machine_line  # noqa: E402
 import peers_model  # noqa: E402
 import peers_procs  # noqa: E402
 import peers_report  # noqa: E402
+from common import RESULTS_DIR, load_line, machine_line  # noqa: E402
 from peers_procs import base_env, run_worker, stagewise_env, vllm_env  # noqa: E402
 from peers_serving import serving  # noqa: E402
 

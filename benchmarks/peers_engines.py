@@ -142,7 +142,7 @@ def machine(spec: dict) -> dict:
     x.sum()
     t_sum = min(_wall(x.sum) for _ in range(5))
     y = torch.empty_like(x)
-    t_copy = min(_wall(lambda: y.copy_(x)) for _ in range(5))
+    t_copy = min(_wall(lambda src=x, dst=y: dst.copy_(src)) for _ in range(5))
     res = {"read_gbps": x.numel() * 4 / t_sum / 1e9, "copy_gbps": 2 * x.numel() * 4 / t_copy / 1e9}
     del x, y
     m, k, n = spec["mm_shape"]
@@ -151,7 +151,7 @@ def machine(spec: dict) -> dict:
         for _ in range(5):
             torch.mm(a, b)
         reps = 50
-        t = min(_wall(lambda: [torch.mm(a, b) for _ in range(reps)]) for _ in range(5)) / reps
+        t = min(_wall(lambda a=a, b=b, reps=reps: [torch.mm(a, b) for _ in range(reps)]) for _ in range(5)) / reps
         res[f"mm_gflops_{dtype}"] = 2 * m * k * n / t / 1e9
     return res
 

@@ -21,8 +21,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS_DIR, load_line, machine_line, markdown_table, met, parallel_capacity,  # noqa: E402
-                    random_workload, temp_checkpoint, timed, write_result)
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    load_line,
+    machine_line,
+    markdown_table,
+    met,
+    parallel_capacity,
+    random_workload,
+    temp_checkpoint,
+    timed,
+    write_result,
+)
 
 SHORT = {"PP=2 micro-batched (depth 2)": "PP=2 micro", "PP=2 synchronous (pp_sync)": "PP=2 sync",
          "PP=1, 2 threads": "PP=1"}
@@ -85,12 +95,13 @@ class _EngineProcess:
 
 def _serve_engine(conn, model_dir: str, opts: dict) -> None:
     import traceback
+
     from stagewise import LLM
     try:
         # no prefix caching: every round replays the same prompts
         llm = LLM(model=model_dir, dtype="float32", device="cpu", max_num_seqs=64, kv_cache_memory="256MiB",
                   enable_prefix_caching=False, **opts)
-    except Exception:
+    except Exception:   # noqa: BLE001  (any start-up failure goes back to the parent as its traceback)
         conn.send(traceback.format_exc())
         return
     try:
@@ -99,7 +110,7 @@ def _serve_engine(conn, model_dir: str, opts: dict) -> None:
         while (job := conn.recv()) is not None:
             try:
                 conn.send(run(llm, *job))
-            except Exception:
+            except Exception:   # noqa: BLE001  (as at start-up: the parent raises it)
                 conn.send(traceback.format_exc())
     finally:
         llm.shutdown()
@@ -183,13 +194,14 @@ def report(args, model, prompt_len, output_len, results, same) -> str:
         "# Pipeline parallelism: micro-batched vs synchronous vs one stage", "",
         f"Tiny Llama (vocab {model['vocab_size']}, hidden {model['hidden_size']}, intermediate "
         f"{model['intermediate_size']}, {model['num_hidden_layers']} layers, {model['num_attention_heads']} heads / "
-        f"{model['num_key_value_heads']} KV heads), random seeded weights; {machine_line()}; {args.load_before} at the start, {args.load_after} at the end.", "",
+        f"{model['num_key_value_heads']} KV heads), random seeded weights; {machine_line()}; {args.load_before} at "
+        f"the start, {args.load_after} at the end.", "",
         f"PP=2 layer split: {args.partition or 'the engine default (equal layers per stage)'}; the last stage "
         "also holds the final norm, the LM head and sampling.", "",
         f"{args.num_requests} requests, prompts {prompt_len[0]}–{prompt_len[1]} tokens, outputs "
         f"{output_len[0]}–{output_len[1]}, greedy, ignore_eos. Same prompts every round, prefix caching off; best of "
-        f"{args.rounds} interleaved round(s) per engine. Busy = `stage_busy_s` accrued during the generate call / its wall "
-        "time, per stage; idle = the rest (bubble, transport, waiting on the driver).", "",
+        f"{args.rounds} interleaved round(s) per engine. Busy = `stage_busy_s` accrued during the generate call / "
+        "its wall time, per stage; idle = the rest (bubble, transport, waiting on the driver).", "",
         markdown_table(["configuration", "wall s", "output tokens", "output tok/s", "vs micro-batched", "stage busy",
                         "stage idle"], rows),
         "",
@@ -197,7 +209,8 @@ def report(args, model, prompt_len, output_len, results, same) -> str:
         f"{met(mb / sync, SYNC_TARGET)})",
         f"- micro-batched / PP=1 (2 threads) throughput: **{mb / pp1:.2f}x** (target ≥ {PP1_TARGET}x: "
         f"{met(mb / pp1, PP1_TARGET)})",
-        f"- stage compute for the same tokens, micro-batched / synchronous: {sum(best[labels[0]][1]) / sum(best[labels[1]][1]):.2f}x "
+        f"- stage compute for the same tokens, micro-batched / synchronous: "
+        f"{sum(best[labels[0]][1]) / sum(best[labels[1]][1]):.2f}x "
         "(depth 2 halves the rows of each decode step's GEMMs, and small-row GEMMs cost more per row on CPU; "
         "two busy processes also share caches and memory bandwidth); "
         f"with that compute, perfect overlap would give at most {best[labels[1]][0] / max(best[labels[0]][1]):.2f}x "

@@ -12,7 +12,6 @@ import time
 
 import common  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 import torch
-
 from common import machine_line, markdown_table, median, met, temp_checkpoint, write_result
 
 from stagewise import LLM, SamplingParams

@@ -41,6 +41,7 @@ class Row:
 
 def worker() -> dict:
     import torch
+
     from stagewise.request import SamplingParams
     from stagewise.runtime.sampler import Sampler
     torch.set_num_threads(2)

@@ -80,7 +80,8 @@ def child_env(args, layout: str | None = None) -> dict:
 
 def model_and_vocab(args) -> tuple[str, int]:
     code = ("import json, sys; from stagewise.model.source import resolve_model; "
-            "from stagewise.checkpoint import load_hf_config, vocab_size_of; m = str(resolve_model(sys.argv[1] or None)); "
+            "from stagewise.checkpoint import load_hf_config, vocab_size_of; "
+            "m = str(resolve_model(sys.argv[1] or None)); "
             "print(json.dumps([m, vocab_size_of(load_hf_config(m))]))")
     out = subprocess.run([sys.executable, "-c", code, args.model or ""], capture_output=True, text=True,
                          env=child_env(args), check=True).stdout
@@ -275,7 +276,8 @@ def table(rows: list[dict], concurrency: int) -> str:
     for r in rows:
         cells = [r["name"], r["round"], f"{r['load']:.1f}", f"{r['wall_s']:.1f}", f"{r['tok_s']:.0f}",
                  _ratio(r, "offline_one"), _ratio(r, "offline_loop")]
-        cells += [f"{r[k]:.0f}" if r.get(k) is not None else "-" for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
+        cells += [f"{r[k]:.0f}" if r.get(k) is not None else "-"
+                  for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")]
         cells += [f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("step_ms", "busy_ms")]
         cells += [f"{r['health_p50']:.1f} / {r['health_p99']:.1f}" if "health_p50" in r else "-",
                   r.get("heavy_posts") or "-"]
@@ -310,7 +312,8 @@ def main(argv=None) -> None:
     text = (f"## Server vs offline engine, {stamp}\n\nmodel `{Path(model).name}`, {args.dtype}, {args.threads} torch "
             f"threads{src}; {args.num_prompts} prompts x {args.input_len} random token ids, {args.output_len} output "
             f"tokens (ignore_eos, greedy); server: {args.concurrency} concurrent streaming clients on /v1/completions "
-            f"over loopback (the client shares the machine); Python {platform.python_version()}, {os.cpu_count()} CPUs; "
+            f"over loopback (the client shares the machine); Python {platform.python_version()}, "
+            f"{os.cpu_count()} CPUs; "
             f"1-minute load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows, args.concurrency)}\n")
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

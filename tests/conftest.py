@@ -60,7 +60,8 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
-    cls = tf.GPT2LMHeadModel if family == "gpt2" else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM"))
+    cls = (tf.GPT2LMHeadModel if family == "gpt2"
+           else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     _redraw(model, seed)

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .config import cache_root
 
@@ -128,7 +128,7 @@ def _gpt2_kwargs(facts: GGUFFacts, path: Path) -> dict:
 
 
 def _rope_parameters(facts: GGUFFacts, get, head_dim: int, path: Path) -> dict:
-    params = {"rope_type": "default", "rope_theta": float(get("rope.freq_base") or 10000.0)}
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base") or 10000.0)}
     kind = get("rope.scaling.type") or "none"
     if kind == "linear":
         params.update(rope_type="linear", factor=float(get("rope.scaling.factor", required=True)))

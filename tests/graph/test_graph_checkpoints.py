@@ -2,10 +2,10 @@
 the same greedy tokens as PP=1 eager and HF transformers; embeddings under graphs equal HF."""
 import pytest
 import torch
+from tape import TapeBackend
 
 from stagewise.graph.policy import decide_verdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from tape import TapeBackend
 from stagewise.model.attention import AttentionMetadata, ForwardBatch
 from stagewise.model.loader import load_hf_config, load_model
 from stagewise.parallel.partition import stage_infos

@@ -6,11 +6,11 @@ import types
 import pytest
 import torch
 from graph_toys import Step, clone_batch, fill_history, toy_pipeline
+from tape import TapeSegment
 
 from stagewise.graph import cuda
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from tape import TapeSegment
 from stagewise.parallel.proxy import ProxyTensors
 
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 from graph_toys import Step, ToyStage, clone_batch, fill_history, kv_caches, toy_pipeline
+from tape import TapeBackend
 
 from stagewise.graph.policy import GraphVerdict, decide_verdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from tape import TapeBackend
 from stagewise.model.attention import ForwardBatch
 from stagewise.parallel.partition import stage_infos
 from stagewise.parallel.proxy import ProxyTensors
@@ -142,7 +142,8 @@ def test_decode_graphs_by_batch_size(emulation):
         fill_history([batch])
         ref = clone_batch(batch)
         proxy = live_proxy(model, step.num_tokens)
-        assert_same(runner.forward(verdict, None, step.positions, step.meta, proxy=proxy), eager(model, ref, step, proxy))
+        assert_same(runner.forward(verdict, None, step.positions, step.meta, proxy=proxy),
+                    eager(model, ref, step, proxy))
         assert_same_kv(batch, ref)
     assert runner.stats("decode")["replays"] == {1: 1, 4: 1, 8: 1}
     assert runner.stats("decode")["padded_tokens"] == 1

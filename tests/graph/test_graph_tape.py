@@ -3,10 +3,10 @@ host syncs and per-step tensors read inside a captured segment."""
 import pytest
 import torch
 from graph_toys import Step, ToyStage, clone_batch, fill_history, kv_caches
+from tape import CaptureError, TapeBackend
 
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
-from tape import CaptureError, TapeBackend
 from stagewise.model.attention import ForwardBatch
 from stagewise.parallel.partition import stage_infos
 

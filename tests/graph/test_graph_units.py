@@ -252,6 +252,7 @@ def test_verdict_full_graph_slots():
 def test_policy_and_buckets_do_not_import_torch():
     """The driver calls these every step; they stay plain Python (package __init__ aside)."""
     import ast
+
     import stagewise.graph.buckets as buckets
     import stagewise.graph.policy as policy
     for module in (buckets, policy):

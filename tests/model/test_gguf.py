@@ -59,9 +59,11 @@ def test_config_eos_and_llama3_rope_from_metadata(tiny_gguf, llama_dir):
     assert ours.architectures == ["LlamaForCausalLM"] and ours.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
     rope, want = ours.rope_parameters, hf.rope_parameters   # llama3 settings recovered from rope_freqs.weight
     assert rope["rope_type"] == "llama3" and rope["factor"] == want["factor"]
-    assert rope["high_freq_factor"] / rope["low_freq_factor"] == pytest.approx(want["high_freq_factor"] / want["low_freq_factor"])
+    assert (rope["high_freq_factor"] / rope["low_freq_factor"]
+            == pytest.approx(want["high_freq_factor"] / want["low_freq_factor"]))
     assert eos_token_ids_of(path, ours) == (hf.eos_token_id,)
-    assert load_hf_config(tiny_gguf("mistral")).head_dim == 32 and load_hf_config(tiny_gguf("llama_tied")).tie_word_embeddings
+    assert load_hf_config(tiny_gguf("mistral")).head_dim == 32
+    assert load_hf_config(tiny_gguf("llama_tied")).tie_word_embeddings
 
 
 def test_tokenizer_and_chat_template_from_metadata(tiny_gguf, llama_dir):
@@ -109,7 +111,8 @@ def test_directory_with_one_gguf_and_tokenizer_override(tiny_gguf, llama_dir, tm
     with LLM(model=str(one), tokenizer=str(llama_dir)) as llm:    # no tokenizer metadata: --tokenizer supplies it
         out = llm.generate("The pipeline", GREEDY, use_tqdm=False)
     with LLM(model=str(tiny_gguf("llama"))) as llm:
-        assert out[0].outputs[0].token_ids == llm.generate("The pipeline", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate("The pipeline", GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == again[0].outputs[0].token_ids
     shutil.copy(one / "model.gguf", one / "other.gguf")
     with pytest.raises(ValueError, match="holds 2 GGUF files"):
         load_hf_config(one)
@@ -153,7 +156,8 @@ def test_bad_gguf_gets_one_sentence(case, message, tiny_gguf, llama_dir, tmp_pat
     elif case == "not_gguf":
         path.write_text("not a model\n")
     else:
-        _write_variant(gguf_tools, llama_dir, path, arch="phi3" if case == "unknown_arch" else None, bad_type=case == "bad_quant")
+        _write_variant(gguf_tools, llama_dir, path, arch="phi3" if case == "unknown_arch" else None,
+                       bad_type=case == "bad_quant")
     with pytest.raises(ValueError, match=message):
         load_model(path, stage_infos(4, 1)[0], torch.float32)
     code = main(["--log-level", "ERROR", "generate", "--model", str(path), "--tokenizer", str(llama_dir),

@@ -21,7 +21,7 @@ class GraphBatch(ForwardBatch):
     runner's ForwardBatch; `attention` goes through the backend's hook (a break, a compile
     boundary, or a plain call) which reads the live metadata when it runs."""
 
-    def __init__(self, live: ForwardBatch, attend: Callable[..., torch.Tensor]):
+    def __init__(self, live: ForwardBatch, attend: Callable[..., torch.Tensor] | None):
         # NOTE: no super().__init__: meta and kv_caches are properties of the live batch.
         self._live, self._attend = live, attend
 
@@ -34,6 +34,7 @@ class GraphBatch(ForwardBatch):
         return self._live.kv_caches
 
     def attention(self, layer_id, q, k, v, scale):
+        assert self._attend is not None, "a batch built without a hook overrides attention"
         return self._attend(self._live, layer_id, q, k, v, scale)
 
 

@@ -23,13 +23,13 @@ class StaticInputs:
         if max_tokens < 1:
             raise ValueError(f"Static graph buffers need at least one row, got max_tokens={max_tokens}.")
         self.stage, self.max_tokens, self.hidden_size, self.dtype = stage, max_tokens, hidden_size, dtype
-        opts = dict(device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, **opts)               # [M]
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, **opts) if stage.is_first else None  # [M]
-        self.input_embeds = (torch.zeros(max_tokens, hidden_size, dtype=dtype, **opts)  # [M, H]
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)               # [M]
+        self.input_ids = (torch.zeros(max_tokens, dtype=torch.long, device=device)             # [M]
+                          if stage.is_first else None)
+        self.input_embeds = (torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)  # [M, H]
                              if stage.is_first and with_embeds else None)
         self.proxy: dict[str, torch.Tensor] = {} if stage.is_first else {
-            key: torch.zeros(max_tokens, hidden_size, dtype=dtype, **opts) for key in proxy_keys}  # [M, H] each
+            key: torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device) for key in proxy_keys}  # [M, H] each
 
     def proxy_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(t.shape) for k, t in self.proxy.items()}

@@ -21,12 +21,12 @@ class StaticAttentionMetadata:
     def __init__(self, max_rows: int, max_slots: int, max_blocks: int, block_size: int,
                  device: torch.device | str = "cpu"):
         self.max_rows, self.max_slots, self.max_blocks, self.block_size = max_rows, max_slots, max_blocks, block_size
-        long = dict(dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_slots, max_blocks, **long)   # [S, MB]
-        self.seq_lens = torch.zeros(max_slots, **long)                   # [S]
-        self.token_slot = torch.zeros(max_rows, **long)                  # [M] request slot of each row
-        self.token_pos = torch.zeros(max_rows, **long)                   # [M] position of each row
-        self.kv_slot = torch.zeros(max_rows, **long)                     # [M] flat KV slot each row writes
+        long = torch.long
+        self.block_tables = torch.zeros(max_slots, max_blocks, dtype=long, device=device)   # [S, MB]
+        self.seq_lens = torch.zeros(max_slots, dtype=long, device=device)                   # [S]
+        self.token_slot = torch.zeros(max_rows, dtype=long, device=device)   # [M] request slot of each row
+        self.token_pos = torch.zeros(max_rows, dtype=long, device=device)    # [M] position of each row
+        self.kv_slot = torch.zeros(max_rows, dtype=long, device=device)      # [M] flat KV slot each row writes
         self.valid = torch.zeros(max_rows, dtype=torch.bool, device=device)  # [M] live row?
 
     def tensors(self) -> list[torch.Tensor]:
@@ -50,7 +50,8 @@ class StaticAttentionMetadata:
         if longest > self.max_blocks:
             raise RuntimeError(f"A request spans {longest} KV blocks but full graphs were sized for "
                                f"{self.max_blocks}; raise max_seq_len for the graph runner.")
-        slot, pos = [], []
+        slot: list[int] = []
+        pos: list[int] = []
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
             slot.extend([i] * q_len)
             pos.extend(range(s_len - q_len, s_len))
@@ -110,7 +111,7 @@ def static_paged_attention(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Ten
     last = torch.minimum(token_pos, seq_lens[token_slot] - 1)          # [B] last key position a row sees
     qh = q.reshape(B, hkv, hq // hkv, d).float()                        # [B, Hkv, G, D]
     m = torch.full(qh.shape[:3], float("-inf"), device=q.device)        # [B, Hkv, G] running max
-    l = torch.zeros(qh.shape[:3], device=q.device)                      # [B, Hkv, G] running sum
+    run_sum = torch.zeros(qh.shape[:3], device=q.device)                # [B, Hkv, G] running sum
     acc = torch.zeros(qh.shape, device=q.device)                        # [B, Hkv, G, D]
     step = max(1, KEY_CHUNK_TOKENS // bs)
     offsets = torch.arange(bs, device=q.device)                         # [bs]
@@ -126,8 +127,8 @@ def static_paged_attention(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Ten
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all-masked rows stay finite
         p = torch.exp(scores - m_safe[..., None])
         corr = torch.exp(m - m_safe)
-        l = l * corr + p.sum(-1)
+        run_sum = run_sum * corr + p.sum(-1)
         acc = acc * corr[..., None] + torch.einsum("bhgc,bchd->bhgd", p, vc)
         m = m_new
-    out = (acc / l.clamp_min(1e-30)[..., None]).reshape(B, hq, d).to(q.dtype)
+    out = (acc / run_sum.clamp_min(1e-30)[..., None]).reshape(B, hq, d).to(q.dtype)
     return torch.where(valid[:, None, None], out, torch.zeros_like(out))   # padded rows: zeros

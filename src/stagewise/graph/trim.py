@@ -36,7 +36,7 @@ def output_leaves(out: Any) -> list[torch.Tensor]:
         return list(out.tensors.values())
     if isinstance(out, (tuple, list)):
         return [t for x in out for t in output_leaves(x)]
-    map_output(None, out)   # raises the TypeError naming the type
+    map_output(lambda t: t, out)   # raises the TypeError naming the type
     return []
 
 

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -62,7 +63,7 @@ def build_test_tokenizer(out_dir: str | Path, vocab_size: int, max_length: int =
 
 
 def demo_config(vocab_size: int) -> LlamaConfig:
-    ids = {name: SPECIAL_TOKENS.index(tok) for name, tok in
+    ids: dict[str, Any] = {name: SPECIAL_TOKENS.index(tok) for name, tok in
            (("bos_token_id", BOS), ("eos_token_id", EOS), ("pad_token_id", PAD))}
     return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

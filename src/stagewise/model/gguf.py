@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from torch import nn
 
 from stagewise.gguf_meta import gguf_facts, gguf_reader
+from stagewise.model.layers import StageModel
 
 log = logging.getLogger("stagewise.model")
 
@@ -82,13 +82,13 @@ def read_tensor(reader_tensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 is a read-only memmap view
 
 
-def load_gguf_stage(model: nn.Module, path: Path, hf_config) -> None:
+def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     """Dequantize this stage's tensors (`model.is_stage_weight`) from `path` into `model`, in the model's dtype."""
-    started, types = time.perf_counter(), Counter()
+    started, types = time.perf_counter(), Counter[str]()
     arch = gguf_facts(path).meta["general.architecture"]
     table, dtype = model.weight_table(), next(model.parameters()).dtype
-    mine = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
-    mine = [(t, name) for t, name in mine if name is not None and model.is_stage_weight(name)]
+    named = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
+    mine = [(t, name) for t, name in named if name is not None and model.is_stage_weight(name)]
     _check_complete(model, table, [name for _, name in mine], path)
 
     def dequantized():  # one tensor at a time, so at most one float32 copy is alive

@@ -91,6 +91,8 @@ class GPT2LMHeadModel(StageModel):
         self.num_heads = hf_config.num_attention_heads
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         vocab = hf_config.vocab_size
+        self.wte: nn.Embedding | None
+        self.wpe: nn.Embedding | None
         if stage.is_first:
             self.wte = nn.Embedding(vocab, self.hidden_size, dtype=dtype)
             self.wpe = nn.Embedding(hf_config.max_position_embeddings, self.hidden_size, dtype=dtype)
@@ -117,25 +119,30 @@ class GPT2LMHeadModel(StageModel):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, H]` without positions (positions are added in forward)."""
+        assert self.wte is not None   # built on the first stage
         return self.wte(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch: ForwardBatch, *,
                 input_embeds: torch.Tensor | None = None, pp_proxy_tensors: ProxyTensors | None = None):
         """Non-last stage -> ProxyTensors(hidden_states) of T rows; last -> ln_f(hidden) `[T, H]`."""
         if self.stage.is_first:
+            assert self.wte is not None and self.wpe is not None   # built on the first stage
             tokens = input_embeds if input_embeds is not None else self.wte(input_ids)  # [T, H]
             hidden = tokens + self.wpe(positions)
         else:
+            assert pp_proxy_tensors is not None, "a non-first stage runs on the previous stage's tensors"
             hidden = pp_proxy_tensors["hidden_states"]
         for layer_id in range(self.stage.start, self.stage.end):
             hidden = self.layers[layer_id](hidden, batch)
         if not self.stage.is_last:
             return ProxyTensors({"hidden_states": hidden})
+        assert self.ln_f is not None   # built on the last stage
         return self.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.wte
+        assert head is not None   # the last stage has a head or (tied, also first) the embedding
         return F.linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:

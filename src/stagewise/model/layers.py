@@ -6,13 +6,14 @@ stage's parameters so a stage loads only its own weights. Everything is token-ma
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from stagewise.parallel.partition import StageInfo
+
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     """HF's NewGELUActivation: one fused kernel in float32; below it, HF's formula op by op so a
@@ -106,6 +107,11 @@ class RotaryEmbedding(nn.Module):
     The half-width tables are HF's; `tables` serves full-width ones built from them with the
     rotate-half sign folded in, so applying rope is one cat and three elementwise ops per call.
     """
+
+    cos_cache: torch.Tensor     # buffers registered in __init__
+    sin_cache: torch.Tensor
+    cos_full: torch.Tensor
+    sin_signed: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
@@ -201,6 +207,7 @@ class StageModel(nn.Module):
     """
 
     proxy_keys: tuple[str, ...] = ()
+    stage: StageInfo     # set by every family's __init__
 
     def hf_name(self, param_name: str) -> str:
         raise NotImplementedError
@@ -245,7 +252,7 @@ class StageModel(nn.Module):
             if tuple(tensor.shape) != slot.shape:
                 raise ValueError(f"Checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, but this model "
                                  f"expects {slot.shape}; the checkpoint does not match its config.json.")
-            dst = params[slot.param]
+            dst: torch.Tensor = params[slot.param]
             if slot.rows is not None:
                 dst = dst.narrow(0, slot.start, slot.rows)
             with torch.no_grad():
@@ -257,4 +264,4 @@ class StageModel(nn.Module):
         """Recompute non-persistent buffers (rotary tables) after `to_empty`."""
         for module in self.modules():
             if module is not self and hasattr(module, "reset_buffers"):
-                module.reset_buffers()
+                cast(Any, module).reset_buffers()

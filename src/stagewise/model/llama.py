@@ -12,8 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.layers import (FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, StageModel, apply_rotary_full,
-                                    build_layers, rope_parameters)
+from stagewise.model.layers import (
+    FusedLinear,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    StageModel,
+    apply_rotary_full,
+    build_layers,
+    rope_parameters,
+)
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
@@ -54,6 +62,7 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]                             # [T, Hq, D], [T, Hkv, D]
         else:
+            assert self.k_norm is not None   # built together with q_norm
             q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
             k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
@@ -135,10 +144,13 @@ class LlamaForCausalLM(StageModel):
         `hidden_states` is the last block's MLP output not yet added to `residual`; the next
         block's fused add+norm adds them, so crossing a stage boundary costs no extra add.
         """
+        residual: torch.Tensor | None
         if self.stage.is_first:
+            assert self.embed_tokens is not None   # built on the first stage
             hidden = input_embeds if input_embeds is not None else self.embed_tokens(input_ids)  # [T, H]
             residual = None  # layer 0 starts the residual stream from the embeddings
         else:
+            assert pp_proxy_tensors is not None, "a non-first stage runs on the previous stage's tensors"
             hidden, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
         cos, sin = self.rotary.tables(positions, hidden.dtype)  # [T, 1, D] each, once for all layers
         for layer_id in range(self.stage.start, self.stage.end):
@@ -147,11 +159,13 @@ class LlamaForCausalLM(StageModel):
             if residual is None:  # first stage that ran no layer: the stream so far is all in `hidden`
                 residual = torch.zeros_like(hidden)
             return ProxyTensors({"hidden_states": hidden, "residual": residual})
+        assert self.norm is not None   # built on the last stage
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        assert head is not None   # the last stage has a head or (tied, also first) the embedding
         return F.linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:

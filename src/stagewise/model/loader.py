@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from stagewise.checkpoint import CONTENTS as _CONTENTS, INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
+from stagewise.checkpoint import CONTENTS as _CONTENTS
+from stagewise.checkpoint import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
 from stagewise.checkpoint import require as _require
 from stagewise.errors import CheckpointNotFoundError
 from stagewise.model.registry import get_model_class
@@ -90,6 +91,7 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
         from stagewise.model.gguf import load_gguf_stage
         load_gguf_stage(model, gguf_path, hf_config)
     else:
+        assert locations is not None   # read above for every checkpoint that is not a GGUF file
         _load_stage_tensors(model, locations, stage, Path(model_dir))
     model.eval()
     model.requires_grad_(False)

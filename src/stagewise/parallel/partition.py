@@ -44,7 +44,8 @@ def partition_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] |
                 f"entries (one per stage) summing to the model's {num_layers} layers.")
     else:
         if pp_size > num_layers:
-            raise ValueError(f"pp_size {pp_size} exceeds the model's {num_layers} layers; use at most {num_layers} stages.")
+            raise ValueError(f"pp_size {pp_size} exceeds the model's {num_layers} layers; "
+                             f"use at most {num_layers} stages.")
         base, extra = divmod(num_layers, pp_size)
         sizes = [base + (1 if r >= pp_size - extra else 0) for r in range(pp_size)]
     ranges, start = [], 0

@@ -53,21 +53,27 @@ def recv_message(src: int, timeout_s: float, group=None, poll_s: float | None = 
     between them) instead of blocking in C++; for long waits such as start-up."""
     deadline = timedelta(seconds=timeout_s)
     size = torch.empty(1, dtype=torch.int64)
-    work = dist.irecv(size, src, group=group)
+    work = _irecv(size, src, group)
     if poll_s:
         _wait_interruptibly(work, deadline, poll_s)
     else:
         work.wait(deadline)
     header = torch.empty(int(size[0]), dtype=torch.uint8)
-    dist.irecv(header, src, group=group).wait(deadline)
+    _irecv(header, src, group).wait(deadline)
     kind, obj, meta = pickle.loads(header.numpy().tobytes())
     tensors = {}
     for key, shape, dtype in meta:
         t = torch.empty(shape, dtype=dtype)
         if t.numel():
-            dist.irecv(t, src, group=group).wait(deadline)
+            _irecv(t, src, group).wait(deadline)
         tensors[key] = t
     return Message(kind, obj, tensors)
+
+
+def _irecv(t: torch.Tensor, src: int, group) -> dist.Work:
+    work = dist.irecv(t, src, group=group)
+    assert work is not None, "irecv from outside the group"   # every stage is in the group
+    return work
 
 
 def _wait_interruptibly(work, deadline: timedelta, poll_s: float) -> None:
@@ -80,7 +86,7 @@ def _wait_interruptibly(work, deadline: timedelta, poll_s: float) -> None:
     def wait() -> None:
         try:
             work.wait(deadline)
-        except Exception as exc:
+        except Exception as exc:   # noqa: BLE001  (re-raised in the caller's thread)
             failed.append(exc)
         finally:
             done.set()

@@ -21,8 +21,9 @@ def gemm_kernels(rows: int, dtype: torch.dtype, device: torch.device):
     if not prefers_native_gemv(rows, dtype, device) or not torch.backends.mkldnn.enabled:
         yield
         return
-    torch.backends.mkldnn.enabled = False
+    # NOTE: the module is a ContextProp descriptor at runtime; its stub types the attribute as one
+    torch.backends.mkldnn.enabled = False   # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = True
+        torch.backends.mkldnn.enabled = True   # type: ignore[assignment]

@@ -6,8 +6,8 @@ from collections import Counter
 
 import torch
 
-from ..config import EngineConfig
 from ..checkpoint import gguf_file_of, load_hf_config, max_model_len
+from ..config import EngineConfig
 from ..gguf_meta import gguf_facts
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
@@ -18,6 +18,7 @@ from .memory import estimate_activation_bytes, format_memory_table, plan_kv
 
 def plan_report(config: EngineConfig) -> str:
     model_dir = config.model
+    assert model_dir is not None, "plan_report needs the resolved model path (cli.config_from_args)"
     hf = load_hf_config(model_dir)
     device = config.resolved_device
     dtype = resolve_dtype(config.dtype, hf, device)

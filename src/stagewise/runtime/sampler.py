@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -113,8 +113,9 @@ class Sampler:
         if rest:
             for i, draw in zip(rest, self._sample_rest(logits[rest], [rows[i] for i in rest])):
                 draws[i] = draw
-        self._add_logprobs(logits, rows, draws)
-        return draws
+        filled = cast("list[Draw]", draws)   # every row has one now: non-finite, greedy or sampled
+        self._add_logprobs(logits, rows, filled)
+        return filled
 
     def _is_plain_greedy(self, row: SampleRow) -> bool:
         """Greedy with nothing that changes the row before its argmax."""
@@ -210,11 +211,14 @@ class Sampler:
         if not want:
             return
         raw = logits[want].log_softmax(-1)
-        top_n = max(rows[i].params.logprobs for i in want)
-        top_vals, top_ids = raw.topk(top_n, -1) if top_n else (None, None)
-        for j, i in enumerate(want):
-            n, token = rows[i].params.logprobs, draws[i].token
-            top = {int(t): float(v) for t, v in zip(top_ids[j, :n], top_vals[j, :n])} if n else {}
+        counts = [rows[i].params.logprobs or 0 for i in want]   # never None here
+        top_n = max(counts)
+        best = raw.topk(top_n, -1) if top_n else None
+        for j, (i, n) in enumerate(zip(want, counts)):
+            token = draws[i].token
+            assert token is not None   # `want` holds drawn rows only
+            top = ({int(t): float(v) for t, v in zip(best.indices[j, :n], best.values[j, :n])}
+                   if best is not None and n else {})
             draws[i].logprob = TokenLogprob(token, float(raw[j, token]), top)
 
 
