@@ -18,10 +18,12 @@ log = logging.getLogger("stagewise.threads")
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-# NOTE: measured in benchmarks/results/threads.md (2 cores, one kept busy by another process):
-# GNU OpenMP's default spin (300k spins) and ACTIVE lose most of their throughput when a thread
-# is descheduled; a short spin keeps loaded throughput near PASSIVE's and quiet speed near spin's.
-WAIT_DEFAULT = {"GOMP_SPINCOUNT": "10000"}
+# NOTE: measured in benchmarks/results/threads.md (2 shared cores, with and without another process
+# keeping one busy): policies that spin long (GNU's default 300k spins, ACTIVE, GOMP_SPINCOUNT 1e4-1e5)
+# made 1.7-14x less than PASSIVE whenever anything else ran, since a barrier waits for a descheduled
+# spinner; PASSIVE kept loaded/quiet at 0.55 and had the best batch-1 decode. Spinning can win on an
+# idle, dedicated machine; users opt in there with OMP_WAIT_POLICY / GOMP_SPINCOUNT.
+WAIT_DEFAULT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 _wait_source = ""               # how this process's OpenMP wait policy was chosen (for the log line)
 _logged: set[str] = set()
