@@ -3,15 +3,16 @@ run: random token-id prompts (128 tokens), 64 output tokens each (ignore_eos, gr
 concurrent streaming clients on /v1/completions, bf16, the default model. The offline engine runs
 the same prompts in a fresh process each time (no prefix-cache hits): one `generate` call with all
 of them, and a closed loop keeping 16 in flight (what the server's engine sees). The server runs
-once per engine layout (`--layouts process,thread`: the engine in its own process, or in a thread
-of the HTTP process); `--heavy-mb` adds a client posting large bodies, to load the front end.
+its engine in its own process (the only layout since the in-thread one was removed; the results
+file keeps the earlier thread-layout rows); `--heavy-mb` adds a client posting large bodies, to
+load the front end.
 
 Reports output tok/s, server / offline, median and p99 TTFT and TPOT (as `vllm bench serve`
 defines them), per engine step the wall ms and the worker's busy ms (prepare, forward, sample),
 so time a step spends outside the model shows, and /health latency. The machine is shared: every
-row carries the 1-minute load average at its start, and rounds alternate the layout order.
+row carries the 1-minute load average at its start.
 
-    python benchmarks/serving_overhead.py [--model PATH] [--layouts process,thread] [--rounds 2] [--heavy-mb 4]
+    python benchmarks/serving_overhead.py [--model PATH] [--rounds 2] [--heavy-mb 4]
 """
 from __future__ import annotations
 
@@ -34,14 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server")
 from launcher import ServerProcess  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serving_overhead.md"
-LAYOUT_ENV = "STAGEWISE_SERVER_ENGINE"
 WARMUP = [[100 + i] * 40 for i in range(2)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir or GGUF file (default: the default model)")
-    p.add_argument("--layouts", default="process,thread", help="server engine layouts to measure")
+    p.add_argument("--layouts", default="process", help=argparse.SUPPRESS)   # one layout left: the process
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -73,8 +73,6 @@ def child_env(args, layout: str | None = None) -> dict:
     if args.stagewise_src:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(args.stagewise_src).resolve()),
                                                          env.get("PYTHONPATH")) if p)
-    if layout:
-        env[LAYOUT_ENV] = layout
     return env
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import PREFILL_GRAPH_CHOICES
 from .buckets import decode_bucket_ladder, pick_bucket, prefill_bucket_ladder
 
-PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
 DECODE_GRAPH_CHOICES = ("off", "breakable", "full", "compiled")
 PP_CAP_CLAMP = 8192          # auto cap under PP when neither a cap nor a list was given
 DEFAULT_CAP = 8192           # cap when chunked prefill is disabled (size None)
