@@ -151,6 +151,7 @@ def test_wait_default_never_overrides_the_user():
     env = {}
     set_wait_default(environ=env)
     assert env == threads.WAIT_DEFAULT
+    assert spawn_env_defaults({}).endswith("(stagewise default)")
     env = {}
     set_wait_default(openmp_started=True, environ=env)          # too late for this process: leave it
     assert env == {}

@@ -26,6 +26,7 @@ WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAIT_DEFAULT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 _wait_source = ""               # how this process's OpenMP wait policy was chosen (for the log line)
+_defaulted = False               # whether os.environ's wait variables were put there by stagewise
 _logged: set[str] = set()
 
 
@@ -150,10 +151,15 @@ def set_wait_default(openmp_started: bool = False, environ=os.environ) -> None:
 def spawn_env_defaults(environ=os.environ) -> str:
     """Give `environ` (which spawned stage processes inherit) the wait default unless the user set a
     wait variable; returns the policy line those processes will see."""
-    source = "from the environment" if _user_set(environ) else "stagewise default"
-    if not _user_set(environ):
+    global _defaulted
+    just_set = not _user_set(environ)
+    if just_set:
         environ.update(WAIT_DEFAULT)
-    return _describe(environ, source)
+    _defaulted = _defaulted or (just_set and environ is os.environ)
+    # NOTE: the package __init__ already defaulted os.environ: that is still ours, not the user's
+    ours = just_set or (environ is os.environ and _defaulted and
+                        all(environ.get(k) == v for k, v in WAIT_DEFAULT.items()))
+    return _describe(environ, "stagewise default" if ours else "from the environment")
 
 
 def wait_policy_line() -> str:
