@@ -3,7 +3,8 @@ quiet machine and with one core kept busy by another process, for each OpenMP wa
 
 Each policy runs in its own child process (the policy must be in the environment before OpenMP
 starts); the children stay alive and take turns, round by round, quiet then loaded, so drifting
-background load on a shared machine falls on every policy alike; every cell is the best of its rounds. The load is `python -c 'while True: pass'` pinned to
+background load on a shared machine falls on every policy alike; every cell is the best of its rounds.
+The load is `python -c 'while True: pass'` pinned to
 core 0 with taskset, started and killed here. Writes benchmarks/results/threads.md.
 
     python benchmarks/threads.py [--rounds 2] [--num-requests 16] [--only LABEL,...]
@@ -68,6 +69,7 @@ def busy_core(core: int = 0):
 def child(num_requests: int, options: dict) -> None:
     """Load the engine, then answer 'quiet' / 'loaded' lines on stdin with one JSON line of results."""
     import torch  # NOTE: first, so OpenMP starts with exactly the parent's environment, not stagewise's default
+
     from stagewise import LLM
     llm = LLM(kv_cache_memory="256MiB", **options)
     _offline(llm, _prompts(llm, 4, seed=-1))        # warm-up: one-time costs out of the timings
@@ -209,9 +211,12 @@ def main() -> int:
         return 0
     header = ["# Threads on a busy machine: OpenMP wait policy, quiet vs one core kept busy", "",
               cpu_line(), f"Default model (SmolLM2-135M GGUF, dtype auto), offline: {args.num_requests} requests "
-              f"x 64 prompt / 32 output tokens, greedy; fresh prompts every cell, each cell cut at {CELL_LIMIT_S:.0f} s (tok/s counts what was made by then); batch-1 decode: one 64-token prompt, 32 decode steps. "
+              f"x 64 prompt / 32 output tokens, greedy; fresh prompts every cell, each cell cut at "
+              f"{CELL_LIMIT_S:.0f} s (tok/s counts what was made by then); batch-1 decode: one 64-token prompt, "
+              "32 decode steps. "
               f"Loaded = `python -c 'while True: pass'` pinned to core 0. Best of {args.rounds} rounds per cell, "
-              f"one process per policy, kept alive and stopped (SIGSTOP) between its turns; each round every policy measures quiet then loaded, in an "
+              "one process per policy, kept alive and stopped (SIGSTOP) between its turns; each round every policy "
+              "measures quiet then loaded, in an "
               f"order that rotates between rounds, so background load from the other jobs on this shared "
               f"machine falls on every policy alike. 1-min load average at start: {os.getloadavg()[0]:.1f}."]
     print("\n".join(header), flush=True)

@@ -12,8 +12,15 @@ import torch
 
 from stagewise.config import EngineConfig
 from stagewise.runtime import threads
-from stagewise.runtime.threads import (CpuBudget, cgroup_quota_cpus, configure_threads, set_wait_default,
-                                       spawn_env_defaults, thread_choice, usable_cpus)
+from stagewise.runtime.threads import (
+    CpuBudget,
+    cgroup_quota_cpus,
+    configure_threads,
+    set_wait_default,
+    spawn_env_defaults,
+    thread_choice,
+    usable_cpus,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -59,7 +66,8 @@ def test_cgroup_tightest_ancestor_wins_and_max_is_unlimited(tmp_path):
 
 
 def test_cgroup_v1_quota(tmp_path):
-    files = {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+    files = {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
+             "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
              "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}
     root, proc = _fake_cgroup(tmp_path, "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n1:name=systemd:/\n", files)
     assert cgroup_quota_cpus(root, proc) == 0.5

@@ -148,7 +148,7 @@ def torchrun_env() -> dict | None:
 
 
 def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
-                 models: dict | None = None, startup_timeout_s: float = 300.0) -> list[mp.Process]:
+                 models: dict | None = None, startup_timeout_s: float = 300.0) -> list:
     """Start this node's stage processes and wait until each has started running stage code,
     so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
     # NOTE: children inherit os.environ, and read it before their OpenMP starts; a value the user set wins.
@@ -179,7 +179,8 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"{dead.name} exited with code {dead.exitcode} while starting. If your script "
-                                   f"creates LLM(pp_size>1) at import time, guard it with `if __name__ == '__main__':`.")
+                                   "creates LLM(pp_size>1) at import time, guard it with "
+                                   "`if __name__ == '__main__':`.")
     if pending:
         raise RuntimeError(f"stage processes did not start within {startup_timeout_s:.0f} s.")
     return procs

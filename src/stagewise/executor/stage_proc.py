@@ -5,7 +5,6 @@ isend, so the next replay cannot overwrite rows still being sent.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 
@@ -15,6 +14,7 @@ from ..parallel.transport import Message, recv_message, send_message
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
 from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, stage_rank
+from .watchdog import exit_now
 
 log = logging.getLogger("stagewise.stage")
 
@@ -40,23 +40,21 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
         # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
         init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, max(config.dist_timeout_s, 300.0))
         _serve(config, model_dir, stage_idx, eos_ids)
-    except Exception as exc:   # a peer died or timed out: exit and let the cascade reach the driver
+    except Exception as exc:  # noqa: BLE001 (a peer died or timed out: exit and let the cascade reach the driver)
         log.error("stage %d stopped: %s", stage_idx, exc)
         code = 1
     finally:
         destroy_group()
     if spawned:   # NOTE: skip interpreter teardown (seconds with torch loaded); nothing is left to flush
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
     from ..checkpoint import load_hf_config, num_layers_of
     from ..runtime.worker import Worker
-    stage = stage_infos(num_layers_of(load_hf_config(model_dir), model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
+    stage = stage_infos(num_layers, config.pp_size, config.pp_layer_partition)[stage_idx]
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
     except Exception as exc:
@@ -65,7 +63,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
     send_message(Message("ready", {"memory_plan": worker.memory_plan}), DRIVER_RANK).wait()
     prev = DRIVER_RANK if stage.is_first else stage_rank(stage_idx - 1)
     nxt = DRIVER_RANK if stage.is_last else stage_rank(stage_idx + 1)
-    pending = []
+    pending: list = []
     while True:
         msg = recv_message(prev, config.dist_timeout_s)
         out = _handle(worker, stage, msg)

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
-from ..model.attention import ForwardBatch
 from ..checkpoint import load_hf_config, max_model_len
+from ..config import EngineConfig
 from ..graph.policy import policy_for
+from ..model.attention import ForwardBatch
 from ..model.loader import load_model, resolve_dtype
 from ..parallel.partition import StageInfo
 from .allocator import keep_freed_memory
@@ -59,7 +59,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))
-    num_kv_heads, head_dim = model.kv_cache_spec()
+    num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
     plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,

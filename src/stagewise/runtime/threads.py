@@ -116,7 +116,8 @@ def thread_choice(config, budget: CpuBudget | None = None, current: int | None =
         return config.threads_per_stage, "--threads-per-stage"
     if config.pp_size > 1:
         k = config.stages_per_node
-        return intra_op_threads(config, budget), f"{budget.why} / {k} stage{'s' * (k != 1)} on this node"
+        threads = max(1, budget.cpus // k)
+        return threads, f"{budget.why} / {k} stage{'s' * (k != 1)} on this node"
     if current is not None and current < budget.cpus:
         return current, f"the caller's torch setting ({budget.why})"
     return budget.cpus, f"{budget.why}, 1 stage"
