@@ -164,8 +164,8 @@ class EngineClient:
         """End every open request now with `why` (an abort), and stop computing them."""
         with self._lock:
             ids = list(self._streams)
+        self._fail_all(why, "abort")   # NOTE: first, so the engine's own abort replies land after `why`
         self._abort(ids)
-        self._fail_all(why, "abort")
 
     # requests (event loop thread)
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
