@@ -167,3 +167,12 @@ def parallel_capacity() -> float:
     """How many cores two single-thread processes actually get right now (2.0 on an idle 2-core
     machine, about 1.0 when other jobs keep it busy): 2 x (task alone) / (task beside a twin)."""
     return 2 * _spin_in(1) / _spin_in(2)
+
+
+def cpu_line() -> str:
+    """CPU model and its wide-vector flags: results differ between machines."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    pairs = [line.split(":", 1) for line in info.splitlines() if ":" in line]
+    fields = {k.strip(): v.strip() for k, v in pairs}
+    wide = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "amx")) or f == "avx2")
+    return f"{fields.get('model name', 'unknown CPU')}, flags: {' '.join(wide) or 'none of avx2/avx512/amx'}"

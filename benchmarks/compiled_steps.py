@@ -24,20 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, markdown_table, random_workload, write_result  # noqa: E402
+from common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result  # noqa: E402
 
 VOCAB = 49152
 CONFIGS = ("compiled", "compiled, KV gather", "eager", "eager, KV gather")
 METRICS = (("ttft200_ms", "TTFT 200 ms"), ("ttft512_ms", "TTFT 512 ms"), ("decode1_ms", "decode b1 ms/token"),
            ("decode32_ms", "decode b32 ms/step"), ("offline_tok_s", "offline tok/s"))
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    pairs = [line.split(":", 1) for line in info.splitlines() if ":" in line]
-    fields = {k.strip(): v.strip() for k, v in pairs}
-    wide = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "amx")) or f == "avx2")
-    return f"{fields.get('model name', 'unknown CPU')}, flags: {' '.join(wide) or 'none of avx2/avx512/amx'}"
 
 
 class Bench:

@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, build_llama_checkpoint, export_src, markdown_table, random_workload, write_result  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    build_llama_checkpoint,
+    cpu_line,
+    export_src,
+    markdown_table,
+    random_workload,
+    write_result,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
@@ -257,16 +265,6 @@ BEFORE = "before"
 COLUMNS = (("offline_tok_s", "offline tok/s", max), ("ttft200_ms", "TTFT 200 ms", min),
            ("ttft512_ms", "TTFT 512 ms", min), ("decode1_ms", "decode b1 ms/token", min),
            ("decode1_cpu_ms", "decode b1 CPU ms/token", min), ("decode32_ms", "decode b32 ms/step", min))
-
-
-def cpu_line() -> str:
-    """CPU model and its wide-vector flags: results differ between machines."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = {k.strip(): v for k, v in fields.items()}.get("flags", "").split()
-    wide = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")
-    name = {k.strip(): v for k, v in fields.items()}.get("model name", "unknown CPU").strip()
-    return f"{name}, flags: {' '.join(wide) or 'none of avx2/avx512/amx'}"
 
 
 def best(runs: list[dict], key: str, pick=min) -> float:
