@@ -81,16 +81,13 @@ class CompiledBackend(GraphBackend):
         self._batch = live
         use_compile_cache()
 
-    def _config(self):
-        return torch._dynamo.config.patch(recompile_limit=16, accumulated_recompile_limit=64)
-
     def capture(self, key, body: Body) -> None:
         rows = f"1..{key[0]} rows"
         log.info("compiling the stage body for %s (Inductor; cached in %s after the first start) ...",
                  rows, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         t0 = time.perf_counter()
         assert self._batch.meta is not None, "capture runs on the dummy metadata"
-        with self._config(), live_metadata(self._batch.meta):
+        with live_metadata(self._batch.meta):
             body()      # compile (the row dimension is dynamic)
             body()      # and check the guards hold on a second call (no recompile at replay)
         log.info("compiled the stage body for %s in %.1f s", rows, time.perf_counter() - t0)
@@ -101,7 +98,7 @@ class CompiledBackend(GraphBackend):
 
     def replay(self, key):
         assert self._batch.meta is not None, "the runner sets the step's metadata before a replay"
-        with self._config(), live_metadata(self._batch.meta):
+        with live_metadata(self._batch.meta):
             return self._graphs[key]()
 
     def attend(self, live, layer_id, q, k, v, scale):

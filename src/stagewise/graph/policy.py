@@ -7,6 +7,7 @@ eager. Plain Python (no torch) so the driver imports it cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config import PREFILL_GRAPH_CHOICES
 from .buckets import decode_bucket_ladder, pick_bucket, prefill_bucket_ladder
@@ -68,12 +69,14 @@ def policy_for(config, device_type: str) -> GraphPolicy:
         buckets=config.prefill_graph_buckets, chunked_prefill_size=config.chunked_prefill_size,
         pp_size=config.pp_size, device_type=device_type, decode_graph=config.decode_graph,
         decode_graph_max_bs=config.decode_graph_max_bs,
-        hidden_size=_hidden_size(config) if config.prefill_graph == "auto" and device_type == "cpu" else None)
+        hidden_size=_hidden_size(config.model) if config.prefill_graph == "auto" and device_type == "cpu" else None)
 
 
-def _hidden_size(config) -> int | None:
+@lru_cache(maxsize=8)
+def _hidden_size(model: str) -> int | None:
+    """The checkpoint's hidden size (read once per model: the driver and an in-process stage both ask)."""
     from ..checkpoint import load_hf_config  # lazy: only `auto` on CPU asks
-    return getattr(load_hf_config(config.model), "hidden_size", None)
+    return getattr(load_hf_config(model), "hidden_size", None)
 
 
 def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,

@@ -102,11 +102,9 @@ def intra_op_threads(config, budget: CpuBudget | None = None) -> int | None:
     """Threads for one stage process: `threads_per_stage`, else under PP the usable CPUs shared evenly by
     the node's stages (one stage per core on a 2-core box). None at PP=1: the stage runs in the caller's
     process, whose own setting stands, only capped to the usable CPUs (see `configure_threads`)."""
-    if config.threads_per_stage:
-        return config.threads_per_stage
-    if config.pp_size == 1:
+    if config.pp_size == 1 and not config.threads_per_stage:
         return None
-    return max(1, (budget or usable_cpus()).cpus // config.stages_per_node)
+    return thread_choice(config, budget)[0]
 
 
 def thread_choice(config, budget: CpuBudget | None = None, current: int | None = None) -> tuple[int, str]:
