@@ -27,6 +27,10 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
 MAX_PENALTY_SCALE = 100.0       # repetition_penalty in [1/100, 100]
+MAX_LOGIT_BIAS = 1024           # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_BAD_WORDS = 256
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -54,6 +58,18 @@ class SamplingParams:
     prompt_logprobs: int | None = flag(None, "logprob (+ top-n) of every prompt token after the first", cli=False)
     min_tokens: int = flag(0, "tokens to generate before EOS or a stop may end the output")
     skip_special_tokens: bool = flag(True, "leave special tokens out of the text")
+    # vLLM's extensions (logits processors on the last stage, output and prompt handling, cache isolation)
+    logit_bias: dict[int, float] | None = flag(None, "token id -> bias added to its logit, in [-100, 100]",
+                                               cli=False)
+    allowed_token_ids: list[int] | None = flag(None, "sample only among these token ids", cli=False)
+    bad_words: list[str] | None = flag(None, "words never generated (their last token is banned after the rest)",
+                                       cli=False)
+    include_stop_str_in_output: bool = flag(False, "keep the matched stop string in the text", cli=False)
+    truncate_prompt_tokens: int | None = flag(None, "keep only the last k prompt tokens", cli=False)
+    cache_salt: str | None = flag(None, "prefix-cache namespace: requests with different salts share no KV blocks",
+                                  cli=False)
+    # set by the engine from `bad_words` (its tokenizer): token sequences whose last token is banned
+    bad_words_token_ids: list[list[int]] | None = flag(None, "set by the engine", cli=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +80,12 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         self.stop = self.stop if self.stop is not None else []
         self.stop_token_ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (str, tuple)):
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_as_token_id(k): v for k, v in self.logit_bias.items()}
         self.validate()
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
@@ -81,6 +103,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: the sampler changes this row's logits first."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def max_stop_len(self) -> int:
@@ -103,6 +130,23 @@ def _is_num(v: Any) -> bool:
 
 def _in(lo: float, hi: float, lo_open: bool = False):
     return lambda v: _is_num(v) and (lo < v if lo_open else lo <= v) and v <= hi
+
+
+def _as_token_id(key: Any) -> Any:
+    """logit_bias keys as JSON writes them ("42") or as ints; anything else is left for the check."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
+def _token_ids_ok(v: Any, max_len: int, non_empty: bool = False) -> bool:
+    return (isinstance(v, list) and len(v) <= max_len and (bool(v) or not non_empty)
+            and all(_is_int(t) and 0 <= t < 2**63 for t in v))
+
+
+def _bias_ok(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS
+                         and all(_is_int(k) and 0 <= k < 2**63 and _in(-100.0, 100.0)(b) for k, b in v.items()))
 
 
 def _stops_ok(v: Any) -> bool:
@@ -137,6 +181,18 @@ _RULES = (
      f"an integer in [0, {MAX_LOGPROBS}] or null"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
+    ("logit_bias", _bias_ok, f"null or a map of at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]"),
+    ("allowed_token_ids", lambda v: v is None or _token_ids_ok(v, MAX_ALLOWED_TOKEN_IDS, non_empty=True),
+     "null or a non-empty list of non-negative token ids"),
+    ("bad_words", lambda v: v is None or (isinstance(v, list) and len(v) <= MAX_BAD_WORDS
+                                          and all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_STRING_CHARS
+                                                  for w in v)),
+     f"null or a list of at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_STRING_CHARS} characters"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false"),
+    ("truncate_prompt_tokens", lambda v: v is None or (_is_int(v) and (v >= 1 or v == -1)),
+     "null, -1 (the model's context) or an integer >= 1"),
+    ("cache_salt", lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS),
+     f"null or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
 )
 
 
@@ -145,6 +201,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)   # top-n alternatives
+    rank: int | None = None                               # the token's rank in the vocabulary (prompt logprobs)
 
 
 @dataclass
@@ -202,6 +259,7 @@ class Request:
     decoded: str = ""                        # all output text decoded so far
     decode_offsets: tuple[int, int] = (0, 0)   # output-token window of the incremental decoder
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None      # first admitted into a plan (queue time ends)
     first_token_time: float | None = None
     num_preemptions: int = 0
 

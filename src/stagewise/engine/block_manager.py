@@ -4,7 +4,8 @@ Block 0 is reserved: padded graph rows and capture dummies write their KV there.
 block keeps its hash and stays findable until it is reused (LRU order), so a prompt prefix
 seen before is not computed again. Blocks enter the cache only once their KV is written.
 
-Block keys are SHA-256 digests chained over the parent's digest and the block's token ids, and
+Block keys are SHA-256 digests chained over the parent's digest and the block's token ids (the
+first block's parent is the request's `cache_salt` digest, if it names one), and
 a hit is also checked against the tokens the block was registered with, so no crafted prompt
 can make one request read another request's KV through a hash collision.
 """
@@ -21,6 +22,13 @@ RESERVED_BLOCK = 0
 
 def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+
+
+def salt_root(req: Request) -> bytes | None:
+    """The parent digest of a request's first block: None, or its `cache_salt`'s own digest, so
+    requests with different salts (or none) never share a block, whatever their tokens."""
+    salt = req.params.cache_salt
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class BlockManager:
@@ -51,7 +59,7 @@ class BlockManager:
     def _block_key(self, req: Request, i: int, tokens: list[int]) -> tuple:
         """What block `i` of the request must hold to be shared: its parent's digest and its tokens."""
         bs = self.block_size
-        return (req.block_hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]))
+        return (req.block_hashes[i - 1] if i else salt_root(req), tuple(tokens[i * bs:(i + 1) * bs]))
 
     def _prefix_hashes(self, req: Request, num_full: int) -> list[bytes]:
         """Chained hashes of the request's first `num_full` blocks, extended incrementally
@@ -59,7 +67,7 @@ class BlockManager:
         hashes, bs = req.block_hashes, self.block_size
         if len(hashes) < num_full:
             tokens = req.all_token_ids
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(req)
             for i in range(len(hashes), num_full):
                 parent = block_hash(parent, tuple(tokens[i * bs:(i + 1) * bs]))
                 hashes.append(parent)

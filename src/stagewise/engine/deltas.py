@@ -27,7 +27,8 @@ class DeltaEncoder:
             self._sent[out.request_id] = (c.text, len(c.token_ids), n_lps + len(lps or ()),
                                           n_plps + len(plps or ()))
         return OutputDelta(out.request_id, keep, c.text[keep:], c.token_ids[n_ids:], lps, plps, c.finish_reason,
-                           c.error, out.finished, out.num_cached_tokens, out.metrics.get("first_token_time"))
+                           c.error, out.finished, out.num_cached_tokens, out.metrics.get("first_token_time"),
+                           out.metrics.get("scheduled_time"))
 
 
 class _Output:
@@ -61,6 +62,8 @@ class OutputAssembler:
         metrics = {} if arrival_time is None else {"arrival_time": arrival_time}
         if d.first_token_time is not None:
             metrics["first_token_time"] = d.first_token_time
+        if d.scheduled_time is not None:
+            metrics["scheduled_time"] = d.scheduled_time
         # NOTE: copies: a queued output must not change when the next delta arrives
         completion = CompletionOutput(0, acc.text, list(acc.ids), d.finish_reason,
                                       None if acc.lps is None else list(acc.lps), d.error)

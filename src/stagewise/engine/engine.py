@@ -23,7 +23,7 @@ from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
 from .block_manager import BlockManager
-from .inputs import Tokenizer, check_prompt
+from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
 from .scheduler import Scheduler
 from .stats import EngineStats
@@ -69,6 +69,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
         ids, embeds = self.tok.encode_prompt(prompt, prompt_token_ids, input_embeds)
+        ids, embeds = truncate_prompt(ids, embeds, params, self.max_model_len)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tok, params.bad_words)
         req = Request(request_id or f"req-{next(self._ids)}", ids, params,
                       prompt=prompt if isinstance(prompt, str) else None,
                       input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)

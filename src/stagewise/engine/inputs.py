@@ -30,12 +30,19 @@ class Tokenizer:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The conversation rendered by the model's chat template (or `chat_template`); vLLM's
+        controls: no generation prompt, continuing the final message, extra template variables."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts.")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template; use a plain completion prompt instead.")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  chat_template=chat_template, tokenize=False,
+                                                  **(template_kwargs or {}))
 
     def encode_prompt(self, prompt, prompt_token_ids, input_embeds):
         """Exactly one of the three; returns (token ids, embeddings or None)."""
@@ -71,6 +78,11 @@ def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, voca
     bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size}).")
+    p = req.params
+    for name, ids in (("logit_bias", p.logit_bias or ()), ("allowed_token_ids", p.allowed_token_ids or ())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds the token id {bad[0]}, outside the vocabulary [0, {vocab_size}).")
     if req.input_embeds is not None and req.params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs needs a prompt of text or token ids; an input_embeds prompt has no "
                          "tokens to score.")
@@ -80,6 +92,30 @@ def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, voca
     if req.num_prompt_tokens >= kv_capacity_tokens:
         raise PromptTooLongError(f"The prompt has {num_tokens(req.num_prompt_tokens)} but the KV cache holds "
                                  f"{kv_capacity_tokens}; raise kv_cache_memory or shorten the prompt.")
+
+
+def truncate_prompt(ids: list[int], embeds, params: SamplingParams, max_model_len: int):
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the model's context)."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids, embeds
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be at most the model's context ({max_model_len}), got {k}.")
+    return ids[-k:], (None if embeds is None else embeds[-k:])
+
+
+def bad_words_token_ids(tok, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's tokens as written (leading spaces stripped) and, when it differs in
+    its first token only, with one leading space (the word inside a sentence)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tok.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return [s for s in sequences if s]
 
 
 def num_tokens(n: int) -> str:

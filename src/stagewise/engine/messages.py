@@ -55,6 +55,7 @@ class OutputDelta:
     finished: bool
     num_cached_tokens: int
     first_token_time: float | None
+    scheduled_time: float | None = None            # first admitted into a plan (the queue time ends)
 
 
 @dataclass

@@ -51,7 +51,8 @@ def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
     new = decode_new_text(req, tok)
     can_stop = n_out >= p.min_tokens
     if p.stop and can_stop and new:
-        cut = _find_stop(req.decoded, p.stop_strings, max(0, old_len - p.max_stop_len + 1))
+        cut = _find_stop(req.decoded, p.stop_strings, max(0, old_len - p.max_stop_len + 1),
+                         p.include_stop_str_in_output)
         if cut is not None:
             req.text = req.decoded[:cut]
             return FinishReason.STOP
@@ -60,7 +61,9 @@ def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
     elif n_out >= p.max_tokens or req.num_tokens >= max_model_len:
         reason = FinishReason.LENGTH
     else:
-        held_back = _partial_stop_len(req.decoded, p.stop_strings) if p.stop else 0
+        # NOTE: a stop string the output keeps needs no holding back: it is shown either way
+        held_back = _partial_stop_len(req.decoded, p.stop_strings) if p.stop and not p.include_stop_str_in_output \
+            else 0
         req.text = req.decoded[:len(req.decoded) - held_back]
         return None
     decode_new_text(req, tok, flush=True)
@@ -68,10 +71,14 @@ def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
     return reason
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Where the first stop string begins in `text[start:]` (the part that can hold a new match)."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: list[str], start: int, keep: bool = False) -> int | None:
+    """Where the text ends at the first stop string in `text[start:]` (the part that can hold a new
+    match): where it begins, or with `keep` (include_stop_str_in_output) where it ends."""
+    hits = [(i, -len(s)) for s in stops if (i := text.find(s, start)) >= 0]
+    if not hits:
+        return None
+    begin, minus_len = min(hits)           # the earliest; at one position, the longest
+    return begin - minus_len if keep else begin
 
 
 def _partial_stop_len(text: str, stops: list[str]) -> int:
@@ -96,6 +103,8 @@ def make_output(req: Request) -> RequestOutput:
                                   list(req.output_logprobs) if req.params.logprobs is not None else None,
                                   req.error)
     metrics = {"arrival_time": req.arrival_time}
+    if req.scheduled_time is not None:
+        metrics["scheduled_time"] = req.scheduled_time
     if req.first_token_time is not None:
         metrics["first_token_time"] = req.first_token_time
     prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None

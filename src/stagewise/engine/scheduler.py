@@ -147,6 +147,8 @@ class Scheduler:
                 raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
             return 0
         self.waiting.popleft()
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
         self._zero_tail(plan, new)
         req.status = RequestStatus.RUNNING
         self.running.append(req)

@@ -1,6 +1,8 @@
 """Sampling on the last stage, batched: penalties, temperature, top-k / top-p / min-p, seeded
 draws and logprobs for all rows of a step at once.
 
+vLLM's request-level logits processors (logit_bias, allowed_token_ids, bad_words) change only
+the rows that ask for them, on a copy, before everything else (`apply_logits_processors`).
 A row whose logits are not finite (a model fault, or numbers no valid request can produce)
 fails alone: it gets an error instead of a token and the other rows are untouched. Seeded
 rows draw from a generator keyed by (seed, output index), so a request gets the same tokens
@@ -18,6 +20,8 @@ from ..request import SamplingParams, TokenLogprob
 
 TOP_P_HEAD = 1024     # top-p without top-k: tokens ranked before falling back to a full sort
 NONFINITE = "the model produced non-finite logits for this request"
+NO_TOKEN_LEFT = ("allowed_token_ids, bad_words and logit_bias leave no token to generate; allow at least one "
+                 "token")
 
 
 class SampleRow(Protocol):
@@ -48,6 +52,37 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     return logits
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list["SampleRow"]) -> torch.Tensor:
+    """vLLM's request-level logits processors, for the rows that ask for them: `logit_bias` added,
+    everything but `allowed_token_ids` masked, and each `bad_words` sequence's last token masked
+    when the output ends with the rest of it. Returns `logits` itself (no copy) when no row asks;
+    else a copy `[R, V]` with those rows changed. The raw logits stay what logprobs report."""
+    asking = [i for i, r in enumerate(rows) if r.params.has_logits_processors]
+    if not asking:
+        return logits
+    x = logits.clone()
+    vocab = x.shape[1]
+    for i in asking:
+        p, row = rows[i].params, x[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        if p.allowed_token_ids:
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = True
+            row.masked_fill_(~keep, float("-inf"))
+        if p.bad_words_token_ids:
+            output = rows[i].token_ids[rows[i].num_prompt_tokens:]
+            banned = [seq[-1] for seq in p.bad_words_token_ids if _ends_with(output, seq[:-1])]
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    return x
+
+
+def _ends_with(ids: list[int], tail: list[int]) -> bool:
+    return not tail or (len(tail) <= len(ids) and ids[len(ids) - len(tail):] == tail)
 
 
 def filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -103,15 +138,20 @@ class Sampler:
         for i, good in enumerate(ok):
             if not good:
                 draws[i] = Draw(None, None, NONFINITE)
-        live = [i for i in range(len(rows)) if ok[i]]
+        x = apply_logits_processors(logits, rows)          # `logits` itself unless a row asks
+        if x is not logits:
+            for i in [i for i, r in enumerate(rows) if ok[i] and r.params.has_logits_processors]:
+                if not torch.isfinite(x[i].amax()):
+                    draws[i] = Draw(None, None, NO_TOKEN_LEFT)
+        live = [i for i in range(len(rows)) if draws[i] is None]
         plain = [i for i in live if self._is_plain_greedy(rows[i])]
         if plain:
-            picked = logits if len(plain) == len(rows) else logits[plain]   # all rows: no copy
+            picked = x if len(plain) == len(rows) else x[plain]   # all rows: no copy
             for i, token in zip(plain, row_argmax(picked).tolist()):
                 draws[i] = Draw(token)
         rest = [i for i in live if draws[i] is None]
         if rest:
-            for i, draw in zip(rest, self._sample_rest(logits[rest], [rows[i] for i in rest])):
+            for i, draw in zip(rest, self._sample_rest(x[rest], [rows[i] for i in rest])):
                 draws[i] = draw
         filled = cast("list[Draw]", draws)   # every row has one now: non-finite, greedy or sampled
         self._add_logprobs(logits, rows, filled)
@@ -231,8 +271,10 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: list[int], to
     for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
         logprobs = compute_logits(hidden[lo:lo + PROMPT_LOGPROB_ROWS]).float().log_softmax(-1)   # [r, V]
         want = torch.tensor(targets[lo:lo + PROMPT_LOGPROB_ROWS], device=logprobs.device)
-        chosen = logprobs.gather(1, want[:, None])[:, 0].tolist()
+        chosen_t = logprobs.gather(1, want[:, None])                              # [r, 1]
+        ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()                     # vLLM reports the rank
+        chosen = chosen_t[:, 0].tolist()
         top_vals, top_ids = logprobs.topk(top_n, -1) if top_n else (logprobs[:, :0], want[:, None][:, :0])
-        for t, lp, ids, vals in zip(want.tolist(), chosen, top_ids.tolist(), top_vals.tolist()):
-            entries.append(TokenLogprob(t, lp, dict(zip(ids, vals))))
+        for t, lp, ids, vals, rank in zip(want.tolist(), chosen, top_ids.tolist(), top_vals.tolist(), ranks):
+            entries.append(TokenLogprob(t, lp, dict(zip(ids, vals)), rank))
     return entries
