@@ -68,8 +68,6 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = flag(None, "keep only the last k prompt tokens", cli=False)
     cache_salt: str | None = flag(None, "prefix-cache namespace: requests with different salts share no KV blocks",
                                   cli=False)
-    # set by the engine from `bad_words` (its tokenizer): token sequences whose last token is banned
-    bad_words_token_ids: list[list[int]] | None = flag(None, "set by the engine", cli=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -87,6 +85,9 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_as_token_id(k): v for k, v in self.logit_bias.items()}
         self.validate()
+        # NOTE: not a field (no request sets it): the engine derives it from `bad_words` with its tokenizer;
+        # token sequences whose last token is banned after the rest
+        self.bad_words_token_ids: list[list[int]] | None = None
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
 
