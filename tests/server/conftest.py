@@ -104,3 +104,19 @@ def offline(llama_dir):
     llm = LLM(model=str(llama_dir))
     yield llm
     llm.shutdown()
+
+
+TENANT_KEYS = ("key-a", "key-b")
+
+
+@pytest.fixture(scope="session")
+def tenant_server(llama_dir, tmp_path_factory):
+    """A multi-tenant server: two API keys with a cache namespace each, a reverse proxy's Host name
+    allowed, request chat templates trusted, and (emulated) prefill and decode graphs, so every panel
+    of the Grafana dashboard has series to show."""
+    srv = start_server(llama_dir, tmp_path_factory.mktemp("tenant-server"), "--api-key", ",".join(TENANT_KEYS),
+                       "--cache-isolation", "api-key", "--allowed-hosts", "proxy.example",
+                       "--trust-request-chat-template", "--prefill-graph", "breakable", "--decode-graph",
+                       "--prefill-graph-max-tokens", "64", "--decode-graph-max-bs", "8")
+    yield srv
+    srv.stop()

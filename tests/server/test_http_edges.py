@@ -28,7 +28,10 @@ def fake_url(tmp_path_factory):
     from stagewise.server.options import ServerOptions
     spec = SimpleNamespace(die_at_step=10**9, bug=False, dead_flag=str(tmp_path_factory.mktemp("fake") / "never"))
     engine = EngineClient(spec, engine_factory=fake_engine, tokenizer=FakeTok(), in_process=True)
-    app = build_app(engine, ServerOptions(served_model_name="fake", api_key="k", body_timeout_s=1.0))
+    # NOTE: evil.example is an allowed Host here (as a reverse proxy's name would be), so the requests
+    # below reach the routes; the paths must still never echo it back
+    app = build_app(engine, ServerOptions(served_model_name="fake", api_key="k", body_timeout_s=1.0,
+                                          allowed_hosts=("evil.example",)))
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)

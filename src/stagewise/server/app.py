@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
 from ..engine.client import EngineClient
-from . import routes
+from . import routes, utility
 from .errors import APIError, install_error_handlers
-from .guard import RequestGuard
+from .guard import RequestGuard, host_check_for
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .options import ServerOptions, served_name_for
 from .serving import Serving
@@ -35,9 +35,10 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     name = options.served_model_name or served_name_for(model_path)
     # requests may still name the model by its path (the old default name); responses never show it
     aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
-    metrics = ServerMetrics(lambda: engine.snapshot, name)
+    metrics = ServerMetrics(lambda: engine.snapshot, name, engine.info.max_model_len)
     engine.metrics = metrics
-    serving = Serving(engine, name, aliases, options.body_timeout_s)
+    serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template)
+    serving.cache_isolation = options.cache_isolation
     created = int(time.time())
 
     @asynccontextmanager
@@ -54,8 +55,8 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_bytes,
-                       on_reject=metrics.reject)
+    app.add_middleware(RequestGuard, api_key=options.api_keys, max_body_bytes=options.max_request_bytes,
+                       on_reject=metrics.reject, allowed_hosts=host_check_for(options.host, options.allowed_hosts))
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
 
     def counted(handler):
@@ -71,6 +72,8 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     app.add_api_route("/v1/completions", counted(routes.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", counted(routes.chat_completions), methods=["POST"])
     app.add_api_route("/generate", counted(routes.generate), methods=["POST"])
+    app.add_api_route("/tokenize", counted(utility.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", counted(utility.detokenize), methods=["POST"])
 
     card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
             "max_model_len": serving.max_model_len}
@@ -93,6 +96,14 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         why = engine.dead or "The server is shutting down."
         return JSONResponse(APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body(),
                             status_code=503)
+
+    @app.get("/version")
+    async def version():
+        return utility.version()
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return utility.ping(engine.is_healthy, engine.dead or "The server is shutting down.")
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -9,7 +9,16 @@ import time
 import uuid
 
 from ..request import RequestOutput
-from .logprobs import TokenSpans, chat_entries, completion_entries, join_entries, native_entries, shown_count
+from .logprobs import (
+    TokenIdNames,
+    TokenSpans,
+    chat_entries,
+    completion_entries,
+    join_entries,
+    native_entries,
+    shown_count,
+    vllm_prompt_logprobs,
+)
 
 log = logging.getLogger("stagewise.server")
 
@@ -58,7 +67,12 @@ class Shape:
         self.created = int(time.time())
         self.n = getattr(req, "n", 1)
         self.include_usage = bool(req is not None and req.stream_options and req.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far
+        self.continuous_usage = bool(self.include_usage and req.stream_options.continuous_usage_stats)
         self.logprobs = logprobs
+        self.lp_tok = TokenIdNames() if getattr(req, "return_tokens_as_token_ids", None) else serving.tok
+        self.prompt_logprobs = getattr(req, "prompt_logprobs", None) is not None
+        self.sent_prompt_logprobs: set[int] = set()
         self.skip_special = getattr(req, "skip_special_tokens", None) is not False
         self.states: dict[int, StreamState] = {}
 
@@ -83,6 +97,23 @@ class Shape:
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         raise NotImplementedError
+
+    def render(self, i: int, out: RequestOutput) -> list[dict]:
+        """`chunks` with vLLM's continuous usage stats (each chunk: its choice's tokens so far)."""
+        chunks = self.chunks(i, out)
+        if self.continuous_usage:
+            prompt = len(out.prompt_token_ids)
+            done = len(out.outputs[0].token_ids)
+            for chunk in chunks:
+                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return chunks
+
+    def vllm_prompt_logprobs(self, i: int, out: RequestOutput, stream: bool = False) -> list[dict | None] | None:
+        """The request's vLLM `prompt_logprobs` (once per choice in a stream), or None."""
+        if not self.prompt_logprobs or (stream and i in self.sent_prompt_logprobs) or out.prompt_logprobs is None:
+            return None
+        self.sent_prompt_logprobs.add(i)
+        return vllm_prompt_logprobs(self.lp_tok, out.prompt_logprobs)
 
     def tail(self, inputs, finals) -> list[dict]:
         if not self.include_usage:
@@ -114,8 +145,10 @@ class CompletionShape(Shape):
                 spans, n = self.shown(f)
                 logprobs = self.entries(f, spans, 0, n, len(prompt_text))
                 logprobs = join_entries(prompt_lps, logprobs) if prompt_lps else logprobs
-            choices.append({"index": i, "text": prompt_text + c.text, "finish_reason": c.finish_reason,
-                            "logprobs": logprobs})
+            choice = {"index": i, "text": prompt_text + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+            if self.prompt_logprobs:
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(i, f)
+            choices.append(choice)
         return dict(self.head("text_completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
 
     def prompt(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
@@ -128,11 +161,11 @@ class CompletionShape(Shape):
         text = given if given is not None else spans.flushed_text()
         lps = out.prompt_logprobs or [None] * len(ids)
         # NOTE: a text prompt that does not decode back to itself (a normalizing tokenizer) keeps offsets inside it
-        return text, completion_entries(self.tok, ids, lps, [min(s, len(text)) for s in spans.starts])
+        return text, completion_entries(self.lp_tok, ids, lps, [min(s, len(text)) for s in spans.starts])
 
     def entries(self, out: RequestOutput, spans: TokenSpans, begin: int, end: int, base_offset: int) -> dict:
         c = out.outputs[0]
-        return completion_entries(self.tok, c.token_ids[begin:end], list(c.logprobs or [])[begin:end],
+        return completion_entries(self.lp_tok, c.token_ids[begin:end], list(c.logprobs or [])[begin:end],
                                   [base_offset + s for s in spans.starts[begin:end]])
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
@@ -147,32 +180,41 @@ class CompletionShape(Shape):
         if self.logprobs:
             begin, end = st.new_shown(out, self.keep_stop_token)
             lp = self.entries(out, st.spans or self.spans(), begin, end, st.prompt_chars)
-        if text or end > begin or out.finished:
-            chunks.append(self.chunk({"index": i, "text": text, "logprobs": lp,
-                                      "finish_reason": out.outputs[0].finish_reason}))
+        prompt_lps = self.vllm_prompt_logprobs(i, out, stream=True)
+        if text or end > begin or out.finished or prompt_lps is not None:
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.outputs[0].finish_reason}
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_lps
+            chunks.append(self.chunk(choice))
         return chunks
 
 
 class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, serving, req):
+    def __init__(self, serving, req, messages: list[dict] | None = None):
         super().__init__(serving, req, "chatcmpl", req.logprobs)
+        # vLLM's chat `echo`: the reply starts with the final message's content when it is the assistant's
+        last = (messages or [{}])[-1]
+        self.echo_text = (last.get("content") or "") if req.echo and last.get("role") == "assistant" else ""
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
+        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_text + f.outputs[0].text},
                     "logprobs": self.entries(f, 0, self.shown(f)[1]) if self.logprobs else None,
                     "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
-        return dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
+        body = dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
+        if self.prompt_logprobs and finals:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(0, finals[0])
+        return body
 
     def entries(self, out: RequestOutput, begin: int, end: int) -> dict:
-        return chat_entries(self.tok, list(out.outputs[0].logprobs or [])[begin:end])
+        return chat_entries(self.lp_tok, list(out.outputs[0].logprobs or [])[begin:end])
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
         st, chunks = self.state(i), []
         if not st.started:
             st.started = True
-            chunks.append(self.chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+            chunks.append(self.chunk({"index": i, "delta": {"role": "assistant", "content": self.echo_text},
                                       "logprobs": None, "finish_reason": None}))
         text = st.advance(out)
         begin, end = st.new_shown(out, self.keep_stop_token) if self.logprobs else (0, 0)

@@ -1,13 +1,16 @@
-"""The gate in front of every route (pure ASGI middleware): the API key (401), the JSON content
-type of request bodies (415) and the body size (413), each answered in the OpenAI error shape
-before a route reads anything.
+"""The gate in front of every route (pure ASGI middleware): the Host header (421), the API key
+(401), the JSON content type of request bodies (415) and the body size (413), each answered in
+the OpenAI error shape before a route reads anything.
 
 415 matters even without a key: browsers send `text/plain` (and body-less content types)
 cross-origin without a preflight, so a web page could otherwise make a local server generate.
+The Host check stops DNS rebinding: a page whose name resolves to 127.0.0.1 reaches a server
+bound to loopback as same-origin, but its requests carry the page's own name as Host.
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,14 +19,22 @@ from .errors import APIError, BodyTooLarge
 
 OPEN_PATHS = ("/health", "/metrics")
 BODY_METHODS = ("POST", "PUT", "PATCH")
+BODILESS_PATHS = ("/ping",)          # POST /ping (vLLM's, for SageMaker) reads no body and does nothing
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_reject=lambda: None):
+    """`api_key`: one key or several (a tuple, one per tenant). `allowed_hosts`: None, no Host check;
+    else the Host names accepted besides loopback names and addresses ('*': any)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | tuple[str, ...] | None, max_body_bytes: int,
+                 on_reject=lambda: None, allowed_hosts: tuple[str, ...] | None = None):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.api_keys = tuple(k.encode() for k in keys if k)
+        self.api_key = self.api_keys[0] if self.api_keys else None
         self.max_body_bytes = max_body_bytes
         self.on_reject = on_reject          # counts the refusal (metrics)
+        self.allowed_hosts = None if allowed_hosts is None else frozenset(allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -41,10 +52,15 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
     def _check(self, scope: Scope, headers: Headers) -> APIError | None:
+        if self.allowed_hosts is not None and not self._host_ok(headers.get("host")):
+            shown = (headers.get("host") or "")[:100]
+            return APIError(f"The Host {shown!r} is not a name of this server, which answers only loopback names "
+                            f"here; use http://127.0.0.1 or localhost, or start it with --allowed-hosts NAME (for a "
+                            f"reverse proxy).", 421, None, "misdirected_request")
         if self.api_key is not None and _needs_key(scope["path"]) and not self._authorized(headers):
             return APIError("Missing or incorrect API key; send it as the header 'Authorization: Bearer <key>'.",
                             401, None, "invalid_api_key")
-        if scope["method"] not in BODY_METHODS:
+        if scope["method"] not in BODY_METHODS or scope["path"] in BODILESS_PATHS:
             return None
         if not _is_json(headers.get("content-type")):
             return APIError(f"Unsupported content type {headers.get('content-type', '(none)')[:100]!r}; send the "
@@ -58,8 +74,18 @@ class RequestGuard:
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         # NOTE: compare_digest takes time independent of where the strings differ (no timing oracle).
-        return (scheme.lower() == "bearer" and self.api_key is not None
-                and hmac.compare_digest(token.strip().encode(), self.api_key))
+        presented = token.strip().encode()
+        # NOTE: every key is compared, so the time does not say which one matched
+        matches = [hmac.compare_digest(presented, key) for key in self.api_keys]
+        return scheme.lower() == "bearer" and any(matches)
+
+    def _host_ok(self, host: str | None) -> bool:
+        """A loopback name or address, or an allowed name; no Host (HTTP/1.0) is let through, as
+        browsers always send one."""
+        if host is None or "*" in (self.allowed_hosts or ()):
+            return True
+        name = host_name(host)
+        return is_loopback_name(name) or name in (self.allowed_hosts or ())
 
     def _limited(self, receive: Receive) -> Receive:
         """`receive` that counts body bytes (chunked bodies have no Content-Length) and stops at the limit."""
@@ -76,8 +102,36 @@ class RequestGuard:
         return limited
 
 
+KEYED_PATHS = ("/generate", "/tokenize", "/detokenize")
+
+
 def _needs_key(path: str) -> bool:
-    return path not in OPEN_PATHS and (path == "/v1" or path.startswith("/v1/") or path == "/generate")
+    return path not in OPEN_PATHS and (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS)
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header ('[::1]:8000' -> '::1', 'Example.com.:80' -> 'example.com')."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name.rstrip(".")
+
+
+def is_loopback_name(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_check_for(bind_host: str, allowed_hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The guard's `allowed_hosts`: checked when bound to loopback (or when names are given), else None."""
+    if allowed_hosts is not None:
+        return allowed_hosts
+    return () if is_loopback_name(host_name(bind_host)) else None
 
 
 def _is_json(content_type: str | None) -> bool:

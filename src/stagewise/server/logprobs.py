@@ -94,3 +94,29 @@ def native_entries(lps: Sequence[TokenLogprob | None] | None) -> list[dict | Non
         return None
     return [None if lp is None else {"token_id": lp.token_id, "logprob": float(lp.logprob),
                                      "top": {str(t): float(v) for t, v in sorted_top(lp)}} for lp in lps]
+
+
+class TokenIdNames:
+    """vLLM's `return_tokens_as_token_ids`: logprob entries name tokens "token_id:<id>", so tokens
+    that are not valid UTF-8 on their own stay distinguishable (a stand-in for the tokenizer there)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"token_id:{int(t)}" for t in ids)
+
+
+def vllm_prompt_logprobs(tok, lps: Sequence[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first None) a map from token id to its
+    logprob, rank and decoded text, for the prompt's own token and the top-n alternatives."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": float(v), "rank": rank, "decoded_token": token_text(tok, t)}
+                 for rank, (t, v) in enumerate(sorted_top(lp), 1)}
+        entry.setdefault(str(lp.token_id), {"logprob": float(lp.logprob), "rank": lp.rank,
+                                            "decoded_token": token_text(tok, lp.token_id)})
+        out.append(entry)
+    return out

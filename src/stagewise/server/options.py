@@ -13,6 +13,7 @@ DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as toke
 DEFAULT_GRACEFUL_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 20.0
 API_KEY_ENV = "STAGEWISE_API_KEY"
+CACHE_ISOLATION_CHOICES = ("shared", "api-key")
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,23 @@ class ServerOptions:
     port: int = flag(8000, "port to listen on")
     served_model_name: str | None = flag(None, "the model name clients see and send (default: the checkpoint's "
                                          "base name)")
-    api_key: str | None = flag(None, f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: "
-                               f"${API_KEY_ENV}, else none)")
+    api_key: str | None = flag(None, f"require 'Authorization: Bearer KEY' on /v1/*, /generate, /tokenize and "
+                               f"/detokenize; several keys (one per tenant): KEY1,KEY2 (default: ${API_KEY_ENV}, "
+                               f"else none)")
     max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, "largest request body, e.g. 16MiB; larger ones get 413",
                                   size=True)
     graceful_timeout_s: float = flag(DEFAULT_GRACEFUL_TIMEOUT_S, "on SIGINT/SIGTERM, seconds open requests may "
                                      "finish before they are cut", flag="--graceful-timeout")
     body_timeout_s: float = flag(DEFAULT_BODY_TIMEOUT_S, "seconds a client may take to send a request body; "
                                  "slower ones get 408", flag="--body-timeout")
+    allowed_hosts: tuple[str, ...] | None = flag(None, "Host header names accepted besides loopback ones, e.g. "
+                                                 "api.example.com (a reverse proxy's); '*': any. Bound to a "
+                                                 "loopback address, other Hosts get 421 (DNS rebinding)")
+    cache_isolation: str = flag("shared", "shared: requests share the prefix cache unless they name a cache_salt; "
+                                "api-key: each API key gets its own cache namespace (a request's cache_salt "
+                                "subdivides it), for multi-tenant servers")
+    trust_request_chat_template: bool = flag(False, "accept a chat_template in requests (vLLM's flag; templates "
+                                             "run sandboxed, but can be slow)")
 
     def __post_init__(self):
         object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
@@ -38,8 +48,21 @@ class ServerOptions:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key is empty; give a non-empty key or leave it out.")
+        if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
+            raise ValueError("api_key is empty (or lists an empty key); give non-empty keys or leave it out.")
+        if self.cache_isolation not in CACHE_ISOLATION_CHOICES:
+            raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION_CHOICES)}, got "
+                             f"{self.cache_isolation!r}.")
+        if self.allowed_hosts is not None:
+            hosts = self.allowed_hosts.split(",") if isinstance(self.allowed_hosts, str) else self.allowed_hosts
+            names = tuple(h.strip().lower().rstrip(".") for item in hosts for h in str(item).split(","))
+            if not all(names):
+                raise ValueError("allowed_hosts lists an empty name; give host names such as api.example.com.")
+            object.__setattr__(self, "allowed_hosts", names)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key else ()
 
 
 def served_name_for(model_path: str | None) -> str:

@@ -2,15 +2,18 @@
 SamplingParams. Types are strict: a string where a number belongs is a 400, not a coercion.
 
 `SamplingFields` is the one schema of SamplingParams' fields: /generate takes it (plus
-`logprobs`) as `sampling_params`, and the OpenAI schemas inherit it. Unknown fields are
-refused ("Unrecognized request argument"), as OpenAI does; known fields whose values would
-change results but are not implemented are refused by `check_unsupported`. Validating a
+`logprobs`) as `sampling_params`, and the OpenAI schemas inherit it. The OpenAI schemas take
+vLLM's extensions too, and ignore unknown fields as vLLM does (one warning line per field
+name, `_Lenient`); /generate refuses them ("Unrecognized request argument"). Known fields
+whose values would change results but are not implemented are refused by `check_unsupported`. Validating a
 hostile body costs about as much as parsing it: lists stop at their first bad item, dicts
 are bounded, and only the first unknown key is reported.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,8 +27,17 @@ from pydantic import (
     model_validator,
 )
 
-from ..request import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from ..request import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from .errors import bad_request, from_value_error
+
+log = logging.getLogger("stagewise.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
 MAX_N = 16                           # choices per prompt
@@ -85,6 +97,35 @@ class _Strict(BaseModel):
         return data
 
 
+MAX_WARNED_FIELDS = 256              # distinct unknown field names logged, at most (a client can invent many)
+_warned_fields: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_unknown_field(schema: str, name: str) -> None:
+    """One warning line per unknown field name (per process), as vLLM logs them."""
+    with _warned_lock:
+        if name in _warned_fields or len(_warned_fields) >= MAX_WARNED_FIELDS:
+            return
+        _warned_fields.add(name)
+    log.warning("%s: ignoring the unknown request field %r (logged once per field name)", schema, name[:100])
+
+
+class _Lenient(_Strict):
+    """vLLM's rule for its OpenAI schemas: unknown fields are dropped, with one warning per name."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_unknown_key_only(cls, data):
+        if isinstance(data, dict) and any(k not in cls.model_fields for k in data):
+            for k in data:
+                if k not in cls.model_fields and isinstance(k, str):
+                    warn_unknown_field(cls.__name__, k)
+            return {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
+
+
 class SamplingFields(_Strict):
     """SamplingParams' fields but `logprobs` (whose type differs per API). Unset fields keep
     SamplingParams' defaults; their ranges are SamplingParams' to check."""
@@ -102,10 +143,22 @@ class SamplingFields(_Strict):
     ignore_eos: bool | None = None
     min_tokens: Int | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's extensions
+    logit_bias: Annotated[dict[str, Finite], _at_most(MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: Annotated[Strs, _at_most(MAX_BAD_WORDS)] | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: Int | None = None
+    cache_salt: str | None = None
 
     def sampling_kwargs(self) -> dict:
-        """The fields a request set, but max_tokens (the server computes the limit)."""
-        return {k: v for k in SamplingFields.model_fields if k != "max_tokens" and (v := getattr(self, k)) is not None}
+        """The fields a request set, but max_tokens (the server computes the limit). logit_bias
+        values are clamped to [-100, 100], as OpenAI and vLLM do."""
+        kwargs = {k: v for k in SamplingFields.model_fields
+                  if k != "max_tokens" and (v := getattr(self, k)) is not None}
+        if self.logit_bias:
+            kwargs["logit_bias"] = {k: min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
+        return kwargs
 
 
 class NativeSampling(SamplingFields):
@@ -114,25 +167,43 @@ class NativeSampling(SamplingFields):
     prompt_logprobs: Int | None = None       # with max_tokens 0: score the prompt only
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False          # vLLM: every chunk carries the usage so far
 
 
-class _OpenAIFields(SamplingFields):
+class _OpenAIFields(_Lenient, SamplingFields):
     model: str | None = None
     n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Annotated[dict[str, Finite], _at_most(MAX_MAP_ITEMS)] | None = None
     user: str | None = None                         # accepted and ignored, as an end-user tag
+    # vLLM's extensions
+    prompt_logprobs: Int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    add_special_tokens: bool | None = None
+    priority: Int | None = None                     # accepted and ignored: requests are served first come first
+    request_id: str | None = None                   # accepted and ignored: responses carry the server's ids
+    # vLLM fields this server knows but cannot honour: a value that would change results is a 400
+    use_beam_search: bool = False
+    length_penalty: Finite = 1.0
+    logits_processors: Anys | None = None
+    spaces_between_special_tokens: bool = True
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be an integer in [1, {MAX_N}], got {self.n!r}.", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server; remove it.", "logit_bias", "unsupported")
+        refused = [name for name, off in (("use_beam_search", False), ("length_penalty", 1.0),
+                                          ("logits_processors", None), ("spaces_between_special_tokens", True))
+                   if getattr(self, name) not in (off, None) and getattr(self, name) != []]
+        if refused:
+            raise bad_request(f"{refused[0]} is not supported by this server; remove it (or leave it at its "
+                              f"default).", refused[0], "unsupported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                              f"{self.prompt_logprobs}.", "prompt_logprobs")
 
 
 class CompletionRequest(_OpenAIFields):
@@ -177,7 +248,44 @@ class ChatMessage(_Strict):
         return {"role": role, "content": self.text(i)}
 
 
-class ChatCompletionRequest(_OpenAIFields):
+CHAT_TEMPLATE_ARGS = frozenset((   # apply_chat_template's own parameters: not template variables
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "template_kwargs"))
+
+
+class ChatTemplateFields(_Lenient):
+    """vLLM's chat-template controls (chat completions and /tokenize with messages)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], _at_most(MAX_MAP_ITEMS)] | None = None
+
+    def template_options(self, trust_request_template: bool) -> dict:
+        """Keyword arguments for `Tokenizer.chat_prompt` (none when every control has its default)."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true; set "
+                              "add_generation_prompt to false to continue the final message.", "continue_final_message")
+        if self.chat_template is not None and not trust_request_template:
+            raise bad_request("chat_template in a request needs a server started with --trust-request-chat-template; "
+                              "remove it to use the model's template.", "chat_template", "unsupported")
+        reserved = sorted(CHAT_TEMPLATE_ARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r} (a request field of its own or the "
+                              f"server's); remove it.", "chat_template_kwargs")
+        options: dict[str, Any] = {}
+        if not self.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        if self.chat_template is not None:
+            options["chat_template"] = self.chat_template
+        if self.chat_template_kwargs:
+            options["template_kwargs"] = dict(self.chat_template_kwargs)
+        return options
+
+
+class ChatCompletionRequest(ChatTemplateFields, _OpenAIFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -192,9 +300,17 @@ class ChatCompletionRequest(_OpenAIFields):
     store: bool | None = None
     metadata: Annotated[dict[str, str], _at_most(MAX_MAP_ITEMS)] | None = None
     service_tier: str | None = None
+    reasoning_effort: str | None = None             # accepted and ignored: this server's models do not reason
+    # output modalities: text only (the SDK sends `audio: null`)
+    audio: Any = None
+    modalities: Strs | None = None
+    echo: bool = False                              # vLLM: the reply starts with the final message's content
 
     def check_unsupported(self) -> None:
         self.check_common()
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            raise bad_request("This server produces text only; remove audio (or leave it null) and keep modalities "
+                              "[\"text\"].", "audio" if self.audio is not None else "modalities", "unsupported")
         if self.tools or self.functions:
             name = "tools" if self.tools else "functions"
             raise bad_request(f"{name} (function calling) is not supported by this server; remove it.", name,

@@ -59,24 +59,27 @@ async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, by
         # NOTE: a client leaving is not a server fault: no traceback, no warning
         log.debug("client left while sending %s %s", raw.method, raw.url.path)
         return Response(status_code=CLIENT_GONE)
-    return await _answer(serving, raw, await serving.off_loop(make_job, serving, body))
+    job = await serving.off_loop(make_job, serving, body)
+    serving.isolate(raw, job.params)
+    return await _answer(serving, raw, job)
 
 
 def completion_job(serving: Serving, body: bytes) -> Job:
     req = parse_request(body, CompletionRequest)
     serving.check_model(req.model)
     req.check_unsupported()
-    prompts = _completion_prompts(serving, req.prompt, req.n)
+    prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
     inputs, params, fields = [], [], req.sampling_kwargs()
     for prompt in prompts:
-        # echo with max_tokens 0 scores the prompt only; the engine computes prompt logprobs only for echo
+        # echo with max_tokens 0 scores the prompt only; the engine computes prompt logprobs for echo
+        # with logprobs, and for vLLM's prompt_logprobs
         max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                                            minimum=0 if req.echo else 1)
+                                            minimum=0 if req.echo or req.prompt_logprobs is not None else 1)
         scored = req.echo and (req.logprobs is not None or max_tokens == 0)
+        prompt_lps = _max_or_none((req.logprobs or 0) if scored else None, req.prompt_logprobs)
         for j in range(req.n):
             inputs.append(prompt)
-            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j,
-                                               prompt_logprobs=(req.logprobs or 0) if scored else None))
+            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j, prompt_logprobs=prompt_lps))
     return Job(inputs, params, CompletionShape(serving, req, inputs), req.stream)
 
 
@@ -90,12 +93,19 @@ def chat_job(serving: Serving, body: bytes) -> Job:
                           f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
                           "context_length_exceeded")
     messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
-    serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
-    prompt = serving.text_input(_render_chat(serving, messages), "messages")
-    max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None)
+    truncating = req.truncate_prompt_tokens is not None
+    if not truncating:
+        serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    options = req.template_options(serving.trust_request_chat_template)
+    prompt = serving.text_input(render_chat(serving, messages, options), "messages", req.add_special_tokens,
+                                truncating)
+    prompt = serving.truncated(prompt, req.truncate_prompt_tokens)
+    max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None,
+                                        minimum=0 if req.prompt_logprobs is not None else 1)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [make_sampling_params(req.sampling_kwargs(), max_tokens, logprobs, j) for j in range(req.n)]
-    return Job([prompt] * req.n, params, ChatShape(serving, req), req.stream)
+    params = [make_sampling_params(req.sampling_kwargs(), max_tokens, logprobs, j,
+                                   prompt_logprobs=req.prompt_logprobs) for j in range(req.n)]
+    return Job([prompt] * req.n, params, ChatShape(serving, req, messages), req.stream)
 
 
 def generate_job(serving: Serving, body: bytes) -> Job:
@@ -109,6 +119,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     else:
         prompt = PromptInput(input_embeds=_embeds_tensor(serving, req.input_embeds))
     sp = req.sampling_params
+    prompt = serving.truncated(prompt, sp.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens",
                                         minimum=0 if sp.prompt_logprobs is not None else 1)
     params = [make_sampling_params(sp.sampling_kwargs(), max_tokens, sp.logprobs, param_prefix="sampling_params.",
@@ -119,7 +130,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
 async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
     sub = serving.submit(job.inputs, job.params)
     if job.stream:
-        return serving.streaming_response(sub, job.shape.chunks, lambda finals: job.shape.tail(job.inputs, finals))
+        return serving.streaming_response(sub, job.shape.render, lambda finals: job.shape.tail(job.inputs, finals))
     try:
         finals = await serving.run(raw, sub)
     except ClientGone:
@@ -128,9 +139,9 @@ async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
     return JSONResponse(await serving.off_loop(job.shape.body, job.inputs, finals))
 
 
-def _render_chat(serving: Serving, messages: list[dict]) -> str:
+def render_chat(serving: Serving, messages: list[dict], options: dict | None = None) -> str:
     try:
-        return serving.tok.chat_prompt(messages)
+        return serving.tok.chat_prompt(messages, **(options or {}))
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     except Exception as exc:
@@ -141,10 +152,16 @@ def _render_chat(serving: Serving, messages: list[dict]) -> str:
         raise bad_request(f"The model's chat template rejected these messages: {str(exc)[:300]}", "messages") from None
 
 
-def _completion_prompts(serving: Serving, prompt, n: int) -> list[PromptInput]:
+def _max_or_none(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _completion_prompts(serving: Serving, req: CompletionRequest) -> list[PromptInput]:
+    prompt, n = req.prompt, req.n
+    special, truncating = req.add_special_tokens, req.truncate_prompt_tokens is not None
     if isinstance(prompt, str):
         serving.check_choices(1, n)
-        return [serving.text_input(prompt, "prompt")]
+        return [serving.text_input(prompt, "prompt", special, truncating)]
     if not prompt:
         raise bad_request("prompt is empty; give a string, a list of strings or a list of token ids.", "prompt")
     if isinstance(prompt[0], int):          # the schema allows only all-int, all-str or all-list lists
@@ -152,7 +169,7 @@ def _completion_prompts(serving: Serving, prompt, n: int) -> list[PromptInput]:
         return [_ids_input(serving, prompt, "prompt")]
     serving.check_choices(len(prompt), n)
     if isinstance(prompt[0], str):
-        return [serving.text_input(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [serving.text_input(p, f"prompt[{i}]", special, truncating) for i, p in enumerate(prompt)]
     return [_ids_input(serving, ids, f"prompt[{i}]") for i, ids in enumerate(prompt)]
 
 

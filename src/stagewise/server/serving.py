@@ -11,6 +11,7 @@ token), so it is refused without tokenizing. Endpoint parsing and response shape
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,7 @@ def chars_per_token_bound(tok) -> int:
 
 class Serving:
     def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, trust_request_chat_template: bool = False):
         self.engine = engine
         self.tok = engine.info.tok
         self.model_name = model_name
@@ -56,6 +57,8 @@ class Serving:
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.vocab_size = engine.info.vocab_size
         self.body_timeout_s = body_timeout_s
+        self.trust_request_chat_template = trust_request_chat_template
+        self.cache_isolation = "shared"          # or "api-key": see `isolate`
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -92,11 +95,30 @@ class Serving:
                               f"context of {self.max_model_len} tokens can have ({self.max_prompt_chars}); shorten "
                               f"it.", param, "context_length_exceeded")
 
-    def text_input(self, text: str, param: str) -> PromptInput:
+    def text_input(self, text: str, param: str, add_special_tokens: bool | None = None,
+                   truncating: bool = False) -> PromptInput:
+        """`add_special_tokens` None: the tokenizer's default (vLLM's field, when a request sets it);
+        a prompt to be truncated (`truncating`) may be longer than the context."""
         if not text:
             raise bad_request(f"{param} is empty; give at least one character.", param)
-        self.check_chars(len(text), param)
-        return PromptInput(prompt_token_ids=self.tok.encode(text), text=text)
+        if not truncating:
+            self.check_chars(len(text), param)
+        ids = (self.tok.encode(text) if add_special_tokens is None
+               else self.tok.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return PromptInput(prompt_token_ids=ids, text=text)
+
+    def truncated(self, prompt: PromptInput, k: int | None) -> PromptInput:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the model's context)."""
+        if k is None:
+            return prompt
+        if not (k == -1 or 1 <= k <= self.max_model_len):
+            raise bad_request(f"truncate_prompt_tokens must be -1 or an integer in [1, {self.max_model_len}] (the "
+                              f"model's context), got {k}.", "truncate_prompt_tokens")
+        k = self.max_model_len if k == -1 else k
+        if prompt.input_embeds is not None:
+            return PromptInput(input_embeds=prompt.input_embeds[-k:]) if prompt.num_tokens > k else prompt
+        ids = prompt.prompt_token_ids or []
+        return prompt if len(ids) <= k else PromptInput(prompt_token_ids=ids[-k:])
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None,
                        param: str = "max_tokens", minimum: int = 1) -> int:
@@ -123,6 +145,17 @@ class Serving:
                               f"model's {limit} {total} tokens; lower max_tokens to at most {room}.",
                               param, "context_length_exceeded")
         return requested
+
+    def isolate(self, raw: Request, params: list[SamplingParams]) -> None:
+        """With cache isolation per API key, every request's cache_salt becomes a digest of the key it
+        presented and the salt it named (if any): tenants share no prefix blocks, whatever they name."""
+        if self.cache_isolation != "api-key":
+            return
+        key = raw.headers.get("authorization", "").partition(" ")[2].strip()
+        for p in params:
+            digest = hashlib.blake2b(key.encode() + b"\0" + (p.cache_salt or "").encode("utf-8", "surrogatepass"),
+                                     digest_size=16, person=b"stagewise-salt").hexdigest()
+            p.cache_salt = f"key:{digest}"
 
     # running (event loop)
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
