@@ -93,6 +93,7 @@ class _Stream:
     prompt_token_ids: list[int]
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.monotonic)
+    max_tokens: int | None = None
 
 
 def _real_engine(config):
@@ -182,7 +183,8 @@ class EngineClient:
             new = []
             for inp, p in zip(inputs, params):
                 rid = f"req-{uuid.uuid4().hex}"
-                self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens)
+                self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens,
+                                             max_tokens=p.max_tokens)
                 sub.add(rid)
                 new.append(NewRequest(rid, inp.prompt_token_ids, inp.input_embeds, p))
         self._outbox.put(AddRequests(new))
@@ -274,7 +276,9 @@ class EngineClient:
         try:
             for out in outputs:
                 if out.finished:
-                    self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now)
+                    entry = self._streams.get(out.request_id)
+                    self.metrics.observe_finished(out, self.num_prompt_tokens(out.request_id), now,
+                                                  entry.max_tokens if entry else None)
         except Exception:
             log.exception("recording request metrics failed")
 

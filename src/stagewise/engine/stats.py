@@ -3,7 +3,10 @@ finished requests, and per-stage busy time. `snapshot()` is what `LLM.stats()` r
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import Counter
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 
 
 class _GraphCounter:
@@ -33,9 +36,13 @@ class EngineStats:
         self.stage_busy_s: list[float] = []
         self.num_steps = 0
         self.started = time.monotonic()
+        self.iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)     # the last: above every bucket
+        self.iteration_tokens = 0
 
     def record_verdict(self, verdict, num_tokens: int) -> None:
         (self.decode if verdict.kind == "decode" else self.prefill).record(verdict, num_tokens)
+        self.iteration_counts[bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens += num_tokens
 
     def record_result(self, result) -> None:
         self.num_steps += 1
@@ -61,5 +68,7 @@ class EngineStats:
             "prefix_cache_queries": scheduler.blocks.num_queried_tokens,
             "prefix_cache_hits": scheduler.blocks.num_hit_tokens,
             "stage_busy_s": list(self.stage_busy_s),
+            "iteration_tokens": {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.iteration_counts),
+                                 "sum": self.iteration_tokens},
             "stage_busy_fraction": [b / wall if wall > 0 else 0.0 for b in self.stage_busy_s],
         }

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, max_model_len: int = 1 << 17):
         disable_created_metrics()      # `*_created` series double the scrape and nobody graphs them
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -36,17 +37,42 @@ class ServerMetrics:
                               registry=r).labels(**labels)
         self.e2e = Histogram("stagewise_e2e_request_latency_seconds", "Arrival to the final token.",
                              ["model_name"], buckets=LATENCY_BUCKETS_S, registry=r).labels(**labels)
+        # vLLM's per-request histograms (its dashboard's token and phase panels)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram("stagewise_request_prompt_tokens", "Prompt tokens per finished "
+                                                     "request.", tokens, labels)
+        self.request_generation_tokens = self._histogram("stagewise_request_generation_tokens", "Generated tokens "
+                                                         "per finished request.", tokens, labels)
+        self.request_max_tokens = self._histogram("stagewise_request_params_max_tokens", "The max_tokens limit of "
+                                                  "each finished request.", tokens, labels)
+        phases = {"queue": "Arrival to first scheduled (waiting).",
+                  "prefill": "First scheduled to first generated token (the prompt's computation).",
+                  "decode": "First generated token to the last.",
+                  "inference": "First scheduled to the last token (prefill + decode)."}
+        self.phase_time = {phase: self._histogram(f"stagewise_request_{phase}_time_seconds", doc, PHASE_BUCKETS_S,
+                                                  labels) for phase, doc in phases.items()}
         self.model_name = model_name
         r.register(_EngineCollector(snapshot, model_name))
 
-    def observe_finished(self, out, num_prompt_tokens: int, now: float) -> None:
+    def _histogram(self, name: str, doc: str, buckets, labels: dict):
+        return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+
+    def observe_finished(self, out, num_prompt_tokens: int, now: float, max_tokens: int | None = None) -> None:
         """Called with a request's final output (`now`: time.monotonic() when the engine produced it)."""
         completion = out.outputs[0]
         self.requests.labels(self.model_name, completion.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(num_prompt_tokens or len(out.prompt_token_ids))
+        num_prompt = num_prompt_tokens or len(out.prompt_token_ids)
+        self.prompt_tokens.inc(num_prompt)
         num_out = len(completion.token_ids)
         self.generation_tokens.inc(num_out)
         arrival, first = out.metrics.get("arrival_time"), out.metrics.get("first_token_time")
+        scheduled = out.metrics.get("scheduled_time")
+        if completion.finish_reason in ("stop", "length"):      # requests that ran (not refused or aborted)
+            self.request_prompt_tokens.observe(num_prompt)
+            self.request_generation_tokens.observe(num_out)
+            if max_tokens is not None:
+                self.request_max_tokens.observe(max_tokens)
+            self._observe_phases(arrival, scheduled, first, now)
         if arrival is None:
             return
         self.e2e.observe(max(0.0, now - arrival))
@@ -54,6 +80,16 @@ class ServerMetrics:
             self.ttft.observe(max(0.0, first - arrival))
             if num_out > 1:
                 self.tpot.observe(max(0.0, now - first) / (num_out - 1))
+
+    def _observe_phases(self, arrival, scheduled, first, now: float) -> None:
+        if scheduled is None:
+            return
+        if arrival is not None:
+            self.phase_time["queue"].observe(max(0.0, scheduled - arrival))
+        self.phase_time["inference"].observe(max(0.0, now - scheduled))
+        if first is not None:
+            self.phase_time["prefill"].observe(max(0.0, first - scheduled))
+            self.phase_time["decode"].observe(max(0.0, now - first))
 
     def reject(self) -> None:
         self.requests.labels(self.model_name, "rejected").inc()
@@ -65,7 +101,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Turns the engine's stats snapshot into metric families at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, max_model_len: int = 1 << 17):
         self.snapshot, self.model_name = snapshot, model_name
 
     def describe(self):
@@ -87,6 +123,7 @@ class _EngineCollector:
         yield _counter("stagewise_num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", m,
                        s.get("num_preemptions", 0))
         yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
+        yield _iteration_tokens(s, m)
         yield from _graph_families(s, m)
         busy = GaugeMetricFamily("stagewise_stage_busy_fraction", "Fraction of wall time since start each "
                                  "pipeline stage spent computing.", labels=["model_name", "stage"])
@@ -99,6 +136,32 @@ class _EngineCollector:
         for i, seconds in enumerate(s.get("stage_busy_s", [])):
             busy_s.add_metric([m, str(i)], float(seconds))
         yield busy_s
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the model's context (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return buckets
+            buckets.append(float(step * scale))
+        scale *= 10
+
+
+def _iteration_tokens(s: dict, m: str) -> HistogramMetricFamily:
+    """Tokens per engine step (prefill chunks + decodes), from the engine's bucket counts."""
+    h = s.get("iteration_tokens") or {}
+    bounds, counts = h.get("buckets", []), h.get("counts", [])
+    cumulative, running = [], 0
+    for bound, count in zip([*bounds, float("inf")], counts or [0] * (len(bounds) + 1)):
+        running += count
+        cumulative.append(("+Inf" if bound == float("inf") else str(float(bound)), float(running)))
+    family = HistogramMetricFamily("stagewise_iteration_tokens", "Tokens computed per engine step.",
+                                   labels=["model_name"])
+    family.add_metric([m], cumulative, float(h.get("sum", 0)))
+    return family
 
 
 def _graph_families(s: dict, m: str):
