@@ -19,7 +19,11 @@ class Row:
 
 def test_rows_without_processors_pay_nothing():
     logits = torch.randn(3, 50)
-    assert apply_logits_processors(logits, [Row(SamplingParams(temperature=0))] * 3) is logits
+    before = logits.clone()
+    assert apply_logits_processors(logits, [Row(SamplingParams(temperature=0))] * 3) == [True] * 3
+    assert torch.equal(logits, before)
+    plain, biased = Row(SamplingParams(temperature=0)), Row(SamplingParams(temperature=0, logit_bias={1: 1.0}))
+    assert Sampler()._is_plain_greedy(plain) and not Sampler()._is_plain_greedy(biased)
 
 
 def test_each_processor_changes_only_its_row():

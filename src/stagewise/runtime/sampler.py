@@ -2,7 +2,8 @@
 draws and logprobs for all rows of a step at once.
 
 vLLM's request-level logits processors (logit_bias, allowed_token_ids, bad_words) change only
-the rows that ask for them, on a copy, before everything else (`apply_logits_processors`).
+the rows that ask for them, on their private copy, before everything else
+(`apply_logits_processors`); rows that do not ask keep the fast greedy path.
 A row whose logits are not finite (a model fault, or numbers no valid request can produce)
 fails alone: it gets an error instead of a token and the other rows are untouched. Seeded
 rows draw from a generator keyed by (seed, output index), so a request gets the same tokens
@@ -54,18 +55,17 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: list["SampleRow"]) -> torch.Tensor:
-    """vLLM's request-level logits processors, for the rows that ask for them: `logit_bias` added,
-    everything but `allowed_token_ids` masked, and each `bad_words` sequence's last token masked
-    when the output ends with the rest of it. Returns `logits` itself (no copy) when no row asks;
-    else a copy `[R, V]` with those rows changed. The raw logits stay what logprobs report."""
-    asking = [i for i, r in enumerate(rows) if r.params.has_logits_processors]
-    if not asking:
-        return logits
-    x = logits.clone()
+def apply_logits_processors(x: torch.Tensor, rows: list["SampleRow"]) -> list[bool]:
+    """vLLM's request-level logits processors, in place on `x` `[M, V]` (a private copy), for the
+    rows that ask for them: `logit_bias` added, everything but `allowed_token_ids` masked, and each
+    `bad_words` sequence's last token masked when the output ends with the rest of it. Returns,
+    per row, whether any token is left to sample."""
+    left = [True] * len(rows)
     vocab = x.shape[1]
-    for i in asking:
-        p, row = rows[i].params, x[i]
+    for i, r in enumerate(rows):
+        p, row = r.params, x[i]
+        if not p.has_logits_processors:
+            continue
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
             row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
@@ -74,11 +74,12 @@ def apply_logits_processors(logits: torch.Tensor, rows: list["SampleRow"]) -> to
             keep[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = True
             row.masked_fill_(~keep, float("-inf"))
         if p.bad_words_token_ids:
-            output = rows[i].token_ids[rows[i].num_prompt_tokens:]
+            output = r.token_ids[r.num_prompt_tokens:]
             banned = [seq[-1] for seq in p.bad_words_token_ids if _ends_with(output, seq[:-1])]
             if banned:
                 row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
-    return x
+        left[i] = bool(torch.isfinite(row.amax()))
+    return left
 
 
 def _ends_with(ids: list[int], tail: list[int]) -> bool:
@@ -138,20 +139,15 @@ class Sampler:
         for i, good in enumerate(ok):
             if not good:
                 draws[i] = Draw(None, None, NONFINITE)
-        x = apply_logits_processors(logits, rows)          # `logits` itself unless a row asks
-        if x is not logits:
-            for i in [i for i, r in enumerate(rows) if ok[i] and r.params.has_logits_processors]:
-                if not torch.isfinite(x[i].amax()):
-                    draws[i] = Draw(None, None, NO_TOKEN_LEFT)
-        live = [i for i in range(len(rows)) if draws[i] is None]
+        live = [i for i in range(len(rows)) if ok[i]]
         plain = [i for i in live if self._is_plain_greedy(rows[i])]
         if plain:
-            picked = x if len(plain) == len(rows) else x[plain]   # all rows: no copy
+            picked = logits if len(plain) == len(rows) else logits[plain]   # all rows: no copy
             for i, token in zip(plain, row_argmax(picked).tolist()):
                 draws[i] = Draw(token)
         rest = [i for i in live if draws[i] is None]
         if rest:
-            for i, draw in zip(rest, self._sample_rest(x[rest], [rows[i] for i in rest])):
+            for i, draw in zip(rest, self._sample_rest(logits[rest], [rows[i] for i in rest])):
                 draws[i] = draw
         filled = cast("list[Draw]", draws)   # every row has one now: non-finite, greedy or sampled
         self._add_logprobs(logits, rows, filled)
@@ -161,7 +157,7 @@ class Sampler:
         """Greedy with nothing that changes the row before its argmax."""
         p = row.params
         return (p.is_greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty and not self._blocks_eos(row))
+                and not p.frequency_penalty and not p.has_logits_processors and not self._blocks_eos(row))
 
     def _blocks_eos(self, row: SampleRow) -> bool:
         p = row.params
@@ -172,7 +168,9 @@ class Sampler:
         return len(row.token_ids) - row.num_prompt_tokens
 
     def _sample_rest(self, x: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
-        """Rows that need penalties, an EOS block or a random draw; `x` is a private copy `[M, V]`."""
+        """Rows that need logits processors, penalties, an EOS block or a random draw; `x` is a private
+        copy `[M, V]`."""
+        left = apply_logits_processors(x, rows)
         for j, row in enumerate(rows):
             prompt = row.token_ids[:row.num_prompt_tokens] if row.input_embeds is None else []
             apply_penalties(x[j], row.params, prompt, row.token_ids[row.num_prompt_tokens:])
@@ -187,7 +185,8 @@ class Sampler:
         if drawn:
             for j, t in zip(drawn, self._draw(x[drawn], [rows[j] for j in drawn])):
                 tokens[j] = t
-        return [Draw(t) if t is not None else Draw(None, None, NONFINITE) for t in tokens]
+        return [Draw(None, None, NO_TOKEN_LEFT) if not ok else Draw(t) if t is not None else Draw(None, None, NONFINITE)
+                for t, ok in zip(tokens, left)]
 
     def _draw(self, x: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
         """Random draws `[S, V]`: temperature, filters, then one uniform number per row through the
