@@ -57,6 +57,10 @@ def test_prompt_logprobs_truncation_and_stop_strings(client, offline):
         mine = entry[str(tok)]
         assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-4) and mine["rank"] >= 1
         assert sorted(r["rank"] for r in entry.values())[:2] == [1, 2]       # the top 2, and the token's own
+    both = client.completions.create(model=model_of(client), prompt=LONG_IDS[:8], max_tokens=1, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 3}).choices[0]
+    assert all(len(top) == 1 for top in both.logprobs.top_logprobs[1:])              # echo: logprobs=1 as asked
+    assert all(len(e) >= 3 for e in both.model_extra["prompt_logprobs"][1:])        # prompt_logprobs: 3
     text = client.completions.create(model=model_of(client), prompt=LONG_IDS[:5], max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = text[4:7]

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 
-from ..request import RequestOutput
+from ..request import RequestOutput, TokenLogprob
 from .logprobs import (
     TokenIdNames,
     TokenSpans,
@@ -17,6 +17,7 @@ from .logprobs import (
     join_entries,
     native_entries,
     shown_count,
+    sorted_top,
     vllm_prompt_logprobs,
 )
 
@@ -134,6 +135,7 @@ class CompletionShape(Shape):
     def __init__(self, serving, req, inputs):
         super().__init__(serving, req, "cmpl", req.logprobs is not None)
         self.echo, self.inputs = req.echo, inputs
+        self.top_n = req.logprobs or 0
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
         choices = []
@@ -160,6 +162,9 @@ class CompletionShape(Shape):
         spans = self.spans().extend(ids)
         text = given if given is not None else spans.flushed_text()
         lps = out.prompt_logprobs or [None] * len(ids)
+        # NOTE: with vLLM's prompt_logprobs too, the engine scored the prompt for the larger top-n
+        lps = [lp if lp is None or len(lp.top) <= self.top_n else
+               TokenLogprob(lp.token_id, lp.logprob, dict(sorted_top(lp)[:self.top_n]), lp.rank) for lp in lps]
         # NOTE: a text prompt that does not decode back to itself (a normalizing tokenizer) keeps offsets inside it
         return text, completion_entries(self.lp_tok, ids, lps, [min(s, len(text)) for s in spans.starts])
 
