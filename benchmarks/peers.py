@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-no-preload", action="store_true",
                     help="run vLLM without LD_PRELOAD of tcmalloc and Intel OpenMP (its CPU setup guide's advice)")
     ap.add_argument("--no-serving", action="store_true", help="skip the serving comparison")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF transformers (it is no target, only a reference)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="precisions to run, comma-separated (llama.cpp's F32, BF16, Q4_1 files always run); serving "
+                         "uses bfloat16 when listed, else float32 (on CPUs without native bf16, float32 alone)")
     ap.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds per engine run, then killed")
     ap.add_argument("--report-from", default=None, metavar="JSON",
                     help="only re-render results/peers*.md and .png from a run saved by this script")
@@ -76,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rounds, args.llamacpp_repeats = 1, 1
     if args.rounds < 1 or args.threads < 1:
         ap.error("--rounds and --threads must be at least 1.")
+    args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    if not args.dtypes or set(args.dtypes) - {"float32", "bfloat16"}:
+        ap.error("--dtypes takes float32 and/or bfloat16.")
+    args.serve_dtype = "bfloat16" if "bfloat16" in args.dtypes else "float32"
     return args
 
 
@@ -138,7 +146,8 @@ def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
                              env=env, gguf=str(paths[dtype]), single_stream=True))
     else:
         notes.append(f"llama.cpp skipped: no Python at `{args.llamacpp_python}` (see --llamacpp-python).")
-    return runs
+    runs = [r for r in runs if not (args.no_hf and r["engine"] == "hf")]
+    return [r for r in runs if r["dtype"] in args.dtypes or r["engine"] == "llamacpp"]   # llama.cpp runs are short
 
 
 def stagewise_line(src: str | None) -> str:
@@ -154,13 +163,13 @@ def stagewise_line(src: str | None) -> str:
     return f"stagewise from the checkout at {head}" + (f", {dirty} file(s) under src/ uncommitted." if dirty else ".")
 
 
-def spec_for(run: dict, spec: dict, threads: int, with_serving: bool) -> dict:
+def spec_for(run: dict, spec: dict, threads: int, serve_dtype: str | None) -> dict:
     s = dict(spec, threads=threads, **{k: v for k, v in run.items() if k not in ("label", "python", "env")})
     batches = dict(s["batches"])
     if run.get("single_stream"):        # the llama.cpp binding has no batched multi-request API
         batches = {}
         s["decode"] = {"decode_bs1": s["decode"]["decode_bs1"]}
-    elif not (with_serving and run["dtype"] == "bfloat16" and run["engine"] in ("stagewise", "vllm")):
+    elif not (run["dtype"] == serve_dtype and run["engine"] in ("stagewise", "vllm")):
         # the serving workload offline, for "server delivers X% of the offline engine"
         batches.pop("serve_offline")
     s["batches"] = batches
@@ -176,7 +185,7 @@ def run_rounds(args, runs: list[dict], spec: dict, tmp: Path) -> tuple[dict, lis
         machine.append(run_worker(sys.executable, base_env(), machine_spec, tmp, f"machine-r{rnd}", 300))
         order = runs if rnd % 2 == 0 else list(reversed(runs))
         for run in order:
-            s = spec_for(run, spec, args.threads, not args.no_serving)
+            s = spec_for(run, spec, args.threads, None if args.no_serving else args.serve_dtype)
             # NOTE: llama.cpp's 2-thread path collapses whenever another process holds a core, and
             # its runs take seconds: several per round, the best is kept like any other round.
             for rep in range(args.llamacpp_repeats if run.get("single_stream") else 1):
@@ -211,7 +220,7 @@ def main(argv=None) -> int:
             "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
             "llamacpp_repeats": args.llamacpp_repeats, "omp_wait_policy": args.omp_wait_policy,
-            "hf_dir": str(paths["hf_dir"]), "user_notes": args.note}
+            "hf_dir": str(paths["hf_dir"]), "user_notes": args.note, "serve_dtype": args.serve_dtype}
     saved = {"meta": meta, "runs": [{k: v for k, v in r.items() if k != "env"} for r in runs], "results": results,
              "machine": machine, "serve": serve, "notes": notes,
              "spec": {"agree": spec["agree"], "agree_tokens": spec["agree_tokens"]}}

@@ -168,9 +168,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def serving_table(serve: dict, summaries: dict) -> str:
-    offline = {"stagewise serve": (summaries.get("stagewise bf16") or {}).get("serve_offline_tps"),
-               "vllm serve": (summaries.get("vLLM-CPU bf16") or {}).get("serve_offline_tps")}
+def serving_table(serve: dict, summaries: dict, tag: str) -> str:
+    offline = {"stagewise serve": (summaries.get(f"stagewise {tag}") or {}).get("serve_offline_tps"),
+               "vllm serve": (summaries.get(f"vLLM-CPU {tag}") or {}).get("serve_offline_tps")}
     rows = []
     for name, r in serve.items():
         if "error" in r:
@@ -180,7 +180,7 @@ def serving_table(serve: dict, summaries: dict) -> str:
         rows.append([name, r["client"], r["completed"], f"{r['output_throughput']:.0f}", f"{r['median_ttft_ms']:.0f}",
                      f"{r['median_tpot_ms']:.1f}", _fmt(r.get("p99_ttft_ms")), f"{r['startup_s']:.0f}",
                      _fmt(off), f"{r['output_throughput'] / off:.0%}" if off else "—"])
-    return markdown_table(["server (bf16)", "client", "requests", "output tok/s", "median TTFT ms",
+    return markdown_table([f"server ({tag})", "client", "requests", "output tok/s", "median TTFT ms",
                            "median TPOT ms", "p99 TTFT ms", "startup s", "offline tok/s, same workload",
                            "server / offline"], rows)
 
@@ -241,13 +241,14 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
               f"compared token by token with {REFERENCE}.", "",
               agreement_table(runs, summaries, spec, hf_dir)]
     if serve is not None:
-        lines += ["", "## Serving (bf16)", "",
+        tag = {"float32": "fp32"}.get(meta.get("serve_dtype", "bfloat16"), "bf16")
+        lines += ["", f"## Serving ({tag})", "",
                   f"`vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random "
                   f"--random-input-len 128 --random-output-len 64 --num-prompts {size['serve_prompts']} "
                   "--max-concurrency 16 --ignore-eos` against each server in turn on 127.0.0.1 (the client shares "
                   "the 2 CPUs). Offline: the same engine's `generate` on "
                   f"{size['serve_prompts']} random 128-token prompts × 64 tokens in the same run.", "",
-                  serving_table(serve, summaries)]
+                  serving_table(serve, summaries, tag)]
     lines += ["", "## Per run", "", markdown_table(
         ["engine", "offline tok/s per run", "decode batch 1 ms/token per run", "1-min load at the run's start"],
         [[label, " / ".join(f"{v:.0f}" for v in s["per_round_tps"]) or "—",

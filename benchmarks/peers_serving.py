@@ -1,4 +1,4 @@
-"""Serving for benchmarks/peers.py: `stagewise serve` and `vllm serve` (bf16, same checkpoint) one
+"""Serving for benchmarks/peers.py: `stagewise serve` and `vllm serve` (bf16, or fp32 under `--dtypes float32`) one
 after the other on 127.0.0.1, each driven by `vllm bench serve` (random 128-token prompts, 64
 output tokens, ignore_eos, 16 concurrent). Without vLLM, a small threaded load generator here
 drives the same workload against stagewise alone.
@@ -29,11 +29,11 @@ def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -
         notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "
                      "driven by the built-in load generator of peers_serving.py.")
     servers = {"stagewise serve": [sys.executable, "-m", "stagewise", "serve", "--model", str(hf_dir),
-                                   "--dtype", "bfloat16", "--threads-per-stage", str(args.threads),
+                                   "--dtype", args.serve_dtype, "--threads-per-stage", str(args.threads),
                                    "--kv-cache-memory", "2GiB", "--max-model-len", "2048",
                                    "--served-model-name", SERVED_NAME]}
     if have_vllm:
-        servers["vllm serve"] = [args.vllm_python, "-c", VLLM_CLI, "serve", str(hf_dir), "--dtype", "bfloat16",
+        servers["vllm serve"] = [args.vllm_python, "-c", VLLM_CLI, "serve", str(hf_dir), "--dtype", args.serve_dtype,
                                  "--max-model-len", "2048", "--seed", "0", "--served-model-name", SERVED_NAME]
     out = {}
     for name, cmd in servers.items():
