@@ -7,6 +7,7 @@ resolved later by the pieces that own it, from these fields.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -39,6 +40,65 @@ def parse_size(value, name: str) -> int:
     if size < MIN_SIZE_BYTES:
         raise ValueError(f"{name} {value!r} is {size} bytes, less than {MIN_SIZE_BYTES}; write a unit, e.g. 2GiB.")
     return size
+
+
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft-free speculative decoding (vLLM's `speculative_config`): the driver proposes up to
+    `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's
+    suffix (`prompt_lookup_max` down to `prompt_lookup_min` tokens long), verified in one forward.
+    A request whose acceptance over its last `backoff_window` proposed tokens falls below
+    `backoff_min_acceptance` stops proposing for `backoff_steps` steps."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    backoff_window: int = 32
+    backoff_min_acceptance: float = 0.15
+    backoff_steps: int = 32
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}.")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "backoff_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}).")
+        if not isinstance(self.backoff_steps, int) or isinstance(self.backoff_steps, bool) or self.backoff_steps < 0:
+            raise ValueError(f"speculative_config backoff_steps must be an integer >= 0, got {self.backoff_steps!r}.")
+        rate = self.backoff_min_acceptance
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
+            raise ValueError(f"speculative_config backoff_min_acceptance must be a number in [0, 1], got {rate!r}.")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a JSON object as text (the CLI), a dict (`LLM(speculative_config={...})`) or an instance."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"speculative_config must be a JSON object such as {SPECULATIVE_EXAMPLE}, "
+                                 f"got {value!r}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), not {type(value).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}.")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}.")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -78,6 +138,9 @@ class EngineConfig:
     prefill_graph_buckets: tuple[int, ...] | None = flag(None, "explicit bucket list, e.g. 16,32,64")
     decode_graph: bool = flag(False, "capture decode graphs per batch size")
     decode_graph_max_bs: int = flag(32, "largest batch size with a decode graph")
+    # speculative decoding (README: Speculative decoding)
+    speculative_config: SpeculativeConfig | None = flag(
+        None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
 
     def __post_init__(self):
         if self.kv_cache_memory is not None:
@@ -88,6 +151,7 @@ class EngineConfig:
                 object.__setattr__(self, name, _parse_int_list(name, value))
             elif value is not None:
                 object.__setattr__(self, name, tuple(int(v) for v in value))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._validate()
 
     def _validate(self) -> None:

@@ -31,6 +31,7 @@ class CachedRequestData:
     request_id: str
     new_token_ids: list[int]            # sampled since this request's last plan
     new_block_ids: list[int]
+    num_kept_blocks: int | None = None  # drop the table past this many blocks first (unused draft blocks)
 
 
 @dataclass
@@ -39,8 +40,10 @@ class ScheduledSeq:
 
     request_id: str
     start: int
-    num_tokens: int
+    num_tokens: int                     # drafts included
     sample: bool                        # False for non-final prefill chunks
+    # proposed tokens after the known ones: the last len+1 rows are verified (engine/speculative.py)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +84,9 @@ class PlanFailed:
 class StepResult:
     plan_id: int
     sampled: dict[str, int] = field(default_factory=dict)          # request_id -> token id
+    # request_id -> accepted drafts, which come before its sampled token (speculative rows only)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)           # request_id -> why (that request only)
     # request_id -> (index of the first prompt token covered, its logprobs and the next ones')

@@ -135,6 +135,20 @@ class BlockManager:
         req.block_ids.extend(new)
         return new
 
+    def trim(self, req: Request, num_tokens: int) -> int | None:
+        """Give back the request's blocks past those `num_tokens` need (blocks booked for drafts
+        that were rejected); returns the blocks kept, or None if nothing was given back."""
+        keep = -(-num_tokens // self.block_size)
+        if len(req.block_ids) <= keep:
+            return None
+        for block in reversed(req.block_ids[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        del req.block_ids[keep:]
+        req.num_registered_blocks = min(req.num_registered_blocks, keep)
+        return keep
+
     def free_request(self, req: Request) -> None:
         # NOTE: free in reverse so a prompt's tail blocks are evicted before its head.
         for block in reversed(req.block_ids):

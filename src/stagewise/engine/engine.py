@@ -26,6 +26,7 @@ from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
 from .scheduler import Scheduler
+from .speculative import NgramProposer
 from .stats import EngineStats
 
 log = logging.getLogger("stagewise.engine")
@@ -47,12 +48,15 @@ class Engine:
         self.executor = make_executor(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
         blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size,
-                                   stop_rule=lambda req: finish_check(req, self.tok, self.max_len))
         # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
         self.max_len = min(self.max_model_len, self.kv_capacity_tokens)
+        spec = config.speculative_config
+        self.speculator = NgramProposer(spec, self.max_len) if spec is not None else None
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size,
+                                   stop_rule=lambda req: finish_check(req, self.tok, self.max_len),
+                                   speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
         self.stats_ = EngineStats(self.policy)
@@ -160,7 +164,10 @@ class Engine:
         raise EngineDeadError(why, outputs)
 
     def stats(self) -> dict:
-        return self.stats_.snapshot(self.scheduler, self.executor)
+        snapshot = self.stats_.snapshot(self.scheduler, self.executor)
+        if self.speculator is not None:
+            snapshot["speculative"] = self.speculator.stats.snapshot()
+        return snapshot
 
     def shutdown(self) -> None:
         self.executor.shutdown()

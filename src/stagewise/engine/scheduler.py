@@ -9,6 +9,10 @@ Every finish (stop, length, abort, error) goes through `_finish`; a request's bl
 at once, or when its last in-flight plan returns. Preemption (recompute) only picks idle requests.
 
 Each request has one `InFlight` record from `add` until its blocks are released.
+
+With a speculator, a running request's step may carry drafts (booked as extra rows against the
+token budget, counted as computed only once accepted); `_apply_tokens` applies the accepted ones
+and the sampled one, one token at a time through the stop rule, and the unused draft blocks go back.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult
-from ..request import FinishReason, Request, RequestStatus
+from ..request import FinishReason, Request, RequestStatus, TokenLogprob
 from .block_manager import BlockManager
+from .speculative import NgramProposer
 
 StopRule = Callable[[Request], "FinishReason | None"]     # after a new token: finished, and why?
 
@@ -33,6 +38,7 @@ class InFlight:
     stage_known: bool = False             # the stages hold state for it
     pending_tokens: list[int] = field(default_factory=list)   # deltas not yet sent to the stages
     pending_blocks: list[int] = field(default_factory=list)
+    pending_kept_blocks: int | None = None   # the stages drop their table past this many blocks
 
     @property
     def is_idle(self) -> bool:
@@ -44,8 +50,10 @@ def _no_stop(req: Request) -> FinishReason | None:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int, stop_rule: StopRule = _no_stop):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int, stop_rule: StopRule = _no_stop,
+                 speculator: NgramProposer | None = None):
         self.blocks = blocks
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.stop_rule = stop_rule
@@ -97,12 +105,14 @@ class Scheduler:
 
     def _release(self, rec: InFlight) -> None:
         self.blocks.free_request(rec.req)
-        rec.pending_tokens, rec.pending_blocks = [], []
+        rec.pending_tokens, rec.pending_blocks, rec.pending_kept_blocks = [], [], None
         if rec.stage_known:
             rec.stage_known = False
             self.to_forget.append(rec.req.request_id)
         if rec.req.is_finished:
             del self.records[rec.req.request_id]
+            if self.speculator is not None:
+                self.speculator.forget(rec.req.request_id)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -121,9 +131,10 @@ class Scheduler:
             if self.records[req.request_id].awaiting_token or req not in self.running:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n > 0 and self._grow_or_preempt(plan, req, n):
-                self._book(plan, req, n)
-                budget -= n
+            drafts = self._drafts(req, n, budget - n)
+            if n > 0 and self._grow_or_preempt(plan, req, n + len(drafts)):
+                self._book(plan, req, n, drafts)
+                budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             n = self._admit(plan, self.waiting[0], budget)
             if n == 0:
@@ -174,12 +185,25 @@ class Scheduler:
                 return False
             self._preempt(victims[0])
 
-    def _book(self, plan: StepPlan, req: Request, n: int) -> None:
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Proposals for a decode row: one that computes the request's newest token, and only it."""
+        if self.speculator is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return []
+        t0 = time.perf_counter()
+        drafts = self.speculator.propose(req, budget)
+        self.speculator.stats.propose_s += time.perf_counter() - t0
+        return drafts
+
+    def _book(self, plan: StepPlan, req: Request, n: int, drafts: list[int] | None = None) -> None:
+        """Book `n` known tokens (plus drafts, which count as computed only once accepted)."""
         rec, rid, start = self.records[req.request_id], req.request_id, req.num_computed_tokens
         sample = start + n == req.num_tokens
-        plan.seqs.append(ScheduledSeq(rid, start, n, sample))
+        drafts = drafts or []
+        plan.seqs.append(ScheduledSeq(rid, start, n + len(drafts), sample, drafts))
         if rec.stage_known:
-            plan.cached_reqs.append(CachedRequestData(rid, rec.pending_tokens, rec.pending_blocks))
+            plan.cached_reqs.append(CachedRequestData(rid, rec.pending_tokens, rec.pending_blocks,
+                                                      rec.pending_kept_blocks))
+            rec.pending_kept_blocks = None
         else:
             rec.stage_known = True
             # NOTE: an embedding prompt has no ids; its positions hold placeholder 0s.
@@ -205,6 +229,11 @@ class Scheduler:
                 self._finish(rec, FinishReason.ERROR, why)
                 changed.append(rec.req)
                 continue
+            if seq.draft_token_ids:
+                if seq.request_id in result.sampled:
+                    self._apply_tokens(rec, result, seq)
+                    changed.append(rec.req)
+                continue
             self.blocks.register_full_blocks(rec.req, seq.start + seq.num_tokens)
             if seq.request_id in result.prompt_logprobs:
                 _extend_prompt_logprobs(rec.req, *result.prompt_logprobs[seq.request_id])
@@ -228,6 +257,38 @@ class Scheduler:
         reason = self.stop_rule(req)
         if reason is not None:
             self._finish(rec, reason)
+
+    def _apply_tokens(self, rec: InFlight, result: StepResult, seq: ScheduledSeq) -> None:
+        """A verified row: its accepted drafts, then its sampled token, one at a time through the stop
+        rule (a stop, EOS or max_tokens inside the run ends it there). Accepted drafts become computed
+        tokens; the prefix cache sees only those; blocks held for the rest go back."""
+        req, rid = rec.req, seq.request_id
+        accepted = result.accepted.get(rid, [])
+        # logprobs come for every token or none (the worker fills them when the request asks)
+        given = result.accepted_logprobs.get(rid)
+        lps: list[TokenLogprob | None] = [*(given if given else [None] * len(accepted)), result.logprobs.get(rid)]
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason, num_applied = None, 0
+        for token, lp in zip([*accepted, result.sampled[rid]], lps):
+            req.output_token_ids.append(token)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            rec.pending_tokens.append(token)
+            num_applied += 1
+            reason = self.stop_rule(req)
+            if reason is not None:
+                break
+        if self.speculator is not None:
+            self.speculator.record(rid, len(seq.draft_token_ids), len(accepted))
+        req.num_computed_tokens += min(num_applied, len(accepted))
+        self.blocks.register_full_blocks(req, req.num_computed_tokens)
+        if reason is not None:
+            self._finish(rec, reason)
+            return
+        kept = self.blocks.trim(req, req.num_tokens)
+        if kept is not None:
+            rec.pending_kept_blocks = kept
 
     def _settle(self, seq: ScheduledSeq) -> InFlight | None:
         """One row of a returned plan leaves flight; a request finished meanwhile is released once

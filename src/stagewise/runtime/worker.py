@@ -25,6 +25,7 @@ from ..request import SamplingParams
 from .kernels import gemm_kernels
 from .sampler import Sampler, prompt_logprobs
 from .setup import build_stage
+from .speculative import accept, draft_views
 
 log = logging.getLogger("stagewise.worker")
 
@@ -103,28 +104,33 @@ class Worker:
                                                 list(r.block_ids), r.input_embeds)
         for c in plan.cached_reqs:
             st = self.reqs[c.request_id]
+            if c.num_kept_blocks is not None:
+                del st.block_ids[c.num_kept_blocks:]
             st.token_ids.extend(c.new_token_ids)
             st.block_ids.extend(c.new_block_ids)
 
     def _prepare(self, plan: StepPlan):
         ids: list[int] = []
         positions: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[int] = []
         embed_parts: list[tuple[int, torch.Tensor]] = []   # (row offset, [n, H]) from embedding prompts
         for seq in plan.seqs:
             st = self.reqs[seq.request_id]
             end = seq.start + seq.num_tokens
-            if end > len(st.token_ids):
+            known_end = end - len(seq.draft_token_ids)
+            if known_end > len(st.token_ids):
                 raise RuntimeError(f"Plan {plan.plan_id} asks for tokens of {seq.request_id} this stage lacks.")
             if st.input_embeds is not None and seq.start < st.num_prompt_tokens:
                 embed_parts.append((len(ids), st.input_embeds[seq.start:min(end, st.num_prompt_tokens)]))
-            ids.extend(st.token_ids[seq.start:end])
+            ids.extend(st.token_ids[seq.start:known_end])
+            ids.extend(seq.draft_token_ids)
             positions.extend(range(seq.start, end))
             query_lens.append(seq.num_tokens)
             seq_lens.append(end)
             tables.append(st.block_ids)
-            if seq.sample:
-                sample_rows.append(len(ids) - 1)
+            if seq.sample:      # the last row, and one more per draft (verified rows)
+                sample_rows.extend(range(len(ids) - 1 - len(seq.draft_token_ids), len(ids)))
         dev = self.device
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.block_size, dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
@@ -159,6 +165,8 @@ class Worker:
         rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]   # decode: every row
         logits = self.model.compute_logits(rows).float().cpu()  # [R, V]
         seqs = [s for s in plan.seqs if s.sample]
+        if any(s.draft_token_ids for s in seqs):
+            return self._verify(result, logits, seqs)
         draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs])
         for seq, draw in zip(seqs, draws):
             if draw.error is not None:
@@ -168,4 +176,27 @@ class Worker:
             result.sampled[seq.request_id] = draw.token
             if draw.logprob is not None:
                 result.logprobs[seq.request_id] = draw.logprob
+        return result
+
+    def _verify(self, result: StepResult, logits: torch.Tensor, seqs: list) -> StepResult:
+        """A step with drafts: every verified row sampled as its own position, then accepted
+        (runtime/speculative.py)."""
+        views = [draft_views(self.reqs[s.request_id], s.draft_token_ids) for s in seqs]
+        draws = self.sampler.sample(logits, [v for rows in views for v in rows])
+        offset = 0
+        for seq, rows in zip(seqs, views):
+            verified = accept(seq.draft_token_ids, draws[offset:offset + len(rows)])
+            offset += len(rows)
+            rid = seq.request_id
+            if verified.error is not None:
+                result.failed[rid] = verified.error
+                continue
+            assert verified.token is not None, "a verified row without an error has a token"
+            result.sampled[rid] = verified.token
+            if verified.accepted:
+                result.accepted[rid] = verified.accepted
+            if verified.logprob is not None:
+                result.logprobs[rid] = verified.logprob
+                if verified.accepted:
+                    result.accepted_logprobs[rid] = verified.accepted_logprobs
         return result
