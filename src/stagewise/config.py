@@ -52,12 +52,13 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's
     suffix (`prompt_lookup_max` down to `prompt_lookup_min` tokens long), verified in one forward.
     A request whose acceptance over its last `backoff_window` proposed tokens falls below
-    `backoff_min_acceptance` stops proposing for `backoff_steps` steps."""
+    `backoff_min_acceptance` stops proposing for `backoff_steps` steps (twice as long each time
+    it happens again to the request, up to 8x)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    backoff_window: int = 32
+    prompt_lookup_min: int = 2
+    backoff_window: int = 16
     backoff_min_acceptance: float = 0.15
     backoff_steps: int = 32
 

@@ -73,6 +73,12 @@ def test_backoff_pauses_a_request_with_low_acceptance_then_resumes():
     s = prop.stats.snapshot()
     assert (s["proposed"], s["accepted"], s["verify_steps"], s["backoffs"]) == (8, 1, 2, 1)
     assert s["acceptance_rate"] == 1 / 8 and s["mean_accepted_length"] == 1.5
+    prop.record("r", 4, 4)                                      # a good step: no back-off
+    assert prop.propose(req, 10)
+    prop.record("r", 4, 0)                                      # 4 of the last 8: still proposing
+    assert prop.states["r"].paused_steps == 0
+    prop.record("r", 4, 0)                                      # 0 of the last 8: again, twice as long
+    assert [bool(prop.propose(req, 10)) for _ in range(7)] == [False] * 6 + [True]
 
 
 @pytest.mark.parametrize("bad, words", [

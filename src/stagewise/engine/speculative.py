@@ -26,6 +26,7 @@ class _State:
     recent_proposed: int = 0
     recent_accepted: int = 0
     paused_steps: int = 0                 # steps left without proposals (back-off)
+    num_backoffs: int = 0                 # each back-off of this request pauses twice as long (up to 8x)
 
 
 class SpeculationStats:
@@ -105,7 +106,8 @@ class NgramProposer:
             st.recent_accepted -= a
         low = st.recent_accepted < cfg.backoff_min_acceptance * st.recent_proposed
         if st.recent_proposed >= cfg.backoff_window and low:
-            st.paused_steps = cfg.backoff_steps
+            st.paused_steps = cfg.backoff_steps << min(st.num_backoffs, 3)
+            st.num_backoffs += 1
             st.recent.clear()
             st.recent_proposed = st.recent_accepted = 0
             s.num_backoffs += int(cfg.backoff_steps > 0)

@@ -125,6 +125,7 @@ class _EngineCollector:
         yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
         yield _iteration_tokens(s, m)
         yield from _graph_families(s, m)
+        yield from _speculative_families(s.get("speculative"), m)
         busy = GaugeMetricFamily("stagewise_stage_busy_fraction", "Fraction of wall time since start each "
                                  "pipeline stage spent computing.", labels=["model_name", "stage"])
         for i, frac in enumerate(s.get("stage_busy_fraction", [])):
@@ -184,6 +185,21 @@ def _graph_families(s: dict, m: str):
     yield replays
     yield eager
     yield padded
+
+
+def _speculative_families(spec: dict | None, m: str):
+    """Speculative decoding (only when it is on): counters as vLLM's spec_decode_* names count them,
+    plus the ratios since start."""
+    if not spec:
+        return
+    yield _counter("stagewise_spec_decode_num_drafts", "Request-steps that carried draft tokens (verify steps).", m,
+                   spec.get("verify_steps", 0))
+    yield _counter("stagewise_spec_decode_num_draft_tokens", "Draft tokens proposed.", m, spec.get("proposed", 0))
+    yield _counter("stagewise_spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, spec.get("accepted", 0))
+    yield _gauge("stagewise_spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", m,
+                 spec.get("acceptance_rate", 0.0))
+    yield _gauge("stagewise_spec_decode_mean_accepted_length", "Tokens per verify step (accepted drafts + 1) "
+                 "since start.", m, spec.get("mean_accepted_length", 0.0))
 
 
 def _gauge(name: str, doc: str, model_name: str, value) -> GaugeMetricFamily:
