@@ -149,7 +149,8 @@ def main() -> None:
                  for name, tasks in (("copy-heavy", COPY_TASKS), ("fresh", FRESH_TASKS))}
     if args.quick:
         workloads = {k: v[:2] for k, v in workloads.items()}
-    threads = args.threads or int(os.environ.get("STAGEWISE_BENCH_THREADS", "0")) or __import__("torch").get_num_threads()
+    import torch
+    threads = args.threads or torch.get_num_threads()
 
     peer, notes = None, []
     if args.llamacpp_python and _has_llama_cpp(args.llamacpp_python):
@@ -220,7 +221,8 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick) -> str:
                     runs = res.get((wname, f"llama.cpp {v}", 1))
                     if runs:
                         o = _best(runs)
-                        rows.append([wname, 1, f"llama.cpp {'' if v == 'off' else 'prompt lookup k=' + v[6:]}".strip(),
+                        label = "llama.cpp" if v == "off" else f"llama.cpp prompt lookup k={v[6:]}"
+                        rows.append([wname, 1, label,
                                      o["tokens"] / o["wall_s"], o["decode_tokens"] / o["decode_s"],
                                      (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), "-", "-"])
             ratio = (on["tokens"] / on["wall_s"]) / (off["tokens"] / off["wall_s"])
