@@ -194,7 +194,9 @@ def main() -> None:
 
 
 def _has_llama_cpp(python: str) -> bool:
-    return Path(python).exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    if not Path(python).exists():
+        return False
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
 
 
 def _best(runs: list[dict]) -> dict:
