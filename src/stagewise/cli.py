@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     add_engine_args(p)
-    p = sub.add_parser("plan", help="print each stage's layers, weight bytes and KV capacity; launches nothing")
+    p = sub.add_parser("plan", help="print the layer partition, each stage's layers, weight bytes and KV capacity; "
+                       "launches nothing")
+    p.add_argument("--measure-rate", action="store_true",
+                   help="also time this machine's decode-shaped matmuls with one stage's threads (GMAC/s): run it "
+                        "on every node and pass the numbers as --pp-node-rates")
     add_engine_args(p)
     p = sub.add_parser("demo-model", help="write the built-in demo checkpoint (tiny Llama + tokenizer)")
     p.add_argument("--out", default=None, help="output directory (default: the demo cache directory)")
@@ -204,7 +208,17 @@ def cmd_bench(args) -> int:
 
 def cmd_plan(args) -> int:
     from .runtime.plan_report import plan_report
-    print(plan_report(config_from_args(args)))
+    config = config_from_args(args)
+    print(plan_report(config))
+    if args.measure_rate:
+        import torch
+
+        from .runtime.stage_cost import measure_node_rate
+        from .runtime.threads import thread_choice
+        threads, _ = thread_choice(config)
+        torch.set_num_threads(threads)
+        print(f"node rate: {measure_node_rate():.1f} GMAC/s with {threads} thread(s) per stage "
+              "(pass each node's number, in node order, as --pp-node-rates)")
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 GIB = 1 << 30
 # NOTE: graph/policy.py keeps a copy; it belongs here (config may not import graph/)
 PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
+PARTITION_MODES = ("auto", "even")
 MIN_SIZE_BYTES = 4096          # smaller sizes are almost surely a missing unit ("2" for 2GiB)
 _UNITS = {"tib": 1 << 40, "gib": GIB, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
           "kb": 10**3, "t": 1 << 40, "g": GIB, "m": 1 << 20, "k": 1 << 10, "b": 1}
@@ -121,7 +122,20 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
     # pipeline
     pp_size: int = flag(1, "pipeline stages (processes)", aliases=("--pipeline-parallel-size",))
-    pp_layer_partition: tuple[int, ...] | None = flag(None, "layers per stage, e.g. 3,3,2,2 (default: even)")
+    pp_layer_partition: tuple[int, ...] | str | None = flag(
+        "auto", "layers per stage: auto (balanced by a per-stage cost model: layers, embedding on the first "
+        "stage, final norm + LM head + sampling on the last; `stagewise plan` shows it), even, or counts such "
+        "as 3,3,2,2 (kept as given)")
+    pp_cost_mix: str = flag("decode", "workload the auto partition balances: decode (every row samples: the LM "
+                            "head weighs per token) or prefill (long chunks: the head runs once per chunk)")
+    pp_node_rates: tuple[float, ...] | None = flag(
+        None, "relative speed of each node for the auto partition, e.g. 1,0.5 (measure each node with "
+        "`stagewise plan --measure-rate`; default: all alike)")
+    enable_dynamic_chunking: bool | None = flag(
+        None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
+        "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")
+    balance_micro_batches: bool = flag(True, "split the decode batch evenly over the plans in flight "
+                                       "(about running / depth requests each)")
     pp_sync: bool = flag(False, "keep one plan in flight (no micro-batching; for comparison)")
     pp_depth: int | None = flag(None, "plans in flight (default: pp_size)")
     nnodes: int = flag(1, "nodes of the pipeline")
@@ -148,11 +162,17 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         for name in ("pp_layer_partition", "prefill_graph_buckets"):
             value = getattr(self, name)
-            if isinstance(value, str):
+            if name == "pp_layer_partition" and isinstance(value, str) and value.strip().lower() in PARTITION_MODES:
+                object.__setattr__(self, name, value.strip().lower())
+            elif isinstance(value, str):
                 object.__setattr__(self, name, _parse_int_list(name, value))
             elif value is not None:
                 object.__setattr__(self, name, tuple(int(v) for v in value))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if isinstance(self.pp_node_rates, str):
+            object.__setattr__(self, "pp_node_rates", _parse_float_list("pp_node_rates", self.pp_node_rates))
+        elif self.pp_node_rates is not None:
+            object.__setattr__(self, "pp_node_rates", tuple(float(v) for v in self.pp_node_rates))
         self._validate()
 
     def _validate(self) -> None:
@@ -172,6 +192,12 @@ class EngineConfig:
                              f"(equal stages per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
+        if self.pp_cost_mix not in ("decode", "prefill"):
+            raise ValueError(f"pp_cost_mix must be decode or prefill, got {self.pp_cost_mix!r}.")
+        rates = self.pp_node_rates
+        if rates is not None and (len(rates) != self.nnodes or any(not r > 0 for r in rates)):
+            raise ValueError(f"pp_node_rates needs {self.nnodes} positive numbers (one per node), got "
+                             f"{','.join(map(str, rates))}; measure each node with `stagewise plan --measure-rate`.")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("A multi-node run needs --master-port (and --master-addr) on every node.")
 
@@ -188,6 +214,11 @@ class EngineConfig:
         if self.pp_sync:
             return 1
         return self.pp_depth or self.pp_size
+
+    @property
+    def dynamic_chunking(self) -> bool:
+        """Whether long prompts get cost-sized chunks (`enable_dynamic_chunking`; unset: off)."""
+        return bool(self.enable_dynamic_chunking)
 
     @property
     def stages_per_node(self) -> int:
@@ -217,3 +248,10 @@ def _parse_int_list(name: str, text: str) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"{name} must be a comma-separated list of integers, got {text!r}.") from None
 
+
+
+def _parse_float_list(name: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"{name} must be a comma-separated list of numbers, got {text!r}.") from None

@@ -22,9 +22,12 @@ from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
+from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, with_resolved_partition
+from .balance import DecodeBalancer
 from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
+from .profile import fitted_chunker
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
@@ -40,7 +43,12 @@ class Engine:
         self.model_dir = config.model
         self.tok = Tokenizer(self.model_dir, config.tokenizer)
         self.max_model_len = max_model_len(config, self.tok.hf_config)
-        # NOTE: a bad partition is a clear error here, before any stage process starts.
+        # NOTE: a bad partition is a clear error here, before any stage process starts; stages get
+        # the resolved counts (an `auto` split is computed once, here).
+        if config.pp_size > 1:
+            config = self.config = with_resolved_partition(config, self.tok.hf_config)
+            for line in partition_lines(config, self.tok.hf_config):
+                log.info(line)
         stage_infos(num_layers_of(self.tok.hf_config, self.model_dir), config.pp_size, config.pp_layer_partition)
         self.policy = policy_for(config, config.resolved_device)
         for line in self.policy.log_lines:
@@ -59,7 +67,8 @@ class Engine:
                                    speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
-        self.stats_ = EngineStats(self.policy)
+        clocks = self._balance(config, blocks)
+        self.stats_ = EngineStats(self.policy, self._predicted_shares(config), clocks)
         self._ids = itertools.count()
         self.dead: str | None = None
 
@@ -105,6 +114,8 @@ class Engine:
                 break
             plan.verdict = self._verdict(plan)
             self.executor.submit(plan)
+            if not self.inflight:
+                self.stats_.pipeline_started()
             self.inflight.append(plan)
         if not self.inflight:
             return StepOutputs(outputs, progressed=bool(outputs))
@@ -113,6 +124,8 @@ class Engine:
         except EngineDeadError as exc:
             self._die(str(exc))
         plan = self.inflight.popleft()
+        if not self.inflight:
+            self.stats_.pipeline_drained()
         if result.plan_id != plan.plan_id:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
                       f"got {result.plan_id}); the pipeline is inconsistent.")
@@ -123,6 +136,25 @@ class Engine:
         and `stagewise generate`; serving runs `EngineCore` instead)."""
         while self.has_unfinished():
             yield from self.step()
+
+    def _balance(self, config: EngineConfig, blocks: BlockManager) -> list[float]:
+        """Micro-batch balancing and, when enabled, dynamic chunk sizing: its start-up profile runs
+        here, before any request, and leaves the prefix-cache counters as they were. Returns the
+        stages' busy clocks after it (empty: nothing ran)."""
+        self.scheduler.balancer = DecodeBalancer(config.depth if config.balance_micro_batches else 1)
+        if not config.dynamic_chunking:
+            return []
+        counters = blocks.num_queried_tokens, blocks.num_hit_tokens
+        self.scheduler.chunker, clocks = fitted_chunker(self.scheduler, self.executor, self.policy,
+                                                        self.tok.vocab_size, self.max_len)
+        blocks.num_queried_tokens, blocks.num_hit_tokens = counters
+        return clocks
+
+    def _predicted_shares(self, config: EngineConfig) -> list[float]:
+        if config.pp_size == 1:
+            return [1.0]
+        assert isinstance(config.pp_layer_partition, tuple), "resolved in __init__"
+        return cost_model_for(config, self.tok.hf_config).shares(config.pp_layer_partition, stage_rates(config))
 
     def _verdict(self, plan: StepPlan):
         decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)

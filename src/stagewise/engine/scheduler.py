@@ -23,6 +23,7 @@ from typing import Callable
 
 from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult
 from ..request import FinishReason, Request, RequestStatus, TokenLogprob
+from .balance import DecodeBalancer, FixedChunks
 from .block_manager import BlockManager
 from .speculative import NgramProposer
 
@@ -63,6 +64,8 @@ class Scheduler:
         self.to_forget: list[str] = []              # released ids to drop from stage caches
         self.next_plan_id = 0
         self.num_preemptions = 0
+        self.chunker = FixedChunks()                # a prompt's next chunk length (engine.balance)
+        self.balancer = DecodeBalancer()            # decode rows per plan (engine.balance)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -125,12 +128,17 @@ class Scheduler:
     # scheduling
     def schedule(self) -> StepPlan | None:
         budget, plan = self.token_budget, StepPlan(plan_id=self.next_plan_id, seqs=[])
+        decode_cap = self.balancer.decode_cap(self._num_decoding())
         for req in list(self.running):
             if budget <= 0:
                 break
             if self.records[req.request_id].awaiting_token or req not in self.running:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if decode_cap is not None and req.num_tokens - req.num_computed_tokens == 1:
+                if decode_cap == 0:
+                    continue                        # a later plan in flight takes it
+                decode_cap -= 1
+            n = self._chunk_len(req, budget)
             drafts = self._drafts(req, n, budget - n)
             if n > 0 and self._grow_or_preempt(plan, req, n + len(drafts)):
                 self._book(plan, req, n, drafts)
@@ -146,11 +154,20 @@ class Scheduler:
         plan.finished_req_ids, self.to_forget = self.to_forget, []
         return plan
 
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens of `req` to book now: its next prompt chunk (the chunker's choice) or its decode row."""
+        return self.chunker.chunk_len(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens, budget)
+
+    def _num_decoding(self) -> int:
+        """Running requests past their prompt: waiting for a token or about to decode."""
+        return sum(1 for r in self.running
+                   if self.records[r.request_id].awaiting_token or r.num_tokens - r.num_computed_tokens <= 1)
+
     def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
         """Move the first waiting request into the plan if its blocks fit; the tokens booked (0: none)."""
         if not req.block_ids:
             req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = self._chunk_len(req, budget)
         new = self.blocks.allocate(req, req.num_computed_tokens + n)
         if new is None:
             if not self.running and not any(r.num_plans for r in self.records.values()) and not plan.seqs:

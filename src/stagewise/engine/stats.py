@@ -1,5 +1,7 @@
 """Engine counters: graph verdicts (counted by the driver, which decides them for all stages),
-finished requests, and per-stage busy time. `snapshot()` is what `LLM.stats()` returns."""
+finished requests, per-stage busy time, and pipeline balance: each stage's bubble fraction (the
+share of the time plans were in flight that the stage spent not computing) and its predicted
+(cost model) vs measured share of the compute. `snapshot()` is what `LLM.stats()` returns."""
 from __future__ import annotations
 
 import time
@@ -29,15 +31,44 @@ class _GraphCounter:
 
 
 class EngineStats:
-    def __init__(self, policy):
+    def __init__(self, policy, predicted_shares: list[float] | None = None, busy_base: list[float] | None = None):
         self.prefill = _GraphCounter(policy.backend, policy.buckets)
         self.decode = _GraphCounter(policy.decode_backend, policy.decode_buckets)
         self.finished: Counter = Counter()
         self.stage_busy_s: list[float] = []
+        self.busy_base = list(busy_base or [])        # busy clocks before the first request (start-up profile)
+        self.predicted_shares = list(predicted_shares or [])
         self.num_steps = 0
         self.started = time.monotonic()
         self.iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)     # the last: above every bucket
         self.iteration_tokens = 0
+        self.active_s = 0.0                           # wall time with at least one plan in flight
+        self.active_since: float | None = None
+
+    def pipeline_started(self) -> None:
+        self.active_since = time.monotonic()
+
+    def pipeline_drained(self) -> None:
+        if self.active_since is not None:
+            self.active_s += time.monotonic() - self.active_since
+            self.active_since = None
+
+    def balance(self) -> dict:
+        """Bubble fraction per stage (1 - compute / time in flight), and each stage's measured share of
+        the compute next to the cost model's prediction (`predicted_stage_busy_s`: the measured total
+        split as predicted)."""
+        active = self.active_s + (time.monotonic() - self.active_since if self.active_since is not None else 0.0)
+        base = self.busy_base or [0.0] * len(self.stage_busy_s)
+        busy = [b - b0 for b, b0 in zip(self.stage_busy_s, base)]
+        total = sum(busy)
+        return {
+            "pipeline_active_s": active,
+            "stage_bubble_fraction": [max(0.0, 1 - b / active) if active > 0 else 0.0 for b in busy],
+            "stage_measured_share": [b / total if total > 0 else 0.0 for b in busy],
+            "stage_predicted_share": list(self.predicted_shares),
+            "predicted_stage_busy_s": [p * total for p in self.predicted_shares] if busy else [],
+            "measured_stage_busy_s": busy,
+        }
 
     def record_verdict(self, verdict, num_tokens: int) -> None:
         (self.decode if verdict.kind == "decode" else self.prefill).record(verdict, num_tokens)
@@ -71,4 +102,5 @@ class EngineStats:
             "iteration_tokens": {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.iteration_counts),
                                  "sum": self.iteration_tokens},
             "stage_busy_fraction": [b / wall if wall > 0 else 0.0 for b in self.stage_busy_s],
+            **self.balance(),
         }

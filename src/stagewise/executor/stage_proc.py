@@ -52,9 +52,11 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
     from ..checkpoint import load_hf_config, num_layers_of
+    from ..runtime.stage_cost import with_resolved_partition
     from ..runtime.worker import Worker
-    num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
-    stage = stage_infos(num_layers, config.pp_size, config.pp_layer_partition)[stage_idx]
+    hf = load_hf_config(model_dir)
+    config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
+    stage = stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
     except Exception as exc:

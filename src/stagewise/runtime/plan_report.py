@@ -14,6 +14,7 @@ from ..model.registry import get_model_class
 from ..parallel.partition import stage_infos
 from .kv_cache import kv_bytes_per_block
 from .memory import estimate_activation_bytes, format_memory_table, plan_kv
+from .stage_cost import partition_lines, resolve_partition
 
 
 def plan_report(config: EngineConfig) -> str:
@@ -26,7 +27,7 @@ def plan_report(config: EngineConfig) -> str:
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_seq_blocks = -(-max_model_len(config, hf) // config.block_size)
     plans = []
-    for stage in stage_infos(hf.num_hidden_layers, config.pp_size, config.pp_layer_partition):
+    for stage in stage_infos(hf.num_hidden_layers, config.pp_size, resolve_partition(config, hf)):
         with torch.device("meta"):
             model = cls(hf, stage, dtype)
         weights = sum(p.numel() for p in model.parameters()) * itemsize
@@ -42,7 +43,7 @@ def plan_report(config: EngineConfig) -> str:
                              cap_blocks=config.max_num_seqs * per_seq_blocks + 1))
     tokens = min(p.num_blocks for p in plans) * config.block_size
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
-            f"{_gguf_line(model_dir, dtype)}{format_memory_table(plans)}\n"
+            f"{_gguf_line(model_dir, dtype)}{_partition_text(config, hf)}{format_memory_table(plans)}\n"
             f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
 
 
@@ -55,3 +56,7 @@ def _gguf_line(model_dir: str, dtype: torch.dtype) -> str:
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
     return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk, "
             f"dequantized to {dtype} at load\n")
+
+
+def _partition_text(config: EngineConfig, hf) -> str:
+    return "".join(line + "\n" for line in partition_lines(config, hf)) if config.pp_size > 1 else ""

@@ -137,6 +137,25 @@ class _EngineCollector:
         for i, seconds in enumerate(s.get("stage_busy_s", [])):
             busy_s.add_metric([m, str(i)], float(seconds))
         yield busy_s
+        yield from _balance_families(s, m)
+
+
+def _balance_families(s: dict, m: str):
+    """Pipeline balance: bubble fraction per stage, and predicted (cost model) vs measured compute shares."""
+    per_stage = [("stagewise_stage_bubble_fraction", "stage_bubble_fraction", "Fraction of the time plans were in "
+                  "flight that each pipeline stage spent not computing (bubble, transport, driver)."),
+                 ("stagewise_stage_predicted_share", "stage_predicted_share", "Each stage's share of the compute "
+                  "predicted by the partition's cost model."),
+                 ("stagewise_stage_measured_share", "stage_measured_share", "Each stage's measured share of the "
+                  "compute (busy seconds / all stages' busy seconds).")]
+    for name, key, doc in per_stage:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "stage"])
+        for i, value in enumerate(s.get(key, [])):
+            family.add_metric([m, str(i)], float(value))
+        yield family
+    # with stagewise_stage_busy_seconds, rate() gives the bubble fraction over any window
+    yield _counter("stagewise_pipeline_active_seconds", "Seconds with at least one plan in flight.", m,
+                   s.get("pipeline_active_s", 0.0))
 
 
 def token_buckets(max_model_len: int) -> list[float]:
