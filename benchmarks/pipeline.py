@@ -13,6 +13,9 @@ wall time; idle = 1 - busy is the pipeline bubble plus transport and driver time
 
     python benchmarks/pipeline.py [--quick] [--num-requests 64] [--rounds 2] [--partition 5,3]
         [--prompt-len 16,64] [--output-len 16,64] [--tag NAME]
+
+`--levers` runs the balanced-pipeline suite instead (pipeline_levers.py: the default model, each
+lever of issue 23 on and off, PP=2 vs PP=1, TTFT of long prompts).
 """
 from __future__ import annotations
 
@@ -78,8 +81,9 @@ class _EngineProcess:
     def ready(self) -> None:
         self._answer()
 
-    def run(self, prompts, out_lens):
-        self.conn.send((prompts, out_lens))
+    def run(self, prompts, out_lens, levers: dict | None = None):
+        """`levers` (pipeline_levers.py) switches balanced micro-batches / dynamic chunks in the engine first."""
+        self.conn.send((prompts, out_lens, levers or {}))
         return self._answer()
 
     def close(self) -> None:
@@ -99,21 +103,35 @@ def _serve_engine(conn, model_dir: str, opts: dict) -> None:
     from stagewise import LLM
     try:
         # no prefix caching: every round replays the same prompts
-        llm = LLM(model=model_dir, dtype="float32", device="cpu", max_num_seqs=64, kv_cache_memory="256MiB",
-                  enable_prefix_caching=False, **opts)
+        defaults = dict(dtype="float32", device="cpu", max_num_seqs=64, kv_cache_memory="256MiB",
+                        enable_prefix_caching=False)
+        llm = LLM(model=model_dir, **{**defaults, **opts})
     except Exception:   # noqa: BLE001  (any start-up failure goes back to the parent as its traceback)
         conn.send(traceback.format_exc())
         return
     try:
         run(llm, *random_workload(4, (8, 16), (2, 4), VOCAB, seed=99))   # warm-up
         conn.send("ready".encode())
+        fitted = llm.engine.scheduler.chunker
         while (job := conn.recv()) is not None:
             try:
-                conn.send(run(llm, *job))
+                _set_levers(llm, fitted, job[2])
+                conn.send(run(llm, *job[:2]))
             except Exception:   # noqa: BLE001  (as at start-up: the parent raises it)
                 conn.send(traceback.format_exc())
     finally:
         llm.shutdown()
+
+
+def _set_levers(llm, fitted, levers: dict) -> None:
+    """Balanced micro-batches on/off (the decode cap's depth) and dynamic chunks on/off (the chunker
+    fitted at start-up, or fixed chunks), switched between runs of one engine."""
+    from stagewise.engine.balance import FixedChunks
+    sched = llm.engine.scheduler
+    if "balance" in levers:
+        sched.balancer.depth = llm.engine.config.depth if levers["balance"] else 1
+    if "dynamic" in levers:
+        sched.chunker = fitted if levers["dynamic"] else FixedChunks()
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -126,6 +144,10 @@ def _with_partition(opts: dict, partition: str | None) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--levers" in argv:
+        import pipeline_levers
+        return pipeline_levers.main([a for a in argv if a != "--levers"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model and workload, one round")
     ap.add_argument("--num-requests", type=int, default=64)

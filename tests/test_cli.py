@@ -38,9 +38,10 @@ def test_generate_uses_the_chat_template_when_the_model_has_one(tmp_path, monkey
 
 
 def test_plan_prints_stage_table(llama_dir, capsys):
-    assert main(["plan", "--model", str(llama_dir), "--pp-size", "3", "--kv-cache-memory", "64MiB"]) == 0
+    assert main(["plan", "--model", str(llama_dir), "--pp-size", "3", "--pp-layer-partition", "even",
+                 "--kv-cache-memory", "64MiB"]) == 0
     out = capsys.readouterr().out
-    assert "[0,1)" in out and "[1,2)" in out and "[2,4)" in out
+    assert "[0,1)" in out and "[1,2)" in out and "[2,4)" in out and "partition: even: 1,1,2" in out
     assert "KV capacity" in out.splitlines()[-1]
 
 

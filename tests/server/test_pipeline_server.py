@@ -46,7 +46,11 @@ def test_pp2_server_matches_offline(pp_server, offline):
     assert got == [r.outputs[0].text for r in ref]
     assert streamed == offline.chat([{"role": "user", "content": "hi"}],
                                     SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
-    assert len([k for k in pp_server.metrics() if k.startswith("stagewise_stage_busy_fraction{")]) == 2
+    metrics = pp_server.metrics()
+    assert len([k for k in metrics if k.startswith("stagewise_stage_busy_fraction{")]) == 2
+    for family in ("stagewise_stage_bubble_fraction{", "stagewise_stage_predicted_share{",
+                   "stagewise_stage_measured_share{"):       # pipeline balance, per stage
+        assert len([k for k in metrics if k.startswith(family)]) == 2, family
     assert httpx.get(pp_server.url + "/health").status_code == 200
 
 

@@ -11,7 +11,7 @@ from ..request import Request, SamplingParams
 from .balance import DynamicChunkSizer, FixedChunks, fit_chunk_costs
 
 log = logging.getLogger("stagewise.engine")
-PROFILE_CHUNKS = 4        # chunks of the full budget per synthetic prompt
+PROFILE_CHUNKS = 3        # chunks of the full budget per synthetic prompt
 
 
 def profile_chunks(scheduler, executor, policy, vocab_size: int, max_len: int

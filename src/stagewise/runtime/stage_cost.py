@@ -24,7 +24,7 @@ from ..model.registry import get_model_class
 from ..parallel.partition import StageInfo, balanced_partition, partition_layers, stage_costs
 
 log = logging.getLogger("stagewise.partition")
-DECODE_CONTEXT = 512          # tokens a decode row attends to, for the decode mix's attention term
+DECODE_CONTEXT = 512          # tokens a decode row attends to (at most half the model's positions)
 SAMPLE_MACS_PER_VOCAB = 4     # fp32 cast, finiteness check (amax, amin) and argmax: ~4 passes over the logits
 NORM_MACS_PER_HIDDEN = 4
 
@@ -56,7 +56,8 @@ def cost_model(hf_config, model_cls, dtype: torch.dtype, mix: str = "decode", ch
         model = model_cls(hf_config, StageInfo.single(num_layers), dtype)
     hidden = int(model.hidden_size)
     vocab = int(hf_config.vocab_size)
-    context = DECODE_CONTEXT if mix == "decode" else chunk_len
+    positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
+    context = min(DECODE_CONTEXT, positions // 2) if mix == "decode" else chunk_len
     attention = 2 * context * hidden                   # q·K and p·V over the context, per token
     layers = tuple(float(sum(p.numel() for p in model.layers[i].parameters()) + attention)
                    for i in range(num_layers))
