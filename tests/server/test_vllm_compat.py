@@ -107,6 +107,14 @@ def test_continuous_usage_stats(server):
     assert usages[-1]["total_tokens"] == usages[-1]["prompt_tokens"] + 6
 
 
+def test_chat_stream_echoes_the_final_message(server):
+    body = {"messages": MSG + [{"role": "assistant", "content": "Blue"}], "max_tokens": 3, "stream": True,
+            "echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Blue"}
+
+
 def test_utility_endpoints(server, offline):
     tok = offline.engine.tok
     r = httpx.post(server.url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
