@@ -101,6 +101,16 @@ def test_processors_under_pp_with_graphs_equal_one_stage_eager(llama_dir, eager_
     assert sum(stats["prefill_graph"]["replays"].values()) > 0 and sum(stats["decode_graph"]["replays"].values()) > 0
 
 
+def test_processors_hold_under_speculative_decoding(llama_dir, eager_one_stage):
+    """Every verified draft row is sampled with its request's processors, so speculation changes no token."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(model=str(llama_dir), prefill_graph="off", speculative_config=spec) as llm:
+        got, _ = _run(llm)
+        accepted = llm.stats()["speculative"]["accepted"]
+    assert got == eager_one_stage[0]
+    assert accepted > 0                 # the forced [42] * 12 row is all drafts after its first tokens
+
+
 @pytest.fixture(scope="module")
 def llm(llama_dir):
     with LLM(model=str(llama_dir), block_size=4) as engine:
