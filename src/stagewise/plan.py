@@ -6,7 +6,7 @@ blocks); a new or resumed request travels whole once. The last stage answers a S
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .request import SamplingParams, TokenLogprob
@@ -47,6 +47,16 @@ class ScheduledSeq:
 
 
 @dataclass
+class TokenBitmask:
+    """Allowed next tokens of the constrained sampling rows of a plan, filled by the driver: row i of
+    `bits` (int32 `[k, ceil(V/32)]`, bit t set = token t allowed) belongs to `request_ids[i]`.
+    Rows without a grammar have no entry: they pay nothing."""
+
+    request_ids: list[str]
+    bits: Any
+
+
+@dataclass
 class StepPlan:
     plan_id: int
     seqs: list[ScheduledSeq]
@@ -56,6 +66,7 @@ class StepPlan:
     zero_block_ids: list[int] = field(default_factory=list)   # KV blocks stages zero before this step
     verdict: Any = None                 # graph.policy.GraphVerdict, decided once by the driver
     stage_busy_s: list[float] = field(default_factory=list)   # filled in by stages on the way
+    token_bitmask: TokenBitmask | None = None     # constrained rows (structured outputs); the sampling stage reads it
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +80,7 @@ class StepPlan:
         reqs = [NewRequestData(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.block_ids,
                                None if r.input_embeds is None else r.input_embeds[:0])
                 for r in self.new_reqs]
-        return StepPlan(self.plan_id, self.seqs, reqs, self.cached_reqs, self.finished_req_ids,
-                        self.zero_block_ids, self.verdict, self.stage_busy_s)
+        return replace(self, new_reqs=reqs)
 
 
 @dataclass

@@ -68,6 +68,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = flag(None, "keep only the last k prompt tokens", cli=False)
     cache_salt: str | None = flag(None, "prefix-cache namespace: requests with different salts share no KV blocks",
                                   cli=False)
+    # constrained decoding: a StructuredOutputs or a dict of its fields ({"json": schema}, {"regex": ...})
+    structured_outputs: StructuredOutputs | dict | None = flag(None, "constrain the output", cli=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -77,6 +79,8 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         self.stop = self.stop if self.stop is not None else []
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
         self.stop_token_ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -100,6 +104,12 @@ class SamplingParams:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs), got 0.")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+
+    @property
+    def grammar(self) -> "StructuredOutputs | None":
+        """`structured_outputs` as the StructuredOutputs `__post_init__` made of it."""
+        so = self.structured_outputs
+        return so if isinstance(so, StructuredOutputs) else None
 
     @property
     def is_greedy(self) -> bool:
@@ -194,7 +204,75 @@ _RULES = (
      "null, -1 (the model's context) or an integer >= 1"),
     ("cache_salt", lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS),
      f"null or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
+    ("structured_outputs", lambda v: v is None or isinstance(v, StructuredOutputs),
+     "a StructuredOutputs or a dict with one of json, regex, choice, grammar, json_object"),
 )
+
+
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_OLD_NAMES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar", "guided_json_object": "json_object"}
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match: exactly one of a JSON schema (`json`, a dict or its JSON text),
+    any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`) or an
+    EBNF grammar (GBNF / xgrammar syntax). Syntax is checked where the grammar is compiled
+    (engine/structured.py), so a bad one is still a one-sentence error before the request runs."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(GRAMMAR_KINDS)}, got "
+                             f"{', '.join(given) or 'none'}.")
+        kind = given[0]
+        if kind == "json" and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text).")
+        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string.")
+        if kind == "choice" and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StructuredOutputs":
+        """vLLM's keys (`json`, `regex`, `choice`, `grammar`, `json_object`) or the older `guided_*` names;
+        null values are ignored."""
+        kwargs = {}
+        for key, value in d.items():
+            name = _OLD_NAMES.get(key, key)
+            if name not in GRAMMAR_KINDS:
+                raise ValueError(f"structured_outputs has an unknown key {key!r}; use one of "
+                                 f"{', '.join(GRAMMAR_KINDS)}.")
+            if value is not None:
+                kwargs[name] = value
+        return cls(**kwargs)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what a compiled grammar is cached by."""
+        import json as _json
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            value = _json.dumps(value, sort_keys=True)
+        elif kind == "choice":
+            value = _json.dumps(list(value))
+        elif kind == "json_object":
+            value = ""
+        return kind, value
 
 
 @dataclass

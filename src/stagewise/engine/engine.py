@@ -20,7 +20,7 @@ from ..executor import make_executor
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
-from ..request import FinishReason, Request, RequestOutput, SamplingParams
+from ..request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from ..runtime.memory import format_memory_table
 from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, with_resolved_partition
 from .balance import DecodeBalancer
@@ -31,6 +31,7 @@ from .profile import fitted_chunker
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
+from .structured import StructuredOutputManager, XGrammarBackend, check_structured
 
 log = logging.getLogger("stagewise.engine")
 
@@ -71,6 +72,7 @@ class Engine:
         self.stats_ = EngineStats(self.policy, self._predicted_shares(config), clocks)
         self._ids = itertools.count()
         self.dead: str | None = None
+        self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
 
     # requests (any thread)
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
@@ -89,6 +91,7 @@ class Engine:
                       prompt=prompt if isinstance(prompt, str) else None,
                       input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)
         check_prompt(req, self.max_model_len, self.kv_capacity_tokens, self.tok.vocab_size)
+        check_structured(params)
         self.inbox.append(("add", req))
         return req
 
@@ -101,18 +104,21 @@ class Engine:
         return self.dead or self.executor.dead
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self.inbox or self.inflight)
+        return bool(self.scheduler.has_unfinished() or self.inbox or self.inflight
+                    or (self._grammars is not None and self._grammars.pending))
 
     # the step loop
     def step(self) -> StepOutputs:
         """Outputs of requests that changed; `.progressed` is False when nothing could be scheduled
         or collected (the caller should wait for new requests instead of spinning)."""
-        outputs = self._drain_inbox()
+        outputs = self._drain_inbox() + self._admit_compiled()
         while len(self.inflight) < self.config.depth:
             plan = self.scheduler.schedule()
             if plan is None:
                 break
             plan.verdict = self._verdict(plan)
+            if self._grammars is not None:
+                plan.token_bitmask = self._grammars.fill(plan)
             self.executor.submit(plan)
             if not self.inflight:
                 self.stats_.pipeline_started()
@@ -135,7 +141,10 @@ class Engine:
         """Step until no request is unfinished, yielding every output (the offline loop of `LLM`
         and `stagewise generate`; serving runs `EngineCore` instead)."""
         while self.has_unfinished():
-            yield from self.step()
+            out = self.step()
+            if not out.progressed and self._grammars is not None:
+                self._grammars.wait(0.05)
+            yield from out
 
     def _balance(self, config: EngineConfig, blocks: BlockManager) -> list[float]:
         """Micro-batch balancing and, when enabled, dynamic chunk sizing: its start-up profile runs
@@ -164,6 +173,11 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.stats_.record_result(result)
+        if plan.token_bitmask is not None and self._grammars is not None:
+            for rid in plan.token_bitmask.request_ids:
+                token = result.sampled.get(rid)
+                if token is not None and not self._grammars.accept(rid, token):
+                    result.failed[rid] = f"the sampled token {token} is outside the request's grammar"
         changed = self.scheduler.update(plan, result)
         failed = [r for r in changed if r.finish_reason is FinishReason.ERROR]
         if failed:
@@ -174,23 +188,53 @@ class Engine:
         for req in changed:
             if req.is_finished:
                 self.stats_.record_finish(req)
+                if self._grammars is not None:
+                    self._grammars.release(req.request_id)
         return [make_output(req) for req in changed]
 
     def _drain_inbox(self) -> list[RequestOutput]:
         changed = []
         while self.inbox:
             kind, item = self.inbox.popleft()
-            if kind == "add":
+            if kind == "add" and item.params.grammar is not None:
+                self._structured().submit(item)      # scheduled once its grammar is compiled
+            elif kind == "add":
                 self.scheduler.add(item)
             elif (aborted := self.scheduler.abort(item)) is not None:
                 changed.append(aborted)
+            elif self._grammars is not None and (compiling := self._grammars.drop_pending(item)) is not None:
+                _finish_unscheduled(compiling, FinishReason.ABORT)
+                changed.append(compiling)
         return self._outputs(changed)
+
+    def _structured(self) -> StructuredOutputManager:
+        if self._grammars is None:
+            backend = XGrammarBackend(self.tok.tokenizer, self.tok.vocab_size, self.tok.eos_token_ids)
+            self._grammars = StructuredOutputManager(backend)
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammars are ready; fail those whose compile failed."""
+        if self._grammars is None or not self._grammars.pending:
+            return []
+        ready, failed = self._grammars.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+        for req, why in failed:
+            _finish_unscheduled(req, FinishReason.ERROR, why)
+        return self._outputs([req for req, _ in failed])
 
     def _die(self, why: str) -> NoReturn:
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
         self.dead = why
         log.error("engine failed: %s", why)
-        outputs = self._outputs(self.scheduler.fail_all(why))
+        failed = self.scheduler.fail_all(why)
+        for rid in list(self._grammars.pending if self._grammars is not None else ()):
+            req = self._grammars.drop_pending(rid) if self._grammars is not None else None
+            if req is not None:
+                _finish_unscheduled(req, FinishReason.ERROR, why)
+                failed.append(req)
+        outputs = self._outputs(failed)
         self.inflight.clear()
         self.shutdown()
         raise EngineDeadError(why, outputs)
@@ -202,5 +246,12 @@ class Engine:
         return snapshot
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()
+
+
+def _finish_unscheduled(req: Request, reason: FinishReason, error: str | None = None) -> None:
+    """Finish a request the scheduler never held (its grammar was still compiling)."""
+    req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
 

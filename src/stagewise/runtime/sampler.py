@@ -23,6 +23,7 @@ TOP_P_HEAD = 1024     # top-p without top-k: tokens ranked before falling back t
 NONFINITE = "the model produced non-finite logits for this request"
 NO_TOKEN_LEFT = ("allowed_token_ids, bad_words and logit_bias leave no token to generate; allow at least one "
                  "token")
+NO_ALLOWED_TOKEN = "the request's grammar allows no token of the vocabulary here"
 
 
 class SampleRow(Protocol):
@@ -106,6 +107,18 @@ def filter_sorted(sorted_logits: torch.Tensor, params: list[SamplingParams]) -> 
     return x
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> None:
+    """Mask to -inf, in place, the tokens that row `rows[i]` of `logits` `[R, V]` may not take
+    (`bits[i]`: int32 `[ceil(V/32)]`, xgrammar's packed layout). Other rows are not touched."""
+    import xgrammar
+    if rows == list(range(logits.shape[0])):
+        xgrammar.apply_token_bitmask_inplace(logits, bits)
+        return
+    sub = logits[rows]
+    xgrammar.apply_token_bitmask_inplace(sub, bits)
+    logits[rows] = sub
+
+
 def rows_finite(logits: torch.Tensor) -> torch.Tensor:
     """`[R]` True where every logit of the row is finite. max/min propagate NaN and keep +-inf, and
     two vectorised reductions cost a fraction of `isfinite(x).all(-1)` over a large vocabulary."""
@@ -132,13 +145,17 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)     # unseeded requests
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
-        """logits float32 `[R, V]` (not modified), one row per request."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+               bitmask: tuple[list[int], torch.Tensor] | None = None) -> list[Draw]:
+        """logits float32 `[R, V]`, one row per request; not modified unless `bitmask` = (row indices,
+        packed allowed tokens) constrains some rows: those are masked in place before every rule."""
         draws: list[Draw | None] = [None] * len(rows)
         ok = rows_finite(logits).tolist()
         for i, good in enumerate(ok):
             if not good:
                 draws[i] = Draw(None, None, NONFINITE)
+        if bitmask is not None:
+            self._constrain(logits, *bitmask, ok, draws)
         live = [i for i in range(len(rows)) if ok[i]]
         plain = [i for i in live if self._is_plain_greedy(rows[i])]
         if plain:
@@ -152,6 +169,14 @@ class Sampler:
         filled = cast("list[Draw]", draws)   # every row has one now: non-finite, greedy or sampled
         self._add_logprobs(logits, rows, filled)
         return filled
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, idx: list[int], bits: torch.Tensor, ok: list[bool],
+                   draws: list[Draw | None]) -> None:
+        apply_token_bitmask(logits, idx, bits)
+        for i, alive in zip(idx, torch.isfinite(logits[idx].amax(-1)).tolist()):
+            if ok[i] and not alive:
+                ok[i], draws[i] = False, Draw(None, None, NO_ALLOWED_TOKEN)
 
     def _is_plain_greedy(self, row: SampleRow) -> bool:
         """Greedy with nothing that changes the row before its argmax."""
@@ -256,7 +281,8 @@ class Sampler:
         for j, (i, n) in enumerate(zip(want, counts)):
             token = draws[i].token
             assert token is not None   # `want` holds drawn rows only
-            top = ({int(t): float(v) for t, v in zip(best.indices[j, :n], best.values[j, :n])}
+            # NOTE: a grammar's mask leaves disallowed tokens at -inf: they are no alternatives
+            top = ({int(t): float(v) for t, v in zip(best.indices[j, :n], best.values[j, :n]) if v > float("-inf")}
                    if best is not None and n else {})
             draws[i].logprob = TokenLogprob(token, float(raw[j, token]), top)
 

@@ -166,8 +166,8 @@ class Worker:
         logits = self.model.compute_logits(rows).float().cpu()  # [R, V]
         seqs = [s for s in plan.seqs if s.sample]
         if any(s.draft_token_ids for s in seqs):
-            return self._verify(result, logits, seqs)
-        draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs])
+            return self._verify(result, logits, seqs, plan)
+        draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs], _mask_rows(plan, seqs))
         for seq, draw in zip(seqs, draws):
             if draw.error is not None:
                 result.failed[seq.request_id] = draw.error
@@ -178,11 +178,17 @@ class Worker:
                 result.logprobs[seq.request_id] = draw.logprob
         return result
 
-    def _verify(self, result: StepResult, logits: torch.Tensor, seqs: list) -> StepResult:
+    def _verify(self, result: StepResult, logits: torch.Tensor, seqs: list, plan: StepPlan) -> StepResult:
         """A step with drafts: every verified row sampled as its own position, then accepted
-        (runtime/speculative.py)."""
+        (runtime/speculative.py). Constrained requests get no drafts: their one row takes the mask."""
         views = [draft_views(self.reqs[s.request_id], s.draft_token_ids) for s in seqs]
-        draws = self.sampler.sample(logits, [v for rows in views for v in rows])
+        mask = _mask_rows(plan, seqs)
+        if mask is not None:
+            starts = [0]
+            for rows in views:
+                starts.append(starts[-1] + len(rows))
+            mask = ([starts[i] for i in mask[0]], mask[1])
+        draws = self.sampler.sample(logits, [v for rows in views for v in rows], mask)
         offset = 0
         for seq, rows in zip(seqs, views):
             verified = accept(seq.draft_token_ids, draws[offset:offset + len(rows)])
@@ -200,3 +206,12 @@ class Worker:
                 if verified.accepted:
                     result.accepted_logprobs[rid] = verified.accepted_logprobs
         return result
+
+
+def _mask_rows(plan: StepPlan, seqs: list) -> tuple[list[int], torch.Tensor] | None:
+    """The plan's token bitmask as (sampling-row indices, bits), or None when no row is constrained."""
+    mask = plan.token_bitmask
+    if mask is None:
+        return None
+    row_of = {s.request_id: i for i, s in enumerate(seqs)}
+    return [row_of[rid] for rid in mask.request_ids], mask.bits

@@ -1,0 +1,186 @@
+"""Structured outputs on the driver: grammars compiled off the step loop, one matcher per request,
+and the packed token bitmask of each plan's constrained sampling rows.
+
+A request has at most one sampling row in flight, so when the scheduler books it the driver has
+accepted every token it sampled: the matcher's state is exact, under PP, micro-batches, chunked
+prefill, prefix hits and preemption alike (re-prefill recomputes KV, not outputs). The bitmask
+travels with the plan; the sampling stage applies it (runtime/sampler.py). The backend (xgrammar)
+sits behind `GrammarBackend` so another could be added.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from ..plan import StepPlan, TokenBitmask
+from ..request import Request, StructuredOutputs
+
+log = logging.getLogger("stagewise.engine")
+COMPILE_THREADS = 2
+MAX_SCHEMA_CHARS = 200_000
+
+
+class Matcher(Protocol):
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+
+
+def _schema_text(spec: StructuredOutputs) -> str:
+    text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"structured_outputs.json is {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}.")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structured_outputs.json is not valid JSON ({exc}); give a JSON schema.") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema object.")
+    return text
+
+
+def _choice_ebnf(choices: tuple[str, ...]) -> str:
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XGrammarBackend:
+    """xgrammar: JSON Schema, any JSON, regex, choice (as EBNF) and EBNF grammars."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        import xgrammar as xgr
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def check(spec: StructuredOutputs) -> None:
+        """Parse `spec` without a tokenizer (cheap): ValueError naming what is wrong."""
+        import xgrammar as xgr
+        kind = spec.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(_schema_text(spec))
+            elif kind == "regex":
+                xgr.Grammar.from_regex(spec.regex)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(spec.grammar)
+            elif kind == "choice":
+                xgr.Grammar.from_ebnf(_choice_ebnf(spec.choice or ()))
+        except ValueError:
+            raise
+        except Exception as exc:     # noqa: BLE001  (xgrammar raises RuntimeError and its own types)
+            raise ValueError(f"structured_outputs.{kind} was rejected by the grammar compiler: "
+                             f"{_first_line(exc)}") from None
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        kind, c = spec.kind, self.compiler
+        if kind == "json":
+            return c.compile_json_schema(_schema_text(spec))
+        if kind == "json_object":
+            return c.compile_builtin_json_grammar()
+        if kind == "regex":
+            return c.compile_regex(spec.regex)
+        if kind == "choice":
+            return c.compile_grammar(_choice_ebnf(spec.choice or ()))
+        return c.compile_grammar(spec.grammar)
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return self.xgr.GrammarMatcher(compiled)
+
+    def allocate(self, rows: int) -> Any:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)   # int32 [rows, ceil(V/32)]
+
+
+class GrammarBackend(Protocol):
+    def compile(self, spec: StructuredOutputs) -> Any: ...
+    def matcher(self, compiled: Any) -> Matcher: ...
+    def allocate(self, rows: int) -> Any: ...
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = next((t for t in reversed(text) if t.strip()), type(exc).__name__)
+    return line[:300].rstrip(".") + "."
+
+
+def check_structured(params) -> None:
+    """The 400-time check of a request's grammar (no tokenizer needed): ValueError on a bad one."""
+    spec = params.grammar
+    if spec is not None:
+        XGrammarBackend.check(spec)
+
+
+class StructuredOutputManager:
+    """Compiles grammars on a thread pool (futures cached by spec, so n > 1 and repeated schemas
+    compile once), owns each constrained request's matcher, fills plan bitmasks and accepts
+    sampled tokens."""
+
+    def __init__(self, backend: GrammarBackend):
+        self.backend = backend
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="stagewise-grammar")
+        self.compiled: dict[tuple[str, str], Future] = {}
+        self.pending: dict[str, tuple[Request, Future]] = {}     # compiling, not yet scheduled
+        self.matchers: dict[str, Matcher] = {}
+
+    def submit(self, req: Request) -> None:
+        spec = req.params.grammar
+        assert spec is not None
+        fut = self.compiled.get(spec.key)
+        if fut is None:
+            fut = self.compiled[spec.key] = self.pool.submit(self.backend.compile, spec)
+        self.pending[req.request_id] = (req, fut)
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose grammar is ready (matcher made), and (request, why) whose compile failed."""
+        ready, failed = [], []
+        for rid, (req, fut) in list(self.pending.items()):
+            if not fut.done():
+                continue
+            del self.pending[rid]
+            exc = fut.exception()
+            if exc is not None:
+                spec = req.params.grammar
+                self.compiled.pop(spec.key, None) if spec is not None else None
+                failed.append((req, f"The grammar of this request failed to compile: {_first_line(exc)}"))
+                continue
+            self.matchers[rid] = self.backend.matcher(fut.result())
+            ready.append(req)
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some pending compile finishes (or `timeout_s`): an offline loop with nothing
+        else to do waits here instead of spinning."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+        if self.pending:
+            wait_futures([f for _, f in self.pending.values()], timeout_s, FIRST_COMPLETED)
+
+    def drop_pending(self, request_id: str) -> Request | None:
+        entry = self.pending.pop(request_id, None)
+        return entry[0] if entry else None
+
+    def fill(self, plan: StepPlan) -> TokenBitmask | None:
+        """The bitmask of the plan's constrained sampling rows; None (no cost) when there are none."""
+        rids = [s.request_id for s in plan.seqs if s.sample and s.request_id in self.matchers]
+        if not rids:
+            return None
+        bits = self.backend.allocate(len(rids))
+        for i, rid in enumerate(rids):
+            self.matchers[rid].fill_next_token_bitmask(bits, i)
+        return TokenBitmask(rids, bits)
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher; False if the grammar does not allow `token`."""
+        m = self.matchers.get(request_id)
+        return m is None or m.is_terminated() or bool(m.accept_token(token))
+
+    def release(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self.pending.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
