@@ -46,7 +46,7 @@ def _choice_ebnf(choices: tuple[str, ...]) -> str:
 
 
 class XGrammarBackend:
-    """xgrammar: JSON Schema, any JSON, regex, choice (as EBNF) and EBNF grammars."""
+    """xgrammar: JSON Schema, any JSON object, regex, choice (as EBNF) and EBNF grammars."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         import xgrammar as xgr
@@ -65,9 +65,9 @@ class XGrammarBackend:
             if kind == "json":
                 xgr.Grammar.from_json_schema(_schema_text(spec))
             elif kind == "regex":
-                xgr.Grammar.from_regex(spec.regex)
+                xgr.Grammar.from_regex(str(spec.regex))
             elif kind == "grammar":
-                xgr.Grammar.from_ebnf(spec.grammar)
+                xgr.Grammar.from_ebnf(str(spec.grammar))
             elif kind == "choice":
                 xgr.Grammar.from_ebnf(_choice_ebnf(spec.choice or ()))
         except ValueError:
@@ -78,15 +78,16 @@ class XGrammarBackend:
 
     def compile(self, spec: StructuredOutputs) -> Any:
         kind, c = spec.kind, self.compiler
+        # NOTE: compact JSON (no free whitespace): small models otherwise loop on newlines and indents
         if kind == "json":
-            return c.compile_json_schema(_schema_text(spec))
+            return c.compile_json_schema(_schema_text(spec), any_whitespace=False)
         if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
-            return c.compile_regex(spec.regex)
+            return c.compile_regex(str(spec.regex))
         if kind == "choice":
             return c.compile_grammar(_choice_ebnf(spec.choice or ()))
-        return c.compile_grammar(spec.grammar)
+        return c.compile_grammar(str(spec.grammar))
 
     def matcher(self, compiled: Any) -> Matcher:
         return self.xgr.GrammarMatcher(compiled)

@@ -37,7 +37,8 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
     metrics = ServerMetrics(lambda: engine.snapshot, name, engine.info.max_model_len)
     engine.metrics = metrics
-    serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template)
+    serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template,
+                      options.tool_call_parser)
     serving.cache_isolation = options.cache_isolation
     created = int(time.time())
 
@@ -71,6 +72,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
 
     app.add_api_route("/v1/completions", counted(routes.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", counted(routes.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/responses", counted(routes.responses), methods=["POST"])
     app.add_api_route("/generate", counted(routes.generate), methods=["POST"])
     app.add_api_route("/tokenize", counted(utility.tokenize), methods=["POST"])
     app.add_api_route("/detokenize", counted(utility.detokenize), methods=["POST"])

@@ -20,6 +20,7 @@ from .logprobs import (
     sorted_top,
     vllm_prompt_logprobs,
 )
+from .tools import ToolStream, final_calls
 
 log = logging.getLogger("stagewise.server")
 
@@ -197,16 +198,29 @@ class CompletionShape(Shape):
 class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, serving, req, messages: list[dict] | None = None):
+    def __init__(self, serving, req, messages: list[dict] | None = None, tool_mode: str = "none"):
         super().__init__(serving, req, "chatcmpl", req.logprobs)
         # vLLM's chat `echo`: the reply starts with the final message's content when it is the assistant's
         last = (messages or [{}])[-1]
         self.echo_text = (last.get("content") or "") if req.echo and last.get("role") == "assistant" else ""
+        self.tool_mode, self.parser = tool_mode, serving.tool_call_parser
+        self.tool_streams: dict[int, ToolStream] = {}
+
+    def message(self, out: RequestOutput) -> tuple[dict, str | None]:
+        """The choice's message (content, tool calls) and finish reason ('tool_calls' when it made calls)."""
+        c = out.outputs[0]
+        content, calls = final_calls(self.tool_mode, self.parser, c.text)
+        msg: dict = {"role": "assistant", "content": self.echo_text + content if content is not None else content}
+        if calls:
+            msg["tool_calls"] = [call.as_openai() for call in calls]
+        return msg, ("tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason)
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": self.echo_text + f.outputs[0].text},
-                    "logprobs": self.entries(f, 0, self.shown(f)[1]) if self.logprobs else None,
-                    "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
+        choices = []
+        for i, f in enumerate(finals):
+            msg, reason = self.message(f)
+            choices.append({"index": i, "message": msg, "finish_reason": reason,
+                            "logprobs": self.entries(f, 0, self.shown(f)[1]) if self.logprobs else None})
         body = dict(self.head("chat.completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
         if self.prompt_logprobs and finals:
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(0, finals[0])
@@ -223,12 +237,44 @@ class ChatShape(Shape):
                                       "logprobs": None, "finish_reason": None}))
         text = st.advance(out)
         begin, end = st.new_shown(out, self.keep_stop_token) if self.logprobs else (0, 0)
-        if text or end > begin or out.finished:
-            delta = {"content": text} if text else {}
-            lp = self.entries(out, begin, end) if self.logprobs else None
-            chunks.append(self.chunk({"index": i, "delta": delta, "logprobs": lp,
-                                      "finish_reason": out.outputs[0].finish_reason}))
+        reason = out.outputs[0].finish_reason
+        deltas: list[dict] = [{"content": text}] if text else []
+        if self.tool_mode != "none":
+            deltas, reason = self.tool_deltas(i, st.text, text, out)
+        lp = self.entries(out, begin, end) if self.logprobs else None
+        if not deltas and (end > begin or out.finished):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            chunks.append(self.chunk({"index": i, "delta": delta, "logprobs": lp if last else None,
+                                      "finish_reason": reason if last and out.finished else None}))
         return chunks
+
+    def tool_deltas(self, i: int, text: str, new: str, out: RequestOutput) -> tuple[list[dict], str | None]:
+        """Deltas under a tool choice: content as it streams; a named function's arguments as they
+        stream; otherwise each call once the output is done (name first, then its arguments)."""
+        ts = self.tool_streams.setdefault(i, ToolStream(self.tool_mode, self.parser))
+        reason = out.outputs[0].finish_reason
+        if self.tool_mode not in ("auto", "required"):          # a named function: the text is its arguments
+            if not new:
+                return [], ("tool_calls" if reason == "stop" else reason)
+            call = {"index": 0, "function": {"arguments": new}}
+            if ts.sent == 0:
+                call.update(id=f"call_{out.request_id[-24:]}", type="function",
+                            function={"name": self.tool_mode, "arguments": new})
+            ts.sent += len(new)
+            return [{"tool_calls": [call]}], ("tool_calls" if reason == "stop" else reason)
+        content = ts.content_delta(text, out.finished)
+        deltas: list[dict] = [{"content": content}] if content else []
+        if out.finished:
+            _, calls = ts.calls(text)
+            for k, tc in enumerate(calls):
+                deltas.append({"tool_calls": [{"index": k, "id": tc.id, "type": "function",
+                                               "function": {"name": tc.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": tc.arguments}}]})
+            if calls and reason == "stop":
+                reason = "tool_calls"
+        return deltas, reason
 
 
 class NativeShape(Shape):

@@ -39,6 +39,8 @@ class ServerOptions:
                                 "subdivides it), for multi-tenant servers")
     trust_request_chat_template: bool = flag(False, "accept a chat_template in requests (vLLM's flag; templates "
                                              "run sandboxed, but can be slow)")
+    tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes or "
+                                        "llama3_json (default: the model family's)")
 
     def __post_init__(self):
         object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
@@ -48,6 +50,8 @@ class ServerOptions:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}.")
         if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
             raise ValueError("api_key is empty (or lists an empty key); give non-empty keys or leave it out.")
         if self.cache_isolation not in CACHE_ISOLATION_CHOICES:

@@ -12,6 +12,7 @@ are bounded, and only the first unknown key is reported.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from typing import Annotated, Any, Literal
@@ -34,6 +35,7 @@ from ..request import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    StructuredOutputs,
 )
 from .errors import bad_request, from_value_error
 
@@ -206,7 +208,61 @@ class _OpenAIFields(_Lenient, SamplingFields):
                               f"{self.prompt_logprobs}.", "prompt_logprobs")
 
 
-class CompletionRequest(_OpenAIFields):
+class StructuredFields(_Strict):
+    """vLLM's constrained-decoding fields (`structured_outputs` and the older `guided_*` names)."""
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Strs | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None      # accepted: this server has one backend (xgrammar)
+
+    def structured_spec(self, response_format: dict | None = None) -> StructuredOutputs | None:
+        """The request's one grammar, from whichever field gave it; a 400 naming the field otherwise."""
+        given: list[tuple[str, dict]] = []
+        if self.structured_outputs:
+            given.append(("structured_outputs", self.structured_outputs))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                given.append((name, {name: getattr(self, name)}))
+        if response_format is not None:
+            spec = response_format_spec(response_format, "response_format")
+            if spec is not None:
+                given.append(("response_format", spec))
+        if len(given) > 1:
+            raise bad_request(f"Give one way to constrain the output, not {given[0][0]} and {given[1][0]}.",
+                              given[1][0])
+        if not given:
+            return None
+        name, spec = given[0]
+        try:
+            return StructuredOutputs.from_dict(spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), name) from None
+
+
+def response_format_spec(fmt: dict, param: str) -> dict | None:
+    """OpenAI `response_format` (or the Responses API's `text.format`) as structured_outputs keys."""
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_request(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                          f"{param}.type")
+    holder = fmt.get("json_schema", fmt)          # chat nests it; the Responses API does not
+    if not isinstance(holder, dict):
+        raise bad_request(f"{param}.json_schema must be an object with 'name' and 'schema'.", f"{param}.json_schema")
+    schema = holder.get("schema")
+    if schema is None:
+        return {"json_object": True}
+    if not isinstance(schema, dict):
+        raise bad_request(f"{param} schema must be a JSON schema object.", f"{param}.json_schema.schema")
+    return {"json": schema}
+
+
+class CompletionRequest(_OpenAIFields, StructuredFields):
     prompt: str | Strs | TokenIds | Annotated[list[TokenIds], _FAST]
     logprobs: Int | None = None
     echo: bool = False
@@ -222,9 +278,12 @@ class CompletionRequest(_OpenAIFields):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Anys | None = None
     name: str | None = None
+    tool_calls: Anys | None = None            # assistant: the calls it made
+    tool_call_id: str | None = None           # tool: the call this answers
+    refusal: str | None = None                # assistant messages echoed back by SDKs
 
     def text(self, i: int) -> str:
         if not isinstance(self.content, list):
@@ -245,7 +304,32 @@ class ChatMessage(_Strict):
     def as_template_dict(self, i: int) -> dict:
         # NOTE: few chat templates know the "developer" role; it means system.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text(i)}
+        msg: dict[str, Any] = {"role": role, "content": self.text(i)}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request(f"messages[{i}] has tool_calls but only assistant messages make calls.",
+                                  f"messages.{i}.tool_calls")
+            msg["tool_calls"] = [_template_call(c, i, j) for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            msg["tool_call_id"] = self.tool_call_id
+            if self.name:
+                msg["name"] = self.name
+        return msg
+
+
+def _template_call(call, i: int, j: int) -> dict:
+    """A history tool call as chat templates read it (arguments as an object when they are JSON)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls[{j}] needs a 'function' with a 'name'.",
+                          f"messages.{i}.tool_calls.{j}.function")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 CHAT_TEMPLATE_ARGS = frozenset((   # apply_chat_template's own parameters: not template variables
@@ -285,7 +369,7 @@ class ChatTemplateFields(_Lenient):
         return options
 
 
-class ChatCompletionRequest(ChatTemplateFields, _OpenAIFields):
+class ChatCompletionRequest(ChatTemplateFields, _OpenAIFields, StructuredFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -311,16 +395,12 @@ class ChatCompletionRequest(ChatTemplateFields, _OpenAIFields):
         if self.audio is not None or any(m != "text" for m in self.modalities or ()):
             raise bad_request("This server produces text only; remove audio (or leave it null) and keep modalities "
                               "[\"text\"].", "audio" if self.audio is not None else "modalities", "unsupported")
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise bad_request(f"{name} (function calling) is not supported by this server; remove it.", name,
+        if self.functions:
+            raise bad_request("functions (the deprecated form of tools) is not supported; send tools instead.",
+                              "functions", "unsupported")
+        if self.function_call not in (None, "none"):
+            raise bad_request("function_call is not supported; send tool_choice instead.", "function_call",
                               "unsupported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise bad_request(f"{name} is not supported by this server; remove it.", name, "unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("Only response_format {\"type\": \"text\"} is supported; remove response_format.",
-                              "response_format", "unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

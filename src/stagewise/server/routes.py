@@ -15,7 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import PromptInput
-from ..request import SamplingParams
+from ..engine.structured import XGrammarBackend
+from ..request import SamplingParams, StructuredOutputs
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
 from .intake import parse_request
@@ -26,7 +27,9 @@ from .protocol import (
     GenerateRequest,
     make_sampling_params,
 )
+from .responses import ResponsesRequest, ResponsesShape, format_of, input_messages
 from .serving import Serving
+from .tools import check_tools, constraint_for, prepare_chat, tool_choice_of
 
 log = logging.getLogger("stagewise.server")
 CLIENT_GONE = 499            # nginx's "client closed request": logged, never seen by anyone
@@ -46,6 +49,10 @@ async def completions(serving: Serving, raw: Request) -> Response:
 
 async def chat_completions(serving: Serving, raw: Request) -> Response:
     return await _serve(serving, raw, chat_job)
+
+
+async def responses(serving: Serving, raw: Request) -> Response:
+    return await _serve(serving, raw, responses_job)
 
 
 async def generate(serving: Serving, raw: Request) -> Response:
@@ -70,6 +77,9 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     req.check_unsupported()
     prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
     inputs, params, fields = [], [], req.sampling_kwargs()
+    grammar = checked_grammar(req.structured_spec(), "structured_outputs")
+    if grammar is not None:
+        fields["structured_outputs"] = grammar
     for prompt in prompts:
         # echo with max_tokens 0 scores the prompt only; the engine computes prompt logprobs for echo
         # with logprobs, and for vLLM's prompt_logprobs
@@ -88,6 +98,13 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     serving.check_model(req.model)
     req.check_unsupported()
     serving.check_choices(1, req.n)
+    tools = check_tools(req.tools)
+    mode = tool_choice_of(req.tool_choice, tools)
+    grammar = req.structured_spec(req.response_format)
+    if mode not in ("none", "auto") and grammar is not None:
+        raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
+                          "response_format or structured outputs.", "tool_choice")
+    grammar = checked_grammar(grammar or constraint_for(mode, tools), "response_format")
     if len(req.messages) >= serving.max_model_len:
         raise bad_request(f"The conversation has {len(req.messages)} messages, more than the model's context of "
                           f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
@@ -95,17 +112,59 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
     truncating = req.truncate_prompt_tokens is not None
     if not truncating:
-        serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     options = req.template_options(serving.trust_request_chat_template)
-    prompt = serving.text_input(render_chat(serving, messages, options), "messages", req.add_special_tokens,
-                                truncating)
+    prompt = serving.text_input(render_chat(serving, messages, options, tools if mode != "none" else None),
+                                "messages", req.add_special_tokens, truncating)
     prompt = serving.truncated(prompt, req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None,
                                         minimum=0 if req.prompt_logprobs is not None else 1)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [make_sampling_params(req.sampling_kwargs(), max_tokens, logprobs, j,
-                                   prompt_logprobs=req.prompt_logprobs) for j in range(req.n)]
-    return Job([prompt] * req.n, params, ChatShape(serving, req, messages), req.stream)
+    fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
+    params = [make_sampling_params(fields, max_tokens, logprobs, j, prompt_logprobs=req.prompt_logprobs)
+              for j in range(req.n)]
+    return Job([prompt] * req.n, params, ChatShape(serving, req, messages, mode), req.stream)
+
+
+def responses_job(serving: Serving, body: bytes) -> Job:
+    req = parse_request(body, ResponsesRequest)
+    serving.check_model(req.model)
+    req.check_unsupported()
+    tools = check_tools(req.tools, flat=True)
+    mode = tool_choice_of(req.tool_choice, tools)
+    fmt = format_of(req)
+    grammar = req.structured_spec()
+    if fmt is not None and grammar is None:
+        grammar = StructuredOutputs.from_dict(fmt)
+    if mode not in ("none", "auto") and grammar is not None:
+        raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
+                          "text.format.", "tool_choice")
+    grammar = checked_grammar(grammar or constraint_for(mode, tools), "text.format")
+    prompt = chat_prompt(serving, input_messages(req), tools if mode != "none" else None)
+    max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
+    fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
+    params = [make_sampling_params(fields, max_tokens, None)]
+    return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream)
+
+
+def chat_prompt(serving: Serving, messages: list[dict], tools: list[dict] | None) -> PromptInput:
+    """A conversation (template dicts) rendered and tokenized, after the checks that cost nothing."""
+    if len(messages) >= serving.max_model_len:
+        raise bad_request(f"The conversation has {len(messages)} messages, more than the model's context of "
+                          f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
+                          "context_length_exceeded")
+    serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
+    return serving.text_input(render_chat(serving, messages, None, tools), "messages")
+
+
+def checked_grammar(spec: StructuredOutputs | None, param: str) -> StructuredOutputs | None:
+    """A grammar the backend accepts, or a 400 naming what is wrong with it."""
+    if spec is not None:
+        try:
+            XGrammarBackend.check(spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+    return spec
 
 
 def generate_job(serving: Serving, body: bytes) -> Job:
@@ -139,9 +198,16 @@ async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
     return JSONResponse(await serving.off_loop(job.shape.body, job.inputs, finals))
 
 
-def render_chat(serving: Serving, messages: list[dict], options: dict | None = None) -> str:
+def render_chat(serving: Serving, messages: list[dict], options: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """The conversation through the chat template (tools: see server/tools.py)."""
+    options = dict(options or {})
     try:
-        return serving.tok.chat_prompt(messages, **(options or {}))
+        messages, extra = prepare_chat(options.get("chat_template") or serving.tok.tokenizer.chat_template,
+                                       messages, tools, serving.tool_call_parser)
+        if extra:
+            options["template_kwargs"] = dict(options.get("template_kwargs") or {}, **extra)
+        return serving.tok.chat_prompt(messages, **options)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     except Exception as exc:

@@ -48,7 +48,8 @@ def chars_per_token_bound(tok) -> int:
 
 class Serving:
     def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, trust_request_chat_template: bool = False):
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, trust_request_chat_template: bool = False,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.tok = engine.info.tok
         self.model_name = model_name
@@ -62,6 +63,8 @@ class Serving:
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
+        from .tools import default_parser
+        self.tool_call_parser = tool_call_parser or default_parser(self.tok)
 
     async def read_body(self, raw: Request) -> bytes:
         """The whole body, within `body_timeout_s` (a trickling client must not hold a connection
