@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -55,6 +56,25 @@ class XGrammarBackend:
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
         self.vocab_size = vocab_size
+        self.info = info
+        self._json_tokens: Any = None
+
+    def json_tokens(self) -> Any:
+        """int32 `[ceil(V/32)]`: the tokens a JSON output may hold. NOTE: xgrammar's JSON string rule
+        lets raw control characters (U+0000-U+001F) through, which JSON forbids and strict parsers
+        (pydantic, json.loads) reject; compact JSON needs none outside strings either."""
+        if self._json_tokens is None:
+            import torch
+            keep = torch.ones(self.vocab_size, dtype=torch.bool)
+            for i, piece in enumerate(self.info.decoded_vocab[:self.vocab_size]):
+                if any(b < 0x20 for b in piece):
+                    keep[i] = False
+            keep[list(self.info.stop_token_ids)] = True
+            bits = torch.zeros(-(-self.vocab_size // 32) * 32, dtype=torch.int64)
+            bits[:self.vocab_size] = keep.to(torch.int64)
+            words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)                  # little-endian bit order
+            self._json_tokens = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return self._json_tokens
 
     @staticmethod
     def check(spec: StructuredOutputs) -> None:
@@ -102,9 +122,14 @@ class GrammarBackend(Protocol):
     def allocate(self, rows: int) -> Any: ...
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")     # "[14:29:10] /project/cpp/x.cc:94: "
+
+
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = next((t for t in reversed(text) if t.strip()), type(exc).__name__)
+    """The message of a backend error, without its C++ source location."""
+    lines = [t.strip() for t in str(exc).splitlines() if t.strip()]
+    line = _SOURCE_PREFIX.sub("", next((t for t in lines if _SOURCE_PREFIX.match(t)), lines[0] if lines else
+                                       type(exc).__name__))
     return line[:300].rstrip(".") + "."
 
 
@@ -126,6 +151,7 @@ class StructuredOutputManager:
         self.compiled: dict[tuple[str, str], Future] = {}
         self.pending: dict[str, tuple[Request, Future]] = {}     # compiling, not yet scheduled
         self.matchers: dict[str, Matcher] = {}
+        self.json_rows: set[str] = set()                         # JSON grammars: no control characters
 
     def submit(self, req: Request) -> None:
         spec = req.params.grammar
@@ -149,6 +175,9 @@ class StructuredOutputManager:
                 failed.append((req, f"The grammar of this request failed to compile: {_first_line(exc)}"))
                 continue
             self.matchers[rid] = self.backend.matcher(fut.result())
+            spec = req.params.grammar
+            if spec is not None and spec.kind in ("json", "json_object"):
+                self.json_rows.add(rid)
             ready.append(req)
         return ready, failed
 
@@ -172,6 +201,8 @@ class StructuredOutputManager:
         bits = self.backend.allocate(len(rids))
         for i, rid in enumerate(rids):
             self.matchers[rid].fill_next_token_bitmask(bits, i)
+            if rid in self.json_rows:
+                bits[i] &= self.backend.json_tokens()
         return TokenBitmask(rids, bits)
 
     def accept(self, request_id: str, token: int) -> bool:
@@ -181,6 +212,7 @@ class StructuredOutputManager:
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.json_rows.discard(request_id)
         self.pending.pop(request_id, None)
 
     def shutdown(self) -> None:
