@@ -3,6 +3,8 @@ edge-of-range sampling values, and its SIGINT shutdown finishes open requests an
 stage processes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from http_checks import EXTREME_SAMPLING, assert_extreme_sampling_is_safe
 
@@ -52,6 +54,28 @@ def test_pp2_server_matches_offline(pp_server, offline):
                    "stagewise_stage_measured_share{"):       # pipeline balance, per stage
         assert len([k for k in metrics if k.startswith(family)]) == 2, family
     assert httpx.get(pp_server.url + "/health").status_code == 200
+
+
+def test_pp2_structured_outputs_and_streaming(pp_server):
+    """A JSON schema under PP=2 (the last stage applies the driver's bitmask), n > 1 and streaming."""
+    from openai import OpenAI
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    with OpenAI(base_url=pp_server.url + "/v1", api_key="unused", max_retries=0, timeout=60.0) as c:
+        name = c.models.list().data[0].id
+        r = c.chat.completions.create(model=name, messages=ask, response_format=fmt, n=4, seed=1, temperature=1.0,
+                                      max_tokens=40)
+        for choice in r.choices:
+            obj = json.loads(choice.message.content)
+            assert set(obj) == {"a", "b"} and isinstance(obj["a"], int) and obj["b"] in ("x", "y")
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=name, messages=ask, response_format=fmt, temperature=0, max_tokens=40, stream=True))
+        whole = c.chat.completions.create(model=name, messages=ask, response_format=fmt, temperature=0, max_tokens=40)
+        assert streamed == whole.choices[0].message.content
+        json.loads(streamed)
+
 
 
 def test_pp2_extreme_sampling_values(pp_server):

@@ -217,8 +217,8 @@ class StructuredFields(_Strict):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None      # accepted: this server has one backend (xgrammar)
 
-    def structured_spec(self, response_format: dict | None = None) -> StructuredOutputs | None:
-        """The request's one grammar, from whichever field gave it; a 400 naming the field otherwise."""
+    def structured_spec(self, response_format: dict | None = None) -> tuple[StructuredOutputs | None, str]:
+        """The request's one grammar and the field that gave it; a 400 naming the field otherwise."""
         given: list[tuple[str, dict]] = []
         if self.structured_outputs:
             given.append(("structured_outputs", self.structured_outputs))
@@ -233,10 +233,10 @@ class StructuredFields(_Strict):
             raise bad_request(f"Give one way to constrain the output, not {given[0][0]} and {given[1][0]}.",
                               given[1][0])
         if not given:
-            return None
+            return None, "tool_choice"
         name, spec = given[0]
         try:
-            return StructuredOutputs.from_dict(spec)
+            return StructuredOutputs.from_dict(spec), name
         except ValueError as exc:
             raise bad_request(str(exc), name) from None
 

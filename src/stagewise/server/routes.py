@@ -77,7 +77,7 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     req.check_unsupported()
     prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
     inputs, params, fields = [], [], req.sampling_kwargs()
-    grammar = checked_grammar(req.structured_spec(), "structured_outputs")
+    grammar = checked_grammar(*req.structured_spec())
     if grammar is not None:
         fields["structured_outputs"] = grammar
     for prompt in prompts:
@@ -100,11 +100,11 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     serving.check_choices(1, req.n)
     tools = check_tools(req.tools)
     mode = tool_choice_of(req.tool_choice, tools)
-    grammar = req.structured_spec(req.response_format)
+    grammar, source = req.structured_spec(req.response_format)
     if mode not in ("none", "auto") and grammar is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
                           "response_format or structured outputs.", "tool_choice")
-    grammar = checked_grammar(grammar or constraint_for(mode, tools), "response_format")
+    grammar = checked_grammar(grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False), source)
     if len(req.messages) >= serving.max_model_len:
         raise bad_request(f"The conversation has {len(req.messages)} messages, more than the model's context of "
                           f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
@@ -133,13 +133,13 @@ def responses_job(serving: Serving, body: bytes) -> Job:
     tools = check_tools(req.tools, flat=True)
     mode = tool_choice_of(req.tool_choice, tools)
     fmt = format_of(req)
-    grammar = req.structured_spec()
+    grammar, source = req.structured_spec()
     if fmt is not None and grammar is None:
-        grammar = StructuredOutputs.from_dict(fmt)
+        grammar, source = StructuredOutputs.from_dict(fmt), "text.format"
     if mode not in ("none", "auto") and grammar is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
                           "text.format.", "tool_choice")
-    grammar = checked_grammar(grammar or constraint_for(mode, tools), "text.format")
+    grammar = checked_grammar(grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False), source)
     prompt = chat_prompt(serving, input_messages(req), tools if mode != "none" else None)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
     fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))

@@ -84,9 +84,9 @@ def tool_choice_of(choice: Any, tools: list[dict], param: str = "tool_choice") -
     return name
 
 
-def constraint_for(choice: str, tools: list[dict]) -> StructuredOutputs | None:
-    """The grammar that makes `required` (a JSON array of calls) or a named function (its arguments)
-    always parse and match the schemas; None for 'none' and 'auto'."""
+def constraint_for(choice: str, tools: list[dict], parallel: bool = True) -> StructuredOutputs | None:
+    """The grammar that makes `required` (a JSON array of calls; one call when not `parallel`) or a
+    named function (its arguments) always parse and match the schemas; None for 'none' and 'auto'."""
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if choice in ("none", "auto"):
         return None
@@ -94,7 +94,8 @@ def constraint_for(choice: str, tools: list[dict]) -> StructuredOutputs | None:
         return StructuredOutputs(json=by_name[choice])
     calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
               "required": ["name", "parameters"]} for n, p in by_name.items()]
-    return StructuredOutputs(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
+    return StructuredOutputs(json=array)
 
 
 def constrained_calls(choice: str, text: str) -> list[ToolCall]:
