@@ -10,17 +10,15 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import ConfigDict
-
 from ..request import RequestOutput
 from .errors import bad_request
 from .formatting import Shape
-from .protocol import Anys, Finite, Int, StructuredFields, response_format_spec
+from .protocol import Anys, Finite, Int, StructuredFields, _Lenient, response_format_spec
 from .tools import ToolStream, final_calls
 
 
-class ResponsesRequest(StructuredFields):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class ResponsesRequest(_Lenient, StructuredFields):
+    """Unknown fields are dropped with one warning per name, as on the other OpenAI routes."""
     model: str | None = None
     input: str | Anys
     instructions: str | None = None
