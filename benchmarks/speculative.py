@@ -5,7 +5,8 @@ llama.cpp's prompt-lookup decoding (llama-cpp-python's `LlamaPromptLookupDecodin
 the same token ids. Configurations are interleaved round by round in one run (the machine is
 shared); greedy outputs with and without speculation are compared token for token.
 
-    python benchmarks/speculative.py [--rounds 2] [--quick] [--spec JSON] [--llamacpp-python PATH]
+    python benchmarks/speculative.py [--rounds 2] [--prompts 8] [--max-tokens 160] [--quick] [--spec JSON]
+                                     [--llamacpp-python PATH]
 
 tok/s is output tokens / wall seconds of the whole request (prefill included); "decode tok/s"
 leaves out the time to the first token. llama.cpp gets the same weights (the F32 GGUF that
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="speculative_config JSON")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: stagewise's)")
     ap.add_argument("--llamacpp-python", default="/opt/peers/llamacpp/bin/python", help="'' to skip llama.cpp")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
     ap.add_argument("--quick", action="store_true", help="2 prompts per workload, 1 round, 48 tokens")
     args = ap.parse_args()
     n, rounds = (48, 1) if args.quick else (args.max_tokens, args.rounds)
@@ -147,8 +149,7 @@ def main() -> None:
     tok = base.engine.tok
     workloads = {name: [tok.encode(tok.chat_prompt([{"role": "user", "content": t}])) for t in tasks]
                  for name, tasks in (("copy-heavy", COPY_TASKS), ("fresh", FRESH_TASKS))}
-    if args.quick:
-        workloads = {k: v[:2] for k, v in workloads.items()}
+    workloads = {k: v[:2 if args.quick else args.prompts] for k, v in workloads.items()}
     import torch
     threads = args.threads or torch.get_num_threads()
 
@@ -216,7 +217,7 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick) -> str:
                 s = o.get("spec")
                 acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
                 mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
-                rows.append([wname, batch, cname, o["tokens"] / o["wall_s"], o["decode_tokens"] / o["decode_s"],
+                rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"], o["decode_tokens"] / o["decode_s"],
                              (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
             if batch == 1:
                 for v in LLAMACPP_VARIANTS:

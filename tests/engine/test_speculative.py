@@ -190,6 +190,16 @@ def test_stop_rules_and_sampling_rules_inside_accepted_runs(spec_llm, reference,
     assert spec_llm.stats()["kv_usage"] == 0.0
 
 
+def test_preemption_with_drafts_keeps_tokens(llama_dir, reference):
+    """~28 blocks of 16 for 4 requests of up to 69 tokens: requests are preempted and recomputed."""
+    with LLM(model=str(llama_dir), speculative_config=SPEC, kv_cache_memory=28 * 4 * 2 * 4 * 2 * 16 * 4) as llm:
+        Oracle(llm.engine, reference[1])
+        got = tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False))
+        s = llm.stats()
+    assert got == [reference[1][tuple(p)] for p in PROMPTS]
+    assert s["num_preemptions"] > 0 and s["speculative"]["accepted"] > 0 and s["kv_usage"] == 0.0
+
+
 def test_ngram_end_to_end_chunked_prefill_and_prefix_hits(llama_dir, reference):
     """The real proposer, on prompts that repeat, with chunks of 8 and cached prefixes."""
     prompts = [PROMPTS[3], PROMPTS[2] * 2, PROMPTS[2] * 2 + [5, 9]]

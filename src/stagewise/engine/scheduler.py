@@ -209,6 +209,9 @@ class Scheduler:
         t0 = time.perf_counter()
         drafts = self.speculator.propose(req, budget)
         self.speculator.stats.propose_s += time.perf_counter() - t0
+        # NOTE: drafts never preempt anyone: without free blocks for them the row decodes plainly
+        if drafts and self.blocks.blocks_needed(req, req.num_tokens + len(drafts)) > len(self.blocks.free):
+            return []
         return drafts
 
     def _book(self, plan: StepPlan, req: Request, n: int, drafts: list[int] | None = None) -> None:
