@@ -217,7 +217,8 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick) -> str:
                 s = o.get("spec")
                 acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
                 mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
-                rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"], o["decode_tokens"] / o["decode_s"],
+                rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"],
+                             o["decode_tokens"] / o["decode_s"],
                              (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
             if batch == 1:
                 for v in LLAMACPP_VARIANTS:
