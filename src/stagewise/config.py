@@ -54,7 +54,9 @@ class SpeculativeConfig:
     suffix (`prompt_lookup_max` down to `prompt_lookup_min` tokens long), verified in one forward.
     A request whose acceptance over its last `backoff_window` proposed tokens falls below
     `backoff_min_acceptance` stops proposing for `backoff_steps` steps (twice as long each time
-    it happens again to the request, up to 8x)."""
+    it happens again to the request, up to 8x). With `adaptive_draft_length` a request proposes
+    at most one more draft than it last accepted, and twice as many after a fully accepted step
+    (up to `num_speculative_tokens`)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -62,6 +64,7 @@ class SpeculativeConfig:
     backoff_window: int = 16
     backoff_min_acceptance: float = 0.15
     backoff_steps: int = 32
+    adaptive_draft_length: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -76,6 +79,9 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}).")
         if not isinstance(self.backoff_steps, int) or isinstance(self.backoff_steps, bool) or self.backoff_steps < 0:
             raise ValueError(f"speculative_config backoff_steps must be an integer >= 0, got {self.backoff_steps!r}.")
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise ValueError(f"speculative_config adaptive_draft_length must be true or false, "
+                             f"got {self.adaptive_draft_length!r}.")
         rate = self.backoff_min_acceptance
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
             raise ValueError(f"speculative_config backoff_min_acceptance must be a number in [0, 1], got {rate!r}.")

@@ -60,8 +60,25 @@ def test_ngram_state_is_per_request_and_incremental():
     assert "a" not in prop.states
 
 
+def test_adaptive_draft_length():
+    prop = NgramProposer(SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1), 1000)
+    req = _req(list(range(20, 40)) + list(range(20, 22)))
+    assert len(prop.propose(req, 100)) == 8
+    prop.record("r", 8, 1)                                      # one accepted: at most 2 next
+    assert len(prop.propose(req, 100)) == 2
+    prop.record("r", 2, 2)                                      # all accepted: twice as many
+    assert len(prop.propose(req, 100)) == 4
+    prop.record("r", 4, 4)
+    assert len(prop.propose(req, 100)) == 8
+    fixed = NgramProposer(SpeculativeConfig(num_speculative_tokens=8, adaptive_draft_length=False), 1000)
+    fixed.propose(req, 100)
+    fixed.record("r", 8, 0)
+    assert len(fixed.propose(req, 100)) == 8
+
+
 def test_backoff_pauses_a_request_with_low_acceptance_then_resumes():
-    cfg = SpeculativeConfig(num_speculative_tokens=4, backoff_window=8, backoff_min_acceptance=0.5, backoff_steps=3)
+    cfg = SpeculativeConfig(num_speculative_tokens=4, backoff_window=8, backoff_min_acceptance=0.5, backoff_steps=3,
+                            adaptive_draft_length=False)
     prop = NgramProposer(cfg, 1000)
     req = _req([7, 8, 1, 2, 3, 7, 8])
     assert prop.propose(req, 10)

@@ -27,6 +27,7 @@ class _State:
     recent_accepted: int = 0
     paused_steps: int = 0                 # steps left without proposals (back-off)
     num_backoffs: int = 0                 # each back-off of this request pauses twice as long (up to 8x)
+    max_drafts: int = 0                   # adaptive draft length (0: not set yet)
 
 
 class SpeculationStats:
@@ -69,6 +70,8 @@ class NgramProposer:
         if st.paused_steps:
             st.paused_steps -= 1
             return []
+        if self.config.adaptive_draft_length and st.max_drafts:
+            k = min(k, st.max_drafts)
         tokens = req.all_token_ids
         self._index(st, tokens)
         n_total = len(tokens)
@@ -97,6 +100,8 @@ class NgramProposer:
         if st is None:
             return
         cfg = self.config
+        full = num_accepted == num_proposed
+        st.max_drafts = min(cfg.num_speculative_tokens, 2 * num_proposed if full else num_accepted + 1)
         st.recent.append((num_proposed, num_accepted))
         st.recent_proposed += num_proposed
         st.recent_accepted += num_accepted
