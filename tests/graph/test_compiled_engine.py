@@ -63,7 +63,9 @@ def test_compiled_equals_eager_one_stage(llama_dir, cache_dir, eager_tokens):
     assert stats["backend"] == "compiled" and not stats["eager"]
     assert {1, 3, 32} <= set(stats["replays"])     # decode batches and full chunks, each at its own size
     assert stats["padded_tokens"] == 0
-    assert any(cache_dir.rglob("*")), "Inductor wrote nothing to TORCHINDUCTOR_CACHE_DIR"
+    # NOTE: whether Inductor writes to `cache_dir` here depends on what this process compiled before
+    # (an earlier module's compile of the same graph is reused from memory); the on-disk cache is
+    # checked in fresh processes below.
 
 
 @pytest.mark.slow

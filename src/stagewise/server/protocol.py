@@ -167,6 +167,16 @@ class NativeSampling(SamplingFields):
     """/generate's `sampling_params`: every SamplingParams field."""
     logprobs: Int | None = None
     prompt_logprobs: Int | None = None       # with max_tokens 0: score the prompt only
+    structured_outputs: dict[str, Any] | None = None     # the offline keys: json, regex, choice, grammar, ...
+
+    def grammar_spec(self) -> tuple[StructuredOutputs | None, str]:
+        """The request's grammar (or None) and the field that gave it; a 400 naming it if malformed."""
+        if not self.structured_outputs:
+            return None, "sampling_params.structured_outputs"
+        try:
+            return StructuredOutputs.from_dict(self.structured_outputs), "sampling_params.structured_outputs"
+        except ValueError as exc:
+            raise bad_request(str(exc), "sampling_params.structured_outputs") from None
 
 
 class StreamOptions(_Lenient):

@@ -181,7 +181,11 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     prompt = serving.truncated(prompt, sp.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens",
                                         minimum=0 if sp.prompt_logprobs is not None else 1)
-    params = [make_sampling_params(sp.sampling_kwargs(), max_tokens, sp.logprobs, param_prefix="sampling_params.",
+    fields = sp.sampling_kwargs()
+    grammar = checked_grammar(*sp.grammar_spec())
+    if grammar is not None:
+        fields["structured_outputs"] = grammar
+    params = [make_sampling_params(fields, max_tokens, sp.logprobs, param_prefix="sampling_params.",
                                    prompt_logprobs=sp.prompt_logprobs)]
     return Job([prompt], params, NativeShape(serving), req.stream)
 
@@ -203,7 +207,8 @@ def render_chat(serving: Serving, messages: list[dict], options: dict | None = N
     """The conversation through the chat template (tools: see server/tools.py)."""
     options = dict(options or {})
     try:
-        messages, extra = prepare_chat(options.get("chat_template") or serving.tok.tokenizer.chat_template,
+        template = options.get("chat_template") or getattr(serving.tok.tokenizer, "chat_template", None)
+        messages, extra = prepare_chat(template,
                                        messages, tools, serving.tool_call_parser)
         if extra:
             options["template_kwargs"] = dict(options.get("template_kwargs") or {}, **extra)
