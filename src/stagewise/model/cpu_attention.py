@@ -1,7 +1,5 @@
-"""Decode attention that reads the paged KV cache in place, on CPU: a small C kernel built once
-with the system C compiler and called through ctypes (no torch headers, so it builds in about a
-second; the shared library is cached under the stagewise cache directory, keyed by its source,
-flags and CPU).
+"""Decode attention that reads the paged KV cache in place, on CPU: a small C kernel (`ckernel`:
+built once with the system C compiler, cached, called through ctypes).
 
 Each (sequence, KV head) pair is one OpenMP task: it walks the sequence's block table, scores
 every cached key against the query heads that share the KV head, and accumulates the values,
@@ -12,15 +10,10 @@ the SDPA path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
 
 import torch
 
-log = logging.getLogger("stagewise.attention")
+from . import ckernel
 
 _SOURCE = r"""
 #include <math.h>
@@ -90,35 +83,8 @@ DECODE_KERNEL(decode_attention_f32, float, LOADF, IDENT)
 DECODE_KERNEL(decode_attention_bf16, uint16_t, LOADB, f2bf)
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags
-
-
-def _cache_path() -> str:
-    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
-    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
-    return os.path.join(root, "kernels", f"paged_decode_{digest}.so")
-
-
-def _build(path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        src, lib = os.path.join(tmp, "paged_decode.c"), os.path.join(tmp, "paged_decode.so")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, *_FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(lib, path)      # atomic: concurrent builders never load a half-written file
 
 
 def _load() -> ctypes.CDLL | None:
@@ -126,16 +92,8 @@ def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
-        return None
-    path = _cache_path()
-    try:
-        if not os.path.exists(path):
-            _build(path)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("in-place decode attention kernel unavailable (%s); decode attention gathers KV for SDPA",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    lib = ckernel.load("paged_decode", _SOURCE, "decode attention gathers KV for SDPA")
+    if lib is None:
         return None
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (lib.decode_attention_f32, lib.decode_attention_bf16):

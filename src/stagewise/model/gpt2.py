@@ -6,10 +6,10 @@ hidden-only proxy contract). HF's Conv1D weights (`[in, out]`) are kept as store
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
+from stagewise.model.cpu_gemm import linear
 from stagewise.model.layers import StageModel, activation, build_layers
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import HIDDEN_ONLY_CONTRACT, ProxyTensors
@@ -143,7 +143,7 @@ class GPT2LMHeadModel(StageModel):
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.wte
         assert head is not None   # the last stage has a head or (tied, also first) the embedding
-        return F.linear(hidden, head.weight).float()
+        return linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_heads, self.hidden_size // self.num_heads

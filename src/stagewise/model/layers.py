@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.model.cpu_gemm import Linear
 from stagewise.parallel.partition import StageInfo
 
 
@@ -148,7 +149,7 @@ def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     return x * cos + swapped * sin_signed
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(Linear):
     """A Linear whose output rows stack several HF projections (q/k/v, gate/up): one matmul instead of many.
 
     `hf_parts` names each checkpoint projection (a sibling module name in HF) and its row count.
@@ -165,7 +166,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)), bias, dtype)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

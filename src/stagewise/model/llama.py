@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
+from stagewise.model.cpu_gemm import Linear, linear
 from stagewise.model.layers import (
     FusedLinear,
     GatedMLP,
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
-        self.o_proj = nn.Linear(q_rows, hf_config.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(q_rows, hf_config.hidden_size, bias=o_bias, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
 
@@ -123,7 +123,7 @@ class LlamaForCausalLM(StageModel):
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
         # loaded from the embedding tensor (hf_name maps it), so no parameter is shared across modules.
         needs_head = stage.is_last and not (self.tie_word_embeddings and stage.is_first)
-        self.lm_head = nn.Linear(self.hidden_size, vocab, bias=False, dtype=dtype) if needs_head else None
+        self.lm_head = Linear(self.hidden_size, vocab, bias=False, dtype=dtype) if needs_head else None
 
     def _warn_sliding_window(self, hf_config) -> None:
         window = getattr(hf_config, "sliding_window", None)
@@ -166,7 +166,7 @@ class LlamaForCausalLM(StageModel):
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         assert head is not None   # the last stage has a head or (tied, also first) the embedding
-        return F.linear(hidden, head.weight).float()
+        return linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim

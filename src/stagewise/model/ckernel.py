@@ -1,0 +1,68 @@
+"""Small C kernels for the CPU, built once with the system C compiler and loaded through ctypes.
+
+No torch headers are involved, so a kernel builds in about a second. The shared library is
+cached under the stagewise cache directory, keyed by its source, flags and CPU, and it is built
+into a temporary file and renamed, so concurrent builders never load a half-written one.
+OpenMP comes from the libgomp torch already loaded (same soname), so kernels share torch's
+thread pool and its OMP_* settings. `STAGEWISE_CPU_KERNELS=0` turns every kernel off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+
+log = logging.getLogger("stagewise.kernels")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def native_bf16() -> bool:
+    """The CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    flags = _cpu_flags().split()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _cache_path(name: str, source: str) -> str:
+    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
+    digest = hashlib.sha256("\0".join([source, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    return os.path.join(root, "kernels", f"{name}_{digest}.so")
+
+
+def _build(name: str, source: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, f"{name}.so")
+        with open(src, "w") as f:
+            f.write(source)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, *FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(lib, path)
+
+
+def load(name: str, source: str, what: str) -> ctypes.CDLL | None:
+    """The kernel library for `source`, built on first use; None (after one warning naming `what`
+    falls back) where kernels are off or no compiler works."""
+    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
+        return None
+    path = _cache_path(name, source)
+    try:
+        if not os.path.exists(path):
+            _build(name, source, path)
+        return ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU kernel %s unavailable (%s); %s", name,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__, what)
+        return None

@@ -1,0 +1,190 @@
+"""float32 linear layers for steps of few rows on CPU: a C kernel that reads each weight once.
+
+A decode step of a small batch, a speculative verify step (k + 1 rows) or a prefill's LM-head row
+multiplies a handful of activation rows by every weight matrix. The weights do not fit the cache,
+so such a step is bound by reading them; MKL's sgemm costs about one full weight read per row at
+2-16 rows (SmolLM2-135M, one thread: 106 ms at 1 row, 183 ms at 2, 190 ms at 8), where this
+kernel reads every weight row once and multiplies it with all the activation rows while it is
+in registers (73, 96, 144 ms). From `MAX_ROWS` rows up MKL's blocked GEMM wins and runs instead.
+
+Each output is an 8-lane dot product summed in a fixed order, so a row's result does not depend
+on which other rows share the step. Kernels come from `ckernel` (cc + ctypes, cached);
+without a compiler, or for other dtypes and layouts, `linear` is `F.linear`. Under
+`torch.compile`, or under a dispatch mode that records ops, the call is the opaque op
+`stagewise::linear`, which picks the kernel by the step's row count at run time (the compiled row
+dimension is dynamic).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import ckernel
+
+MAX_ROWS = 32      # measured crossover with MKL (fp32, AVX2, one and two threads)
+
+_SOURCE = r"""
+#include <stdint.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t i8 __attribute__((vector_size(32)));
+
+static inline v8 ld_f32(const float* p) { return *(const v8u*)p; }
+/* bfloat16 is the top half of a float32: widen and shift, exactly */
+static inline v8 ld_bf16(const uint16_t* p) { return (v8)(__builtin_convertvector(*(const h8u*)p, i8) << 16); }
+#ifdef __FMA__
+#include <immintrin.h>
+static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }     /* never contracted (-std=c11) */
+#endif
+static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* y[m, j] = x[m, :] . w[j, :] (+ b[j]) for m < MB, j < NB: NB weight rows stay in registers
+   while every one of the MB activation rows uses them. Activations, bias and output are float32;
+   weights are WT (float32 or bfloat16). */
+#define TILE(WT, MB, NB)                                                                        \
+static void tile_##WT##_##MB##x##NB(const float* x, int64_t ldx, const WT##_t* w, int64_t K,     \
+                                    const float* b, float* y, int64_t ldy) {                    \
+    v8 acc[MB][NB] = {{{0}}};                                                                   \
+    for (int64_t k = 0; k < K; k += 8) {                                                        \
+        v8 wv[NB];                                                                              \
+        for (int j = 0; j < NB; j++) wv[j] = ld_##WT(w + j * K + k);                            \
+        for (int m = 0; m < MB; m++) {                                                          \
+            v8 xv = ld_f32(x + m * ldx + k);                                                    \
+            for (int j = 0; j < NB; j++) acc[m][j] = fma8(xv, wv[j], acc[m][j]);                \
+        }                                                                                       \
+    }                                                                                           \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = hsum(acc[m][j]) + (b ? b[j] : 0.f);       \
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T (+ b [N]); K % 8 == 0.
+   M <= 4: one block of rows against wide weight tiles; more rows: blocks of 4 rows against
+   tiles of 3 weight rows, which stay in L1 across the blocks (every weight is read once). */
+#define LINEAR(WT)                                                                              \
+TILE(WT, 1, 8) TILE(WT, 2, 4) TILE(WT, 3, 4) TILE(WT, 4, 3)                                     \
+TILE(WT, 1, 3) TILE(WT, 2, 3) TILE(WT, 3, 3)                                                    \
+TILE(WT, 1, 1) TILE(WT, 2, 1) TILE(WT, 3, 1) TILE(WT, 4, 1)                                     \
+typedef void (*tile_##WT##_fn)(const float*, int64_t, const WT##_t*, int64_t, const float*, float*, int64_t); \
+void small_linear_##WT(const float* x, int64_t ldx, const WT##_t* w, const float* b, float* y, int64_t ldy, \
+                       int64_t M, int64_t N, int64_t K) {                                       \
+    static const tile_##WT##_fn wide[5] = {0, tile_##WT##_1x8, tile_##WT##_2x4, tile_##WT##_3x4, tile_##WT##_4x3}; \
+    static const tile_##WT##_fn narrow[5] = {0, tile_##WT##_1x3, tile_##WT##_2x3, tile_##WT##_3x3, tile_##WT##_4x3}; \
+    static const tile_##WT##_fn single[5] = {0, tile_##WT##_1x1, tile_##WT##_2x1, tile_##WT##_3x1, tile_##WT##_4x1}; \
+    int64_t nb = M == 1 ? 8 : (M <= 3 ? 4 : 3);                                                 \
+    int64_t ntiles = (N + nb - 1) / nb;                                                         \
+    _Pragma("omp parallel for schedule(static)")                                               \
+    for (int64_t t = 0; t < ntiles; t++) {                                                      \
+        int64_t n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb;                                    \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                 \
+            int64_t mb = M - m0 < 4 ? M - m0 : 4;                                               \
+            const float* xt = x + m0 * ldx;                                                     \
+            float* yt = y + m0 * ldy + n0;                                                      \
+            if (nn == nb)                                                                       \
+                (M <= 4 ? wide : narrow)[mb](xt, ldx, w + n0 * K, K, b ? b + n0 : 0, yt, ldy);  \
+            else                                                                                \
+                for (int64_t j = 0; j < nn; j++)                                                \
+                    single[mb](xt, ldx, w + (n0 + j) * K, K, b ? b + n0 + j : 0, yt + j, ldy);  \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+typedef float f32_t;
+typedef uint16_t bf16_t;
+LINEAR(f32)
+LINEAR(bf16)
+"""
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib = ckernel.load("small_linear", _SOURCE, "linear layers use MKL at every row count")
+        if lib is not None:
+            i64, p = ctypes.c_int64, ctypes.c_void_p
+            for fn in (lib.small_linear_f32, lib.small_linear_bf16):
+                fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
+                fn.restype = None
+        _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+# bf16 weights: only where the CPU has no native bf16 (there oneDNN emulates it, slowly); with
+# AVX512-BF16 or AMX the native GEMV and oneDNN stay (this kernel is unmeasured there)
+_DTYPES = (torch.float32,) if ckernel.native_bf16() else (torch.float32, torch.bfloat16)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What the kernel serves, from static properties only (so tracing never breaks on it): CPU
+    rows `[M, K]` in `_DTYPES` with unit column stride, a contiguous `[N, K]` weight of the same
+    dtype, K a multiple of 8. Whether the kernel built is asked at run time."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[1] % 8 == 0
+            and x.stride(1) == 1 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` for `supports` inputs by the kernel, at any row count (tests call it directly).
+    bfloat16 multiplies in float32 (activations widened once, bf16 weights widened in registers)
+    and rounds the output once, as oneDNN does."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("The small-row linear kernel is not available on this machine.")
+    out_dtype = x.dtype
+    if out_dtype == torch.bfloat16:
+        x, bias = x.float(), None if bias is None else bias.float()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = x.new_empty(m, n)
+    if m:
+        fn = lib.small_linear_f32 if weight.dtype == torch.float32 else lib.small_linear_bf16
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+           y.data_ptr(), n, m, n, k)
+    return y.to(out_dtype)
+
+
+def _by_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] <= MAX_ROWS and available():
+        return small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("stagewise::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _by_rows(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, by the kernel for steps of at most `MAX_ROWS` rows where it applies."""
+    if not supports(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return torch.ops.stagewise.linear(x, weight, bias)     # traced or recorded as one op
+    return _by_rows(x, weight, bias)
+
+
+class Linear(torch.nn.Linear):
+    """`nn.Linear` whose forward is `linear` (same parameters, same checkpoints)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
