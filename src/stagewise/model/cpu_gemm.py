@@ -6,6 +6,8 @@ so such a step is bound by reading them; MKL's sgemm costs about one full weight
 2-16 rows (SmolLM2-135M, one thread: 106 ms at 1 row, 183 ms at 2, 190 ms at 8), where this
 kernel reads every weight row once and multiplies it with all the activation rows while it is
 in registers (73, 96, 144 ms). From `MAX_ROWS` rows up MKL's blocked GEMM wins and runs instead.
+bfloat16 weights (on CPUs without native bf16 only) are widened in registers, so a decode step
+reads half the bytes; above `MAX_ROWS` rows they are widened per call for MKL.
 
 Each output is an 8-lane dot product summed in a fixed order, so a row's result does not depend
 on which other rows share the step. Kernels come from `ckernel` (cc + ctypes, cached);
@@ -161,6 +163,10 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _by_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.shape[0] <= MAX_ROWS and available():
         return small_linear(x, weight, bias)
+    if x.dtype == torch.bfloat16:
+        # no native bf16 here: oneDNN's emulated bf16 GEMM is 5-7x slower than widening the
+        # weight to float32 for this call and using MKL (SmolLM2 layers, one thread, 64-512 rows)
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
