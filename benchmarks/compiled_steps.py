@@ -1,9 +1,11 @@
-"""Compiled CPU steps against eager, and the in-place decode kernel against the KV gather, on the
-default model, in one process with the configurations interleaved round by round (so the load of
-a shared machine falls on all of them alike), then start-up times in fresh processes.
+"""Compiled CPU steps against eager, the small-row linear kernel against MKL, and the in-place
+decode kernel against the KV gather, on the default model, in one process with the configurations
+interleaved round by round (so the load of a shared machine falls on all of them alike), then
+start-up times in fresh processes.
 
 One engine is built with `--prefill-graph compiled`; "eager" rounds swap the driver's graph policy
-to `off` (every stage then runs the eager body), "KV gather" rounds make the attention op take the
+to `off` (every stage then runs the eager body), "MKL GEMMs" rounds set the small-row kernel's row
+limit to 0 (every linear layer is `F.linear`), "KV gather" rounds make the attention op take the
 SDPA path. The same greedy token-id workload runs in every configuration. `--busy` repeats the
 rounds with another process keeping core 0 busy.
 
@@ -27,26 +29,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result  # noqa: E402
 
 VOCAB = 49152
-CONFIGS = ("compiled", "compiled, KV gather", "eager", "eager, KV gather")
+CONFIGS = ("compiled", "compiled, MKL GEMMs", "eager", "eager, MKL GEMMs", "eager, MKL GEMMs, KV gather")
+BASE = CONFIGS[-1]      # the code before these levers
 METRICS = (("ttft200_ms", "TTFT 200 ms"), ("ttft512_ms", "TTFT 512 ms"), ("decode1_ms", "decode b1 ms/token"),
            ("decode32_ms", "decode b32 ms/step"), ("offline_tok_s", "offline tok/s"))
 
 
 class Bench:
-    def __init__(self, model: str | None):
+    def __init__(self, model: str | None, threads: int | None = None):
         from stagewise import LLM
         from stagewise.graph.policy import resolve_graph_policy
         # NOTE: no prefix caching: every configuration runs the same prompts and must prefill them all
         self.llm = LLM(model=model, prefill_graph="compiled", kv_cache_memory="1GiB", max_model_len=2048,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, threads_per_stage=threads)
         self.policies = {"compiled": self.llm.engine.policy, "eager": resolve_graph_policy("off")}
         self.fresh = iter(random_workload(2000, (32, 32), (1, 1), VOCAB, seed=7)[0])
 
     def set(self, config: str) -> None:
-        from stagewise.model import cpu_attention
+        from stagewise.model import cpu_attention, cpu_gemm
         self.llm.engine.policy = self.policies[config.split(",")[0]]
-        gather = config.endswith("KV gather")
-        cpu_attention.supports = (lambda q, cache: False) if gather else _SUPPORTS
+        cpu_gemm.MAX_ROWS = 0 if "MKL GEMMs" in config else _MAX_ROWS
+        cpu_attention.supports = (lambda q, cache: False) if "KV gather" in config else _SUPPORTS
 
     def gen(self, prompts, n):
         from stagewise import SamplingParams
@@ -70,6 +73,7 @@ class Bench:
 
 
 _SUPPORTS = None
+_MAX_ROWS = 0
 
 
 def rounds(bench: Bench, n: int, label: str) -> dict[str, list[dict]]:
@@ -100,7 +104,7 @@ def table(res: dict[str, list[dict]]) -> str:
         row = [config]
         for key, _ in METRICS:
             pick = max if key.endswith("tok_s") else min
-            base = [r[key] for r in res["eager, KV gather"]]
+            base = [r[key] for r in res[BASE]]
             ratio = statistics.median((b / r[key]) if pick is min else (r[key] / b) for r, b in zip(runs, base))
             row.append(f"{pick(r[key] for r in runs):.1f} ({ratio:.2f}x)")
         rows.append(row)
@@ -108,17 +112,18 @@ def table(res: dict[str, list[dict]]) -> str:
 
 
 def main(argv=None) -> int:
-    global _SUPPORTS
+    global _SUPPORTS, _MAX_ROWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy", action="store_true", help="also with another process keeping core 0 busy")
     ap.add_argument("--model", default=None, help="default: the default model")
     ap.add_argument("--no-startup", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="threads of the engine (default: its own choice)")
     args = ap.parse_args(argv)
-    from stagewise.model import cpu_attention
-    _SUPPORTS = cpu_attention.supports
+    from stagewise.model import cpu_attention, cpu_gemm
+    _SUPPORTS, _MAX_ROWS = cpu_attention.supports, cpu_gemm.MAX_ROWS
     started, load0 = time.time(), os.getloadavg()[0]
-    bench = Bench(args.model)
+    bench = Bench(args.model, args.threads)
     results = {"quiet": rounds(bench, args.rounds, "quiet")}
     if args.busy:
         busy = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
@@ -134,9 +139,10 @@ def main(argv=None) -> int:
                       "compiled, cold cache": startup(args.model, "compiled", cold),
                       "compiled, warm cache": startup(args.model, "compiled", cold)}
     lines = ["# Compiled CPU steps and in-place decode attention (`compiled_steps.py`)", "",
-             f"Default model unless `--model`; dtype {bench.llm.engine.config.dtype}; {os.cpu_count()} shared CPUs "
+             f"Default model unless `--model`; dtype {bench.llm.engine.config.dtype}; {os.cpu_count()} shared CPUs, "
+             f"{args.threads or 'default'} engine threads "
              f"({cpu_line()}); torch {torch.__version__}; {args.rounds} interleaved rounds in one process, best per "
-             f"figure, ratio = median same-round speed-up against 'eager, KV gather' (the code before this work). "
+             f"figure, ratio = median same-round speed-up against '{BASE}' (the code before these levers). "
              f"Load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; took "
              f"{(time.time() - started) / 60:.0f} min. TTFT: best of 3 fresh prompts; decode: (1+n tokens - 1) / n; "
              "offline: 16 requests, prompts 64-192 tokens, 64 output tokens.", ""]
