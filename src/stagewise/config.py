@@ -149,6 +149,10 @@ class EngineConfig:
     master_addr: str = flag("127.0.0.1", "address of node 0 (the rendezvous)")
     master_port: int | None = flag(None, "port of the rendezvous (default: a free one; single node only)")
     dist_timeout_s: float = flag(60.0, "seconds a stage may take to answer before it counts as stuck")
+    max_pipeline_restarts: int = flag(3, "pipeline rebuilds allowed within --pipeline-restart-window-s after a stage "
+                                      "dies, hangs or loses its link (live requests are recomputed); more fail every "
+                                      "request as before; 0: never rebuild")
+    pipeline_restart_window_s: float = flag(600.0, "the sliding window --max-pipeline-restarts counts in")
     dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
                                    "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
     threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "
@@ -204,6 +208,11 @@ class EngineConfig:
         if rates is not None and (len(rates) != self.nnodes or any(not r > 0 for r in rates)):
             raise ValueError(f"pp_node_rates needs {self.nnodes} positive numbers (one per node), got "
                              f"{','.join(map(str, rates))}; measure each node with `stagewise plan --measure-rate`.")
+        if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:
+            raise ValueError(f"max_pipeline_restarts must be a non-negative integer, "
+                             f"got {self.max_pipeline_restarts!r}.")
+        if not self.pipeline_restart_window_s > 0:
+            raise ValueError(f"pipeline_restart_window_s must be positive, got {self.pipeline_restart_window_s!r}.")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("A multi-node run needs --master-port (and --master-addr) on every node.")
 

@@ -150,7 +150,21 @@ class EngineClient:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead is None and not self.draining and not self.stopping and self._proc.is_alive()
+        return (self.dead is None and not self.draining and not self.stopping and self._proc.is_alive()
+                and not self.recovering)
+
+    @property
+    def recovering(self) -> str | None:
+        """Why the engine is rebuilding its pipeline, while it is (requests are still accepted: they wait)."""
+        return (self.snapshot.get("recovery") or {}).get("recovering")
+
+    @property
+    def unhealthy_reason(self) -> str:
+        if self.dead:
+            return self.dead
+        if self.recovering and not (self.draining or self.stopping):
+            return f"Recovering: the pipeline is being rebuilt after a failure ({self.recovering})"
+        return "The server is shutting down."
 
     # the shutdown drain (event loop thread)
     def begin_drain(self) -> None:

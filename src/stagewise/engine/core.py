@@ -149,6 +149,8 @@ class EngineCore:
         if why:
             self._send(EngineDied(why))
             self.engine.shutdown()
+        elif getattr(self.engine, "recovering", None):
+            self._publish([])         # /health says so before the rebuild blocks this loop
         return bool(why)
 
     # requests in
@@ -193,7 +195,8 @@ class EngineCore:
             self._send(EngineDied(ENGINE_FAULT))
             self.engine.shutdown()           # free the stage processes now
             return None
-        if outputs or time.monotonic() - self.last_publish > BUSY_PUBLISH_S:
+        # NOTE: a step that lost the pipeline publishes at once: the next one blocks in the rebuild
+        if outputs or getattr(self.engine, "recovering", None) or time.monotonic() - self.last_publish > BUSY_PUBLISH_S:
             self._publish(outputs)
         return outputs.progressed
 

@@ -2,6 +2,11 @@
 schedule → submit (up to `depth` plans in flight) → collect the oldest → apply. Request state
 changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
+A pipeline (pp_size > 1 on one node) heals: when a stage process dies, hangs or loses a link,
+`step` tears the pipeline down, starts it again (new processes, a new process group) and
+recomputes every live request from its tokens, as preemption does (engine/recovery.py has the
+restart budget and the poison-plan rule). `recovering` says why while that is under way.
+
 `add_request` and `abort` may be called from other threads: they only validate and post
 to an inbox that `step()` drains. Callers outside `engine/` use this class's surface only
 (`step`, `fault`, `kv_capacity_tokens`, `stats`), never the scheduler or the executor.
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Iterator, NoReturn
 
@@ -17,6 +23,7 @@ from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import make_executor
+from ..executor.launch import torchrun_env
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
@@ -28,6 +35,7 @@ from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
 from .profile import fitted_chunker
+from .recovery import POISON, RecoveryStats, RestartBudget, Suspects
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
@@ -72,6 +80,12 @@ class Engine:
         self.stats_ = EngineStats(self.policy, self._predicted_shares(config), clocks)
         self._ids = itertools.count()
         self.dead: str | None = None
+        # NOTE: only a pipeline whose stages this process spawns can be rebuilt (not torchrun, not
+        # several nodes: their stages are started elsewhere).
+        self.heals = config.pp_size > 1 and config.nnodes == 1 and torchrun_env() is None
+        self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
+        self.suspects = Suspects()
+        self.recovery = RecoveryStats()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
 
     # requests (any thread)
@@ -100,17 +114,30 @@ class Engine:
 
     def fault(self) -> str | None:
         """Why the engine cannot go on, or None. A stage that died while the engine idled shows
-        here too: an idle engine never calls the executor, but the executor's monitor flags it."""
-        return self.dead or self.executor.dead
+        here too: an idle engine never calls the executor, but the executor's monitor flags it;
+        a pipeline that can be rebuilt starts `recovering` instead (the next `step` rebuilds it)."""
+        if not self.dead and not self.recovering and self.executor.dead:
+            try:
+                self._lost(self.executor.dead)
+            except EngineDeadError:
+                pass
+        return self.dead
+
+    @property
+    def recovering(self) -> str | None:
+        """Why the pipeline is being rebuilt, while it is (the next `step` rebuilds it)."""
+        return self.recovery.recovering
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self.inbox or self.inflight
+        return bool(self.scheduler.has_unfinished() or self.inbox or self.inflight or self.recovering
                     or (self._grammars is not None and self._grammars.pending))
 
     # the step loop
     def step(self) -> StepOutputs:
         """Outputs of requests that changed; `.progressed` is False when nothing could be scheduled
         or collected (the caller should wait for new requests instead of spinning)."""
+        if self.recovering:
+            self._rebuild()
         outputs = self._drain_inbox() + self._admit_compiled()
         while len(self.inflight) < self.config.depth:
             plan = self.scheduler.schedule()
@@ -119,16 +146,19 @@ class Engine:
             plan.verdict = self._verdict(plan)
             if self._grammars is not None:
                 plan.token_bitmask = self._grammars.fill(plan)
-            self.executor.submit(plan)
             if not self.inflight:
                 self.stats_.pipeline_started()
-            self.inflight.append(plan)
+            self.inflight.append(plan)       # NOTE: before submit: a plan the link lost was in flight
+            try:
+                self.executor.submit(plan)
+            except EngineDeadError as exc:
+                return StepOutputs(outputs + self._lost(str(exc)), progressed=True)
         if not self.inflight:
             return StepOutputs(outputs, progressed=bool(outputs))
         try:
             result = self.executor.collect()
         except EngineDeadError as exc:
-            self._die(str(exc))
+            return StepOutputs(outputs + self._lost(str(exc)), progressed=True)
         plan = self.inflight.popleft()
         if not self.inflight:
             self.stats_.pipeline_drained()
@@ -173,6 +203,9 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.stats_.record_result(result)
+        self.suspects.cleared(s.request_id for s in plan.seqs)
+        if result.sampled:
+            self.recovery.token_applied()
         if plan.token_bitmask is not None and self._grammars is not None:
             for rid in plan.token_bitmask.request_ids:
                 token = result.sampled.get(rid)
@@ -224,6 +257,54 @@ class Engine:
             _finish_unscheduled(req, FinishReason.ERROR, why)
         return self._outputs([req for req, _ in failed])
 
+    # recovery
+    def _lost(self, why: str) -> list[RequestOutput]:
+        """The pipeline failed: fail everything (`_die`) unless it can be rebuilt; else fail the
+        poisoned requests alone, stop the stages and mark the engine recovering (the next `step`
+        rebuilds). Returns the outputs of the requests that failed."""
+        if not self.heals or self.config.max_pipeline_restarts == 0:
+            self._die(why)
+        if not self.restarts.take():
+            self._die(self.restarts.refusal(why))
+        in_flight = {s.request_id for plan in self.inflight for s in plan.seqs}
+        poisoned = self.scheduler.fail([rid for rid in self.suspects.crash(in_flight)], POISON)
+        self.inflight.clear()
+        self.stats_.pipeline_drained()
+        live = len(self.scheduler.requests)
+        self.recovery.lost(getattr(self.executor, "cause", None) or "unknown", why, live, len(poisoned))
+        log.error("pipeline failed: %s Rebuilding it; %d live request(s) will be recomputed%s.", why, live,
+                  f", {len(poisoned)} that crashed it twice fail" if poisoned else "")
+        return self._outputs(poisoned)
+
+    def _rebuild(self) -> None:
+        """Tear the failed pipeline down, start a new one and requeue every live request for
+        recompute. A start that fails uses the restart budget too."""
+        t0 = time.monotonic()
+        self.executor.shutdown()
+        teardown_s = time.monotonic() - t0
+        while True:
+            try:
+                # NOTE: a fresh port: the old group's store and links may linger a while
+                self.executor = make_executor(self.config.replace(master_port=None), self.model_dir,
+                                              self.tok.eos_token_ids)
+                break
+            except EngineDeadError as exc:
+                if not self.restarts.take():
+                    self.recovery.recovering = None
+                    self._die(self.restarts.refusal(str(exc)))
+                log.error("%s Trying again.", exc)
+        old = self.scheduler.blocks
+        blocks = BlockManager(min(self.executor.num_blocks, old.num_blocks), old.block_size,
+                              old.enable_prefix_caching)
+        blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
+        requeued = self.scheduler.restart(blocks)
+        self.stats_.pipeline_rebuilt()
+        startup = getattr(self.executor, "startup", {})
+        self.recovery.rebuilt(teardown_s, startup, requeued)
+        log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, start %.1f s, weights %.1f s); recomputing "
+                    "%d request(s)", time.monotonic() - t0, teardown_s, startup.get("spawn_s", 0.0),
+                    startup.get("load_s", 0.0), requeued)
+
     def _die(self, why: str) -> NoReturn:
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
         self.dead = why
@@ -241,6 +322,7 @@ class Engine:
 
     def stats(self) -> dict:
         snapshot = self.stats_.snapshot(self.scheduler, self.executor)
+        snapshot["recovery"] = self.recovery.snapshot()
         if self.speculator is not None:
             snapshot["speculative"] = self.speculator.stats.snapshot()
         return snapshot

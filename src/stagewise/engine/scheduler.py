@@ -95,6 +95,32 @@ class Scheduler:
             self._finish(self.records[req.request_id], FinishReason.ERROR, why)
         return failed
 
+    def fail(self, request_ids, why: str) -> list[Request]:
+        """Finish these unfinished requests with an error (the rest goes on)."""
+        failed = [self.records[rid].req for rid in request_ids
+                  if rid in self.records and not self.records[rid].req.is_finished]
+        for req in failed:
+            self._finish(self.records[req.request_id], FinishReason.ERROR, why)
+        return failed
+
+    def restart(self, blocks: BlockManager) -> int:
+        """The pipeline was rebuilt: its stages hold no state and no plan is in flight. Every
+        unfinished request waits to be recomputed from its tokens (prompt + output so far), as a
+        preempted one is, running ones first; `blocks` is the new (empty) cache. Returns how many."""
+        live = [*self.running, *self.waiting]
+        for rid, rec in list(self.records.items()):
+            rec.num_plans, rec.awaiting_token, rec.stage_known = 0, False, False
+            rec.pending_tokens, rec.pending_blocks, rec.pending_kept_blocks = [], [], None
+            rec.req.block_ids, rec.req.num_registered_blocks = [], 0
+            if rec.req.is_finished:
+                del self.records[rid]
+                if self.speculator is not None:
+                    self.speculator.forget(rid)
+        for req in live:
+            req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        self.blocks, self.running, self.waiting, self.to_forget = blocks, [], deque(live), []
+        return len(live)
+
     def _finish(self, rec: InFlight, reason: FinishReason, error: str | None = None) -> None:
         """The one place a request finishes. Its blocks go now, or once its in-flight plans return."""
         req = rec.req

@@ -44,6 +44,7 @@ class EngineStats:
         self.iteration_tokens = 0
         self.active_s = 0.0                           # wall time with at least one plan in flight
         self.active_since: float | None = None
+        self.busy_offset: list[float] = []            # busy seconds of stage processes that were replaced
 
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
@@ -78,7 +79,12 @@ class EngineStats:
     def record_result(self, result) -> None:
         self.num_steps += 1
         if result.stage_busy_s:
-            self.stage_busy_s = list(result.stage_busy_s)
+            offset = self.busy_offset or [0.0] * len(result.stage_busy_s)
+            self.stage_busy_s = [o + b for o, b in zip(offset, result.stage_busy_s)]
+
+    def pipeline_rebuilt(self) -> None:
+        """New stage processes count busy time from 0; keep the counters growing."""
+        self.busy_offset = list(self.stage_busy_s)
 
     def record_finish(self, req) -> None:
         self.finished[req.finish_reason.value] += 1

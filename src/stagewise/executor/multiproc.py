@@ -3,8 +3,9 @@
 It spawns this node's stage processes (other nodes run `run_headless`), joins the process
 group as rank 0, sends plans into the ring and receives results from the last stage. A
 monitor thread watches the local stage processes and a heartbeat thread keeps idle links
-alive; any death, timeout or IO error is fatal: every stage is stopped and the engine
-raises EngineDeadError with the reason.
+alive; any death, timeout or IO error is fatal to this executor: every stage is stopped and
+EngineDeadError carries the reason (`cause` says which kind). The engine then builds a new
+executor (fresh processes, a fresh group on a new port) or fails, engine/engine.py decides.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ class MultiprocExecutor:
         self.num_inflight = 0
         self.last_traffic = time.monotonic()
         self.dead: str | None = None
+        self.cause: str | None = None         # once dead: stage_died, timeout, link or interrupted
+        self.startup: dict[str, float] = {}   # seconds: spawn (processes, imports, rendezvous), load (weights)
         self.closing = False
+        t0 = time.monotonic()
         from ..model.registry import registered_models
         models = registered_models()      # NOTE: spawned stages import user classes by reference
         env = torchrun_env()
@@ -44,24 +48,28 @@ class MultiprocExecutor:
             if not env:
                 self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models)
             init_group(DRIVER_RANK, config.pp_size + 1, addr, port, max(self.timeout, 300.0))
-            self.memory_plans = self._await_ready()
+            self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
             destroy_group()
             raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
         self.num_blocks = min(p.num_blocks for p in self.memory_plans)
+        total = time.monotonic() - t0
+        self.startup = {"spawn_s": max(0.0, total - load_s), "load_s": load_s, "total_s": total}
         threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
 
-    def _await_ready(self):
-        plans = []
+    def _await_ready(self) -> tuple[list, float]:
+        """Every stage's memory plan, and the longest weight load (the stages load in parallel)."""
+        plans, load_s = [], 0.0
         for s in range(self.config.pp_size):
             # NOTE: polled, so Ctrl-C reaches a user's script while the stages load their weights.
             msg = recv_message(stage_rank(s), max(self.timeout, 600.0), poll_s=0.05)
             if "error" in msg.obj:
                 raise RuntimeError(msg.obj["error"])
             plans.append(msg.obj["memory_plan"])
-        return plans
+            load_s = max(load_s, msg.obj.get("load_s", 0.0))
+        return plans, load_s
 
     # the links
     def submit(self, plan: StepPlan) -> None:
@@ -83,7 +91,7 @@ class MultiprocExecutor:
                 self.pending.popleft().wait(self.timeout)
             self.pending.append(send_message(msg, stage_rank(0)))
         except Exception as exc:     # noqa: BLE001  (gloo raises RuntimeError for anything: the link is gone)
-            self._fail(self._link_failure(0, "sending to", exc))
+            self._fail(self.dead or self._link_failure(0, "sending to", exc))
         except BaseException:
             self._interrupted()
             raise
@@ -111,7 +119,9 @@ class MultiprocExecutor:
         where = self._where(stage)
         log.error("%s %s failed: %s", doing, where, exc)
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            self.cause = self.cause or "timeout"
             return f"no answer from {where} within {self.timeout:.0f} s; a stage is stuck or unreachable."
+        self.cause = self.cause or "link"
         return f"{doing} {where} failed: the link closed; a stage process died or lost its connection{self._hint()}."
 
     def _hint(self) -> str:
@@ -129,6 +139,7 @@ class MultiprocExecutor:
     def _interrupted(self) -> None:
         """Ctrl-C (or another exception) mid-transfer: the links hold half a message, never reuse them."""
         self.dead = self.dead or "The pipeline was interrupted in the middle of a transfer."
+        self.cause = self.cause or "interrupted"
         self._kill_all()
 
     # faults and liveness
@@ -152,7 +163,7 @@ class MultiprocExecutor:
                     # error (which names the stage behind it) a moment to be the reported cause.
                     time.sleep(MONITOR_GRACE_S)
                 if not self.closing and not self.dead:
-                    self.dead = self._death_message(p)
+                    self.dead, self.cause = self._death_message(p), "stage_died"
                     log.error(self.dead)
                     self._kill_all()
 
@@ -179,9 +190,12 @@ class MultiprocExecutor:
                 p.kill()
 
     def shutdown(self) -> None:
+        """Stop every stage in order (or, once dead, kill them) and leave the process group."""
         if self.closing:
             return
         self.closing = True
+        if self.dead:
+            self._kill_all()        # NOTE: a stopped (SIGSTOP) or stuck stage never exits by itself
         if not self.dead:
             with self.lock:
                 try:

@@ -5,8 +5,10 @@ isend, so the next replay cannot overwrite rows still being sent.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
@@ -17,6 +19,10 @@ from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, sta
 from .watchdog import exit_now
 
 log = logging.getLogger("stagewise.stage")
+# Test hook (never set in normal use): "TOKEN" or "TOKEN@STAGE" makes that stage (default: the last)
+# SIGKILL itself when a plan brings it a request whose tokens contain TOKEN, each time it is
+# (re)computed: a request that crashes the pipeline, for the recovery tests (README: When a stage fails).
+CRASH_HOOK_ENV = "STAGEWISE_TEST_CRASH_TOKEN"
 
 
 def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
@@ -57,17 +63,22 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
     hf = load_hf_config(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
     stage = stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    t0 = time.monotonic()
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
     except Exception as exc:
         send_message(Message("ready", {"error": f"stage {stage_idx}: {exc}"}), DRIVER_RANK).wait()
         raise
-    send_message(Message("ready", {"memory_plan": worker.memory_plan}), DRIVER_RANK).wait()
+    send_message(Message("ready", {"memory_plan": worker.memory_plan, "load_s": time.monotonic() - t0}),
+                 DRIVER_RANK).wait()
     prev = DRIVER_RANK if stage.is_first else stage_rank(stage_idx - 1)
     nxt = DRIVER_RANK if stage.is_last else stage_rank(stage_idx + 1)
     pending: list = []
+    crash_token = _crash_token(stage)
     while True:
         msg = recv_message(prev, config.dist_timeout_s)
+        if crash_token is not None and msg.kind == "plan":
+            _crash_if_asked(msg.obj, crash_token)
         out = _handle(worker, stage, msg)
         for p in pending:        # sends of two messages ago must be done before we reuse anything
             p.wait(config.dist_timeout_s)
@@ -76,6 +87,20 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
             for p in pending:
                 p.wait(config.dist_timeout_s)
             return
+
+
+def _crash_token(stage) -> int | None:
+    spec = os.environ.get(CRASH_HOOK_ENV)
+    if not spec:
+        return None
+    token, _, where = spec.partition("@")
+    return int(token) if int(where or stage.size - 1) == stage.rank else None
+
+
+def _crash_if_asked(plan, token: int) -> None:
+    if any(token in r.token_ids for r in plan.new_reqs):
+        log.error("the %s test hook kills this stage (token %d)", CRASH_HOOK_ENV, token)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _handle(worker, stage, msg: Message) -> Message:

@@ -95,9 +95,11 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     async def health():
         if engine.is_healthy:
             return {"status": "ok"}
-        why = engine.dead or "The server is shutting down."
-        return JSONResponse(APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body(),
-                            status_code=503)
+        why = engine.unhealthy_reason
+        body = APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body()
+        if engine.recovering and not engine.dead:
+            body["status"] = "recovering"
+        return JSONResponse(body, status_code=503)
 
     @app.get("/version")
     async def version():
@@ -105,7 +107,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():
-        return utility.ping(engine.is_healthy, engine.dead or "The server is shutting down.")
+        return utility.ping(engine.is_healthy, engine.unhealthy_reason)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -138,6 +138,25 @@ class _EngineCollector:
             busy_s.add_metric([m, str(i)], float(seconds))
         yield busy_s
         yield from _balance_families(s, m)
+        yield from _recovery_families(s.get("recovery") or {}, m)
+
+
+def _recovery_families(r: dict, m: str):
+    """Pipeline rebuilds after a stage failure (README: When a stage fails)."""
+    rebuilds = CounterMetricFamily("stagewise_pipeline_rebuilds", "Pipeline rebuilds after a stage died "
+                                   "(stage_died), stopped answering (timeout) or lost a link (link).",
+                                   labels=["model_name", "cause"])
+    for cause in sorted({"stage_died", "timeout", "link", *r.get("rebuilds", {})}):
+        rebuilds.add_metric([m, cause], float(r.get("rebuilds", {}).get(cause, 0)))
+    yield rebuilds
+    yield _counter("stagewise_pipeline_recovered_requests", "Live requests requeued for recompute by a rebuild.",
+                   m, r.get("recovered_requests", 0))
+    yield _counter("stagewise_pipeline_poisoned_requests", "Requests failed because they were in flight during "
+                   "two pipeline failures in a row.", m, r.get("poisoned_requests", 0))
+    yield _counter("stagewise_pipeline_recovery_seconds", "Seconds from detecting a pipeline failure to the "
+                   "first token after its rebuild, summed.", m, r.get("recovery_s", 0.0))
+    yield _gauge("stagewise_pipeline_recovering", "1 while the pipeline is being rebuilt.", m,
+                 1.0 if r.get("recovering") else 0.0)
 
 
 def _balance_families(s: dict, m: str):

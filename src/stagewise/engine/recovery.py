@@ -1,0 +1,103 @@
+"""Pipeline recovery bookkeeping for the engine (engine.py does the rebuild itself).
+
+When a stage process dies, hangs past --dist-timeout-s or loses a link, the engine tears the
+pipeline down, starts it again and recomputes every live request from its tokens. This module
+holds what that needs beside the engine: the sliding-window restart budget, the poison-plan
+rule (a request in flight during two crashes in a row, with no plan of it completed between,
+fails alone) and the counters `stats()` and /metrics report.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+POISON = "this request crashed the pipeline twice; it was failed so the others could go on."
+
+
+class RestartBudget:
+    """At most `limit` rebuilds within any `window_s` seconds."""
+
+    def __init__(self, limit: int, window_s: float):
+        self.limit, self.window_s = limit, window_s
+        self.times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Use one rebuild; False if the window holds `limit` already."""
+        now = time.monotonic()
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+    def refusal(self, why: str) -> str:
+        return (f"{why} The pipeline is not rebuilt again: it already was {len(self.times)} time(s) within "
+                f"{self.window_s:.0f} s (--max-pipeline-restarts {self.limit}); fix the cause and restart.")
+
+
+class Suspects:
+    """Requests in flight at the last crash that have not completed a plan since."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def crash(self, in_flight: set[str]) -> set[str]:
+        """A crash with `in_flight` requests in flight: returns the poisoned ones (in flight at the
+        previous crash as well); the rest become the suspects."""
+        poisoned = in_flight & self.ids
+        self.ids = in_flight - poisoned
+        return poisoned
+
+    def cleared(self, request_ids) -> None:
+        if self.ids:
+            self.ids.difference_update(request_ids)
+
+
+class RecoveryStats:
+    """Counters of rebuilds (by cause), recovered and poisoned requests, and recovery time; `last`
+    is the latest rebuild's breakdown in seconds."""
+
+    def __init__(self) -> None:
+        self.rebuilds: Counter = Counter()
+        self.recovered_requests = 0
+        self.poisoned_requests = 0
+        self.recovery_s = 0.0
+        self.last: dict = {}
+        self.recovering: str | None = None          # why, while a rebuild is under way
+        self._recompute_from: float | None = None   # the new pipeline's start, until its first token
+
+    def lost(self, cause: str, why: str, num_live: int, num_poisoned: int) -> None:
+        if self._recompute_from is not None:     # the previous recovery never saw a token
+            self._done()
+        self.rebuilds[cause] += 1
+        self.recovering = why
+        self.poisoned_requests += num_poisoned
+        self.last = {"cause": cause, "why": why, "detected_at": time.monotonic(), "live_requests": num_live}
+
+    def rebuilt(self, teardown_s: float, startup: dict, num_requeued: int) -> None:
+        self.recovering = None
+        self.recovered_requests += num_requeued
+        self.last.update(teardown_s=teardown_s, spawn_s=startup.get("spawn_s", 0.0),
+                         load_s=startup.get("load_s", 0.0), requeued=num_requeued)
+        self._recompute_from = time.monotonic()
+        if not num_requeued:
+            self._done()
+
+    def token_applied(self) -> None:
+        """A plan sampled a token: the first after a rebuild ends that recovery."""
+        if self._recompute_from is not None:
+            self.last["recompute_s"] = time.monotonic() - self._recompute_from
+            self._done()
+
+    def _done(self) -> None:
+        self._recompute_from = None
+        total = time.monotonic() - self.last["detected_at"]
+        self.last["total_s"] = total
+        self.recovery_s += total
+
+    def snapshot(self) -> dict:
+        last = {k: v for k, v in self.last.items() if k != "detected_at"}
+        return {"rebuilds": dict(self.rebuilds), "recovered_requests": self.recovered_requests,
+                "poisoned_requests": self.poisoned_requests, "recovery_s": self.recovery_s,
+                "recovering": self.recovering, "last": last}
