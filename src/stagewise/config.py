@@ -153,6 +153,8 @@ class EngineConfig:
                                       "dies, hangs or loses its link (live requests are recomputed); more fail every "
                                       "request as before; 0: never rebuild")
     pipeline_restart_window_s: float = flag(600.0, "the sliding window --max-pipeline-restarts counts in")
+    pipeline_spares: bool = flag(True, "keep one started, idle process per local stage ready to replace a failed "
+                                 "one (rebuilds skip seconds of process start-up; ~300 MB of memory each)")
     dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
                                    "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
     threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "

@@ -23,7 +23,7 @@ from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import make_executor
-from ..executor.launch import torchrun_env
+from ..executor.launch import spares_ready, start_spares, stop_spares, torchrun_env
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
@@ -35,7 +35,7 @@ from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
 from .profile import fitted_chunker
-from .recovery import POISON, RecoveryStats, RestartBudget, Suspects
+from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
@@ -85,7 +85,9 @@ class Engine:
         self.heals = config.pp_size > 1 and config.nnodes == 1 and torchrun_env() is None
         self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
         self.suspects = Suspects()
+        self.scheduler.gate = self.suspects.may_admit
         self.recovery = RecoveryStats()
+        self._start_spares()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
 
     # requests (any thread)
@@ -220,6 +222,7 @@ class Engine:
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         for req in changed:
             if req.is_finished:
+                self.suspects.cleared([req.request_id])
                 self.stats_.record_finish(req)
                 if self._grammars is not None:
                     self._grammars.release(req.request_id)
@@ -266,14 +269,18 @@ class Engine:
             self._die(why)
         if not self.restarts.take():
             self._die(self.restarts.refusal(why))
-        in_flight = {s.request_id for plan in self.inflight for s in plan.seqs}
-        poisoned = self.scheduler.fail([rid for rid in self.suspects.crash(in_flight)], POISON)
+        unfinished = self.scheduler.requests
+        in_flight = [unfinished[rid] for rid in dict.fromkeys(s.request_id for p in self.inflight for s in p.seqs)
+                     if rid in unfinished]
+        poisoned = []
+        for rid, strikes in self.suspects.crash(in_flight).items():
+            poisoned += self.scheduler.fail([rid], poison_message(strikes))
         self.inflight.clear()
         self.stats_.pipeline_drained()
         live = len(self.scheduler.requests)
         self.recovery.lost(getattr(self.executor, "cause", None) or "unknown", why, live, len(poisoned))
         log.error("pipeline failed: %s Rebuilding it; %d live request(s) will be recomputed%s.", why, live,
-                  f", {len(poisoned)} that crashed it twice fail" if poisoned else "")
+                  f", {len(poisoned)} that crashed it again fails" if poisoned else "")
         return self._outputs(poisoned)
 
     def _rebuild(self) -> None:
@@ -297,6 +304,8 @@ class Engine:
         blocks = BlockManager(min(self.executor.num_blocks, old.num_blocks), old.block_size,
                               old.enable_prefix_caching)
         blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
+        self._start_spares()
+        self.suspects.regroup([*self.scheduler.running, *self.scheduler.waiting])
         requeued = self.scheduler.restart(blocks)
         self.stats_.pipeline_rebuilt()
         startup = getattr(self.executor, "startup", {})
@@ -304,6 +313,10 @@ class Engine:
         log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, start %.1f s, weights %.1f s); recomputing "
                     "%d request(s)", time.monotonic() - t0, teardown_s, startup.get("spawn_s", 0.0),
                     startup.get("load_s", 0.0), requeued)
+
+    def _start_spares(self) -> None:
+        if self.heals and self.config.pipeline_spares and self.config.max_pipeline_restarts:
+            start_spares(self.config.stages_per_node, self.model_dir)
 
     def _die(self, why: str) -> NoReturn:
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
@@ -322,7 +335,7 @@ class Engine:
 
     def stats(self) -> dict:
         snapshot = self.stats_.snapshot(self.scheduler, self.executor)
-        snapshot["recovery"] = self.recovery.snapshot()
+        snapshot["recovery"] = {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0}
         if self.speculator is not None:
             snapshot["speculative"] = self.speculator.stats.snapshot()
         return snapshot
@@ -331,6 +344,8 @@ class Engine:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
+        if self.heals:
+            stop_spares()
 
 
 def _finish_unscheduled(req: Request, reason: FinishReason, error: str | None = None) -> None:

@@ -3,15 +3,17 @@
 When a stage process dies, hangs past --dist-timeout-s or loses a link, the engine tears the
 pipeline down, starts it again and recomputes every live request from its tokens. This module
 holds what that needs beside the engine: the sliding-window restart budget, the poison-plan
-rule (a request in flight during two crashes in a row, with no plan of it completed between,
-fails alone) and the counters `stats()` and /metrics report.
+rule (`Suspects`) and the counters `stats()` and /metrics report.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
 
-POISON = "this request crashed the pipeline twice; it was failed so the others could go on."
+
+def poison_message(strikes: int) -> str:
+    times = "twice" if strikes == 2 else f"{strikes} times"
+    return f"this request crashed the pipeline {times}; it was failed so that the other requests could go on."
 
 
 class RestartBudget:
@@ -37,21 +39,51 @@ class RestartBudget:
 
 
 class Suspects:
-    """Requests in flight at the last crash that have not completed a plan since."""
+    """The poison-plan rule. A request in flight when the pipeline fails gets a strike; a plan of
+    it that completes clears them. After a rebuild, suspects are recomputed in groups that never
+    share the pipeline with an earlier group still unconfirmed: requests without strikes run
+    freely; then suspects that had generated tokens before (they ran fine until then); then new
+    ones (never past their prompt); then each repeat suspect on its own. A request that fails the
+    pipeline while it is the only suspect in flight, with a strike already, is poison: it fails
+    alone and the rest go on. (Several repeat suspects in flight together get isolated instead.)"""
 
     def __init__(self) -> None:
-        self.ids: set[str] = set()
+        self.strikes: dict[str, int] = {}
+        self.group: dict[str, int] = {}
 
-    def crash(self, in_flight: set[str]) -> set[str]:
-        """A crash with `in_flight` requests in flight: returns the poisoned ones (in flight at the
-        previous crash as well); the rest become the suspects."""
-        poisoned = in_flight & self.ids
-        self.ids = in_flight - poisoned
-        return poisoned
+    def crash(self, in_flight: list) -> dict[str, int]:
+        """A failure with `in_flight` requests in flight; returns the poisoned ones' strike counts."""
+        suspects_in_flight = [r for r in in_flight if r.request_id in self.strikes]
+        for r in in_flight:
+            self.strikes[r.request_id] = self.strikes.get(r.request_id, 0) + 1
+        if len(suspects_in_flight) == 1:
+            rid = suspects_in_flight[0].request_id
+            return {rid: self.strikes.pop(rid)}
+        return {}
+
+    def regroup(self, live: list) -> None:
+        """Recompute order after a rebuild, for the live requests (see the class)."""
+        self.strikes = {r.request_id: self.strikes[r.request_id] for r in live if r.request_id in self.strikes}
+        self.group = {}
+        isolated = 3
+        for r in live:
+            n = self.strikes.get(r.request_id, 0)
+            if n == 1:
+                self.group[r.request_id] = 1 if r.output_token_ids else 2
+            elif n > 1:
+                self.group[r.request_id], isolated = isolated, isolated + 1
+
+    def may_admit(self, req) -> bool:
+        """Whether `req` may start now: no unconfirmed suspect of an earlier group is left."""
+        g = self.group.get(req.request_id, 0)
+        return g == 0 or all(h >= g for rid, h in self.group.items() if rid != req.request_id)
 
     def cleared(self, request_ids) -> None:
-        if self.ids:
-            self.ids.difference_update(request_ids)
+        """These requests completed a plan (or finished): no longer suspects."""
+        if self.strikes or self.group:
+            for rid in request_ids:
+                self.strikes.pop(rid, None)
+                self.group.pop(rid, None)
 
 
 class RecoveryStats:

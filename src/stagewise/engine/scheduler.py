@@ -66,6 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.chunker = FixedChunks()                # a prompt's next chunk length (engine.balance)
         self.balancer = DecodeBalancer()            # decode rows per plan (engine.balance)
+        self.gate: Callable[[Request], bool] | None = None   # may this waiting request start now? (recovery)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -170,6 +171,8 @@ class Scheduler:
                 self._book(plan, req, n, drafts)
                 budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.gate is not None and not self._gate_front():
+                break
             n = self._admit(plan, self.waiting[0], budget)
             if n == 0:
                 break
@@ -179,6 +182,17 @@ class Scheduler:
         self.next_plan_id += 1
         plan.finished_req_ids, self.to_forget = self.to_forget, []
         return plan
+
+    def _gate_front(self) -> bool:
+        """Bring the first waiting request the gate lets start to the front; False if none may."""
+        assert self.gate is not None
+        for i, req in enumerate(self.waiting):
+            if self.gate(req):
+                if i:
+                    del self.waiting[i]
+                    self.waiting.appendleft(req)
+                return True
+        return False
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens of `req` to book now: its next prompt chunk (the chunker's choice) or its decode row."""

@@ -17,6 +17,7 @@ import socket
 import time
 import weakref
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_sentinels
 
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from .netif import master_ip, use_interface
 DRIVER_RANK = 0
 RDZV_POLL_S = 0.1
 _local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
+_spares: list = []             # [process, duplex pipe, warm]: started stage processes waiting for a stage to run
 
 
 def stage_rank(stage: int) -> int:
@@ -132,6 +134,15 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def name_process(name: str) -> None:
+    """Linux: the process's name in ps/top (/proc/PID/comm, at most 15 bytes), e.g. stagewise-st1."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)   # PR_SET_NAME
+    except OSError:
+        return
+
+
 def kill_local_stages() -> None:
     """SIGKILL every stage process this process started and is still running."""
     for p in list(_local_stages):
@@ -158,21 +169,29 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     use_interface(addr, config.dist_ifname)     # children inherit the choice
     from .stage_proc import stage_main
     ctx = mp.get_context("spawn")
-    procs, readers = [], []
+    procs: list = []
+    readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
     for s in local_stages(config.pp_size, config.nnodes, node_rank):
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True,
-                        args=(config, model_dir, s, addr, port, eos_token_ids, True, models, writer))
-        p.start()
-        _local_stages.add(p)
-        writer.close()
+        args = (config, model_dir, s, addr, port, eos_token_ids, True, models)
+        spare = _take_spare()
+        if spare is not None:                 # a warm process: it runs the stage at once
+            p, reader = spare
+            p.name = f"stagewise-stage-{s}"
+            reader.send(args)
+        else:
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True, args=(*args, writer))
+            p.start()
+            _local_stages.add(p)
+            writer.close()
         procs.append(p)
         readers.append(reader)
     pending, deadline = dict(zip(readers, procs)), time.monotonic() + startup_timeout_s
     while pending and time.monotonic() < deadline:
         for ready in wait_sentinels(list(pending) + [p.sentinel for p in pending.values()], timeout=1.0):
             if ready in pending and ready.poll():
-                pending.pop(ready)
+                if ready.recv() != "warm":    # a spare that was still importing says so first
+                    pending.pop(ready)
                 continue
             dead = next((p for p in procs if not p.is_alive()), None)
             if dead is not None:
@@ -184,6 +203,53 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     if pending:
         raise RuntimeError(f"stage processes did not start within {startup_timeout_s:.0f} s.")
     return procs
+
+
+def start_spares(count: int, model_dir: str) -> None:
+    """Start `count` spare stage processes (beyond those waiting already): each imports what a
+    stage needs (torch, transformers, the model code), then waits for a stage to run, so a
+    pipeline rebuilt after a failure skips seconds of start-up. Call after `spawn_stages` (the
+    spares inherit the environment it prepared)."""
+    from .stage_proc import standby_main
+    ctx = mp.get_context("spawn")
+    for _ in range(count - len(_spares)):
+        here, there = ctx.Pipe(duplex=True)
+        p = ctx.Process(target=standby_main, args=(there, model_dir), name="stagewise-stage-spare", daemon=True)
+        p.start()
+        there.close()
+        _local_stages.add(p)
+        _spares.append([p, here, False])
+
+
+def spares_ready() -> int:
+    """Spare processes done importing (they said "warm")."""
+    for spare in _spares:
+        if not spare[2] and spare[0].is_alive() and spare[1].poll():
+            spare[1].recv()
+            spare[2] = True
+    return sum(1 for p, _, warm in _spares if warm and p.is_alive())
+
+
+def _take_spare():
+    """A living spare, warm ones first (one still importing sends "warm" before `started`)."""
+    spares_ready()
+    _spares.sort(key=lambda spare: not spare[2])
+    while _spares:
+        p, conn, _ = _spares.pop(0)
+        if p.is_alive():
+            return p, conn
+        conn.close()
+    return None
+
+
+def stop_spares() -> None:
+    """End the spare processes (closing its pipe ends one; SIGKILL if it lingers)."""
+    while _spares:
+        p, conn, _ = _spares.pop()
+        conn.close()
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
 
 
 def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:

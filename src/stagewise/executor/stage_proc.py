@@ -15,7 +15,7 @@ from ..parallel.proxy import ProxyTensors
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
-from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, stage_rank
+from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, name_process, stage_rank
 from .watchdog import exit_now
 
 log = logging.getLogger("stagewise.stage")
@@ -32,6 +32,7 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
+    name_process(f"stagewise-st{stage_idx}")
     if started is not None:
         started.send(True)
         started.close()
@@ -54,6 +55,29 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     if spawned:   # NOTE: skip interpreter teardown (seconds with torch loaded); nothing is left to flush
         exit_now(code)
     sys.exit(code)
+
+
+def standby_main(conn, model_dir: str) -> None:
+    """A spare stage process (launch.start_spares): import what a stage of `model_dir` needs (its
+    first checkpoint config read imports seconds of transformers), then wait for the driver to
+    name a stage (`stage_main`'s arguments), or for the pipe to close (exit)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process("stagewise-spare")
+    from ..checkpoint import load_hf_config
+    from ..runtime import worker  # noqa: F401
+    try:
+        load_hf_config(model_dir)
+    except Exception:  # noqa: BLE001  (the stage itself reports a bad checkpoint)
+        pass
+    try:
+        conn.send("warm")
+        args = conn.recv()
+    except (EOFError, OSError):
+        exit_now(0)
+    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models = args
+    # NOTE: the same pipe says when the stage runs (`started`)
+    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, started=conn)
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:

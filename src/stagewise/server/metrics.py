@@ -157,6 +157,8 @@ def _recovery_families(r: dict, m: str):
                    "first token after its rebuild, summed.", m, r.get("recovery_s", 0.0))
     yield _gauge("stagewise_pipeline_recovering", "1 while the pipeline is being rebuilt.", m,
                  1.0 if r.get("recovering") else 0.0)
+    yield _gauge("stagewise_pipeline_spares_ready", "Started idle stage processes ready to replace a failed "
+                 "stage.", m, r.get("spares_ready", 0))
 
 
 def _balance_families(s: dict, m: str):
