@@ -72,10 +72,12 @@ def main() -> None:
     ap.add_argument("--cold-live", type=int, default=8, help="live requests of the row without spares (0: skip)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--prefill-graph", default="auto", help="the engine's --prefill-graph (auto, off, ...)")
     ap.add_argument("--out", default="recovery")
     args = ap.parse_args()
     rows, loads = [], [load_line()]
-    common = dict(pp_size=2, max_pipeline_restarts=100, kv_cache_memory="256MiB", max_model_len=1024)
+    common = dict(pp_size=2, max_pipeline_restarts=100, kv_cache_memory="256MiB", max_model_len=1024,
+                  prefill_graph=args.prefill_graph)
     with LLM(args.model, **common) as llm:
         for live in (int(x) for x in args.live.split(",")):
             rows.append(measure(llm, live, args.prompt_len, args.warmup_tokens))
@@ -87,7 +89,8 @@ def main() -> None:
     loads.append(load_line())
     lines = ["# Pipeline recovery time (PP=2, one machine, offline engine)", "",
              f"Model: {args.model or 'default (SmolLM2-135M-Instruct)'}; prompts of {args.prompt_len} tokens, "
-             f"stage 1 SIGKILLed once every live request has {args.warmup_tokens} output tokens. "
+             f"stage 1 SIGKILLed once every live request has {args.warmup_tokens} output tokens; "
+             f"--prefill-graph {args.prefill_graph}. "
              f"Machine: {loads[0]} before, {loads[1]} after (shared machine: approximate numbers).", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:

@@ -27,6 +27,7 @@ REAP_WAIT_S = 1.0             # a stage's pipe closed: time for its exit status 
 
 
 class MultiprocExecutor:
+    cause: str | None = None              # once dead: stage_died, timeout, link or interrupted
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
         self.config, self.timeout = config, config.dist_timeout_s
         self.procs: list[mp.Process] = []
@@ -35,7 +36,7 @@ class MultiprocExecutor:
         self.num_inflight = 0
         self.last_traffic = time.monotonic()
         self.dead: str | None = None
-        self.cause: str | None = None         # once dead: stage_died, timeout, link or interrupted
+        self.cause = None
         self.startup: dict[str, float] = {}   # seconds: spawn (processes, imports, rendezvous), load (weights)
         self.closing = False
         t0 = time.monotonic()
