@@ -63,7 +63,8 @@ def test_pp_gpt2_hidden_only_contract_with_embeds_and_prefix_cache(gpt2_dir):
 
 
 def test_killed_stage_fails_fast_and_leaves_no_process(llama_dir):
-    llm = LLM(model=str(llama_dir), pp_size=2, dist_timeout_s=30)
+    """With recovery off (a healing pipeline: test_offline_recovery.py)."""
+    llm = LLM(model=str(llama_dir), pp_size=2, dist_timeout_s=30, max_pipeline_restarts=0)
     procs = llm.engine.executor.procs
     victim = procs[1]
     llm.engine.add_request(prompt_token_ids=PROMPTS[5], params=SamplingParams(max_tokens=400, ignore_eos=True,

@@ -207,3 +207,15 @@ def test_a_request_that_crashes_the_pipeline_twice_fails_alone(server, reference
     assert server.metric("stagewise_pipeline_poisoned_requests_total") == poisoned_before + 1
     assert _rebuilds(server, "stage_died") == before + 2
     _wait(lambda: _health(server)[0] == 200, 30, "/health 200")
+
+
+def test_a_stage_killed_while_idle_is_replaced(server, reference):
+    """No request open: the monitor flags the death, the idle engine rebuilds at once."""
+    _wait(lambda: _health(server)[0] == 200, 60, "/health 200")
+    before = _rebuilds(server, "stage_died")
+    victim = _stage_pids(server)["stagewise-st1"][0]
+    os.kill(victim, signal.SIGKILL)
+    _wait(lambda: _rebuilds(server, "stage_died") == before + 1, 60, "the rebuild")
+    _wait(lambda: _health(server)[0] == 200, 60, "/health 200")
+    r = httpx.post(server.url + "/v1/completions", json=_body(PROMPTS[0]), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[0]
