@@ -1,5 +1,5 @@
 """Offline `LLM(pp_size=2)` heals: a stage SIGKILLed in the middle of `generate` is replaced, every
-request is recomputed from its tokens and the call returns every output, equal to the one-stage
+request is recomputed from its tokens and the call returns every output, equal to the fault-free
 run; a request that crashes the pipeline each time it runs exhausts --max-pipeline-restarts and
 then fails everything with one sentence (the limit). Real stage processes, real signals; the
 crash comes from the stage test hook (STAGEWISE_TEST_CRASH_TOKEN, executor/stage_proc.py)."""
@@ -15,16 +15,18 @@ import pytest
 from stagewise import LLM, SamplingParams
 from stagewise.errors import EngineDeadError
 
+pytestmark = pytest.mark.slow
+
 CRASH_TOKEN = 997
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    with LLM(model=str(llama_dir)) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
-                                                             use_tqdm=False)]
+def reference(healing_llm):
+    """The fault-free run (PP=2 equals the one-stage run: test_pipeline.py)."""
+    outs = healing_llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ import pytest
 from conftest import ServerProcess, httpx
 from launcher import wait_gone
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process names need Linux /proc")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process names need Linux /proc")]
 
 CRASH_TOKEN = 997
 MAX_TOKENS = 48
