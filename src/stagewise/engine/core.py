@@ -226,7 +226,9 @@ class EngineCore:
         for rid in list(self.live):
             self.engine.abort(rid)
         deadline = time.monotonic() + STOP_DRAIN_S
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        # NOTE: a stop while a failed pipeline waits to be rebuilt has nothing to drain (no rebuild)
+        while (self.engine.has_unfinished() and not getattr(self.engine, "recovering", None)
+               and time.monotonic() < deadline):
             if self._step() is None:
                 return 1
         self._publish([])
