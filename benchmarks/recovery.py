@@ -28,6 +28,7 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     """One kill with `live` requests decoding (each `warmup_tokens` into its output)."""
     engine = llm.engine
     if engine.config.pipeline_spares:
+        engine.step()                          # starts the spares (due at once here)
         deadline = time.monotonic() + 120
         while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -76,8 +77,8 @@ def main() -> None:
     ap.add_argument("--out", default="recovery")
     args = ap.parse_args()
     rows, loads = [], [load_line()]
-    common = dict(pp_size=2, max_pipeline_restarts=100, kv_cache_memory="256MiB", max_model_len=1024,
-                  prefill_graph=args.prefill_graph)
+    common = dict(pp_size=2, max_pipeline_restarts=100, pipeline_spares_delay_s=0, kv_cache_memory="256MiB",
+                  max_model_len=1024, prefill_graph=args.prefill_graph)
     with LLM(args.model, **common) as llm:
         for live in (int(x) for x in args.live.split(",")):
             rows.append(measure(llm, live, args.prompt_len, args.warmup_tokens))

@@ -155,6 +155,8 @@ class EngineConfig:
     pipeline_restart_window_s: float = flag(600.0, "the sliding window --max-pipeline-restarts counts in")
     pipeline_spares: bool = flag(True, "keep one started, idle process per local stage ready to replace a failed "
                                  "one (rebuilds skip seconds of process start-up; ~300 MB of memory each)")
+    pipeline_spares_delay_s: float = flag(30.0, "start the spare stage processes this long after the pipeline is "
+                                          "up (short runs never pay for them); after a rebuild at once")
     dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
                                    "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
     threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "

@@ -36,7 +36,8 @@ def healing_llm(llama_dir):
     old = os.environ.get("STAGEWISE_TEST_CRASH_TOKEN")
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)      # the stages inherit it
     try:
-        llm = LLM(model=str(llama_dir), pp_size=2, dist_timeout_s=5, max_pipeline_restarts=1)
+        llm = LLM(model=str(llama_dir), pp_size=2, dist_timeout_s=5, max_pipeline_restarts=1,
+                  pipeline_spares_delay_s=0)
         _wait_spares(llm)
         yield llm
         llm.shutdown()
@@ -48,6 +49,7 @@ def healing_llm(llama_dir):
 
 
 def _wait_spares(llm, timeout_s: float = 60) -> None:
+    llm.engine.step()                     # starts the spares (they are due at once here)
     deadline = time.monotonic() + timeout_s
     while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
         time.sleep(0.1)

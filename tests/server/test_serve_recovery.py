@@ -34,7 +34,8 @@ def server(llama_dir, tmp_path_factory):
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)     # the server's processes inherit it
     try:
         srv = ServerProcess(llama_dir, tmp_path_factory.mktemp("healing") / "server.log", "--pp-size", "2",
-                            "--dist-timeout-s", "4", "--max-pipeline-restarts", "20")
+                            "--dist-timeout-s", "4", "--max-pipeline-restarts", "20",
+                            "--pipeline-spares-delay-s", "0")
     finally:
         if old is None:
             del os.environ["STAGEWISE_TEST_CRASH_TOKEN"]

@@ -87,7 +87,7 @@ class Engine:
         self.suspects = Suspects()
         self.scheduler.gate = self.suspects.may_admit
         self.recovery = RecoveryStats()
-        self._start_spares()
+        self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
 
     # requests (any thread)
@@ -118,6 +118,7 @@ class Engine:
         """Why the engine cannot go on, or None. A stage that died while the engine idled shows
         here too: an idle engine never calls the executor, but the executor's monitor flags it;
         a pipeline that can be rebuilt starts `recovering` instead (the next `step` rebuilds it)."""
+        self._start_spares_when_due()
         if not self.dead and not self.recovering and self.executor.dead:
             try:
                 self._lost(self.executor.dead)
@@ -140,6 +141,7 @@ class Engine:
         or collected (the caller should wait for new requests instead of spinning)."""
         if self.recovering:
             self._rebuild()
+        self._start_spares_when_due()
         outputs = self._drain_inbox() + self._admit_compiled()
         while len(self.inflight) < self.config.depth:
             plan = self.scheduler.schedule()
@@ -315,8 +317,13 @@ class Engine:
                     startup.get("load_s", 0.0), requeued)
 
     def _start_spares(self) -> None:
+        self._spares_due = None
         if self.heals and self.config.pipeline_spares and self.config.max_pipeline_restarts:
             start_spares(self.config.stages_per_node, self.model_dir)
+
+    def _start_spares_when_due(self) -> None:
+        if self._spares_due is not None and time.monotonic() >= self._spares_due:
+            self._start_spares()
 
     def _die(self, why: str) -> NoReturn:
         """A fatal executor fault: fail every request with the reason and refuse new ones."""
