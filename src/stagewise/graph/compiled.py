@@ -41,8 +41,9 @@ def live_metadata(meta: AttentionMetadata) -> Iterator[None]:
 
 # NOTE: the op writes k/v into `kv_cache` but declares no mutation. Declaring it makes the
 # functionalised graph copy the whole cache tensor back after each call; nothing else in the
-# graph reads a cache, so there is no ordering for the compiler to keep.
-@torch.library.custom_op("stagewise::paged_attention", mutates_args=())
+# graph reads a cache, so there is no ordering for the compiler to keep. Defined through
+# torch.library.Library rather than `custom_op`, so the dispatcher calls `paged_attention`
+# directly, without custom_op's per-call checks (one call per layer per step).
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """`sdpa_paged_attention` on the scoped live metadata: q `[rows, Hq, D]` -> `[rows, Hq, D]`."""
@@ -52,7 +53,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return _paged_attention(meta, kv_cache, q, k, v, scale).contiguous()
 
 
-@paged_attention.register_fake
+_LIB = torch.library.Library("stagewise", "FRAGMENT")
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor kv_cache, float scale) -> Tensor")
+_LIB.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("stagewise::paged_attention")
 def _(q, k, v, kv_cache, scale):
     return q.new_empty(q.shape)
 
