@@ -21,14 +21,33 @@ def test_kernel_equals_f_linear(rows, n, k):
         torch.testing.assert_close(got, ref, atol=1e-4 * k ** 0.5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])
-def test_bf16_weights_multiply_in_float32(rows):
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 9, 17])
+def test_bf16_multiplies_exact_products_in_float32(rows):
+    """bf16 weights widened in registers, or (with AVX512-BF16) bf16 pairs multiplied natively:
+    exact products, float32 sums, one rounding; partial weight tiles (77 rows) included."""
     gen = torch.Generator().manual_seed(rows)
     x, w, b = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((rows, 192), (77, 192), (77,)))
     got = cpu_gemm.small_linear(x, w, b)
     assert got.dtype == torch.bfloat16
     ref = F.linear(x.float(), w.float(), b.float())          # exact products, fp32 sums, one rounding
     torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=1e-2)
+    alone = torch.cat([cpu_gemm.small_linear(x[i:i + 1], w, b) for i in range(rows)])
+    assert torch.equal(got, alone)                           # batch invariant, as in float32
+
+
+def test_bf16_dispatch_by_rows(monkeypatch):
+    calls = []
+    real = cpu_gemm.small_linear
+    monkeypatch.setattr(cpu_gemm, "small_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w = torch.randn(40, 64).bfloat16()
+    limit = cpu_gemm._max_rows(torch.bfloat16)
+    assert limit == (min(cpu_gemm.MAX_ROWS, cpu_gemm.NATIVE_BF16_ROWS) if cpu_gemm.NATIVE_BF16 else cpu_gemm.MAX_ROWS)
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(cpu_gemm.linear(x, w).float(), F.linear(x.float(), w.float()), atol=0.05, rtol=1e-2)
+    assert calls == [1, limit]
+    if cpu_gemm.NATIVE_BF16:                 # native bf16 pairs need K % 32: other K go to oneDNN
+        assert not cpu_gemm.supports(torch.randn(2, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None)
 
 
 def test_strided_rows_and_empty():

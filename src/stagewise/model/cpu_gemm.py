@@ -6,8 +6,9 @@ so such a step is bound by reading them; MKL's sgemm costs about one full weight
 2-16 rows (SmolLM2-135M, one thread: 106 ms at 1 row, 183 ms at 2, 190 ms at 8), where this
 kernel reads every weight row once and multiplies it with all the activation rows while it is
 in registers (73, 96, 144 ms). From `MAX_ROWS` rows up MKL's blocked GEMM wins and runs instead.
-bfloat16 weights (on CPUs without native bf16 only) are widened in registers, so a decode step
-reads half the bytes; above `MAX_ROWS` rows they are widened per call for MKL.
+bfloat16 weights are widened in registers on CPUs without native bf16, so a decode step reads half
+the bytes (above `MAX_ROWS` rows they are widened per call for MKL); with AVX512-BF16 a third
+kernel multiplies bf16 pairs natively and serves up to `NATIVE_BF16_ROWS` rows, oneDNN above.
 
 Each output is an 8-lane dot product summed in a fixed order, so a row's result does not depend
 on which other rows share the step. Kernels come from `ckernel` (cc + ctypes, cached);
@@ -35,6 +36,8 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint16_t h8u __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t i8 __attribute__((vector_size(32)));
+typedef float f32_t;
+typedef uint16_t bf16_t;
 
 static inline v8 ld_f32(const float* p) { return *(const v8u*)p; }
 /* bfloat16 is the top half of a float32: widen and shift, exactly */
@@ -69,16 +72,17 @@ static void tile_##WT##_##MB##x##NB(const float* x, int64_t ldx, const WT##_t* w
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T (+ b [N]); K % 8 == 0.
    M <= 4: one block of rows against wide weight tiles; more rows: blocks of 4 rows against
    tiles of 3 weight rows, which stay in L1 across the blocks (every weight is read once). */
-#define LINEAR(WT)                                                                              \
-TILE(WT, 1, 8) TILE(WT, 2, 4) TILE(WT, 3, 4) TILE(WT, 4, 3)                                     \
-TILE(WT, 1, 3) TILE(WT, 2, 3) TILE(WT, 3, 3)                                                    \
-TILE(WT, 1, 1) TILE(WT, 2, 1) TILE(WT, 3, 1) TILE(WT, 4, 1)                                     \
-typedef void (*tile_##WT##_fn)(const float*, int64_t, const WT##_t*, int64_t, const float*, float*, int64_t); \
-void small_linear_##WT(const float* x, int64_t ldx, const WT##_t* w, const float* b, float* y, int64_t ldy, \
-                       int64_t M, int64_t N, int64_t K) {                                       \
-    static const tile_##WT##_fn wide[5] = {0, tile_##WT##_1x8, tile_##WT##_2x4, tile_##WT##_3x4, tile_##WT##_4x3}; \
-    static const tile_##WT##_fn narrow[5] = {0, tile_##WT##_1x3, tile_##WT##_2x3, tile_##WT##_3x3, tile_##WT##_4x3}; \
-    static const tile_##WT##_fn single[5] = {0, tile_##WT##_1x1, tile_##WT##_2x1, tile_##WT##_3x1, tile_##WT##_4x1}; \
+#define TILES(T, NAME)                                                                          \
+T(NAME, 1, 8) T(NAME, 2, 4) T(NAME, 3, 4) T(NAME, 4, 3)                                         \
+T(NAME, 1, 3) T(NAME, 2, 3) T(NAME, 3, 3)                                                       \
+T(NAME, 1, 1) T(NAME, 2, 1) T(NAME, 3, 1) T(NAME, 4, 1)
+#define LINEAR(NAME, XT, WT)                                                                    \
+typedef void (*tile_##NAME##_fn)(const XT*, int64_t, const WT*, int64_t, const float*, float*, int64_t); \
+void small_linear_##NAME(const XT* x, int64_t ldx, const WT* w, const float* b, float* y, int64_t ldy, \
+                         int64_t M, int64_t N, int64_t K) {                                     \
+    static const tile_##NAME##_fn wide[5] = {0, tile_##NAME##_1x8, tile_##NAME##_2x4, tile_##NAME##_3x4, tile_##NAME##_4x3}; \
+    static const tile_##NAME##_fn narrow[5] = {0, tile_##NAME##_1x3, tile_##NAME##_2x3, tile_##NAME##_3x3, tile_##NAME##_4x3}; \
+    static const tile_##NAME##_fn single[5] = {0, tile_##NAME##_1x1, tile_##NAME##_2x1, tile_##NAME##_3x1, tile_##NAME##_4x1}; \
     int64_t nb = M == 1 ? 8 : (M <= 3 ? 4 : 3);                                                 \
     int64_t ntiles = (N + nb - 1) / nb;                                                         \
     _Pragma("omp parallel for schedule(static)")                                               \
@@ -97,10 +101,36 @@ void small_linear_##WT(const float* x, int64_t ldx, const WT##_t* w, const float
     }                                                                                           \
 }
 
-typedef float f32_t;
-typedef uint16_t bf16_t;
-LINEAR(f32)
-LINEAR(bf16)
+TILES(TILE, f32) LINEAR(f32, float, f32_t)
+TILES(TILE, bf16) LINEAR(bf16, float, bf16_t)
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* Native bf16 (AVX512-BF16): bf16 activations and weights, 32 per instruction, each pair's
+   products exact and summed in float32 (vdpbf16ps); K % 32 == 0. Same tiles as above, and each
+   tile prefetches the next one (the weights stream from memory: 0.7-0.9x the time at 2-8 rows). */
+#define DPTILE(NAME, MB, NB)                                                                    \
+static void tile_##NAME##_##MB##x##NB(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K,  \
+                                      const float* b, float* y, int64_t ldy) {                  \
+    __m512 acc[MB][NB];                                                                         \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();                           \
+    for (int64_t k = 0; k < K; k += 32) {                                                       \
+        __m512bh wv[NB];                                                                        \
+        for (int j = 0; j < NB; j++) {                                                          \
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);                                \
+            __builtin_prefetch(w + (j + NB) * K + k, 0, 0);                                     \
+        }                                                                                       \
+        for (int m = 0; m < MB; m++) {                                                          \
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);                        \
+            for (int j = 0; j < NB; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);    \
+        }                                                                                       \
+    }                                                                                           \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]) + (b ? b[j] : 0.f); \
+}
+TILES(DPTILE, bf16dp) LINEAR(bf16dp, bf16_t, bf16_t)
+#endif
 """
 
 _lib: ctypes.CDLL | None = None
@@ -114,7 +144,9 @@ def _load() -> ctypes.CDLL | None:
         lib = ckernel.load("small_linear", _SOURCE, "linear layers use MKL at every row count")
         if lib is not None:
             i64, p = ctypes.c_int64, ctypes.c_void_p
-            for fn in (lib.small_linear_f32, lib.small_linear_bf16):
+            for fn in (lib.small_linear_f32, lib.small_linear_bf16, getattr(lib, "small_linear_bf16dp", None)):
+                if fn is None:
+                    continue
                 fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
                 fn.restype = None
         _lib = lib
@@ -125,45 +157,68 @@ def available() -> bool:
     return _load() is not None
 
 
-# bf16 weights: only where the CPU has no native bf16 (there oneDNN emulates it, slowly); with
-# AVX512-BF16 or AMX the native GEMV and oneDNN stay (this kernel is unmeasured there)
-_DTYPES = (torch.float32,) if ckernel.native_bf16() else (torch.float32, torch.bfloat16)
+# bf16 on a CPU with native bf16 (AVX512-BF16): the `bf16dp` kernel, bf16 activations and
+# weights; it beats oneDNN's bf16 GEMM up to about 16 rows (SmolLM2 layers, one thread: 0.35-0.6x
+# the time at 1-4 rows, 0.7-0.9x at 8-16, 1.2x at 32). On other CPUs bf16 weights are widened to
+# float32 in the kernel (oneDNN emulates bf16 there, slowly).
+NATIVE_BF16 = ckernel.native_bf16()
+NATIVE_BF16_ROWS = 16
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """What the kernel serves, from static properties only (so tracing never breaks on it): CPU
     rows `[M, K]` in `_DTYPES` with unit column stride, a contiguous `[N, K]` weight of the same
-    dtype, K a multiple of 8. Whether the kernel built is asked at run time."""
+    dtype, K a multiple of 8 (of 32 for native bf16). Whether the kernel built is asked at run time."""
+    step = 32 if NATIVE_BF16 and x.dtype == torch.bfloat16 else 8
     return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in _DTYPES
-            and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[1] % 8 == 0
+            and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.shape[1] % step == 0
             and x.stride(1) == 1 and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
+def _kernel(lib: ctypes.CDLL, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return lib.small_linear_f32
+    if not NATIVE_BF16:
+        return lib.small_linear_bf16
+    return getattr(lib, "small_linear_bf16dp", None)      # absent if the compiler lacks AVX512-BF16
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for `supports` inputs by the kernel, at any row count (tests call it directly).
-    bfloat16 multiplies in float32 (activations widened once, bf16 weights widened in registers)
-    and rounds the output once, as oneDNN does."""
+    bfloat16 multiplies exact products and sums them in float32 (activations widened once and bf16
+    weights in registers, or both as bf16 pairs on native bf16), and rounds the output once, as
+    oneDNN does."""
     lib = _load()
-    if lib is None:
+    fn = None if lib is None else _kernel(lib, x.dtype)
+    if fn is None:
         raise RuntimeError("The small-row linear kernel is not available on this machine.")
     out_dtype = x.dtype
     if out_dtype == torch.bfloat16:
-        x, bias = x.float(), None if bias is None else bias.float()
+        bias = None if bias is None else bias.float()
+        if not NATIVE_BF16:
+            x = x.float()
     m, k = x.shape
     n = weight.shape[0]
-    y = x.new_empty(m, n)
+    y = torch.empty(m, n)
     if m:
-        fn = lib.small_linear_f32 if weight.dtype == torch.float32 else lib.small_linear_bf16
         fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
            y.data_ptr(), n, m, n, k)
     return y.to(out_dtype)
 
 
+def _max_rows(dtype: torch.dtype) -> int:
+    lib = _load()
+    if lib is None or _kernel(lib, dtype) is None:
+        return 0
+    return min(MAX_ROWS, NATIVE_BF16_ROWS) if NATIVE_BF16 and dtype == torch.bfloat16 else MAX_ROWS
+
+
 def _by_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.shape[0] <= MAX_ROWS and available():
+    if x.shape[0] <= _max_rows(x.dtype):
         return small_linear(x, weight, bias)
-    if x.dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16 and not NATIVE_BF16:
         # no native bf16 here: oneDNN's emulated bf16 GEMM is 5-7x slower than widening the
         # weight to float32 for this call and using MKL (SmolLM2 layers, one thread, 64-512 rows)
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
