@@ -80,9 +80,12 @@ T(NAME, 1, 1) T(NAME, 2, 1) T(NAME, 3, 1) T(NAME, 4, 1)
 typedef void (*tile_##NAME##_fn)(const XT*, int64_t, const WT*, int64_t, const float*, float*, int64_t); \
 void small_linear_##NAME(const XT* x, int64_t ldx, const WT* w, const float* b, float* y, int64_t ldy, \
                          int64_t M, int64_t N, int64_t K) {                                     \
-    static const tile_##NAME##_fn wide[5] = {0, tile_##NAME##_1x8, tile_##NAME##_2x4, tile_##NAME##_3x4, tile_##NAME##_4x3}; \
-    static const tile_##NAME##_fn narrow[5] = {0, tile_##NAME##_1x3, tile_##NAME##_2x3, tile_##NAME##_3x3, tile_##NAME##_4x3}; \
-    static const tile_##NAME##_fn single[5] = {0, tile_##NAME##_1x1, tile_##NAME##_2x1, tile_##NAME##_3x1, tile_##NAME##_4x1}; \
+    static const tile_##NAME##_fn wide[5] = {0, tile_##NAME##_1x8, tile_##NAME##_2x4,           \
+        tile_##NAME##_3x4, tile_##NAME##_4x3};                                                  \
+    static const tile_##NAME##_fn narrow[5] = {0, tile_##NAME##_1x3, tile_##NAME##_2x3,         \
+        tile_##NAME##_3x3, tile_##NAME##_4x3};                                                  \
+    static const tile_##NAME##_fn single[5] = {0, tile_##NAME##_1x1, tile_##NAME##_2x1,         \
+        tile_##NAME##_3x1, tile_##NAME##_4x1};                                                  \
     int64_t nb = M == 1 ? 8 : (M <= 3 ? 4 : 3);                                                 \
     int64_t ntiles = (N + nb - 1) / nb;                                                         \
     _Pragma("omp parallel for schedule(static)")                                               \
