@@ -1,7 +1,9 @@
 """Multi-node pipelines across two real network hosts (namespaces joined by a veth pair, see
 conftest.py): the README's commands and torchrun give the one-process tokens with no interface
 variables set, the rendezvous store listens on --master-addr only, faults and signals stop
-both nodes promptly and leave no process behind, and a server on node 0 answers across hosts.
+both nodes promptly and leave no process behind (recovery off), a server on node 0 answers
+across hosts, and a pipeline whose remote stage is SIGKILLed under load heals: node 1's
+headless process respawns its stage into the driver's next pipeline and no request is lost.
 
 Start-up (torch imports) dominates, so each wave of scenarios starts all its nodes at once,
 every scenario in its own pair of hosts."""
@@ -29,6 +31,7 @@ DIST_TIMEOUT_S = 10
 START_TIMEOUT_S = 300          # a node's start-up on a busy 2-core machine, with a wave starting at once
 GENERATE = ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--no-chat"]
 LONG_RUN = ["--max-tokens", "400", "--ignore-eos", "--no-chat"] + ["--prompt", "Once"] * 20
+NO_RECOVERY = ["--max-pipeline-restarts", "0"]
 
 
 class Node:
@@ -61,8 +64,9 @@ class Node:
             assert time.monotonic() < deadline, f"{self.name}: no {what} within {timeout:.0f} s"
             time.sleep(0.1)
 
-    def stage_pids(self) -> list[int]:
-        """This node's stage processes (children started by multiprocessing's spawn)."""
+    def stage_pids(self, comm: str | None = None) -> list[int]:
+        """This node's stage processes (children started by multiprocessing's spawn); with `comm`,
+        only those of that process name (stagewise-st1: stage 1, stagewise-spare: a spare)."""
         pids = []
         for pid in self.host.pids():
             try:
@@ -70,7 +74,7 @@ class Node:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and b"spawn_main" in cmd:
+            if ppid == self.proc.pid and b"spawn_main" in cmd and (comm is None or _comm(pid) == comm):
                 pids.append(pid)
         return pids
 
@@ -80,6 +84,13 @@ class Node:
             self.proc.wait(10)
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def stagewise(command: str, model_dir, pp_size: int, node_rank: int, *extra: str, port: int = PORT) -> list[str]:
     """The README's multi-node command for one node."""
     return [sys.executable, "-m", "stagewise", command, "--model", str(model_dir), "--pp-size", str(pp_size),
@@ -87,10 +98,11 @@ def stagewise(command: str, model_dir, pp_size: int, node_rank: int, *extra: str
             "--dist-timeout-s", str(DIST_TIMEOUT_S), *extra]
 
 
-def pair(make_hosts, log_dir: Path, tag: str, command: str, model_dir, pp_size: int, driver_extra=()) -> dict:
+def pair(make_hosts, log_dir: Path, tag: str, command: str, model_dir, pp_size: int, driver_extra=(),
+         worker_extra=()) -> dict:
     a, b = make_hosts()
     return {"hosts": (a, b),
-            "worker": Node(b, stagewise(command, model_dir, pp_size, 1), log_dir, f"{tag}-node1"),
+            "worker": Node(b, stagewise(command, model_dir, pp_size, 1, *worker_extra), log_dir, f"{tag}-node1"),
             "driver": Node(a, stagewise(command, model_dir, pp_size, 0, *driver_extra), log_dir, f"{tag}-node0")}
 
 
@@ -199,7 +211,8 @@ def wave2(make_hosts, llama_dir, tmp_path_factory):
                        "driver": Node(a, stagewise("generate", llama_dir, 2, 0, *GENERATE), log_dir, "lonely-node0"),
                        "worker": Node(b, stagewise("generate", llama_dir, 2, 1, port=PORT + 1), log_dir,
                                       "lonely-node1")},
-            "kill": pair(make_hosts, log_dir, "kill", "generate", llama_dir, 2, LONG_RUN),
+            "kill": pair(make_hosts, log_dir, "kill", "generate", llama_dir, 2, [*LONG_RUN, *NO_RECOVERY],
+                         NO_RECOVERY),
             "term": pair(make_hosts, log_dir, "term", "generate", llama_dir, 2, LONG_RUN)}
     try:
         yield runs
@@ -224,7 +237,7 @@ def test_store_binds_master_addr_and_sigterm_stops_nodes_waiting_for_peers(wave2
     assert_hosts_empty((a, b), timeout=5)
 
 
-def test_killed_remote_stage_is_reported_and_both_nodes_stop(wave2):
+def test_killed_remote_stage_is_reported_and_both_nodes_stop_with_recovery_off(wave2):
     run = wave2["kill"]
     driver, worker = run["driver"], run["worker"]
     driver.wait_for(lambda: driver.stdout().startswith("Once"), what="generation")
@@ -321,3 +334,64 @@ def test_rendezvous_errors_are_one_sentence():
     with pytest.raises(ValueError, match="is not an address of this host"):
         rendezvous(0, 2, "198.51.100.7", free_port(), 1.0)     # TEST-NET-2: never local
     del store
+
+
+# The driver of the healing scenario: an offline LLM on node 0 that generates PROMPTS twice: the
+# fault-free reference, then (once its spares are warm) the run the test kills node 1's stage in,
+# announced by "decoding" once the second run is well under way.
+HEAL_DRIVER = """
+import json, sys, threading, time
+from stagewise import LLM, SamplingParams
+model, master, port, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+prompts = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)]
+params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=port,
+         dist_timeout_s=timeout, pipeline_spares_delay_s=0) as llm:
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False)]
+    deadline = time.monotonic() + 120
+    while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    target = llm.engine.stats_.num_steps + 40
+    def announce():
+        while llm.engine.stats_.num_steps < target:
+            time.sleep(0.002)
+        print("decoding", flush=True)
+    threading.Thread(target=announce, daemon=True).start()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    print(json.dumps({"equal": [o.outputs[0].token_ids for o in outs] == ref,
+                      "reasons": [o.outputs[0].finish_reason for o in outs], "recovery": llm.stats()["recovery"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wave3(make_hosts, llama_dir, tmp_path_factory):
+    """Pipelines that heal across hosts."""
+    log_dir = tmp_path_factory.mktemp("multinode-wave3")
+    a, b = make_hosts()
+    worker = Node(b, stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0"), log_dir, "heal-node1")
+    driver = Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT), str(DIST_TIMEOUT_S)],
+                  log_dir, "heal-node0")
+    runs = {"heal": {"hosts": (a, b), "driver": driver, "worker": worker}}
+    try:
+        yield runs
+    finally:
+        stop_all(runs)
+
+
+def test_remote_stage_killed_under_load_is_respawned_and_no_request_is_lost(wave3):
+    run = wave3["heal"]
+    driver, worker = run["driver"], run["worker"]
+    driver.wait_for(lambda: "decoding" in driver.stdout(), what="the second run's decode")
+    (victim,) = worker.stage_pids("stagewise-st1")
+    os.kill(victim, signal.SIGKILL)
+    assert driver.wait(60) == 0, driver.stderr()[-3000:]
+    got = json.loads(driver.stdout().splitlines()[-1])
+    assert got["reasons"] == ["length"] * 6 and got["equal"], got
+    rec = got["recovery"]
+    assert sum(rec["rebuilds"].values()) == 1 and rec["recovered_requests"] == 6, rec   # all 6 were live
+    assert rec["last"]["why"].startswith("receiving from stage 1 (node 1)"), rec
+    # the same headless process served both pipelines: it respawned its stage, then stopped in order
+    assert "node 1 joins the driver's pipeline 2" in worker.stderr(), worker.stderr()[-3000:]
+    assert worker.wait(15) == 0, worker.stderr()[-3000:]
+    assert_hosts_empty(run["hosts"])

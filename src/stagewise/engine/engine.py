@@ -23,7 +23,7 @@ from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import make_executor
-from ..executor.launch import spares_ready, start_spares, stop_spares, torchrun_env
+from ..executor.launch import end_generations, spares_ready, start_spares, stop_spares, torchrun_env
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
@@ -80,9 +80,9 @@ class Engine:
         self.stats_ = EngineStats(self.policy, self._predicted_shares(config), clocks)
         self._ids = itertools.count()
         self.dead: str | None = None
-        # NOTE: only a pipeline whose stages this process spawns can be rebuilt (not torchrun, not
-        # several nodes: their stages are started elsewhere).
-        self.heals = config.pp_size > 1 and config.nnodes == 1 and torchrun_env() is None
+        # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
+        # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
+        self.heals = config.pp_size > 1 and torchrun_env() is None
         self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
         self.suspects = Suspects()
         self.scheduler.gate = self.suspects.may_admit
@@ -293,8 +293,10 @@ class Engine:
         teardown_s = time.monotonic() - t0
         while True:
             try:
-                # NOTE: a fresh port: the old group's store and links may linger a while
-                self.executor = make_executor(self.config.replace(master_port=None), self.model_dir,
+                # NOTE: one node: a fresh port (the old group's store and links may linger a while);
+                # several: the same store, a new generation in it (executor/launch.py)
+                port = None if self.config.nnodes == 1 else self.config.master_port
+                self.executor = make_executor(self.config.replace(master_port=port), self.model_dir,
                                               self.tok.eos_token_ids)
                 break
             except EngineDeadError as exc:
@@ -351,6 +353,8 @@ class Engine:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
+        if self.config.nnodes > 1:
+            end_generations()
         if self.heals:
             stop_spares()
 

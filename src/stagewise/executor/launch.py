@@ -5,11 +5,17 @@ stage s. Messages travel a ring: driver → stage 0 → … → last stage → d
 `nnodes` hosts stages [n*k, (n+1)*k) for k = pp_size / nnodes; node 0 also hosts the driver.
 Rank 0 serves the rendezvous store on --master-addr only; every rank waits for the others in
 short Python steps, so SIGINT/SIGTERM are handled while a node waits for its peers.
+
+Across nodes (not torchrun) the driver keeps that store for its whole life and numbers each
+pipeline it builds (a generation): every generation rendezvouses under its own key prefix, so a
+rebuilt pipeline never meets the old one's keys, and `run_headless` on the other nodes polls the
+number to start (and, after a failure, restart) its stages for the driver's current pipeline.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -25,8 +31,14 @@ import torch.distributed as dist
 from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from .netif import master_ip, use_interface
 
+log = logging.getLogger("stagewise.executor")
 DRIVER_RANK = 0
 RDZV_POLL_S = 0.1
+GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline
+STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
+HEADLESS_POLL_S = 0.25
+REAP_S = 1.0
+_control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
 _local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
 _spares: list = []             # [process, duplex pipe, warm]: started stage processes waiting for a stage to run
 
@@ -46,29 +58,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> None:
+def init_group(rank: int, world_size: int, addr: str, port: int, timeout_s: float,
+               generation: int | None = None) -> None:
+    """Join the process group; `generation` (multi-node only) is the driver's pipeline number."""
     env = torchrun_env()
     if env and env["world_size"] != world_size:
         raise ValueError(f"torchrun started {env['world_size']} processes but --pp-size {world_size - 1} needs "
                          f"{world_size} (one driver + one per stage); use --nproc-per-node {world_size}.")
     use_interface(addr)       # NOTE: before the group exists: gloo reads GLOO_SOCKET_IFNAME when it is built
-    store = rendezvous(rank, world_size, addr, port, timeout_s)
+    store = rendezvous(rank, world_size, addr, port, timeout_s, generation)
+    if generation is not None:      # NOTE: the group's own keys restart with each group: keep them apart
+        store = dist.PrefixStore(f"stagewise/g{generation}", store)
     # NOTE: gloo on CPU and for GPU host staging; proxies are small next to compute here.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: float) -> dist.Store:
-    """Join the store at addr:port (rank 0 serves it, unless torchrun's agent does) and wait
-    until every rank has joined, polling so the Python signal handlers keep running."""
+def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: float,
+               generation: int | None = None) -> dist.Store:
+    """Join the store at addr:port (rank 0 serves it, unless torchrun's agent does; with a
+    `generation`, the driver's lasting store) and wait until every rank has joined, polling so
+    the Python signal handlers keep running."""
     deadline = time.monotonic() + timeout_s
-    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        store = dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                              master_listen_fd=_listen(addr, port))
+    if rank == 0 and generation is not None:
+        store = _control[(addr, port)]
+    elif rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = _serve_store(addr, port, world_size, timeout_s)
     else:
-        _await_store(addr, port, deadline, timeout_s)
-        store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
-    keys = [f"stagewise/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank{r}" for r in range(world_size)]
+        store = _join_store(addr, port, world_size, deadline, timeout_s)
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" + (f".{generation}" if generation else "")
+    keys = [f"stagewise/{attempt}/rank{r}" for r in range(world_size)]
     if store.add(keys[rank], 1) > 1:
         raise ValueError(f"Two processes joined the pipeline at {addr}:{port} as rank {rank}; "
                          f"give every node its own --node-rank.")
@@ -77,6 +96,33 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
             raise TimeoutError(_missing_ranks(store, keys, addr, port, timeout_s))
         time.sleep(RDZV_POLL_S)
     return store
+
+
+def _serve_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=_listen(addr, port))
+
+
+def _join_store(addr: str, port: int, world_size: int, deadline: float, timeout_s: float) -> dist.TCPStore:
+    _await_store(addr, port, deadline, timeout_s)
+    return dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
+
+
+def next_generation(addr: str, port: int, world_size: int, timeout_s: float) -> int:
+    """The driver starts a pipeline across nodes: its number, published in the store it serves
+    on addr:port (made at the first call, kept for the life of this process)."""
+    if (addr, port) not in _control:
+        _control[(addr, port)] = _serve_store(addr, port, world_size, timeout_s)
+    return int(_control[(addr, port)].add(GENERATION_KEY, 1))
+
+
+def end_generations() -> None:
+    """The driver builds no more pipelines: the headless nodes may exit."""
+    for store in _control.values():
+        try:
+            store.set(STOPPED_KEY, "1")
+        except Exception:  # noqa: BLE001  (the store is this process's own; nothing to report)
+            pass
 
 
 def _missing_ranks(store: dist.Store, keys: list[str], addr: str, port: int, timeout_s: float) -> str:
@@ -159,20 +205,16 @@ def torchrun_env() -> dict | None:
 
 
 def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
-                 models: dict | None = None, startup_timeout_s: float = 300.0) -> list:
+                 models: dict | None = None, startup_timeout_s: float = 300.0, generation: int | None = None) -> list:
     """Start this node's stage processes and wait until each has started running stage code,
     so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
-    # NOTE: children inherit os.environ, and read it before their OpenMP starts; a value the user set wins.
-    wait = spawn_env_defaults()
-    threads, why = thread_choice(config)
-    log_once(f"CPU threads: {threads} per stage process ({why}); OpenMP wait in stages: {wait}")
-    use_interface(addr, config.dist_ifname)     # children inherit the choice
+    prepare_stage_env(config, addr)
     from .stage_proc import stage_main
     ctx = mp.get_context("spawn")
     procs: list = []
     readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
     for s in local_stages(config.pp_size, config.nnodes, node_rank):
-        args = (config, model_dir, s, addr, port, eos_token_ids, True, models)
+        args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation)
         spare = _take_spare()
         if spare is not None:                 # a warm process: it runs the stage at once
             p, reader = spare
@@ -203,6 +245,15 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     if pending:
         raise RuntimeError(f"stage processes did not start within {startup_timeout_s:.0f} s.")
     return procs
+
+
+def prepare_stage_env(config, addr: str) -> None:
+    """The environment stage processes start with (they inherit it; a value the user set wins)."""
+    # NOTE: children read it before their OpenMP starts.
+    wait = spawn_env_defaults()
+    threads, why = thread_choice(config)
+    log_once(f"CPU threads: {threads} per stage process ({why}); OpenMP wait in stages: {wait}")
+    use_interface(addr, config.dist_ifname)
 
 
 def start_spares(count: int, model_dir: str) -> None:
@@ -253,11 +304,73 @@ def stop_spares() -> None:
 
 
 def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
-    """A non-driver node: run this node's stages until the driver shuts them down."""
-    procs = spawn_stages(config, model_dir, config.node_rank, config.master_addr, config.master_port, eos_token_ids)
+    """A non-driver node: run this node's stages in each pipeline the driver builds, until it
+    stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
+    When this node's stages fail, or the driver starts a new pipeline, the old stages are
+    killed and new ones join the new pipeline. The first stage processes start (import) at once,
+    while the driver may still be starting."""
+    addr, port, k = config.master_addr, config.master_port, config.stages_per_node
+    heals = config.max_pipeline_restarts > 0
+    prepare_stage_env(config, addr)
+    start_spares(k, model_dir)
+    wait_s = max(config.dist_timeout_s, 300.0)
     try:
-        for p in procs:
-            p.join()
+        store = _join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s)
+        last, code = 0, 1
+        while (generation := _await_generation(store, last)) is not None:
+            last = generation
+            if generation > 1:
+                log.warning("node %d joins the driver's pipeline %d", config.node_rank, generation)
+            procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
+                                 generation=generation)
+            spares_at = None
+            if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
+                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
+            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            if code == 0 or not heals:
+                return code
+        return code
+    except TimeoutError as exc:      # the driver never appeared
+        log.error("%s", exc)
+        return 1
     finally:             # a signal (SystemExit / KeyboardInterrupt) must not leave stages behind
         kill_local_stages()
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def _await_generation(store: dist.Store, last: int) -> int | None:
+    """The driver's next pipeline after `last`, or None once it builds no more (or is gone)."""
+    while True:
+        try:
+            if store.check([STOPPED_KEY]):
+                return None
+            generation = int(store.add(GENERATION_KEY, 0))
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            return None
+        if generation > last:
+            return generation
+        time.sleep(HEADLESS_POLL_S)
+
+
+def _watch_stages(procs: list, store: dist.Store, generation: int, spares_at: float | None, start) -> int:
+    """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
+    pipeline or stops (1), or is gone; `start` (spares) runs once at `spares_at`."""
+    while True:
+        if all(not p.is_alive() for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.join(REAP_S)
+            return 0 if all(p.exitcode == 0 for p in procs) else 1
+        try:
+            newer = store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            newer = True
+        if newer:
+            for p in procs:       # stopped in order just before? then the exit code says so
+                p.join(REAP_S)
+            return 0 if all(p.exitcode == 0 for p in procs) else 1
+        if spares_at is not None and time.monotonic() >= spares_at:
+            start()
+            spares_at = None
+        time.sleep(HEADLESS_POLL_S)

@@ -19,7 +19,16 @@ from multiprocessing.connection import wait as wait_sentinels
 from ..errors import EngineDeadError, describe_exit
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
-from .launch import DRIVER_RANK, destroy_group, free_port, init_group, spawn_stages, stage_rank, torchrun_env
+from .launch import (
+    DRIVER_RANK,
+    destroy_group,
+    free_port,
+    init_group,
+    next_generation,
+    spawn_stages,
+    stage_rank,
+    torchrun_env,
+)
 
 log = logging.getLogger("stagewise.executor")
 MONITOR_GRACE_S = 2.0
@@ -45,10 +54,15 @@ class MultiprocExecutor:
         env = torchrun_env()
         addr = env["addr"] if env else config.master_addr
         port = env["port"] if env else (config.master_port or free_port())
+        wait_s = max(self.timeout, 300.0)
         try:
+            # NOTE: across nodes every pipeline is a new generation of the same store (launch.py)
+            self.generation = next_generation(addr, port, config.pp_size + 1, wait_s) \
+                if config.nnodes > 1 and not env else None
             if not env:
-                self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models)
-            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, max(self.timeout, 300.0))
+                self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models,
+                                          generation=self.generation)
+            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, self.generation)
             self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()

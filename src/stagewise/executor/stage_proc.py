@@ -26,9 +26,10 @@ CRASH_HOOK_ENV = "STAGEWISE_TEST_CRASH_TOKEN"
 
 
 def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
-               models: dict | None = None, started=None) -> None:
+               models: dict | None = None, generation: int | None = None, started=None) -> None:
     """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
-    `models` re-registers the driver's model table (user-registered architectures)."""
+    `models` re-registers the driver's model table (user-registered architectures); `generation`
+    is the driver's pipeline number across nodes (executor/launch.py)."""
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
@@ -45,7 +46,8 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     code = 0
     try:
         # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
-        init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, max(config.dist_timeout_s, 300.0))
+        init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, max(config.dist_timeout_s, 300.0),
+                   generation)
         _serve(config, model_dir, stage_idx, eos_ids)
     except Exception as exc:  # noqa: BLE001 (a peer died or timed out: exit and let the cascade reach the driver)
         log.error("stage %d stopped: %s", stage_idx, exc)
@@ -75,9 +77,9 @@ def standby_main(conn, model_dir: str) -> None:
         args = conn.recv()
     except (EOFError, OSError):
         exit_now(0)
-    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models = args
+    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation = args
     # NOTE: the same pipe says when the stage runs (`started`)
-    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, started=conn)
+    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, started=conn)
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
