@@ -153,6 +153,9 @@ class EngineConfig:
                                       "dies, hangs or loses its link (live requests are recomputed); more fail every "
                                       "request as before; 0: never rebuild")
     pipeline_restart_window_s: float = flag(600.0, "the sliding window --max-pipeline-restarts counts in")
+    node_rejoin_timeout_s: float = flag(60.0, "after a failure, seconds a rebuild waits for a remote node to rejoin; "
+                                        "then its stages move to node 0 if its memory holds them (else the "
+                                        "engine fails); the node gets them back at a later rebuild")
     pipeline_spares: bool = flag(True, "keep one started, idle process per local stage ready to replace a failed "
                                  "one (rebuilds skip seconds of process start-up; ~300 MB of memory each)")
     pipeline_spares_delay_s: float = flag(30.0, "start the spare stage processes this long after the pipeline is "
@@ -215,6 +218,8 @@ class EngineConfig:
         if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:
             raise ValueError(f"max_pipeline_restarts must be a non-negative integer, "
                              f"got {self.max_pipeline_restarts!r}.")
+        if not self.node_rejoin_timeout_s > 0:
+            raise ValueError(f"node_rejoin_timeout_s must be positive, got {self.node_rejoin_timeout_s!r}.")
         if not self.pipeline_restart_window_s > 0:
             raise ValueError(f"pipeline_restart_window_s must be positive, got {self.pipeline_restart_window_s!r}.")
         if self.nnodes > 1 and self.master_port is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -336,62 +337,118 @@ def test_rendezvous_errors_are_one_sentence():
     del store
 
 
-# The driver of the healing scenario: an offline LLM on node 0 that generates PROMPTS twice: the
-# fault-free reference, then (once its spares are warm) the run the test kills node 1's stage in,
-# announced by "decoding" once the second run is well under way.
+# The driver of the healing scenarios: an offline LLM on node 0 that generates PROMPTS once as the
+# fault-free reference, then once per later phase, each when the test creates the file named after
+# it in the gate folder ("end": stop); "decoding N" says that run N is well under way (the test's
+# moment to kill).
 HEAL_DRIVER = """
-import json, sys, threading, time
+import json, os, sys, threading, time
 from stagewise import LLM, SamplingParams
-model, master, port, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+model, master, port, timeout, rejoin_s, gate = sys.argv[1:7]
 prompts = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)]
-params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=port,
-         dist_timeout_s=timeout, pipeline_spares_delay_s=0) as llm:
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                         use_tqdm=False)]
-    deadline = time.monotonic() + 120
-    while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    target = llm.engine.stats_.num_steps + 40
+params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+
+def run(llm, phase):
+    while not os.path.exists(os.path.join(gate, str(phase))):
+        time.sleep(0.05)
+    target = llm.engine.stats_.num_steps + 20
     def announce():
         while llm.engine.stats_.num_steps < target:
             time.sleep(0.002)
-        print("decoding", flush=True)
+        print("decoding", phase, flush=True)
     threading.Thread(target=announce, daemon=True).start()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    print(json.dumps({"equal": [o.outputs[0].token_ids for o in outs] == ref,
-                      "reasons": [o.outputs[0].finish_reason for o in outs], "recovery": llm.stats()["recovery"]}))
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs]
+
+with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=int(port),
+         dist_timeout_s=float(timeout), node_rejoin_timeout_s=float(rejoin_s), pipeline_spares_delay_s=0) as llm:
+    ref, _ = run(llm, 0)
+    deadline = time.monotonic() + 120
+    while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(json.dumps({"phase": 0}), flush=True)
+    for phase in (1, 2, 3):
+        ids, reasons = run(llm, phase)
+        print(json.dumps({"phase": phase, "equal": ids == ref, "reasons": reasons,
+                          "recovery": llm.stats()["recovery"]}), flush=True)
+    while not os.path.exists(os.path.join(gate, "end")):
+        time.sleep(0.05)
 """
+REJOIN_S = 3
 
 
 @pytest.fixture(scope="module")
-def wave3(make_hosts, llama_dir, tmp_path_factory):
-    """Pipelines that heal across hosts."""
-    log_dir = tmp_path_factory.mktemp("multinode-wave3")
+def heal(make_hosts, llama_dir, tmp_path_factory):
+    """A pipeline over two hosts that heals; the tests below run in order, one phase each."""
+    log_dir = tmp_path_factory.mktemp("multinode-heal")
+    gate = log_dir / "gate"
+    gate.mkdir()
+    (gate / "0").touch()
     a, b = make_hosts()
-    worker = Node(b, stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0"), log_dir, "heal-node1")
-    driver = Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT), str(DIST_TIMEOUT_S)],
-                  log_dir, "heal-node0")
-    runs = {"heal": {"hosts": (a, b), "driver": driver, "worker": worker}}
+    worker_args = stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0")
+    run = {"hosts": (a, b), "gate": gate, "log_dir": log_dir, "worker_args": worker_args,
+           "worker": Node(b, worker_args, log_dir, "heal-node1"),
+           "driver": Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
+                              str(DIST_TIMEOUT_S), str(REJOIN_S), str(gate)], log_dir, "heal-node0")}
     try:
-        yield runs
+        run["driver"].wait_for(lambda: '{"phase": 0}' in run["driver"].stdout(), what="the reference run")
+        yield run
     finally:
-        stop_all(runs)
+        stop_all({"heal": run})
 
 
-def test_remote_stage_killed_under_load_is_respawned_and_no_request_is_lost(wave3):
-    run = wave3["heal"]
-    driver, worker = run["driver"], run["worker"]
-    driver.wait_for(lambda: "decoding" in driver.stdout(), what="the second run's decode")
+def _phase(run: dict, phase: int, kill) -> dict:
+    """Start run `phase`, call `kill` once it decodes, and return the driver's report of it."""
+    driver = run["driver"]
+    (run["gate"] / str(phase)).touch()
+    driver.wait_for(lambda: f"decoding {phase}" in driver.stdout(), what=f"run {phase}'s decode")
+    kill()
+    mark = f'{{"phase": {phase},'
+    driver.wait_for(lambda: mark in driver.stdout(), what=f"the end of run {phase}", timeout=60)
+    got = json.loads(next(line for line in driver.stdout().splitlines() if line.startswith(mark)))
+    assert got["reasons"] == ["length"] * 6 and got["equal"], got     # greedy: token for token the reference
+    assert sum(got["recovery"]["rebuilds"].values()) == phase, got
+    assert got["recovery"]["last"]["live_requests"] == 6, got          # all were in flight
+    return got
+
+
+def test_remote_stage_killed_under_load_is_respawned_and_no_request_is_lost(heal):
+    worker = heal["worker"]
     (victim,) = worker.stage_pids("stagewise-st1")
-    os.kill(victim, signal.SIGKILL)
-    assert driver.wait(60) == 0, driver.stderr()[-3000:]
-    got = json.loads(driver.stdout().splitlines()[-1])
-    assert got["reasons"] == ["length"] * 6 and got["equal"], got
-    rec = got["recovery"]
-    assert sum(rec["rebuilds"].values()) == 1 and rec["recovered_requests"] == 6, rec   # all 6 were live
-    assert rec["last"]["why"].startswith("receiving from stage 1 (node 1)"), rec
-    # the same headless process served both pipelines: it respawned its stage, then stopped in order
-    assert "node 1 joins the driver's pipeline 2" in worker.stderr(), worker.stderr()[-3000:]
+    got = _phase(heal, 1, lambda: os.kill(victim, signal.SIGKILL))
+    assert got["recovery"]["last"]["why"].startswith("receiving from stage 1 (node 1)"), got
+    # the same headless process respawned its stage into the driver's next pipeline
+    assert worker.proc.poll() is None
+    assert "node 1 joins the driver's pipeline 2 with stage(s) 1" in worker.stderr(), worker.stderr()[-3000:]
+    assert worker.stage_pids("stagewise-st1") not in ([], [victim])
+
+
+def test_node_gone_for_good_is_repartitioned_onto_node0_after_the_grace_period(heal):
+    a, b = heal["hosts"]
+
+    def kill_node1():
+        for pid in b.pids():
+            os.kill(pid, signal.SIGKILL)
+    got = _phase(heal, 2, kill_node1)
+    assert got["recovery"]["last"]["total_s"] >= REJOIN_S, got
+    assert (f"node 1 did not rejoin within {REJOIN_S} s; the pipeline runs on the nodes left: "
+            f"node 0: stage(s) 0, 1 (layers 0-3)") in heal["driver"].stderr(), heal["driver"].stderr()[-3000:]
+    assert len(heal["driver"].stage_pids("stagewise-st1")) == 1 and not b.pids()
+
+
+def test_node_started_again_joins_at_the_next_rebuild(heal):
+    """Node 1, started again with the same command, waits; the next rebuild (here: stage 1,
+    now on node 0, killed) gives it its stage back."""
+    a, b = heal["hosts"]
+    driver = heal["driver"]
+    worker = heal["worker"] = Node(b, heal["worker_args"], heal["log_dir"], "heal-node1-again")
+    worker.wait_for(lambda: "joins the next one" in worker.stderr(), what="node 1 waiting to join")
+    (victim,) = driver.stage_pids("stagewise-st1")
+    _phase(heal, 3, lambda: os.kill(victim, signal.SIGKILL))
+    assert re.search(r"node 1 joins the driver's pipeline \d+ with stage\(s\) 1", worker.stderr()), \
+        worker.stderr()[-3000:]
+    assert not driver.stage_pids("stagewise-st1") and len(worker.stage_pids("stagewise-st1")) == 1
+    (heal["gate"] / "end").touch()
+    assert driver.wait(30) == 0, driver.stderr()[-3000:]
     assert worker.wait(15) == 0, worker.stderr()[-3000:]
-    assert_hosts_empty(run["hosts"])
+    assert_hosts_empty(heal["hosts"])

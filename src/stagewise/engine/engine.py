@@ -2,8 +2,9 @@
 schedule → submit (up to `depth` plans in flight) → collect the oldest → apply. Request state
 changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
-A pipeline (pp_size > 1 on one node) heals: when a stage process dies, hangs or loses a link,
-`step` tears the pipeline down, starts it again (new processes, a new process group) and
+A pipeline (pp_size > 1, not torchrun) heals: when a stage process dies, hangs or loses a link,
+`step` tears the pipeline down, starts it again (new processes, a new process group; across
+nodes, the remote nodes rejoin, or their stages move to node 0: engine/placement.py) and
 recomputes every live request from its tokens, as preemption does (engine/recovery.py has the
 restart budget and the poison-plan rule). `recovering` says why while that is under way.
 
@@ -23,17 +24,29 @@ from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import make_executor
-from ..executor.launch import end_generations, spares_ready, start_spares, stop_spares, torchrun_env
+from ..executor.launch import (
+    await_nodes,
+    default_layout,
+    end_generations,
+    next_generation,
+    spares_ready,
+    stages_of,
+    start_spares,
+    stop_spares,
+    torchrun_env,
+)
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from ..runtime.memory import format_memory_table
 from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, with_resolved_partition
+from ..runtime.threads import usable_cpus
 from .balance import DecodeBalancer
 from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, make_output
+from .placement import available_bytes, fit_problem, layout_line, place_stages
 from .profile import fitted_chunker
 from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
 from .scheduler import Scheduler
@@ -293,13 +306,11 @@ class Engine:
         teardown_s = time.monotonic() - t0
         while True:
             try:
-                # NOTE: one node: a fresh port (the old group's store and links may linger a while);
-                # several: the same store, a new generation in it (executor/launch.py)
-                port = None if self.config.nnodes == 1 else self.config.master_port
-                self.executor = make_executor(self.config.replace(master_port=port), self.model_dir,
-                                              self.tok.eos_token_ids)
+                self.executor = self._new_executor()
                 break
             except EngineDeadError as exc:
+                if self.dead:             # no room for a lost node's stages (_check_fits)
+                    raise
                 if not self.restarts.take():
                     self.recovery.recovering = None
                     self._die(self.restarts.refusal(str(exc)))
@@ -317,6 +328,38 @@ class Engine:
         log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, start %.1f s, weights %.1f s); recomputing "
                     "%d request(s)", time.monotonic() - t0, teardown_s, startup.get("spawn_s", 0.0),
                     startup.get("load_s", 0.0), requeued)
+
+    def _new_executor(self):
+        """A new pipeline. One node: on a fresh port (the old group's store and links may linger a
+        while). Several: a new generation in the same store (executor/launch.py), on the nodes that
+        are ready for it within --node-rejoin-timeout-s; the stages of the others run on node 0."""
+        c = self.config
+        if c.nnodes == 1:
+            return make_executor(c.replace(master_port=None), self.model_dir, self.tok.eos_token_ids)
+        addr, port = c.master_addr, c.master_port
+        generation = next_generation(addr, port, c.pp_size + 1, max(c.dist_timeout_s, 300.0))
+        present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
+        placement = place_stages(default_layout(c.pp_size, c.nnodes), present)
+        if placement.moved:
+            self._check_fits(placement)
+            log.warning("node %s did not rejoin within %.0f s; the pipeline runs on the nodes left: %s",
+                        ", ".join(map(str, placement.gone)), c.node_rejoin_timeout_s,
+                        layout_line(placement.layout, tuple(c.pp_layer_partition)))
+            local = len(stages_of(placement.layout, 0))
+            c = c.replace(threads_per_stage=c.threads_per_stage or max(1, usable_cpus().cpus // local))
+        return make_executor(c, self.model_dir, self.tok.eos_token_ids, generation=generation,
+                             layout=placement.layout)
+
+    def _check_fits(self, placement) -> None:
+        """Fail (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""
+        live = list(self.scheduler.requests.values())
+        blocks = sum(-(-r.num_tokens // self.config.block_size) for r in live) + 1
+        available = available_bytes() if self.config.resolved_device == "cpu" else None
+        why = fit_problem(placement, self.executor.memory_plans, blocks, len(live), available,
+                          self.config.node_rejoin_timeout_s)
+        if why is not None:
+            self.recovery.recovering = None
+            self._die(why)
 
     def _start_spares(self) -> None:
         self._spares_due = None

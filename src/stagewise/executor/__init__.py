@@ -21,9 +21,10 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_executor(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> Executor:
+def make_executor(config, model_dir: str, eos_token_ids: tuple[int, ...], **placement) -> Executor:
+    """`placement`: a multi-node pipeline's `generation` and `layout` (MultiprocExecutor)."""
     if config.pp_size == 1:
         from .local import LocalExecutor
         return LocalExecutor(config, model_dir, eos_token_ids)
     from .multiproc import MultiprocExecutor
-    return MultiprocExecutor(config, model_dir, eos_token_ids)
+    return MultiprocExecutor(config, model_dir, eos_token_ids, **placement)

@@ -8,13 +8,15 @@ short Python steps, so SIGINT/SIGTERM are handled while a node waits for its pee
 
 Across nodes (not torchrun) the driver keeps that store for its whole life and numbers each
 pipeline it builds (a generation): every generation rendezvouses under its own key prefix, so a
-rebuilt pipeline never meets the old one's keys, and `run_headless` on the other nodes polls the
-number to start (and, after a failure, restart) its stages for the driver's current pipeline.
+rebuilt pipeline never meets the old one's keys. `run_headless` on the other nodes polls the
+number; for each new generation a node says it is ready (its old stages are gone), then starts
+the stages the driver's layout for that generation gives it (node of each stage), if any.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -36,6 +38,8 @@ DRIVER_RANK = 0
 RDZV_POLL_S = 0.1
 GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline
 STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
+READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
+LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
 HEADLESS_POLL_S = 0.25
 REAP_S = 1.0
 _control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
@@ -47,9 +51,14 @@ def stage_rank(stage: int) -> int:
     return stage + 1
 
 
-def local_stages(pp_size: int, nnodes: int, node_rank: int) -> list[int]:
+def default_layout(pp_size: int, nnodes: int) -> tuple[int, ...]:
+    """The node of each stage as the command line gives it: k = pp_size / nnodes consecutive stages each."""
     k = pp_size // nnodes
-    return list(range(node_rank * k, (node_rank + 1) * k))
+    return tuple(s // k for s in range(pp_size))
+
+
+def stages_of(layout: tuple[int, ...], node_rank: int) -> list[int]:
+    return [s for s, node in enumerate(layout) if node == node_rank]
 
 
 def free_port() -> int:
@@ -110,10 +119,26 @@ def _join_store(addr: str, port: int, world_size: int, deadline: float, timeout_
 
 def next_generation(addr: str, port: int, world_size: int, timeout_s: float) -> int:
     """The driver starts a pipeline across nodes: its number, published in the store it serves
-    on addr:port (made at the first call, kept for the life of this process)."""
+    on addr:port (made at the first call, kept for the life of this process). The other nodes
+    stop their stages of older generations when they see it."""
     if (addr, port) not in _control:
         _control[(addr, port)] = _serve_store(addr, port, world_size, timeout_s)
     return int(_control[(addr, port)].add(GENERATION_KEY, 1))
+
+
+def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...]) -> None:
+    _control[(addr, port)].set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
+
+
+def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout_s: float) -> list[int]:
+    """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once)."""
+    store, deadline = _control[(addr, port)], time.monotonic() + timeout_s
+    keys = {n: READY_KEY.format(generation=generation, node=n) for n in nodes}
+    while True:
+        ready = [n for n, key in keys.items() if store.check([key])]
+        if len(ready) == len(nodes) or time.monotonic() > deadline:
+            return ready
+        time.sleep(RDZV_POLL_S)
 
 
 def end_generations() -> None:
@@ -205,15 +230,19 @@ def torchrun_env() -> dict | None:
 
 
 def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
-                 models: dict | None = None, startup_timeout_s: float = 300.0, generation: int | None = None) -> list:
-    """Start this node's stage processes and wait until each has started running stage code,
-    so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
+                 models: dict | None = None, startup_timeout_s: float = 300.0, generation: int | None = None,
+                 stages: list[int] | None = None) -> list:
+    """Start this node's stage processes (`stages`, default: the command line's layout) and wait
+    until each has started running stage code, so a process that dies while bootstrapping is
+    reported at once, not after a rendezvous timeout."""
     prepare_stage_env(config, addr)
     from .stage_proc import stage_main
     ctx = mp.get_context("spawn")
     procs: list = []
     readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
-    for s in local_stages(config.pp_size, config.nnodes, node_rank):
+    if stages is None:
+        stages = stages_of(default_layout(config.pp_size, config.nnodes), node_rank)
+    for s in stages:
         args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation)
         spare = _take_spare()
         if spare is not None:                 # a warm process: it runs the stage at once
@@ -319,10 +348,14 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation
+            stages = _join_generation(store, generation, config.node_rank)
+            if not stages:          # left out (gone too long) or superseded: wait for the next one
+                continue
             if generation > 1:
-                log.warning("node %d joins the driver's pipeline %d", config.node_rank, generation)
+                log.warning("node %d joins the driver's pipeline %d with stage(s) %s", config.node_rank, generation,
+                            ", ".join(map(str, stages)))
             procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
-                                 generation=generation)
+                                 generation=generation, stages=stages)
             spares_at = None
             if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
                 spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
@@ -351,6 +384,26 @@ def _await_generation(store: dist.Store, last: int) -> int | None:
             return None
         if generation > last:
             return generation
+        time.sleep(HEADLESS_POLL_S)
+
+
+def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]:
+    """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
+    (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
+    store.set(READY_KEY.format(generation=generation, node=node), "1")
+    key = LAYOUT_KEY.format(generation=generation)
+    while True:
+        try:
+            if store.check([key]):
+                stages = stages_of(tuple(json.loads(store.get(key))), node)
+                if not stages:
+                    log.warning("node %d is not in the driver's pipeline %d (it came too late); it joins the "
+                                "next one", node, generation)
+                return stages
+            if store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation:
+                return []
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            return []
         time.sleep(HEADLESS_POLL_S)
 
 

@@ -21,12 +21,15 @@ from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
 from .launch import (
     DRIVER_RANK,
+    default_layout,
     destroy_group,
     free_port,
     init_group,
     next_generation,
+    publish_layout,
     spawn_stages,
     stage_rank,
+    stages_of,
     torchrun_env,
 )
 
@@ -37,8 +40,13 @@ REAP_WAIT_S = 1.0             # a stage's pipe closed: time for its exit status 
 
 class MultiprocExecutor:
     cause: str | None = None              # once dead: stage_died, timeout, link or interrupted
-    def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
+    def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...], generation: int | None = None,
+                 layout: tuple[int, ...] | None = None):
+        """Across nodes, `generation` is the pipeline's number if the caller opened it already
+        (launch.next_generation), and `layout` the node of each stage (default: the command line's)."""
         self.config, self.timeout = config, config.dist_timeout_s
+        self.layout = layout or default_layout(config.pp_size, config.nnodes)
+        self.local_stages = stages_of(self.layout, 0)
         self.procs: list[mp.Process] = []
         self.lock = threading.Lock()          # one user of the links at a time
         self.pending: deque = deque()         # sends not yet known complete
@@ -57,11 +65,13 @@ class MultiprocExecutor:
         wait_s = max(self.timeout, 300.0)
         try:
             # NOTE: across nodes every pipeline is a new generation of the same store (launch.py)
-            self.generation = next_generation(addr, port, config.pp_size + 1, wait_s) \
-                if config.nnodes > 1 and not env else None
+            self.generation = None
+            if config.nnodes > 1 and not env:
+                self.generation = generation or next_generation(addr, port, config.pp_size + 1, wait_s)
+                publish_layout(addr, port, self.generation, self.layout)
             if not env:
                 self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models,
-                                          generation=self.generation)
+                                          generation=self.generation, stages=self.local_stages)
             init_group(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, self.generation)
             self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
@@ -126,7 +136,7 @@ class MultiprocExecutor:
         return msg
 
     def _where(self, stage: int) -> str:
-        return f"stage {stage} (node {stage // self.config.stages_per_node})"
+        return f"stage {stage} (node {self.layout[stage]})"
 
     def _link_failure(self, stage: int, doing: str, exc: Exception) -> str:
         """Why a link failed, naming the stage behind it and its node: a timeout, or a closed link.
@@ -145,7 +155,7 @@ class MultiprocExecutor:
     def _death_message(self, p) -> str:
         """Why a local stage process ended. Exit code 1 is a stage that stopped because a link to a
         neighbour failed: the cause is that neighbour (on another node, when there are several)."""
-        where = self._where(self.procs.index(p))
+        where = self._where(self.local_stages[self.procs.index(p)])
         if p.exitcode == 1:
             return (f"{where} stopped because its link to a neighbouring stage failed; a stage "
                     f"{'on another node ' if self.config.nnodes > 1 else ''}died or became unreachable{self._hint()}.")

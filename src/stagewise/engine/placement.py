@@ -1,0 +1,73 @@
+"""Where a multi-node pipeline's stages run after a rebuild, when a node has not come back.
+
+The layer partition (the stages) never changes; a node that missed the grace period
+(--node-rejoin-timeout-s) hands its stages to node 0, the driver's node, if node 0's memory
+holds them: the same per-stage memory plan the stages report at start-up (`stagewise plan`
+computes it too: weights, graph buffers, activations) plus KV blocks for every live request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Placement:
+    layout: tuple[int, ...]        # the node of each stage
+    moved: tuple[int, ...]         # stages that left their command-line node
+    gone: tuple[int, ...]          # nodes left out
+
+
+def place_stages(layout: tuple[int, ...], present: list[int]) -> Placement:
+    """`layout` (the command line's) with every stage of a node not in `present` on node 0."""
+    gone = tuple(sorted({n for n in layout if n != 0 and n not in present}))
+    moved = tuple(s for s, n in enumerate(layout) if n in gone)
+    return Placement(tuple(0 if n in gone else n for n in layout), moved, gone)
+
+
+def needed_bytes(plans: list, stages: tuple[int, ...], live_blocks: int) -> tuple[int, int]:
+    """(fixed, kv) bytes `stages` need: weights, graphs and activations; KV for `live_blocks` blocks."""
+    fixed = sum(plans[s].weights_bytes + plans[s].graph_buffer_bytes + plans[s].graph_pool_bytes
+                + plans[s].activation_bytes for s in stages)
+    return fixed, sum(plans[s].block_bytes for s in stages) * live_blocks
+
+
+def fit_problem(placement: Placement, plans: list, live_blocks: int, num_live: int, available: int | None,
+                rejoin_timeout_s: float) -> str | None:
+    """One sentence saying what is missing when node 0 cannot take the moved stages; None if it can
+    (or `available` is unknown: the stages' own memory plan is the check then)."""
+    fixed, kv = needed_bytes(plans, placement.moved, live_blocks)
+    if available is None or fixed + kv <= available:
+        return None
+    nodes = ", ".join(map(str, placement.gone))
+    return (f"Node {nodes} did not rejoin within {rejoin_timeout_s:.0f} s and node 0 cannot take over its stage(s) "
+            f"{', '.join(map(str, placement.moved))}: they need {(fixed + kv) / GIB:.2f} GiB (weights, graphs and "
+            f"activations {fixed / GIB:.2f} GiB, KV for the {num_live} live request(s) {kv / GIB:.2f} GiB) but node 0 "
+            f"has {available / GIB:.2f} GiB available; start node {nodes} again with the same command.")
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of this host (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def layout_line(layout: tuple[int, ...], partition: tuple[int, ...]) -> str:
+    """e.g. "node 0: stages 0-1 (layers 0-7)" per node."""
+    parts, start = [], 0
+    bounds = []
+    for count in partition:
+        bounds.append((start, start + count))
+        start += count
+    for node in sorted(set(layout)):
+        stages = [s for s, n in enumerate(layout) if n == node]
+        first, last = bounds[stages[0]][0], bounds[stages[-1]][1] - 1
+        parts.append(f"node {node}: stage(s) {', '.join(map(str, stages))} (layers {first}-{last})")
+    return "; ".join(parts)
