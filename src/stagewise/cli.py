@@ -108,7 +108,8 @@ def _worker_role(config: EngineConfig) -> int | None:
     """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver.
     Every pipeline node first picks the network interface it talks on (errors here are the user's to fix)."""
     from .checkpoint import eos_token_ids_of, load_hf_config
-    from .executor.launch import run_headless, torchrun_env
+    from .executor.generations import run_headless
+    from .executor.launch import torchrun_env
     from .executor.netif import use_interface
     from .executor.watchdog import exit_now
     from .executor.watchdog import install as install_stop_watchdog

@@ -23,18 +23,10 @@ from typing import Iterator, NoReturn
 from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
-from ..executor import make_executor
-from ..executor.launch import (
-    await_nodes,
-    default_layout,
-    end_generations,
-    next_generation,
-    spares_ready,
-    stages_of,
-    start_spares,
-    stop_spares,
-    torchrun_env,
-)
+from ..executor import Executor, make_executor
+from ..executor.generations import await_nodes, end_generations, next_generation, ready_nodes
+from ..executor.launch import default_layout, spares_ready, stages_of, start_spares, stop_spares, torchrun_env
+from ..executor.multiproc import MultiprocExecutor
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
@@ -55,6 +47,8 @@ from .stats import EngineStats
 from .structured import StructuredOutputManager, XGrammarBackend, check_structured
 
 log = logging.getLogger("stagewise.engine")
+NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
+NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
 
 
 class Engine:
@@ -101,6 +95,8 @@ class Engine:
         self.scheduler.gate = self.suspects.may_admit
         self.recovery = RecoveryStats()
         self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
+        self._node_check_at = 0.0
+        self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
 
     # requests (any thread)
@@ -132,6 +128,7 @@ class Engine:
         here too: an idle engine never calls the executor, but the executor's monitor flags it;
         a pipeline that can be rebuilt starts `recovering` instead (the next `step` rebuilds it)."""
         self._start_spares_when_due()
+        self._welcome_returned_nodes()
         if not self.dead and not self.recovering and self.executor.dead:
             try:
                 self._lost(self.executor.dead)
@@ -155,6 +152,7 @@ class Engine:
         if self.recovering:
             self._rebuild()
         self._start_spares_when_due()
+        self._welcome_returned_nodes()
         outputs = self._drain_inbox() + self._admit_compiled()
         while len(self.inflight) < self.config.depth:
             plan = self.scheduler.schedule()
@@ -280,22 +278,25 @@ class Engine:
         """The pipeline failed: fail everything (`_die`) unless it can be rebuilt; else fail the
         poisoned requests alone, stop the stages and mark the engine recovering (the next `step`
         rebuilds). Returns the outputs of the requests that failed."""
+        cause = getattr(self.executor, "cause", None) or "unknown"
+        planned = cause == NODE_RETURNED           # not a failure: no restart used, no suspects
         if not self.heals or self.config.max_pipeline_restarts == 0:
             self._die(why)
-        if not self.restarts.take():
+        if not planned and not self.restarts.take():
             self._die(self.restarts.refusal(why))
         unfinished = self.scheduler.requests
         in_flight = [unfinished[rid] for rid in dict.fromkeys(s.request_id for p in self.inflight for s in p.seqs)
-                     if rid in unfinished]
+                     if rid in unfinished and not planned]
         poisoned = []
         for rid, strikes in self.suspects.crash(in_flight).items():
             poisoned += self.scheduler.fail([rid], poison_message(strikes))
         self.inflight.clear()
         self.stats_.pipeline_drained()
         live = len(self.scheduler.requests)
-        self.recovery.lost(getattr(self.executor, "cause", None) or "unknown", why, live, len(poisoned))
-        log.error("pipeline failed: %s Rebuilding it; %d live request(s) will be recomputed%s.", why, live,
-                  f", {len(poisoned)} that crashed it again fails" if poisoned else "")
+        self.recovery.lost(cause, why, live, len(poisoned))
+        log.log(logging.WARNING if planned else logging.ERROR, "pipeline %s: %s Rebuilding it; %d live request(s) "
+                "will be recomputed%s.", "stopped" if planned else "failed", why, live,
+                f", {len(poisoned)} that crashed it again fails" if poisoned else "")
         return self._outputs(poisoned)
 
     def _rebuild(self) -> None:
@@ -323,32 +324,50 @@ class Engine:
         self.suspects.regroup([*self.scheduler.running, *self.scheduler.waiting])
         requeued = self.scheduler.restart(blocks)
         self.stats_.pipeline_rebuilt()
-        startup = getattr(self.executor, "startup", {})
+        startup = {**getattr(self.executor, "startup", {}), "rejoin_s": self._rejoin_s}
         self.recovery.rebuilt(teardown_s, startup, requeued)
-        log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, start %.1f s, weights %.1f s); recomputing "
-                    "%d request(s)", time.monotonic() - t0, teardown_s, startup.get("spawn_s", 0.0),
-                    startup.get("load_s", 0.0), requeued)
+        log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, %sstart %.1f s, weights %.1f s); recomputing "
+                    "%d request(s)", time.monotonic() - t0, teardown_s,
+                    f"waiting for nodes {self._rejoin_s:.1f} s, " if self.config.nnodes > 1 else "",
+                    startup.get("spawn_s", 0.0), startup.get("load_s", 0.0), requeued)
 
-    def _new_executor(self):
+    def _new_executor(self) -> Executor:
         """A new pipeline. One node: on a fresh port (the old group's store and links may linger a
-        while). Several: a new generation in the same store (executor/launch.py), on the nodes that
+        while). Several: a new generation in the same store (executor/generations.py), on the nodes that
         are ready for it within --node-rejoin-timeout-s; the stages of the others run on node 0."""
         c = self.config
         if c.nnodes == 1:
             return make_executor(c.replace(master_port=None), self.model_dir, self.tok.eos_token_ids)
         addr, port = c.master_addr, c.master_port
+        assert port is not None and isinstance(c.pp_layer_partition, tuple), "validated, resolved in __init__"
         generation = next_generation(addr, port, c.pp_size + 1, max(c.dist_timeout_s, 300.0))
+        t0 = time.monotonic()
         present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
+        self._rejoin_s = time.monotonic() - t0
         placement = place_stages(default_layout(c.pp_size, c.nnodes), present)
         if placement.moved:
             self._check_fits(placement)
             log.warning("node %s did not rejoin within %.0f s; the pipeline runs on the nodes left: %s",
                         ", ".join(map(str, placement.gone)), c.node_rejoin_timeout_s,
-                        layout_line(placement.layout, tuple(c.pp_layer_partition)))
+                        layout_line(placement.layout, c.pp_layer_partition))
             local = len(stages_of(placement.layout, 0))
             c = c.replace(threads_per_stage=c.threads_per_stage or max(1, usable_cpus().cpus // local))
         return make_executor(c, self.model_dir, self.tok.eos_token_ids, generation=generation,
                              layout=placement.layout)
+
+    def _welcome_returned_nodes(self) -> None:
+        """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time)
+        that is ready again stops the pipeline, and the rebuild gives it its stages back."""
+        ex, c = self.executor, self.config
+        generation = getattr(ex, "generation", None)
+        if not isinstance(ex, MultiprocExecutor) or generation is None or not self.heals or self.recovering \
+                or ex.dead or time.monotonic() < self._node_check_at:
+            return
+        self._node_check_at = time.monotonic() + NODE_CHECK_S
+        left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout))
+        back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out and c.master_port else []
+        if back:
+            ex.stop(f"node {', '.join(map(str, back))} is back.", NODE_RETURNED)
 
     def _check_fits(self, placement) -> None:
         """Fail (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""

@@ -6,18 +6,13 @@ stage s. Messages travel a ring: driver → stage 0 → … → last stage → d
 Rank 0 serves the rendezvous store on --master-addr only; every rank waits for the others in
 short Python steps, so SIGINT/SIGTERM are handled while a node waits for its peers.
 
-Across nodes (not torchrun) the driver keeps that store for its whole life and numbers each
-pipeline it builds (a generation): every generation rendezvouses under its own key prefix, so a
-rebuilt pipeline never meets the old one's keys. `run_headless` on the other nodes polls the
-number; for each new generation a node says it is ready (its old stages are gone), then starts
-the stages the driver's layout for that generation gives it (node of each stage), if any.
+Across nodes (not torchrun) each pipeline the driver builds is a generation of one lasting store
+(executor/generations.py) and rendezvouses under its own key prefix.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
-import logging
 import multiprocessing as mp
 import os
 import signal
@@ -33,16 +28,8 @@ import torch.distributed as dist
 from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from .netif import master_ip, use_interface
 
-log = logging.getLogger("stagewise.executor")
 DRIVER_RANK = 0
 RDZV_POLL_S = 0.1
-GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline
-STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
-READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
-LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
-HEADLESS_POLL_S = 0.25
-REAP_S = 1.0
-_control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
 _local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
 _spares: list = []             # [process, duplex pipe, warm]: started stage processes waiting for a stage to run
 
@@ -68,33 +55,34 @@ def free_port() -> int:
 
 
 def init_group(rank: int, world_size: int, addr: str, port: int, timeout_s: float,
-               generation: int | None = None) -> None:
-    """Join the process group; `generation` (multi-node only) is the driver's pipeline number."""
+               generation: int | None = None, store: dist.Store | None = None) -> None:
+    """Join the process group; `generation` (multi-node only) is the driver's pipeline number,
+    `store` the one the driver serves for all of them (rank 0 only)."""
     env = torchrun_env()
     if env and env["world_size"] != world_size:
         raise ValueError(f"torchrun started {env['world_size']} processes but --pp-size {world_size - 1} needs "
                          f"{world_size} (one driver + one per stage); use --nproc-per-node {world_size}.")
     use_interface(addr)       # NOTE: before the group exists: gloo reads GLOO_SOCKET_IFNAME when it is built
-    store = rendezvous(rank, world_size, addr, port, timeout_s, generation)
+    store = rendezvous(rank, world_size, addr, port, timeout_s, generation, store)
     if generation is not None:      # NOTE: the group's own keys restart with each group: keep them apart
-        store = dist.PrefixStore(f"stagewise/g{generation}", store)
+        store = dist.PrefixStore(f"stagewise/pg{generation}", store)
     # NOTE: gloo on CPU and for GPU host staging; proxies are small next to compute here.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
 
 def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: float,
-               generation: int | None = None) -> dist.Store:
-    """Join the store at addr:port (rank 0 serves it, unless torchrun's agent does; with a
-    `generation`, the driver's lasting store) and wait until every rank has joined, polling so
-    the Python signal handlers keep running."""
+               generation: int | None = None, store: dist.Store | None = None) -> dist.Store:
+    """Join the store at addr:port (rank 0 serves it, unless torchrun's agent does, or passes the
+    `store` it serves already) and wait until every rank has joined, polling so the Python signal
+    handlers keep running."""
     deadline = time.monotonic() + timeout_s
-    if rank == 0 and generation is not None:
-        store = _control[(addr, port)]
+    if store is not None:
+        pass
     elif rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        store = _serve_store(addr, port, world_size, timeout_s)
+        store = serve_store(addr, port, world_size, timeout_s)
     else:
-        store = _join_store(addr, port, world_size, deadline, timeout_s)
+        store = join_store(addr, port, world_size, deadline, timeout_s)
     attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" + (f".{generation}" if generation else "")
     keys = [f"stagewise/{attempt}/rank{r}" for r in range(world_size)]
     if store.add(keys[rank], 1) > 1:
@@ -107,47 +95,14 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     return store
 
 
-def _serve_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+def serve_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
                          master_listen_fd=_listen(addr, port))
 
 
-def _join_store(addr: str, port: int, world_size: int, deadline: float, timeout_s: float) -> dist.TCPStore:
+def join_store(addr: str, port: int, world_size: int, deadline: float, timeout_s: float) -> dist.TCPStore:
     _await_store(addr, port, deadline, timeout_s)
     return dist.TCPStore(addr, port, world_size, False, timedelta(seconds=timeout_s))
-
-
-def next_generation(addr: str, port: int, world_size: int, timeout_s: float) -> int:
-    """The driver starts a pipeline across nodes: its number, published in the store it serves
-    on addr:port (made at the first call, kept for the life of this process). The other nodes
-    stop their stages of older generations when they see it."""
-    if (addr, port) not in _control:
-        _control[(addr, port)] = _serve_store(addr, port, world_size, timeout_s)
-    return int(_control[(addr, port)].add(GENERATION_KEY, 1))
-
-
-def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...]) -> None:
-    _control[(addr, port)].set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
-
-
-def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout_s: float) -> list[int]:
-    """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once)."""
-    store, deadline = _control[(addr, port)], time.monotonic() + timeout_s
-    keys = {n: READY_KEY.format(generation=generation, node=n) for n in nodes}
-    while True:
-        ready = [n for n, key in keys.items() if store.check([key])]
-        if len(ready) == len(nodes) or time.monotonic() > deadline:
-            return ready
-        time.sleep(RDZV_POLL_S)
-
-
-def end_generations() -> None:
-    """The driver builds no more pipelines: the headless nodes may exit."""
-    for store in _control.values():
-        try:
-            store.set(STOPPED_KEY, "1")
-        except Exception:  # noqa: BLE001  (the store is this process's own; nothing to report)
-            pass
 
 
 def _missing_ranks(store: dist.Store, keys: list[str], addr: str, port: int, timeout_s: float) -> str:
@@ -330,100 +285,3 @@ def stop_spares() -> None:
         p.join(1.0)
         if p.is_alive():
             p.kill()
-
-
-def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
-    """A non-driver node: run this node's stages in each pipeline the driver builds, until it
-    stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
-    When this node's stages fail, or the driver starts a new pipeline, the old stages are
-    killed and new ones join the new pipeline. The first stage processes start (import) at once,
-    while the driver may still be starting."""
-    addr, port, k = config.master_addr, config.master_port, config.stages_per_node
-    heals = config.max_pipeline_restarts > 0
-    prepare_stage_env(config, addr)
-    start_spares(k, model_dir)
-    wait_s = max(config.dist_timeout_s, 300.0)
-    try:
-        store = _join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s)
-        last, code = 0, 1
-        while (generation := _await_generation(store, last)) is not None:
-            last = generation
-            stages = _join_generation(store, generation, config.node_rank)
-            if not stages:          # left out (gone too long) or superseded: wait for the next one
-                continue
-            if generation > 1:
-                log.warning("node %d joins the driver's pipeline %d with stage(s) %s", config.node_rank, generation,
-                            ", ".join(map(str, stages)))
-            procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
-                                 generation=generation, stages=stages)
-            spares_at = None
-            if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
-                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
-            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir))
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            if code == 0 or not heals:
-                return code
-        return code
-    except TimeoutError as exc:      # the driver never appeared
-        log.error("%s", exc)
-        return 1
-    finally:             # a signal (SystemExit / KeyboardInterrupt) must not leave stages behind
-        kill_local_stages()
-
-
-def _await_generation(store: dist.Store, last: int) -> int | None:
-    """The driver's next pipeline after `last`, or None once it builds no more (or is gone)."""
-    while True:
-        try:
-            if store.check([STOPPED_KEY]):
-                return None
-            generation = int(store.add(GENERATION_KEY, 0))
-        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-            return None
-        if generation > last:
-            return generation
-        time.sleep(HEADLESS_POLL_S)
-
-
-def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]:
-    """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
-    (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
-    store.set(READY_KEY.format(generation=generation, node=node), "1")
-    key = LAYOUT_KEY.format(generation=generation)
-    while True:
-        try:
-            if store.check([key]):
-                stages = stages_of(tuple(json.loads(store.get(key))), node)
-                if not stages:
-                    log.warning("node %d is not in the driver's pipeline %d (it came too late); it joins the "
-                                "next one", node, generation)
-                return stages
-            if store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation:
-                return []
-        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-            return []
-        time.sleep(HEADLESS_POLL_S)
-
-
-def _watch_stages(procs: list, store: dist.Store, generation: int, spares_at: float | None, start) -> int:
-    """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
-    pipeline or stops (1), or is gone; `start` (spares) runs once at `spares_at`."""
-    while True:
-        if all(not p.is_alive() for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.join(REAP_S)
-            return 0 if all(p.exitcode == 0 for p in procs) else 1
-        try:
-            newer = store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation
-        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-            newer = True
-        if newer:
-            for p in procs:       # stopped in order just before? then the exit code says so
-                p.join(REAP_S)
-            return 0 if all(p.exitcode == 0 for p in procs) else 1
-        if spares_at is not None and time.monotonic() >= spares_at:
-            start()
-            spares_at = None
-        time.sleep(HEADLESS_POLL_S)

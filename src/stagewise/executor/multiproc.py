@@ -5,7 +5,8 @@ group as rank 0, sends plans into the ring and receives results from the last st
 monitor thread watches the local stage processes and a heartbeat thread keeps idle links
 alive; any death, timeout or IO error is fatal to this executor: every stage is stopped and
 EngineDeadError carries the reason (`cause` says which kind). The engine then builds a new
-executor (fresh processes, a fresh group on a new port) or fails, engine/engine.py decides.
+executor (fresh processes, a fresh group: on a new port, or across nodes a new generation of the
+driver's store, executor/generations.py) or fails, engine/engine.py decides.
 """
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ from multiprocessing.connection import wait as wait_sentinels
 from ..errors import EngineDeadError, describe_exit
 from ..parallel.transport import Message, recv_message, send_message
 from ..plan import StepPlan, StepResult
+from .generations import control_store, next_generation, publish_layout
 from .launch import (
     DRIVER_RANK,
     default_layout,
     destroy_group,
     free_port,
     init_group,
-    next_generation,
-    publish_layout,
     spawn_stages,
     stage_rank,
     stages_of,
@@ -72,7 +72,8 @@ class MultiprocExecutor:
             if not env:
                 self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models,
                                           generation=self.generation, stages=self.local_stages)
-            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, self.generation)
+            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, self.generation,
+                       control_store(addr, port) if self.generation else None)
             self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
@@ -171,6 +172,12 @@ class MultiprocExecutor:
     def _check(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
+
+    def stop(self, why: str, cause: str) -> None:
+        """End this pipeline on purpose (the engine rebuilds it): its stages die as in a failure."""
+        self.dead, self.cause = self.dead or why, self.cause or cause
+        log.warning("stopping the pipeline: %s", why)
+        self._kill_all()
 
     def _fail(self, why: str):
         self.dead = self.dead or why

@@ -1,0 +1,164 @@
+"""A pipeline across nodes survives its failures: the driver numbers each pipeline it builds (a
+generation) in one store it serves on --master-port for its whole life, and the other nodes'
+`run_headless` follows the numbers. For each new generation a node stops its old stages, says it
+is ready, and starts the stages the driver's layout for that generation gives it (the node of
+each stage; none when the driver gave up waiting for this node: it joins the next generation).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch.distributed as dist
+
+from .launch import join_store, kill_local_stages, prepare_stage_env, serve_store, spawn_stages, stages_of, start_spares
+
+log = logging.getLogger("stagewise.executor")
+GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline
+STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
+READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
+LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
+HEADLESS_POLL_S = 0.25
+REAP_S = 1.0
+_control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
+
+
+def control_store(addr: str, port: int) -> dist.Store:
+    """The store the driver serves for its generations (after `next_generation`)."""
+    return _control[(addr, port)]
+
+
+def next_generation(addr: str, port: int, world_size: int, timeout_s: float) -> int:
+    """The driver starts a pipeline across nodes: its number, published in the store it serves
+    on addr:port (made at the first call, kept for the life of this process). The other nodes
+    stop their stages of older generations when they see it."""
+    if (addr, port) not in _control:
+        _control[(addr, port)] = serve_store(addr, port, world_size, timeout_s)
+    return int(_control[(addr, port)].add(GENERATION_KEY, 1))
+
+
+def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...]) -> None:
+    control_store(addr, port).set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
+
+
+def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout_s: float) -> list[int]:
+    """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = ready_nodes(addr, port, generation, nodes)
+        if len(ready) == len(nodes) or time.monotonic() > deadline:
+            return ready
+        time.sleep(HEADLESS_POLL_S)
+
+
+def ready_nodes(addr: str, port: int, generation: int, nodes: list[int]) -> list[int]:
+    """The nodes among `nodes` that said they are ready for `generation` (also too late for it)."""
+    store = control_store(addr, port)
+    return [n for n in nodes if store.check([READY_KEY.format(generation=generation, node=n)])]
+
+
+def end_generations() -> None:
+    """The driver builds no more pipelines: the headless nodes may exit."""
+    for store in _control.values():
+        try:
+            store.set(STOPPED_KEY, "1")
+        except Exception:  # noqa: BLE001  (the store is this process's own; nothing to report)
+            pass
+
+
+def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
+    """A non-driver node: run this node's stages in each pipeline the driver builds, until it
+    stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
+    When this node's stages fail, or the driver starts a new pipeline, the old stages are
+    killed and new ones join the new pipeline. The first stage processes start (import) at once,
+    while the driver may still be starting."""
+    addr, port, k = config.master_addr, config.master_port, config.stages_per_node
+    heals = config.max_pipeline_restarts > 0
+    prepare_stage_env(config, addr)
+    start_spares(k, model_dir)
+    wait_s = max(config.dist_timeout_s, 300.0)
+    try:
+        store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s)
+        last, code = 0, 1
+        while (generation := _await_generation(store, last)) is not None:
+            last = generation
+            stages = _join_generation(store, generation, config.node_rank)
+            if not stages:          # left out (gone too long) or superseded: wait for the next one
+                continue
+            if generation > 1:
+                log.warning("node %d joins the driver's pipeline %d with stage(s) %s", config.node_rank, generation,
+                            ", ".join(map(str, stages)))
+            procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
+                                 generation=generation, stages=stages)
+            spares_at = None
+            if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
+                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
+            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            if code == 0 or not heals:
+                return code
+        return code
+    except TimeoutError as exc:      # the driver never appeared
+        log.error("%s", exc)
+        return 1
+    finally:             # a signal (SystemExit / KeyboardInterrupt) must not leave stages behind
+        kill_local_stages()
+
+
+def _await_generation(store: dist.Store, last: int) -> int | None:
+    """The driver's next pipeline after `last`, or None once it builds no more (or is gone)."""
+    while True:
+        try:
+            if store.check([STOPPED_KEY]):
+                return None
+            generation = int(store.add(GENERATION_KEY, 0))
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            return None
+        if generation > last:
+            return generation
+        time.sleep(HEADLESS_POLL_S)
+
+
+def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]:
+    """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
+    (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
+    store.set(READY_KEY.format(generation=generation, node=node), "1")
+    key = LAYOUT_KEY.format(generation=generation)
+    while True:
+        try:
+            if store.check([key]):
+                stages = stages_of(tuple(json.loads(store.get(key))), node)
+                if not stages:
+                    log.warning("node %d is not in the driver's pipeline %d (it came too late); it joins the "
+                                "next one", node, generation)
+                return stages
+            if store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation:
+                return []
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            return []
+        time.sleep(HEADLESS_POLL_S)
+
+
+def _watch_stages(procs: list, store: dist.Store, generation: int, spares_at: float | None, start) -> int:
+    """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
+    pipeline or stops (1), or is gone; `start` (spares) runs once at `spares_at`."""
+    while True:
+        if all(not p.is_alive() for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.join(REAP_S)
+            return 0 if all(p.exitcode == 0 for p in procs) else 1
+        try:
+            newer = store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation
+        except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+            newer = True
+        if newer:
+            for p in procs:       # stopped in order just before? then the exit code says so
+                p.join(REAP_S)
+            return 0 if all(p.exitcode == 0 for p in procs) else 1
+        if spares_at is not None and time.monotonic() >= spares_at:
+            start()
+            spares_at = None
+        time.sleep(HEADLESS_POLL_S)
