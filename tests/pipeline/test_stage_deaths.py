@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 from stagewise.executor import multiproc
+from stagewise.executor.launch import default_layout, stages_of
 from stagewise.executor.multiproc import MultiprocExecutor
 
 
@@ -17,6 +18,8 @@ def _executor(procs, nnodes: int = 1) -> MultiprocExecutor:
     ex = MultiprocExecutor.__new__(MultiprocExecutor)
     ex.config = SimpleNamespace(pp_size=2, nnodes=nnodes, stages_per_node=2 // nnodes)
     ex.timeout, ex.procs, ex.dead, ex.closing = 20.0, procs, None, False
+    ex.layout = default_layout(2, nnodes)               # the node of each stage
+    ex.local_stages = stages_of(ex.layout, 0)
     return ex
 
 
