@@ -89,8 +89,14 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
             if generation > 1:
                 log.warning("node %d joins the driver's pipeline %d with stage(s) %s", config.node_rank, generation,
                             ", ".join(map(str, stages)))
-            procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
-                                 generation=generation, stages=stages)
+            try:
+                procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
+                                     generation=generation, stages=stages)
+            except RuntimeError as exc:      # a stage died while starting: the driver sees it too
+                log.error("%s", exc)
+                if not heals:
+                    return 1
+                continue
             spares_at = None
             if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
                 spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
@@ -125,8 +131,11 @@ def _await_generation(store: dist.Store, last: int) -> int | None:
 def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]:
     """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
     (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
-    store.set(READY_KEY.format(generation=generation, node=node), "1")
     key = LAYOUT_KEY.format(generation=generation)
+    try:
+        store.set(READY_KEY.format(generation=generation, node=node), "1")
+    except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
+        return []
     while True:
         try:
             if store.check([key]):
@@ -144,21 +153,27 @@ def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]
 
 def _watch_stages(procs: list, store: dist.Store, generation: int, spares_at: float | None, start) -> int:
     """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
-    pipeline or stops (1), or is gone; `start` (spares) runs once at `spares_at`."""
+    pipeline (1: at once) or stops or is gone (the stages' exit codes, after a moment to exit in
+    order); `start` (spares) runs once at `spares_at`."""
     while True:
         if all(not p.is_alive() for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.join(REAP_S)
-            return 0 if all(p.exitcode == 0 for p in procs) else 1
+            return _reaped_code(procs)
         try:
-            newer = store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation
+            stopped = store.check([STOPPED_KEY])
+            if not stopped and int(store.add(GENERATION_KEY, 0)) != generation:
+                return 1
         except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-            newer = True
-        if newer:
-            for p in procs:       # stopped in order just before? then the exit code says so
-                p.join(REAP_S)
-            return 0 if all(p.exitcode == 0 for p in procs) else 1
+            stopped = True
+        if stopped:
+            return _reaped_code(procs)
         if spares_at is not None and time.monotonic() >= spares_at:
             start()
             spares_at = None
         time.sleep(HEADLESS_POLL_S)
+
+
+def _reaped_code(procs: list) -> int:
+    """0 if every stage exited 0 (within a moment each), else 1."""
+    for p in procs:
+        p.join(REAP_S)
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
