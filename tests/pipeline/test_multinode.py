@@ -2,8 +2,10 @@
 conftest.py): the README's commands and torchrun give the one-process tokens with no interface
 variables set, the rendezvous store listens on --master-addr only, faults and signals stop
 both nodes promptly and leave no process behind (recovery off), a server on node 0 answers
-across hosts, and a pipeline whose remote stage is SIGKILLed under load heals: node 1's
-headless process respawns its stage into the driver's next pipeline and no request is lost.
+across hosts, and a pipeline over two hosts heals under load with no request lost: node 1's
+stage SIGKILLed or SIGSTOPped (node 1's headless process respawns it into the driver's next
+pipeline), node 1 gone for good (its stage moves to node 0 after --node-rejoin-timeout-s), and
+node 1 started again (it gets its stage back).
 
 Start-up (torch imports) dominates, so each wave of scenarios starts all its nodes at once,
 every scenario in its own pair of hosts."""
@@ -367,7 +369,7 @@ with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, mast
     while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     print(json.dumps({"phase": 0}), flush=True)
-    for phase in (1, 2, 3):
+    for phase in (1, 2, 3, 4):
         ids, reasons = run(llm, phase)
         print(json.dumps({"phase": phase, "equal": ids == ref, "reasons": reasons,
                           "recovery": llm.stats()["recovery"]}), flush=True)
@@ -449,6 +451,17 @@ def test_node_started_again_gets_its_stages_back(heal):
     assert re.search(r"node 1 joins the driver's pipeline \d+ with stage\(s\) 1", worker.stderr()), \
         worker.stderr()[-3000:]
     assert not driver.stage_pids("stagewise-st1") and len(worker.stage_pids("stagewise-st1")) == 1
+
+
+def test_remote_stage_that_hangs_is_replaced_after_the_timeout(heal):
+    """SIGSTOP: the driver gives up after --dist-timeout-s and starts a new generation; node 1
+    kills its stopped stage and starts a new one; then both nodes stop in order."""
+    driver, worker = heal["driver"], heal["worker"]
+    (victim,) = worker.stage_pids("stagewise-st1")
+    got = _phase(heal, 4, lambda: os.kill(victim, signal.SIGSTOP))
+    assert got["recovery"]["last"]["cause"] == "timeout", got
+    assert worker.stage_pids("stagewise-st1") not in ([], [victim])
+    assert not Path(f"/proc/{victim}").exists() or _comm(victim) != "stagewise-st1"
     (heal["gate"] / "end").touch()
     assert driver.wait(30) == 0, driver.stderr()[-3000:]
     assert worker.wait(15) == 0, worker.stderr()[-3000:]

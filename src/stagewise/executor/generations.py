@@ -19,7 +19,7 @@ GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number 
 STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
 READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
 LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
-HEADLESS_POLL_S = 0.25
+HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
 _control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
 
