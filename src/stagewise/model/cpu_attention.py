@@ -3,8 +3,9 @@ built once with the system C compiler, cached, called through ctypes).
 
 Each (sequence, KV head) pair is one OpenMP task: it walks the sequence's block table, scores
 every cached key against the query heads that share the KV head, and accumulates the values,
-so no `[G, L, Hkv, D]` copy of the keys is ever made. float32 and bfloat16 (computed in
-float32, rounded once on output). `available()` is False where no compiler works: callers keep
+so no `[G, L, Hkv, D]` copy of the keys is ever made. Scores are 8-lane dot products over the
+head size (a multiple of 8), one independent chain per query head, summed in a fixed order.
+float32 and bfloat16 (computed in float32, rounded once on output). `available()` is False where no compiler works: callers keep
 the SDPA path.
 """
 from __future__ import annotations
@@ -15,45 +16,49 @@ import torch
 
 from . import ckernel
 
-_SOURCE = r"""
+_SOURCE = ckernel.VEC8 + r"""
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf2f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f2bf(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);      /* NaN stays NaN */
     u += 0x7fff + ((u >> 16) & 1);                                                /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
+#define IDENT(x) (x)
+#define MAX_GROUP 16     /* query heads per KV head the kernel serves */
 
-#define LOADF(p, i) ((float)(p)[i])
-#define LOADB(p, i) bf2f((p)[i])
-
-#define DECODE_KERNEL(NAME, T, LOAD, STORE)                                                        \
+/* One task per (sequence, KV head): the grp query heads sharing the KV head score every cached
+   key (8-lane dot products over D, D % 8 == 0), a softmax per head, then the values are summed
+   with those weights. Keys and values are read where the block table puts them. */
+#define DECODE_KERNEL(NAME, T, LD, STORE)                                                          \
 void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
           const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
           int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, T* out) {                    \
-    int64_t grp = Hq / Hkv;                                                                         \
+    int64_t grp = Hq / Hkv, nd = D / 8;                                                             \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                   \
     for (int64_t b = 0; b < G; b++) {                                                               \
         for (int64_t h = 0; h < Hkv; h++) {                                                         \
             int64_t L = seq_lens[b];                                                                \
-            float* s = (float*)malloc(sizeof(float) * (size_t)(grp * (L > 0 ? L : 1) + grp * D * 2)); \
-            float* qf = s + grp * (L > 0 ? L : 1);                                                  \
-            float* acc = qf + grp * D;                                                              \
+            size_t scores = (size_t)((grp * (L > 0 ? L : 1) + 7) / 8 + 1);    /* in v8s */          \
+            v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * ((size_t)(2 * grp * nd) + scores));        \
+            v8* acc = qv + grp * nd;                                                                \
+            float* s = (float*)(acc + grp * nd);                                                    \
             for (int64_t i = 0; i < grp; i++)                                                       \
-                for (int64_t d = 0; d < D; d++) qf[i * D + d] = LOAD(q + b * q_row + (h * grp + i) * D, d) * scale; \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    qv[i * nd + c] = LD(q + b * q_row + (h * grp + i) * D + 8 * c) * scale;         \
+                    acc[i * nd + c] = (v8){0};                                                      \
+                }                                                                                   \
             for (int64_t j = 0; j < L; j++) {                                                       \
                 const T* kp = k + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
-                for (int64_t i = 0; i < grp; i++) {                                                 \
-                    float dot = 0.f;                                                                \
-                    _Pragma("omp simd reduction(+:dot)")                                           \
-                    for (int64_t d = 0; d < D; d++) dot += qf[i * D + d] * LOAD(kp, d);             \
-                    s[i * L + j] = dot;                                                             \
+                v8 dot[MAX_GROUP] = {{0}};                  /* grp independent chains */          \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    v8 kc = LD(kp + 8 * c);                                                         \
+                    for (int64_t i = 0; i < grp; i++) dot[i] = fma8(qv[i * nd + c], kc, dot[i]);    \
                 }                                                                                   \
+                for (int64_t i = 0; i < grp; i++) s[i * L + j] = hsum(dot[i]);                      \
             }                                                                                       \
             for (int64_t i = 0; i < grp; i++) {                                                     \
                 float m = -INFINITY, sum = 0.f;                                                     \
@@ -62,25 +67,25 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
                 float inv = sum > 0.f ? 1.f / sum : 0.f;                                            \
                 for (int64_t j = 0; j < L; j++) s[i * L + j] *= inv;                                \
             }                                                                                       \
-            memset(acc, 0, sizeof(float) * (size_t)(grp * D));                                      \
             for (int64_t j = 0; j < L; j++) {                                                       \
                 const T* vp = v + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
-                for (int64_t i = 0; i < grp; i++) {                                                 \
-                    float p = s[i * L + j];                                                         \
-                    _Pragma("omp simd")                                                             \
-                    for (int64_t d = 0; d < D; d++) acc[i * D + d] += p * LOAD(vp, d);              \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    v8 vc = LD(vp + 8 * c);                                                         \
+                    for (int64_t i = 0; i < grp; i++)                                               \
+                        acc[i * nd + c] = fma8((v8){0} + s[i * L + j], vc, acc[i * nd + c]);        \
                 }                                                                                   \
             }                                                                                       \
             for (int64_t i = 0; i < grp; i++)                                                       \
-                for (int64_t d = 0; d < D; d++) out[(b * Hq + h * grp + i) * D + d] = STORE(acc[i * D + d]); \
-            free(s);                                                                                \
+                for (int64_t c = 0; c < nd; c++)                                                    \
+                    for (int d = 0; d < 8; d++)                                                     \
+                        out[(b * Hq + h * grp + i) * D + 8 * c + d] = STORE(acc[i * nd + c][d]);    \
+            free(qv);                                                                               \
         }                                                                                           \
     }                                                                                               \
 }
 
-#define IDENT(x) (x)
-DECODE_KERNEL(decode_attention_f32, float, LOADF, IDENT)
-DECODE_KERNEL(decode_attention_bf16, uint16_t, LOADB, f2bf)
+DECODE_KERNEL(decode_attention_f32, float, ld_f32, IDENT)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, f2bf)
 """
 
 _lib: ctypes.CDLL | None = None
@@ -108,9 +113,11 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The kernel serves CPU float32/bfloat16 with the cache's dtype and a dense head layout."""
+    """The kernel serves CPU float32/bfloat16 with the cache's dtype, a dense head layout, a head
+    size that is a multiple of 8 and at most 16 query heads per KV head."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
-            and kv_cache.is_contiguous() and available())
+            and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0 and q.shape[-2] <= 16 * kv_cache.shape[-2]
+            and available())
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

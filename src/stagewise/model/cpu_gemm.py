@@ -29,27 +29,7 @@ from . import ckernel
 
 MAX_ROWS = 32      # measured crossover with MKL (fp32, AVX2, one and two threads)
 
-_SOURCE = r"""
-#include <stdint.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef uint16_t h8u __attribute__((vector_size(16), aligned(2), may_alias));
-typedef uint32_t i8 __attribute__((vector_size(32)));
-typedef float f32_t;
-typedef uint16_t bf16_t;
-
-static inline v8 ld_f32(const float* p) { return *(const v8u*)p; }
-/* bfloat16 is the top half of a float32: widen and shift, exactly */
-static inline v8 ld_bf16(const uint16_t* p) { return (v8)(__builtin_convertvector(*(const h8u*)p, i8) << 16); }
-#ifdef __FMA__
-#include <immintrin.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }     /* never contracted (-std=c11) */
-#endif
-static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
+_SOURCE = ckernel.VEC8 + r"""
 /* y[m, j] = x[m, :] . w[j, :] (+ b[j]) for m < MB, j < NB: NB weight rows stay in registers
    while every one of the MB activation rows uses them. Activations, bias and output are float32;
    weights are WT (float32 or bfloat16). */
