@@ -46,6 +46,22 @@ def test_in_place_decode_equals_sdpa(case, dtype, tol):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_task_per_sequence_equals_task_per_head(dtype):
+    """The two task layouts (picked by batch size against the thread count) agree bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [1, 17, 33, 64, 90, 5]
+    tables = _tables(seq_lens, 5)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), HQ, D, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    by_seq = cpu_attention.decode_attention(q, cache, block_tables, lens, 0.3, per_sequence=True)
+    by_head = cpu_attention.decode_attention(q, cache, block_tables, lens, 0.3, per_sequence=False)
+    assert torch.equal(by_seq, by_head)
+
+
 def test_padded_rows_stay_zero():
     ref, got = _both([1, 1, 7], [12, 50, 7], torch.float32, pad_rows=3)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

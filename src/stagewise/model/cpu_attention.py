@@ -1,12 +1,13 @@
 """Decode attention that reads the paged KV cache in place, on CPU: a small C kernel (`ckernel`:
 built once with the system C compiler, cached, called through ctypes).
 
-Each (sequence, KV head) pair is one OpenMP task: it walks the sequence's block table, scores
-every cached key against the query heads that share the KV head, and accumulates the values,
-so no `[G, L, Hkv, D]` copy of the keys is ever made. Scores are 8-lane dot products over the
-head size (a multiple of 8), one independent chain per query head, summed in a fixed order.
-float32 and bfloat16 (computed in float32, rounded once on output). `available()` is False where no compiler works: callers keep
-the SDPA path.
+Each sequence, or each (sequence, KV head) pair when there are fewer than two sequences per
+thread, is one OpenMP task: it walks the sequence's block table, scores every cached key against
+the query heads (8-lane dot products over the head size, a multiple of 8, one independent chain
+per query head, summed in a fixed order), and accumulates the values, so no `[G, L, Hkv, D]`
+copy of the keys is ever made. Both task layouts give the same results bit for bit. float32 and
+bfloat16 (computed in float32, rounded once on output). `available()` is False where no
+compiler works: callers keep the SDPA path.
 """
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ static inline uint16_t f2bf(float f) {
 }
 #define IDENT(x) (x)
 #define MAX_GROUP 16     /* query heads per KV head the kernel serves */
+
+static void softmax_row(float* s, int64_t L) {
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
+    for (int64_t j = 0; j < L; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t j = 0; j < L; j++) s[j] *= inv;
+}
 
 /* One task per (sequence, KV head): the grp query heads sharing the KV head score every cached
    key (8-lane dot products over D, D % 8 == 0), a softmax per head, then the values are summed
@@ -60,13 +69,7 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
                 }                                                                                   \
                 for (int64_t i = 0; i < grp; i++) s[i * L + j] = hsum(dot[i]);                      \
             }                                                                                       \
-            for (int64_t i = 0; i < grp; i++) {                                                     \
-                float m = -INFINITY, sum = 0.f;                                                     \
-                for (int64_t j = 0; j < L; j++) m = s[i * L + j] > m ? s[i * L + j] : m;           \
-                for (int64_t j = 0; j < L; j++) { s[i * L + j] = expf(s[i * L + j] - m); sum += s[i * L + j]; } \
-                float inv = sum > 0.f ? 1.f / sum : 0.f;                                            \
-                for (int64_t j = 0; j < L; j++) s[i * L + j] *= inv;                                \
-            }                                                                                       \
+            for (int64_t i = 0; i < grp; i++) softmax_row(s + i * L, L);                            \
             for (int64_t j = 0; j < L; j++) {                                                       \
                 const T* vp = v + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
                 for (int64_t c = 0; c < nd; c++) {                                                  \
@@ -86,6 +89,57 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
 
 DECODE_KERNEL(decode_attention_f32, float, ld_f32, IDENT)
 DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, f2bf)
+
+/* The same per head, one task per sequence: each key's row of every KV head ([Hkv, D],
+   contiguous in its block) is read once, in order. Results equal DECODE_KERNEL's bit for bit. */
+#define DECODE_SEQ_KERNEL(NAME, T, LD, STORE)                                                      \
+void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
+          const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
+          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, T* out) {                    \
+    int64_t grp = Hq / Hkv, nd = D / 8;                                                             \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
+    for (int64_t b = 0; b < G; b++) {                                                               \
+        int64_t L = seq_lens[b];                                                                    \
+        size_t scores = (size_t)((Hq * (L > 0 ? L : 1) + 7) / 8 + 1);                               \
+        v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * ((size_t)(2 * Hq * nd) + scores));             \
+        v8* acc = qv + Hq * nd;                                                                     \
+        float* s = (float*)(acc + Hq * nd);                                                         \
+        for (int64_t i = 0; i < Hq; i++)                                                            \
+            for (int64_t c = 0; c < nd; c++) {                                                      \
+                qv[i * nd + c] = LD(q + b * q_row + i * D + 8 * c) * scale;                         \
+                acc[i * nd + c] = (v8){0};                                                          \
+            }                                                                                       \
+        for (int64_t j = 0; j < L; j++) {                                                           \
+            const T* row = k + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * D;   \
+            for (int64_t h = 0; h < Hkv; h++) {                                                     \
+                v8 dot[MAX_GROUP] = {{0}};                                                          \
+                const v8* qh = qv + h * grp * nd;                                                   \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    v8 kc = LD(row + h * D + 8 * c);                                                \
+                    for (int64_t i = 0; i < grp; i++) dot[i] = fma8(qh[i * nd + c], kc, dot[i]);    \
+                }                                                                                   \
+                for (int64_t i = 0; i < grp; i++) s[(h * grp + i) * L + j] = hsum(dot[i]);          \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t i = 0; i < Hq; i++) softmax_row(s + i * L, L);                                 \
+        for (int64_t j = 0; j < L; j++) {                                                           \
+            const T* row = v + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * D;   \
+            for (int64_t h = 0; h < Hkv; h++)                                                       \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    v8 vc = LD(row + h * D + 8 * c);                                                \
+                    for (int64_t i = h * grp; i < (h + 1) * grp; i++)                               \
+                        acc[i * nd + c] = fma8((v8){0} + s[i * L + j], vc, acc[i * nd + c]);        \
+                }                                                                                   \
+        }                                                                                           \
+        for (int64_t i = 0; i < Hq; i++)                                                            \
+            for (int64_t c = 0; c < nd; c++)                                                        \
+                for (int d = 0; d < 8; d++) out[(b * Hq + i) * D + 8 * c + d] = STORE(acc[i * nd + c][d]); \
+        free(qv);                                                                                   \
+    }                                                                                               \
+}
+
+DECODE_SEQ_KERNEL(decode_seq_f32, float, ld_f32, IDENT)
+DECODE_SEQ_KERNEL(decode_seq_bf16, uint16_t, ld_bf16, f2bf)
 """
 
 _lib: ctypes.CDLL | None = None
@@ -101,7 +155,7 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16):
+    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16, lib.decode_seq_f32, lib.decode_seq_bf16):
         fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, p]
         fn.restype = None
     _lib = lib
@@ -121,7 +175,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, per_sequence: bool | None = None) -> torch.Tensor:
     """One query row per sequence: q `[G, Hq, D]`, cache `[2, nb, bs, Hkv, D]`, block_tables
     `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`."""
     g, hq, d = q.shape
@@ -133,7 +187,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if lib is None:
         raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
     out = q.new_empty(g, hq, d)
-    fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    # a task per sequence reads each key row once; with fewer than two sequences per thread, a
+    # task per (sequence, KV head) keeps every thread busy (the two give identical results)
+    per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
+    if per_seq:
+        fn = lib.decode_seq_f32 if q.dtype == torch.float32 else lib.decode_seq_bf16
+    else:
+        fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
     fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
        tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, out.data_ptr())
     return out
