@@ -39,79 +39,33 @@ static void softmax_row(float* s, int64_t L) {
     for (int64_t j = 0; j < L; j++) s[j] *= inv;
 }
 
-/* One task per (sequence, KV head): the grp query heads sharing the KV head score every cached
-   key (8-lane dot products over D, D % 8 == 0), a softmax per head, then the values are summed
-   with those weights. Keys and values are read where the block table puts them. */
+/* One task per sequence and run of `hpt` KV heads (hpt = Hkv: a task per sequence, each key's
+   row of all its KV heads, [Hkv, D] contiguous in its block, read once and in order; hpt = 1: a
+   task per (sequence, KV head), for batches too small to keep every thread busy otherwise). The
+   query heads sharing a KV head score every cached key (one chain per query head), a softmax per
+   query head, then the values are summed with those weights. Each head's arithmetic is the
+   same whatever hpt is, so results do not depend on it. */
 #define DECODE_KERNEL(NAME, T, LD, STORE)                                                          \
 void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
           const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
-          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, T* out) {                    \
-    int64_t grp = Hq / Hkv, nd = D / 8;                                                             \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                   \
-    for (int64_t b = 0; b < G; b++) {                                                               \
-        for (int64_t h = 0; h < Hkv; h++) {                                                         \
-            int64_t L = seq_lens[b];                                                                \
-            size_t scores = (size_t)((grp * (L > 0 ? L : 1) + 7) / 8 + 1);    /* in v8s */          \
-            v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * ((size_t)(2 * grp * nd) + scores));        \
-            v8* acc = qv + grp * nd;                                                                \
-            float* s = (float*)(acc + grp * nd);                                                    \
-            for (int64_t i = 0; i < grp; i++)                                                       \
-                for (int64_t c = 0; c < nd; c++) {                                                  \
-                    qv[i * nd + c] = LD(q + b * q_row + (h * grp + i) * D + 8 * c) * scale;         \
-                    acc[i * nd + c] = (v8){0};                                                      \
-                }                                                                                   \
-            for (int64_t j = 0; j < L; j++) {                                                       \
-                const T* kp = k + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
-                v8 dot[MAX_GROUP] = {{0}};                  /* grp independent chains */          \
-                for (int64_t c = 0; c < nd; c++) {                                                  \
-                    v8 kc = LD(kp + 8 * c);                                                         \
-                    for (int64_t i = 0; i < grp; i++) dot[i] = fma8(qv[i * nd + c], kc, dot[i]);    \
-                }                                                                                   \
-                for (int64_t i = 0; i < grp; i++) s[i * L + j] = hsum(dot[i]);                      \
-            }                                                                                       \
-            for (int64_t i = 0; i < grp; i++) softmax_row(s + i * L, L);                            \
-            for (int64_t j = 0; j < L; j++) {                                                       \
-                const T* vp = v + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h) * D; \
-                for (int64_t c = 0; c < nd; c++) {                                                  \
-                    v8 vc = LD(vp + 8 * c);                                                         \
-                    for (int64_t i = 0; i < grp; i++)                                               \
-                        acc[i * nd + c] = fma8((v8){0} + s[i * L + j], vc, acc[i * nd + c]);        \
-                }                                                                                   \
-            }                                                                                       \
-            for (int64_t i = 0; i < grp; i++)                                                       \
-                for (int64_t c = 0; c < nd; c++)                                                    \
-                    for (int d = 0; d < 8; d++)                                                     \
-                        out[(b * Hq + h * grp + i) * D + 8 * c + d] = STORE(acc[i * nd + c][d]);    \
-            free(qv);                                                                               \
-        }                                                                                           \
-    }                                                                                               \
-}
-
-DECODE_KERNEL(decode_attention_f32, float, ld_f32, IDENT)
-DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, f2bf)
-
-/* The same per head, one task per sequence: each key's row of every KV head ([Hkv, D],
-   contiguous in its block) is read once, in order. Results equal DECODE_KERNEL's bit for bit. */
-#define DECODE_SEQ_KERNEL(NAME, T, LD, STORE)                                                      \
-void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
-          const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
-          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, T* out) {                    \
-    int64_t grp = Hq / Hkv, nd = D / 8;                                                             \
+          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
+    int64_t grp = Hq / Hkv, nd = D / 8, runs = Hkv / hpt, nq = hpt * grp;                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
-    for (int64_t b = 0; b < G; b++) {                                                               \
-        int64_t L = seq_lens[b];                                                                    \
-        size_t scores = (size_t)((Hq * (L > 0 ? L : 1) + 7) / 8 + 1);                               \
-        v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * ((size_t)(2 * Hq * nd) + scores));             \
-        v8* acc = qv + Hq * nd;                                                                     \
-        float* s = (float*)(acc + Hq * nd);                                                         \
-        for (int64_t i = 0; i < Hq; i++)                                                            \
+    for (int64_t t = 0; t < G * runs; t++) {                                                        \
+        int64_t b = t / runs, h0 = (t % runs) * hpt, L = seq_lens[b];                               \
+        size_t scores = (size_t)((nq * (L > 0 ? L : 1) + 7) / 8 + 1);         /* in v8s */          \
+        v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * ((size_t)(2 * nq * nd) + scores));             \
+        v8* acc = qv + nq * nd;                                                                     \
+        float* s = (float*)(acc + nq * nd);                                                         \
+        const T* qb = q + b * q_row + h0 * grp * D;                                                 \
+        for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++) {                                                      \
-                qv[i * nd + c] = LD(q + b * q_row + i * D + 8 * c) * scale;                         \
+                qv[i * nd + c] = LD(qb + i * D + 8 * c) * scale;                                    \
                 acc[i * nd + c] = (v8){0};                                                          \
             }                                                                                       \
         for (int64_t j = 0; j < L; j++) {                                                           \
-            const T* row = k + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * D;   \
-            for (int64_t h = 0; h < Hkv; h++) {                                                     \
+            const T* row = k + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h0) * D; \
+            for (int64_t h = 0; h < hpt; h++) {                                                     \
                 v8 dot[MAX_GROUP] = {{0}};                                                          \
                 const v8* qh = qv + h * grp * nd;                                                   \
                 for (int64_t c = 0; c < nd; c++) {                                                  \
@@ -121,25 +75,26 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
                 for (int64_t i = 0; i < grp; i++) s[(h * grp + i) * L + j] = hsum(dot[i]);          \
             }                                                                                       \
         }                                                                                           \
-        for (int64_t i = 0; i < Hq; i++) softmax_row(s + i * L, L);                                 \
+        for (int64_t i = 0; i < nq; i++) softmax_row(s + i * L, L);                                 \
         for (int64_t j = 0; j < L; j++) {                                                           \
-            const T* row = v + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * D;   \
-            for (int64_t h = 0; h < Hkv; h++)                                                       \
+            const T* row = v + tables[b * tab_stride + j / bs] * blk_stride + ((j % bs) * Hkv + h0) * D; \
+            for (int64_t h = 0; h < hpt; h++)                                                       \
                 for (int64_t c = 0; c < nd; c++) {                                                  \
                     v8 vc = LD(row + h * D + 8 * c);                                                \
                     for (int64_t i = h * grp; i < (h + 1) * grp; i++)                               \
                         acc[i * nd + c] = fma8((v8){0} + s[i * L + j], vc, acc[i * nd + c]);        \
                 }                                                                                   \
         }                                                                                           \
-        for (int64_t i = 0; i < Hq; i++)                                                            \
+        T* ob = out + (b * Hq + h0 * grp) * D;                                                      \
+        for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++)                                                        \
-                for (int d = 0; d < 8; d++) out[(b * Hq + i) * D + 8 * c + d] = STORE(acc[i * nd + c][d]); \
+                for (int d = 0; d < 8; d++) ob[i * D + 8 * c + d] = STORE(acc[i * nd + c][d]);      \
         free(qv);                                                                                   \
     }                                                                                               \
 }
 
-DECODE_SEQ_KERNEL(decode_seq_f32, float, ld_f32, IDENT)
-DECODE_SEQ_KERNEL(decode_seq_bf16, uint16_t, ld_bf16, f2bf)
+DECODE_KERNEL(decode_attention_f32, float, ld_f32, IDENT)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, f2bf)
 """
 
 _lib: ctypes.CDLL | None = None
@@ -155,8 +110,8 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16, lib.decode_seq_f32, lib.decode_seq_bf16):
-        fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, p]
+    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16):
+        fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
         fn.restype = None
     _lib = lib
     return lib
@@ -190,10 +145,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     # a task per sequence reads each key row once; with fewer than two sequences per thread, a
     # task per (sequence, KV head) keeps every thread busy (the two give identical results)
     per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
-    if per_seq:
-        fn = lib.decode_seq_f32 if q.dtype == torch.float32 else lib.decode_seq_bf16
-    else:
-        fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
     fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
-       tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, out.data_ptr())
+       tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, hkv if per_seq else 1,
+       out.data_ptr())
     return out
