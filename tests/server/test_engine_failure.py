@@ -59,6 +59,8 @@ class FakeEngine:
     """One token per request per step; from step `die_at_step` on, the first step with two requests
     running raises EngineDeadError (a plain RuntimeError when `bug`: an engine bug)."""
 
+    recovering = None          # its pipeline never heals
+
     def __init__(self, die_at_step: int, bug: bool = False, dead_flag: str = "/nonexistent"):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 4096, "/fake"
         self.config = SimpleNamespace(model="fake", block_size=16)

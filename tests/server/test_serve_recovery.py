@@ -17,8 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess, httpx
 from launcher import wait_gone
+
+try:
+    import httpx2 as httpx
+except ImportError:          # the openai client ships httpx2 here; plain httpx elsewhere
+    import httpx
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process names need Linux /proc")]
@@ -29,20 +33,18 @@ PROMPTS = [[10 + i, 20 + i % 7, 30 + i % 5, 40 + 3 * i] for i in range(32)]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+def server(llama_dir, tmp_path_factory, launch):
     old = os.environ.get("STAGEWISE_TEST_CRASH_TOKEN")
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)     # the server's processes inherit it
     try:
-        srv = ServerProcess(llama_dir, tmp_path_factory.mktemp("healing") / "server.log", "--pp-size", "2",
-                            "--dist-timeout-s", "4", "--max-pipeline-restarts", "20",
-                            "--pipeline-spares-delay-s", "0")
+        srv = launch(llama_dir, tmp_path_factory.mktemp("healing"), "--pp-size", "2", "--dist-timeout-s", "4",
+                     "--max-pipeline-restarts", "20", "--pipeline-spares-delay-s", "0")
     finally:
         if old is None:
             del os.environ["STAGEWISE_TEST_CRASH_TOKEN"]
         else:
             os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = old
     try:
-        srv.wait_healthy()
         yield srv
     finally:
         pids = srv.descendants()

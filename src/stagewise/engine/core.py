@@ -149,7 +149,7 @@ class EngineCore:
         if why:
             self._send(EngineDied(why))
             self.engine.shutdown()
-        elif getattr(self.engine, "recovering", None):
+        elif self.engine.recovering:
             self._publish([])         # /health says so before the rebuild blocks this loop
         return bool(why)
 
@@ -196,7 +196,7 @@ class EngineCore:
             self.engine.shutdown()           # free the stage processes now
             return None
         # NOTE: a step that lost the pipeline publishes at once: the next one blocks in the rebuild
-        if outputs or getattr(self.engine, "recovering", None) or time.monotonic() - self.last_publish > BUSY_PUBLISH_S:
+        if outputs or self.engine.recovering or time.monotonic() - self.last_publish > BUSY_PUBLISH_S:
             self._publish(outputs)
         return outputs.progressed
 
@@ -227,7 +227,7 @@ class EngineCore:
             self.engine.abort(rid)
         deadline = time.monotonic() + STOP_DRAIN_S
         # NOTE: a stop while a failed pipeline waits to be rebuilt has nothing to drain (no rebuild)
-        while (self.engine.has_unfinished() and not getattr(self.engine, "recovering", None)
+        while (self.engine.has_unfinished() and not self.engine.recovering
                and time.monotonic() < deadline):
             if self._step() is None:
                 return 1

@@ -285,8 +285,9 @@ class Engine:
         if not planned and not self.restarts.take():
             self._die(self.restarts.refusal(why))
         unfinished = self.scheduler.requests
-        in_flight = [unfinished[rid] for rid in dict.fromkeys(s.request_id for p in self.inflight for s in p.seqs)
-                     if rid in unfinished and not planned]
+        in_flight = [] if planned else [unfinished[rid] for rid in
+                                        dict.fromkeys(s.request_id for p in self.inflight for s in p.seqs)
+                                        if rid in unfinished]
         poisoned = []
         for rid, strikes in self.suspects.crash(in_flight).items():
             poisoned += self.scheduler.fail([rid], poison_message(strikes))

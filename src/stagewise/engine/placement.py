@@ -8,6 +8,7 @@ computes it too: weights, graph buffers, activations) plus KV blocks for every l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 GIB = float(1 << 30)
 
@@ -61,13 +62,10 @@ def available_bytes() -> int | None:
 
 def layout_line(layout: tuple[int, ...], partition: tuple[int, ...]) -> str:
     """e.g. "node 0: stages 0-1 (layers 0-7)" per node."""
-    parts, start = [], 0
-    bounds = []
-    for count in partition:
-        bounds.append((start, start + count))
-        start += count
+    ends = list(accumulate(partition))
+    parts = []
     for node in sorted(set(layout)):
         stages = [s for s, n in enumerate(layout) if n == node]
-        first, last = bounds[stages[0]][0], bounds[stages[-1]][1] - 1
+        first, last = ends[stages[0]] - partition[stages[0]], ends[stages[-1]] - 1
         parts.append(f"node {node}: stage(s) {', '.join(map(str, stages))} (layers {first}-{last})")
     return "; ".join(parts)

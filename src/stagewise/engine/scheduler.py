@@ -91,10 +91,7 @@ class Scheduler:
 
     def fail_all(self, why: str) -> list[Request]:
         """Finish every unfinished request with an error (the engine cannot go on)."""
-        failed = list(self.requests.values())
-        for req in failed:
-            self._finish(self.records[req.request_id], FinishReason.ERROR, why)
-        return failed
+        return self.fail(list(self.requests), why)
 
     def fail(self, request_ids, why: str) -> list[Request]:
         """Finish these unfinished requests with an error (the rest goes on)."""

@@ -77,12 +77,11 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     `store` it serves already) and wait until every rank has joined, polling so the Python signal
     handlers keep running."""
     deadline = time.monotonic() + timeout_s
-    if store is not None:
-        pass
-    elif rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        store = serve_store(addr, port, world_size, timeout_s)
-    else:
-        store = join_store(addr, port, world_size, deadline, timeout_s)
+    if store is None:
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            store = serve_store(addr, port, world_size, timeout_s)
+        else:
+            store = join_store(addr, port, world_size, deadline, timeout_s)
     attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" + (f".{generation}" if generation else "")
     keys = [f"stagewise/{attempt}/rank{r}" for r in range(world_size)]
     if store.add(keys[rank], 1) > 1:

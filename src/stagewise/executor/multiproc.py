@@ -39,11 +39,12 @@ REAP_WAIT_S = 1.0             # a stage's pipe closed: time for its exit status 
 
 
 class MultiprocExecutor:
-    cause: str | None = None              # once dead: stage_died, timeout, link or interrupted
+    cause: str | None = None              # once dead: stage_died, timeout, link, interrupted or a stop's
+
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...], generation: int | None = None,
                  layout: tuple[int, ...] | None = None):
         """Across nodes, `generation` is the pipeline's number if the caller opened it already
-        (launch.next_generation), and `layout` the node of each stage (default: the command line's)."""
+        (generations.next_generation), and `layout` the node of each stage (default: the command line's)."""
         self.config, self.timeout = config, config.dist_timeout_s
         self.layout = layout or default_layout(config.pp_size, config.nnodes)
         self.local_stages = stages_of(self.layout, 0)
@@ -53,7 +54,6 @@ class MultiprocExecutor:
         self.num_inflight = 0
         self.last_traffic = time.monotonic()
         self.dead: str | None = None
-        self.cause = None
         self.startup: dict[str, float] = {}   # seconds: spawn (processes, imports, rendezvous), load (weights)
         self.closing = False
         t0 = time.monotonic()
@@ -64,7 +64,7 @@ class MultiprocExecutor:
         port = env["port"] if env else (config.master_port or free_port())
         wait_s = max(self.timeout, 300.0)
         try:
-            # NOTE: across nodes every pipeline is a new generation of the same store (launch.py)
+            # NOTE: across nodes every pipeline is a new generation of the same store (generations.py)
             self.generation = None
             if config.nnodes > 1 and not env:
                 self.generation = generation or next_generation(addr, port, config.pp_size + 1, wait_s)

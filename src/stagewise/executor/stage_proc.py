@@ -29,7 +29,7 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
                models: dict | None = None, generation: int | None = None, started=None) -> None:
     """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
     `models` re-registers the driver's model table (user-registered architectures); `generation`
-    is the driver's pipeline number across nodes (executor/launch.py)."""
+    is the driver's pipeline number across nodes (executor/generations.py)."""
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
