@@ -50,33 +50,34 @@ static void tile_##WT##_##MB##x##NB(const float* x, int64_t ldx, const WT##_t* w
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T (+ b [N]); K % 8 == 0.
-   M <= 4: one block of rows against wide weight tiles; more rows: blocks of 4 rows against
-   tiles of 3 weight rows, which stay in L1 across the blocks (every weight is read once). */
+   Up to SEQ_ROWS rows: one weight row at a time against all rows, so the weights stream in
+   address order (interleaving several weight rows, for fewer horizontal sums, read them at
+   0.6-0.8x the rate: SmolLM2 bf16, one thread, 10-11 vs 14-15 GB/s). More rows: blocks of 4 rows
+   against tiles of 3 weight rows, which stay in L1 across the blocks (every weight is read once). */
+#define SEQ_ROWS 4
 #define TILES(T, NAME)                                                                          \
-T(NAME, 1, 8) T(NAME, 2, 4) T(NAME, 3, 4) T(NAME, 4, 3)                                         \
-T(NAME, 1, 3) T(NAME, 2, 3) T(NAME, 3, 3)                                                       \
+T(NAME, 1, 3) T(NAME, 2, 3) T(NAME, 3, 3) T(NAME, 4, 3)                                         \
 T(NAME, 1, 1) T(NAME, 2, 1) T(NAME, 3, 1) T(NAME, 4, 1)
 #define LINEAR(NAME, XT, WT)                                                                    \
 typedef void (*tile_##NAME##_fn)(const XT*, int64_t, const WT*, int64_t, const float*, float*, int64_t); \
 void small_linear_##NAME(const XT* x, int64_t ldx, const WT* w, const float* b, float* y, int64_t ldy, \
                          int64_t M, int64_t N, int64_t K) {                                     \
-    static const tile_##NAME##_fn wide[5] = {0, tile_##NAME##_1x8, tile_##NAME##_2x4,           \
-        tile_##NAME##_3x4, tile_##NAME##_4x3};                                                  \
     static const tile_##NAME##_fn narrow[5] = {0, tile_##NAME##_1x3, tile_##NAME##_2x3,         \
         tile_##NAME##_3x3, tile_##NAME##_4x3};                                                  \
     static const tile_##NAME##_fn single[5] = {0, tile_##NAME##_1x1, tile_##NAME##_2x1,         \
         tile_##NAME##_3x1, tile_##NAME##_4x1};                                                  \
-    int64_t nb = M == 1 ? 8 : (M <= 3 ? 4 : 3);                                                 \
+    int64_t nb = M <= SEQ_ROWS ? 1 : 3;                                                         \
+    const tile_##NAME##_fn* tiles = nb == 1 ? single : narrow;                                  \
     int64_t ntiles = (N + nb - 1) / nb;                                                         \
     _Pragma("omp parallel for schedule(static)")                                               \
     for (int64_t t = 0; t < ntiles; t++) {                                                      \
         int64_t n0 = t * nb, nn = N - n0 < nb ? N - n0 : nb;                                    \
         for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                 \
             int64_t mb = M - m0 < 4 ? M - m0 : 4;                                               \
-            const float* xt = x + m0 * ldx;                                                     \
+            const XT* xt = x + m0 * ldx;                                                        \
             float* yt = y + m0 * ldy + n0;                                                      \
             if (nn == nb)                                                                       \
-                (M <= 4 ? wide : narrow)[mb](xt, ldx, w + n0 * K, K, b ? b + n0 : 0, yt, ldy);  \
+                tiles[mb](xt, ldx, w + n0 * K, K, b ? b + n0 : 0, yt, ldy);                     \
             else                                                                                \
                 for (int64_t j = 0; j < nn; j++)                                                \
                     single[mb](xt, ldx, w + (n0 + j) * K, K, b ? b + n0 + j : 0, yt + j, ldy);  \
@@ -90,8 +91,8 @@ TILES(TILE, bf16) LINEAR(bf16, float, bf16_t)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* Native bf16 (AVX512-BF16): bf16 activations and weights, 32 per instruction, each pair's
-   products exact and summed in float32 (vdpbf16ps); K % 32 == 0. Same tiles as above, and each
-   tile prefetches the next one (the weights stream from memory: 0.7-0.9x the time at 2-8 rows). */
+   products exact and summed in float32 (vdpbf16ps); K % 32 == 0. Same tiles as above; a 3-row
+   tile prefetches the next one (0.7-0.9x the time at 5-8 rows; one-row tiles stream without). */
 #define DPTILE(NAME, MB, NB)                                                                    \
 static void tile_##NAME##_##MB##x##NB(const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t K,  \
                                       const float* b, float* y, int64_t ldy) {                  \
@@ -102,7 +103,7 @@ static void tile_##NAME##_##MB##x##NB(const bf16_t* x, int64_t ldx, const bf16_t
         __m512bh wv[NB];                                                                        \
         for (int j = 0; j < NB; j++) {                                                          \
             wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);                                \
-            __builtin_prefetch(w + (j + NB) * K + k, 0, 0);                                     \
+            if (NB > 1) __builtin_prefetch(w + (j + NB) * K + k, 0, 0);                         \
         }                                                                                       \
         for (int m = 0; m < MB; m++) {                                                          \
             __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);                        \
