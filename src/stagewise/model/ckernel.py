@@ -33,7 +33,14 @@ typedef uint16_t bf16_t;
 
 static inline v8 ld_f32(const float* p) { return *(const v8u*)p; }
 /* bfloat16 is the top half of a float32: widen and shift, exactly */
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline v8 ld_bf16(const uint16_t* p) {      /* one zero-extending load and a shift */
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+#else
 static inline v8 ld_bf16(const uint16_t* p) { return (v8)(__builtin_convertvector(*(const h8u*)p, i8) << 16); }
+#endif
 #ifdef __FMA__
 #include <immintrin.h>
 static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
