@@ -1,6 +1,7 @@
 """The small-row CPU linear kernel against `F.linear`: every row count the tiles cover (full and
 partial weight tiles, blocks of four rows), biases, bf16 weights, strided activation rows, batch invariance, and
-the dispatch that keeps MKL from `MAX_ROWS` rows up and for what the kernel does not serve."""
+the dispatch that keeps MKL from `MAX_ROWS` rows up and for what the kernel does not serve; the
+packed bf16 kernel (native bf16 CPUs) likewise, and packing layers in place."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +90,63 @@ def test_the_compiled_op_picks_by_rows_at_run_time():
     for rows in (3, cpu_gemm.MAX_ROWS + 5):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(fn(x), torch.relu(F.linear(x, lin.weight, lin.bias)), atol=1e-4, rtol=1e-4)
+
+
+# --- prepacked bf16 weights ------------------------------------------------------------------
+
+needs_packed = pytest.mark.skipif(not cpu_gemm.packable(torch.empty(16, 32, dtype=torch.bfloat16)),
+                                  reason="the packed kernel needs native bf16 (AVX512-BF16)")
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (80, 64), (48, 2)])
+def test_pack_round_trips(n, k):
+    w = torch.randn(n, k).bfloat16()
+    packed = cpu_gemm.pack(w)
+    assert packed.shape == w.shape and torch.equal(cpu_gemm.unpack(packed), w)
+    assert k == 2 or not torch.equal(packed, w)          # one pair per row: the layouts coincide
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [0, 1, 3, 6, 7, 13, 50, 130])
+@pytest.mark.parametrize("n,k", [(960, 576), (80, 64), (48, 1536)])
+def test_packed_kernel_multiplies_exact_products_in_float32(rows, n, k):
+    """Every row-tile height (1-6, and chunks of 48 rows) and panel width (64 and narrower
+    16-column multiples), with and without bias; each row's result is the same alone or batched."""
+    gen = torch.Generator().manual_seed(rows + n + k)
+    x, w, b = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((rows, k), (n, k), (n,)))
+    packed = cpu_gemm.pack(w)
+    for bias in (None, b):
+        got = cpu_gemm.linear_packed(x, packed, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=1e-2)
+    if rows:
+        alone = torch.cat([cpu_gemm.linear_packed(x[i:i + 1], packed, b) for i in range(rows)])
+        assert torch.equal(cpu_gemm.linear_packed(x, packed, b), alone)
+
+
+@needs_packed
+def test_layers_pack_in_place_and_the_compiled_op_matches(monkeypatch):
+    """`pack_linears` reorders a Linear's weight (and a head-serving Embedding's) in its own
+    storage; outputs and token lookups stay what they were, eager and under torch.compile."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.proj = cpu_gemm.Linear(64, 96, bias=True, dtype=torch.bfloat16).requires_grad_(False)
+    model.embed = cpu_gemm.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
+    model.plain = cpu_gemm.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
+    model.embed.serves_head = True
+    x, ids = torch.randn(5, 64).bfloat16(), torch.tensor([0, 3, 64, 127])
+    before = model.proj(x), model.embed(ids), model.embed.as_head(x)
+    ptr = model.proj.weight.data_ptr()
+    monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")
+    assert cpu_gemm.pack_linears(model) == 0
+    monkeypatch.delenv("STAGEWISE_PACKED_WEIGHTS")
+    assert cpu_gemm.pack_linears(model) == 2 and model.proj.packed and model.embed.packed and not model.plain.packed
+    assert model.proj.weight.data_ptr() == ptr                  # no second copy
+    assert torch.equal(model.embed(ids), before[1])
+    for got, ref in ((model.proj(x), before[0]), (model.embed.as_head(x), before[2])):
+        torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=1e-2)
+    fn = torch.compile(lambda t: torch.relu(model.proj(t)), dynamic=True, fullgraph=True)
+    for rows in (3, 40):
+        t = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(fn(t), torch.relu(model.proj(t)))

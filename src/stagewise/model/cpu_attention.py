@@ -56,17 +56,24 @@ static inline v8 hsum8x8(const v8* a) {
          + __builtin_shufflevector(u[0], u[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-/* softmax of s[0, L) in place; s[L, Lp) (the last chunk's padding) becomes 0 */
+/* softmax of s[0, L) in place, 8 lanes at a time in a fixed order; s[L, Lp) (the last chunk's
+   padding) becomes 0 */
 static void softmax_row(float* s, int64_t L, int64_t Lp) {
-    float m = -INFINITY, sum = 0.f;
-    for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
+    for (int64_t j = L; j < Lp; j++) s[j] = -INFINITY;
+    v8 mv = *(v8*)s, sv = {0};
+    for (int64_t j = CHUNK; j < Lp; j += CHUNK) {
+        v8 x = *(v8*)(s + j);
+        mv = (v8)(((v8i)x & (x > mv)) | ((v8i)mv & ~(x > mv)));
+    }
+    float m = mv[0];
+    for (int t = 1; t < 8; t++) m = mv[t] > m ? mv[t] : m;
     for (int64_t j = 0; j < Lp; j += CHUNK) {
         v8 e = exp8(*(v8*)(s + j) - m);
         *(v8*)(s + j) = e;
-        for (int64_t t = 0; t < CHUNK && j + t < L; t++) sum += e[t];
+        sv += e;
     }
-    float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int64_t j = 0; j < Lp; j++) s[j] = j < L ? s[j] * inv : 0.f;
+    float sum = hsum(sv), inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t j = 0; j < Lp; j += CHUNK) *(v8*)(s + j) *= inv;
 }
 
 /* rp[r]: row j0 + r of the sequence's keys or values ([Hkv, D], all KV heads), for the rows
@@ -80,15 +87,15 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
         if (ja < L) {                                                                               \
             const char* ra = (const char*)(base + tables[b * tab_stride + ja / bs] * blk_stride     \
                                            + ((ja % bs) * Hkv + h0) * D);                           \
-            for (int64_t o = 0; o < (int64_t)(hpt * D * sizeof(T)); o += 64) __builtin_prefetch(ra + o, 0, 3); \
+            for (int64_t o = 0; o < (int64_t)(hpt * D * sizeof(T)); o += 64) __builtin_prefetch(ra + o, 0, 1); \
         }                                                                                           \
     }
 
 /* rows j0 .. j0 + CHUNK of KV head h, widened to float32 into tile [CHUNK, D]; rows past L are 0 */
-#define WIDEN_TILE(LD, rp, tile, j0)                                                                \
+#define WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                     \
     for (int64_t r = 0; r < CHUNK; r++)                                                             \
         for (int64_t c = 0; c < nd; c++)                                                            \
-            tile[r * nd + c] = (j0) + r < L ? LD(rp[r] + h * D + 8 * c) : (v8){0};
+            tile[r * nd + c] = (j0) + r < L ? LD(rp[r] + h * D + LANES * c) : (VT){0};
 
 /* One task per sequence and run of `hpt` KV heads (hpt = Hkv: a task per sequence, each key's
    row of all its KV heads, [Hkv, D] contiguous in its block, read once and in order; hpt = 1: a
@@ -97,37 +104,39 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
    sharing it scores the chunk (CHUNK independent 8-lane chains, reduced by one transposing tree),
    a vectorised softmax per query head, then the values are summed chunk by chunk with those
    weights. Each head's arithmetic is the same whatever hpt is, so results do not depend on it. */
-#define DECODE_KERNEL(NAME, T, LD, STORE)                                                          \
+#define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                                   \
 void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
           const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
           int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
-    int64_t grp = Hq / Hkv, nd = D / 8, runs = Hkv / hpt, nq = hpt * grp;                           \
+    int64_t grp = Hq / Hkv, nd = D / LANES, runs = Hkv / hpt, nq = hpt * grp;                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
     for (int64_t t = 0; t < G * runs; t++) {                                                        \
         int64_t b = t / runs, h0 = (t % runs) * hpt, L = seq_lens[b];                               \
         int64_t Lp = (L + CHUNK - 1) / CHUNK * CHUNK;                                               \
-        v8* qv = (v8*)aligned_alloc(32, sizeof(v8) * (size_t)(2 * nq * nd + CHUNK * nd + nq * Lp / 8 + 1)); \
-        v8* acc = qv + nq * nd;                                                                     \
-        v8* tile = acc + nq * nd;                                                                   \
+        VT* qv = (VT*)aligned_alloc(64, sizeof(VT) * (size_t)(2 * nq * nd + CHUNK * nd + nq * Lp / 8 + 1)); \
+        VT* acc = qv + nq * nd;                                                                     \
+        VT* tile = acc + nq * nd;                                                                   \
         float* s = (float*)(tile + CHUNK * nd);                                                     \
         const T* qb = q + b * q_row + h0 * grp * D;                                                 \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++) {                                                      \
-                qv[i * nd + c] = LD(qb + i * D + 8 * c) * scale;                                    \
-                acc[i * nd + c] = (v8){0};                                                          \
+                qv[i * nd + c] = LD(qb + i * D + LANES * c) * scale;                                    \
+                acc[i * nd + c] = (VT){0};                                                          \
             }                                                                                       \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
             const T* rp[CHUNK];                                                                     \
             CHUNK_ROWS(T, k, rp, j0)                                                               \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(LD, rp, tile, j0)                                                      \
+                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                    \
                 for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
-                    v8 dot[CHUNK] = {{0}};                                                          \
+                    VT dot[CHUNK] = {{0}};                                                          \
+                    v8 part[CHUNK];                                                                 \
                     for (int64_t c = 0; c < nd; c++) {                                              \
-                        v8 qc = qv[i * nd + c];                                                     \
-                        for (int r = 0; r < CHUNK; r++) dot[r] = fma8(qc, tile[r * nd + c], dot[r]); \
+                        VT qc = qv[i * nd + c];                                                     \
+                        for (int r = 0; r < CHUNK; r++) dot[r] = FMA(qc, tile[r * nd + c], dot[r]); \
                     }                                                                               \
-                    *(v8*)(s + i * Lp + j0) = hsum8x8(dot);                                         \
+                    for (int r = 0; r < CHUNK; r++) part[r] = FOLD(dot[r]);                         \
+                    *(v8*)(s + i * Lp + j0) = hsum8x8(part);                                        \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
@@ -136,13 +145,13 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
             const T* rp[CHUNK];                                                                     \
             CHUNK_ROWS(T, v, rp, j0)                                                               \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(LD, rp, tile, j0)                                                      \
+                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                    \
                 for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
-                    v8 w[CHUNK];                                                                    \
-                    for (int r = 0; r < CHUNK; r++) w[r] = (v8){0} + s[i * Lp + j0 + r];            \
+                    VT w[CHUNK];                                                                    \
+                    for (int r = 0; r < CHUNK; r++) w[r] = (VT){0} + s[i * Lp + j0 + r];            \
                     for (int64_t c = 0; c < nd; c++) {                                              \
-                        v8 a = acc[i * nd + c];                                                     \
-                        for (int r = 0; r < CHUNK; r++) a = fma8(w[r], tile[r * nd + c], a);        \
+                        VT a = acc[i * nd + c];                                                     \
+                        for (int r = 0; r < CHUNK; r++) a = FMA(w[r], tile[r * nd + c], a);         \
                         acc[i * nd + c] = a;                                                        \
                     }                                                                               \
                 }                                                                                   \
@@ -151,13 +160,31 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
         T* ob = out + (b * Hq + h0 * grp) * D;                                                      \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++)                                                        \
-                for (int d = 0; d < 8; d++) ob[i * D + 8 * c + d] = STORE(acc[i * nd + c][d]);      \
+                for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]);      \
         free(qv);                                                                                   \
     }                                                                                               \
 }
 
-DECODE_KERNEL(decode_attention_f32, float, ld_f32, IDENT)
-DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, f2bf)
+#define FOLD8(x) (x)
+DECODE_KERNEL(decode_attention_f32, float, v8, 8, ld_f32, fma8, FOLD8, IDENT)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, v8, 8, ld_bf16, fma8, FOLD8, f2bf)
+
+#ifdef __AVX512F__
+/* 16 lanes where the CPU has AVX-512 (head sizes that are a multiple of 16): half the instructions */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+static inline v16 ld16_f32(const float* p) { return *(const v16u*)p; }
+static inline v16 ld16_bf16(const uint16_t* p) {
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline v8 fold16(v16 a) {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+DECODE_KERNEL(decode_attention16_f32, float, v16, 16, ld16_f32, fma16, fold16, IDENT)
+DECODE_KERNEL(decode_attention16_bf16, uint16_t, v16, 16, ld16_bf16, fma16, fold16, f2bf)
+#endif
 """
 
 _lib: ctypes.CDLL | None = None
@@ -173,7 +200,10 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for fn in (lib.decode_attention_f32, lib.decode_attention_bf16):
+    for name in ("decode_attention_f32", "decode_attention_bf16", "decode_attention16_f32", "decode_attention16_bf16"):
+        fn = getattr(lib, name, None)       # the 16-lane kernels exist on AVX-512 CPUs only
+        if fn is None:
+            continue
         fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
         fn.restype = None
     _lib = lib
@@ -207,7 +237,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     # a task per sequence reads each key row once; with fewer than two sequences per thread, a
     # task per (sequence, KV head) keeps every thread busy (the two give identical results)
     per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
-    fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    name = "f32" if q.dtype == torch.float32 else "bf16"
+    fn = getattr(lib, f"decode_attention16_{name}", None) if d % 16 == 0 else None
+    fn = fn or getattr(lib, f"decode_attention_{name}")
     fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
        tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, hkv if per_seq else 1,
        out.data_ptr())

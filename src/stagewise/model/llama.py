@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.cpu_gemm import Linear, linear
+from stagewise.model.cpu_gemm import Embedding, Linear
 from stagewise.model.layers import (
     FusedLinear,
     GatedMLP,
@@ -114,7 +114,7 @@ class LlamaForCausalLM(StageModel):
         self._warn_sliding_window(hf_config)
         vocab = hf_config.vocab_size
         # `model.embed_tokens(ids [T]) -> [T, H]` is the engine's embedding entry point (first stage).
-        self.embed_tokens = nn.Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
+        self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
             hf_config, i, dtype, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm))
@@ -124,6 +124,8 @@ class LlamaForCausalLM(StageModel):
         # loaded from the embedding tensor (hf_name maps it), so no parameter is shared across modules.
         needs_head = stage.is_last and not (self.tie_word_embeddings and stage.is_first)
         self.lm_head = Linear(self.hidden_size, vocab, bias=False, dtype=dtype) if needs_head else None
+        if self.embed_tokens is not None:
+            self.embed_tokens.serves_head = stage.is_last and not needs_head
 
     def _warn_sliding_window(self, hf_config) -> None:
         window = getattr(hf_config, "sliding_window", None)
@@ -164,9 +166,10 @@ class LlamaForCausalLM(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        assert head is not None   # the last stage has a head or (tied, also first) the embedding
-        return linear(hidden, head.weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        assert self.embed_tokens is not None   # the last stage has a head or (tied, also first) the embedding
+        return self.embed_tokens.as_head(hidden).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim

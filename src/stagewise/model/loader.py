@@ -7,6 +7,7 @@ built on the meta device (no random init), then only this stage's tensors are re
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,13 +19,14 @@ from stagewise.checkpoint import CONTENTS as _CONTENTS
 from stagewise.checkpoint import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
 from stagewise.checkpoint import require as _require
 from stagewise.errors import CheckpointNotFoundError
-from stagewise.model import ckernel
+from stagewise.model import ckernel, cpu_gemm
 from stagewise.model.registry import get_model_class
 from stagewise.parallel.partition import StageInfo
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
+log = logging.getLogger("stagewise.loader")
 
 BF16_MIN_HIDDEN = 256
 
@@ -91,6 +93,9 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
         _load_stage_tensors(model, locations, stage, Path(model_dir))
     model.eval()
     model.requires_grad_(False)
+    packed = cpu_gemm.pack_linears(model)
+    if packed:
+        log.info("stage %d: %d bf16 linear weights prepacked for the CPU kernel", stage.rank, packed)
     return model
 
 
