@@ -1,5 +1,6 @@
 """The in-place CPU decode kernel against the SDPA reference (which gathers KV blocks): mixed
-batches of decode rows, cached prefills, fresh prefills and padded rows, in fp32 and bf16."""
+batches of decode rows, cached prefills, fresh prefills and padded rows, in fp32 and bf16; the
+bf16 prefill kernel against causal SDPA."""
 import pytest
 import torch
 
@@ -22,15 +23,15 @@ def _tables(seq_lens, seed):
     return tables
 
 
-def _both(query_lens, seq_lens, dtype, pad_rows=0, seed=0):
+def _both(query_lens, seq_lens, dtype, pad_rows=0, seed=0, d=D, kernel="in_place_decode"):
     gen = torch.Generator().manual_seed(seed)
     meta = AttentionMetadata.build(query_lens, seq_lens, _tables(seq_lens, seed), BS)
     rows = meta.num_tokens + pad_rows
-    cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=gen).to(dtype)
-    q, k, v = (torch.randn(rows, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
+    cache = torch.randn(2, NUM_BLOCKS, BS, HKV, d, generator=gen).to(dtype)
+    q, k, v = (torch.randn(rows, h, d, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
     ref_cache, got_cache = cache.clone(), cache.clone()
-    ref = sdpa_paged_attention(meta, ref_cache, q, k, v, D ** -0.5)
-    got = sdpa_paged_attention(meta, got_cache, q, k, v, D ** -0.5, in_place_decode=True)
+    ref = sdpa_paged_attention(meta, ref_cache, q, k, v, d ** -0.5)
+    got = sdpa_paged_attention(meta, got_cache, q, k, v, d ** -0.5, **{kernel: True})
     assert torch.equal(ref_cache, got_cache)      # the same KV written
     return ref.float(), got.float()
 
@@ -44,6 +45,28 @@ def _both(query_lens, seq_lens, dtype, pad_rows=0, seed=0):
 def test_in_place_decode_equals_sdpa(case, dtype, tol):
     ref, got = _both(*case, dtype)
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_head_sizes_that_are_not_a_multiple_of_16(dtype, tol):
+    """8-lane vectors serve head sizes of 8k (AVX-512 CPUs take 16 lanes where D allows)."""
+    ref, got = _both([1] * 5, [1, 17, 33, 64, 90], dtype, d=24)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_supports(torch.empty(1, HQ, D, dtype=torch.bfloat16),
+                                                       torch.empty(1, HKV, D, dtype=torch.bfloat16)),
+                    reason="the prefill kernel needs native bf16 (AVX512-BF16)")
+@pytest.mark.parametrize("case", [
+    ([1], [1]), ([7], [7]), ([48, 3, 49], [48, 3, 49]), ([100], [100]),    # one-row tiles to 48-row blocks
+    ([1, 6, 1, 9, 20], [20, 30, 77, 9, 20]),                                 # mixed with decode and cached prefill
+])
+def test_prefill_kernel_equals_causal_sdpa(case):
+    """Fresh prompts through the bf16 prefill kernel against causal SDPA (bf16 rounding: the
+    kernel rounds the probabilities to bf16 before the sum over values)."""
+    ref, got = _both(*case, torch.bfloat16, pad_rows=2, kernel="prefill_kernel")
+    torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
+    assert got[-2:].abs().max() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

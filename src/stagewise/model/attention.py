@@ -180,15 +180,18 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
 def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """What the engine runs: `sdpa_paged_attention`, with one-token sequences attended in place
-    by the CPU kernel (no KV gather) where it is available."""
-    return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=cpu_attention.supports(q, kv_cache))
+    by the CPU kernel (no KV gather) and fresh prompts by the CPU prefill kernel where they are
+    available."""
+    return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=cpu_attention.supports(q, kv_cache),
+                                prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k))
 
 
 def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                          k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                         in_place_decode: bool = False) -> torch.Tensor:
+                         in_place_decode: bool = False, prefill_kernel: bool = False) -> torch.Tensor:
     """Reference paged attention for mixed prefill/decode batches. q/k/v: `[rows, H, D]`, rows >= T.
-    `in_place_decode`: decode groups read the cache in place (`cpu_attention`) instead of SDPA."""
+    `in_place_decode`: decode groups read the cache in place (`cpu_attention`) instead of SDPA;
+    `prefill_kernel`: prompts with no cached prefix go to `cpu_attention.prefill_attention`."""
     T = meta.num_tokens
     rows, hq, d = q.shape
     hkv = k.shape[1]
@@ -203,6 +206,10 @@ def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: tor
     out[T:].zero_()                 # padding rows
     for start, n in meta.causal_spans:
         # NOTE: a prefill with no cached prefix attends to exactly its own rows: no cache gather.
+        if prefill_kernel:
+            out[start:start + n] = cpu_attention.prefill_attention(q[start:start + n], k[start:start + n],
+                                                                   v[start:start + n], scale)
+            continue
         qs, ks, vs = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))   # [1, H, n, D]
         os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv)
         out[start:start + n] = os_[0].transpose(0, 1)

@@ -185,6 +185,119 @@ static inline v8 fold16(v16 a) {
 DECODE_KERNEL(decode_attention16_f32, float, v16, 16, ld16_f32, fma16, fold16, IDENT)
 DECODE_KERNEL(decode_attention16_bf16, uint16_t, v16, 16, ld16_bf16, fma16, fold16, f2bf)
 #endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* Causal attention of fresh prompts (no cached prefix) in bf16, on CPUs with AVX512-BF16.
+   Per KV head, the keys are packed into panels of 16 keys, each [D/2][16][2] (at every pair of
+   head dims, the 16 keys' pairs side by side), and the values transposed into panels of 16 head
+   dims, each [keys/2][16][2]. Scores and outputs are then tiles of up to 6 query rows x 64
+   columns, the way the packed linear layers run: each row's (x[2p], x[2p+1]) pair broadcast
+   against a panel's pairs (vdpbf16ps: exact products, float32 sums). Scores, the causal mask and
+   the softmax are float32; the probabilities are rounded to bf16 for the sum over values. */
+typedef float v16a __attribute__((vector_size(64)));
+typedef int32_t v16ai __attribute__((vector_size(64)));
+static inline v16a exp16(v16a x) {          /* exp8's polynomial, 16 lanes */
+    v16a n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    v16a r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v16a p = (((((r * 1.9875691500e-4f + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
+                + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.f;
+    v16ai two_n = (__builtin_convertvector(n, v16ai) + 127) << 23;
+    return (v16a)((v16ai)(p * (v16a)two_n) & (x >= -87.f));
+}
+
+/* o[m, 16 j + c] = sum over pairs kp < npairs of x[m, 2kp .. 2kp+1] . panel_j[kp, c, 0 .. 1] */
+#define ATILE(MB, NV)                                                                           \
+static void atile_##MB##x##NV(const uint16_t* x, int64_t ldx, const uint16_t* pan, int64_t pstride, \
+                              int64_t npairs, float* o, int64_t ldo) {                          \
+    __m512 acc[MB][NV];                                                                         \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NV; j++) acc[m][j] = _mm512_setzero_ps();                           \
+    for (int64_t kp = 0; kp < npairs; kp++) {                                                   \
+        __m512bh w[NV];                                                                         \
+        for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(pan + j * pstride + 32 * kp); \
+        for (int m = 0; m < MB; m++) {                                                          \
+            int32_t pair;                                                                       \
+            memcpy(&pair, x + m * ldx + 2 * kp, 4);                                             \
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                    \
+            for (int j = 0; j < NV; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);     \
+        }                                                                                       \
+    }                                                                                           \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(o + m * ldo + 16 * j, acc[m][j]);         \
+}
+#define ATILES(MB) ATILE(MB, 1) ATILE(MB, 2) ATILE(MB, 3) ATILE(MB, 4)
+ATILES(1) ATILES(2) ATILES(3) ATILES(4) ATILES(5) ATILES(6)
+typedef void (*atile_fn)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+#define AROW(MB) {0, atile_##MB##x1, atile_##MB##x2, atile_##MB##x3, atile_##MB##x4}
+static const atile_fn atiles[7][5] = {{0}, AROW(1), AROW(2), AROW(3), AROW(4), AROW(5), AROW(6)};
+
+/* out[mb rows, 16 * ncols] = x[mb rows] against ncols panels (of pstride elements each) */
+static void apanels(const uint16_t* x, int64_t ldx, int64_t mb, const uint16_t* pan, int64_t pstride,
+                    int64_t npanels, int64_t npairs, float* o, int64_t ldo) {
+    for (int64_t p0 = 0; p0 < npanels; p0 += 4) {
+        int64_t nv = npanels - p0 < 4 ? npanels - p0 : 4;
+        atiles[mb][nv](x, ldx, pan + p0 * pstride, pstride, npairs, o + 16 * p0, ldo);
+    }
+}
+
+#define ROWS 6           /* query rows per tile */
+#define BLOCK 48         /* query rows per task */
+/* q [n, Hq, D] (row stride q_row), k, v [n, Hkv, D] (row stride kv_row) -> out [n, Hq, D] (row
+   stride o_row); D % 16 == 0. */
+void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k, const uint16_t* v,
+                            int64_t kv_row, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                            uint16_t* out, int64_t o_row) {
+    int64_t np = (n + 15) / 16 * 16, grp = Hq / Hkv, blocks = (n + BLOCK - 1) / BLOCK;
+    uint16_t* kp = (uint16_t*)aligned_alloc(64, (size_t)(2 * Hkv * np * D) * sizeof(uint16_t));
+    uint16_t* vp = kp + Hkv * np * D;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t h = 0; h < Hkv; h++)                    /* pack (padding keys are zeros) */
+        for (int64_t j = 0; j < np; j++)
+            for (int64_t d = 0; d < D; d++) {
+                uint16_t kx = j < n ? k[j * kv_row + h * D + d] : 0, vx = j < n ? v[j * kv_row + h * D + d] : 0;
+                kp[h * np * D + (j / 16) * 16 * D + (d / 2) * 32 + (j % 16) * 2 + d % 2] = kx;
+                vp[h * np * D + (d / 16) * 16 * np + (j / 2) * 32 + (d % 16) * 2 + j % 2] = vx;
+            }
+    _Pragma("omp parallel for schedule(dynamic, 1)")
+    for (int64_t t = 0; t < Hq * blocks; t++) {
+        int64_t qh = t % Hq, b0 = (blocks - 1 - t / Hq) * BLOCK;       /* the longest blocks first */
+        int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n, h = qh / grp;
+        float* s = (float*)aligned_alloc(64, sizeof(float) * (size_t)(ROWS * (np + D)));
+        uint16_t* pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(ROWS * np));
+        float* o = s + ROWS * np;
+        for (int64_t r0 = b0; r0 < b1; r0 += ROWS) {
+            int64_t mb = b1 - r0 < ROWS ? b1 - r0 : ROWS, L = r0 + mb, Lp = (L + 15) / 16 * 16;
+            apanels(q + r0 * q_row + qh * D, q_row, mb, kp + h * np * D, 16 * D, Lp / 16, D / 2, s, np);
+            for (int64_t m = 0; m < mb; m++) {
+                float* sr = s + m * np;
+                int64_t valid = r0 + m + 1;
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t j = 0; j < valid; j++) { sr[j] *= scale; mx = sr[j] > mx ? sr[j] : mx; }
+                for (int64_t j = valid; j < Lp; j++) sr[j] = -INFINITY;
+                v16a sv = {0};
+                for (int64_t j = 0; j < Lp; j += 16) {
+                    v16a e = exp16(*(v16a*)(sr + j) - mx);
+                    *(v16a*)(sr + j) = e;
+                    sv += e;
+                }
+                for (int i = 0; i < 16; i++) sum += sv[i];
+                __m512 inv = _mm512_set1_ps(1.f / sum);
+                for (int64_t j = 0; j < Lp; j += 16)
+                    _mm256_storeu_si256((__m256i*)(pb + m * np + j),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(*(__m512*)(sr + j), inv)));
+            }
+            apanels(pb, np, mb, vp + h * np * D, 16 * np, D / 16, Lp / 2, o, D);
+            for (int64_t m = 0; m < mb; m++)
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm256_storeu_si256((__m256i*)(out + (r0 + m) * o_row + qh * D + d),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + m * D + d)));
+        }
+        free(s);
+        free(pb);
+    }
+    free(kp);
+}
+#endif
 """
 
 _lib: ctypes.CDLL | None = None
@@ -206,6 +319,9 @@ def _load() -> ctypes.CDLL | None:
             continue
         fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
         fn.restype = None
+    if hasattr(lib, "prefill_attention_bf16"):
+        lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
+        lib.prefill_attention_bf16.restype = None
     _lib = lib
     return lib
 
@@ -243,4 +359,29 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
        tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, hkv if per_seq else 1,
        out.data_ptr())
+    return out
+
+
+def prefill_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The causal prefill kernel serves bf16 on CPUs with AVX512-BF16, head sizes that are a
+    multiple of 16 and rows `[n, H, D]` with dense heads (any row stride)."""
+    lib = _load()
+    return (lib is not None and hasattr(lib, "prefill_attention_bf16") and q.device.type == "cpu"
+            and q.dtype == torch.bfloat16 and k.dtype == q.dtype and q.shape[-1] % 16 == 0
+            and q.shape[-2] % k.shape[-2] == 0)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one fresh prompt: q `[n, Hq, D]`, k/v `[n, Hkv, D]` -> `[n, Hq, D]`."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != d:
+        k, v = k.contiguous(), v.contiguous()
+    lib = _load()
+    assert lib is not None
+    out = q.new_empty(n, hq, d)
+    if n:
+        lib.prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, hq, hkv, d,
+                                   scale, out.data_ptr(), out.stride(0))
     return out
