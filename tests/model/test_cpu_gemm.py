@@ -92,37 +92,49 @@ def test_the_compiled_op_picks_by_rows_at_run_time():
         torch.testing.assert_close(fn(x), torch.relu(F.linear(x, lin.weight, lin.bias)), atol=1e-4, rtol=1e-4)
 
 
-# --- prepacked bf16 weights ------------------------------------------------------------------
+# --- prepacked weights ----------------------------------------------------------------------
 
-needs_packed = pytest.mark.skipif(not cpu_gemm.packable(torch.empty(16, 32, dtype=torch.bfloat16)),
-                                  reason="the packed kernel needs native bf16 (AVX512-BF16)")
+def _packs(dtype):
+    return pytest.mark.skipif(not cpu_gemm.packable(torch.empty(64, 32, dtype=dtype)),
+                              reason=f"no packed {dtype} kernel on this CPU (bf16: AVX512-BF16; fp32: AVX2 FMA)")
 
 
+needs_packed = _packs(torch.bfloat16)
+DTYPES = [pytest.param(dtype, marks=_packs(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(960, 576), (80, 64), (48, 2)])
-def test_pack_round_trips(n, k):
-    w = torch.randn(n, k).bfloat16()
+def test_pack_round_trips(n, k, dtype):
+    w = torch.randn(n, k).to(dtype)
     packed = cpu_gemm.pack(w)
     assert packed.shape == w.shape and torch.equal(cpu_gemm.unpack(packed), w)
     assert k == 2 or not torch.equal(packed, w)          # one pair per row: the layouts coincide
 
 
-@needs_packed
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [0, 1, 3, 6, 7, 13, 50, 130])
 @pytest.mark.parametrize("n,k", [(960, 576), (80, 64), (48, 1536)])
-def test_packed_kernel_multiplies_exact_products_in_float32(rows, n, k):
-    """Every row-tile height (1-6, and chunks of 48 rows) and panel width (64 and narrower
-    16-column multiples), with and without bias; each row's result is the same alone or batched."""
+def test_packed_kernel_equals_f_linear(rows, n, k, dtype):
+    """Every row-tile height (1-6, and chunks of 48 rows) and panel width (full and the narrower
+    last one), with and without bias; each row's result is the same alone or batched. bf16:
+    exact products summed in float32, one rounding."""
     gen = torch.Generator().manual_seed(rows + n + k)
-    x, w, b = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((rows, k), (n, k), (n,)))
+    x, w, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((rows, k), (n, k), (n,)))
     packed = cpu_gemm.pack(w)
+    tol = dict(atol=0.05, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-4 * k ** 0.5, rtol=1e-4)
     for bias in (None, b):
         got = cpu_gemm.linear_packed(x, packed, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert got.dtype == dtype and got.shape == (rows, n)
         ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=1e-2)
+        torch.testing.assert_close(got.float(), ref, **tol)
     if rows:
         alone = torch.cat([cpu_gemm.linear_packed(x[i:i + 1], packed, b) for i in range(rows)])
         assert torch.equal(cpu_gemm.linear_packed(x, packed, b), alone)
+    if dtype == torch.bfloat16:          # logits: the same sums in float32, unrounded
+        wide = cpu_gemm.linear_packed(x, packed, b, f32_out=True)
+        assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), cpu_gemm.linear_packed(x, packed, b))
+        torch.testing.assert_close(wide, F.linear(x.float(), w.float(), b.float()), atol=1e-4 * k ** 0.5, rtol=1e-4)
 
 
 @needs_packed

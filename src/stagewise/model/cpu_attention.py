@@ -190,10 +190,12 @@ DECODE_KERNEL(decode_attention16_bf16, uint16_t, v16, 16, ld16_bf16, fma16, fold
 /* Causal attention of fresh prompts (no cached prefix) in bf16, on CPUs with AVX512-BF16.
    Per KV head, the keys are packed into panels of 16 keys, each [D/2][16][2] (at every pair of
    head dims, the 16 keys' pairs side by side), and the values transposed into panels of 16 head
-   dims, each [keys/2][16][2]. Scores and outputs are then tiles of up to 6 query rows x 64
-   columns, the way the packed linear layers run: each row's (x[2p], x[2p+1]) pair broadcast
-   against a panel's pairs (vdpbf16ps: exact products, float32 sums). Scores, the causal mask and
-   the softmax are float32; the probabilities are rounded to bf16 for the sum over values. */
+   dims, each [keys][16][2] holding every value twice. Scores and outputs are then tiles of up to
+   6 query rows x 64 columns, the way the packed linear layers run: each row's (x[2p], x[2p+1])
+   pair broadcast against a panel's pairs (vdpbf16ps: exact products, float32 sums). Scores, the
+   causal mask and the softmax are float32; each probability p becomes the bf16 pair (hi, lo),
+   hi + lo = p to 16 bits, against the value's (v, v), so the sum over values loses no more than
+   float32 math would (one bf16 p instead measured 1.4x SDPA's error, outside bf16's noise). */
 typedef float v16a __attribute__((vector_size(64)));
 typedef int32_t v16ai __attribute__((vector_size(64)));
 static inline v16a exp16(v16a x) {          /* exp8's polynomial, 16 lanes */
@@ -248,7 +250,7 @@ void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k,
                             int64_t kv_row, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,
                             uint16_t* out, int64_t o_row) {
     int64_t np = (n + 15) / 16 * 16, grp = Hq / Hkv, blocks = (n + BLOCK - 1) / BLOCK;
-    uint16_t* kp = (uint16_t*)aligned_alloc(64, (size_t)(2 * Hkv * np * D) * sizeof(uint16_t));
+    uint16_t* kp = (uint16_t*)aligned_alloc(64, (size_t)(3 * Hkv * np * D) * sizeof(uint16_t));
     uint16_t* vp = kp + Hkv * np * D;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t h = 0; h < Hkv; h++)                    /* pack (padding keys are zeros) */
@@ -256,14 +258,15 @@ void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k,
             for (int64_t d = 0; d < D; d++) {
                 uint16_t kx = j < n ? k[j * kv_row + h * D + d] : 0, vx = j < n ? v[j * kv_row + h * D + d] : 0;
                 kp[h * np * D + (j / 16) * 16 * D + (d / 2) * 32 + (j % 16) * 2 + d % 2] = kx;
-                vp[h * np * D + (d / 16) * 16 * np + (j / 2) * 32 + (d % 16) * 2 + j % 2] = vx;
+                vp[h * 2 * np * D + (d / 16) * 32 * np + j * 32 + (d % 16) * 2] = vx;
+                vp[h * 2 * np * D + (d / 16) * 32 * np + j * 32 + (d % 16) * 2 + 1] = vx;
             }
     _Pragma("omp parallel for schedule(dynamic, 1)")
     for (int64_t t = 0; t < Hq * blocks; t++) {
         int64_t qh = t % Hq, b0 = (blocks - 1 - t / Hq) * BLOCK;       /* the longest blocks first */
         int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n, h = qh / grp;
         float* s = (float*)aligned_alloc(64, sizeof(float) * (size_t)(ROWS * (np + D)));
-        uint16_t* pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(ROWS * np));
+        uint16_t* pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * ROWS * np));
         float* o = s + ROWS * np;
         for (int64_t r0 = b0; r0 < b1; r0 += ROWS) {
             int64_t mb = b1 - r0 < ROWS ? b1 - r0 : ROWS, L = r0 + mb, Lp = (L + 15) / 16 * 16;
@@ -282,11 +285,16 @@ void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k,
                 }
                 for (int i = 0; i < 16; i++) sum += sv[i];
                 __m512 inv = _mm512_set1_ps(1.f / sum);
-                for (int64_t j = 0; j < Lp; j += 16)
-                    _mm256_storeu_si256((__m256i*)(pb + m * np + j),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(*(__m512*)(sr + j), inv)));
+                for (int64_t j = 0; j < Lp; j += 16) {          /* (hi, lo) bf16 pairs of p */
+                    __m512 pr = _mm512_mul_ps(*(__m512*)(sr + j), inv);
+                    __m256i hi = (__m256i)_mm512_cvtneps_pbh(pr);
+                    __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+                    __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pr, hi_f));
+                    _mm512_storeu_si512(pb + m * 2 * np + 2 * j, _mm512_or_si512(
+                        _mm512_cvtepu16_epi32(hi), _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)));
+                }
             }
-            apanels(pb, np, mb, vp + h * np * D, 16 * np, D / 16, Lp / 2, o, D);
+            apanels(pb, 2 * np, mb, vp + h * 2 * np * D, 32 * np, D / 16, Lp, o, D);
             for (int64_t m = 0; m < mb; m++)
                 for (int64_t d = 0; d < D; d += 16)
                     _mm256_storeu_si256((__m256i*)(out + (r0 + m) * o_row + qh * D + d),

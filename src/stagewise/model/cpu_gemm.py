@@ -90,6 +90,74 @@ void small_linear_##NAME(const XT* x, int64_t ldx, const WT* w, const float* b, 
 TILES(TILE, f32) LINEAR(f32, float, f32_t)
 TILES(TILE, bf16) LINEAR(bf16, float, bf16_t)
 
+/* Packed float32 weights: panels of FPANEL output columns (the last one may be half as wide),
+   each [K][width]: at every k the panel's weights lie side by side. A tile of up to 6 rows x
+   FPANEL columns broadcasts x[m, k] against them (two vectors of FLANES per row, 12
+   accumulators: BLIS's 6x16 shape on AVX2); every output is one chain over k in order. */
+#if defined(__AVX512F__) && !defined(STAGEWISE_NO_AVX512)
+#include <immintrin.h>
+#define FLANES 16
+typedef __m512 fvec;
+#define FLOAD _mm512_loadu_ps
+#define FSTORE _mm512_storeu_ps
+#define FZERO _mm512_setzero_ps
+#define FSET1 _mm512_set1_ps
+#define FFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define FADD _mm512_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FLANES 8
+typedef __m256 fvec;
+#define FLOAD _mm256_loadu_ps
+#define FSTORE _mm256_storeu_ps
+#define FZERO _mm256_setzero_ps
+#define FSET1 _mm256_set1_ps
+#define FFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define FADD _mm256_add_ps
+#endif
+#ifdef FLANES
+#define FPANEL (2 * FLANES)
+int packed_f32_panel(void) { return FPANEL; }
+#define FTILE(MB, NV)                                                                           \
+static void ftile_##MB##x##NV(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t pw, \
+                              const float* b, float* y, int64_t ldy) {                          \
+    fvec acc[MB][NV];                                                                           \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NV; j++) acc[m][j] = FZERO();                                       \
+    for (int64_t k = 0; k < K; k++) {                                                           \
+        fvec wv[NV];                                                                            \
+        for (int j = 0; j < NV; j++) wv[j] = FLOAD(wp + k * pw + FLANES * j);                   \
+        for (int m = 0; m < MB; m++) {                                                          \
+            fvec xb = FSET1(x[m * ldx + k]);                                                    \
+            for (int j = 0; j < NV; j++) acc[m][j] = FFMA(xb, wv[j], acc[m][j]);                \
+        }                                                                                       \
+    }                                                                                           \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NV; j++)                                                            \
+            FSTORE(y + m * ldy + FLANES * j, b ? FADD(acc[m][j], FLOAD(b + FLANES * j)) : acc[m][j]); \
+}
+#define FTILES(MB) FTILE(MB, 1) FTILE(MB, 2)
+FTILES(1) FTILES(2) FTILES(3) FTILES(4) FTILES(5) FTILES(6)
+typedef void (*ftile_fn)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t);
+#define FROW(MB) {0, ftile_##MB##x1, ftile_##MB##x2}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed w (+ b [N]); N % FLANES == 0.
+   Tasks are (panel, up to 48 rows), panel-major, as in the bf16 kernel. */
+void packed_linear_f32(const float* x, int64_t ldx, const float* wp, const float* b, float* y,
+                       int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    static const ftile_fn tiles[7][3] = {{0}, FROW(1), FROW(2), FROW(3), FROW(4), FROW(5), FROW(6)};
+    int64_t panels = (N + FPANEL - 1) / FPANEL, rows = M <= 96 ? M : 48, chunks = (M + rows - 1) / rows;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t t = 0; t < panels * chunks; t++) {
+        int64_t n0 = (t / chunks) * FPANEL, pw = N - n0 < FPANEL ? N - n0 : FPANEL;
+        int64_t m1 = (t % chunks + 1) * rows < M ? (t % chunks + 1) * rows : M;
+        for (int64_t m0 = (t % chunks) * rows; m0 < m1; m0 += 6) {
+            int64_t mb = m1 - m0 < 6 ? m1 - m0 : 6;
+            tiles[mb][pw / FLANES](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0, y + m0 * ldy + n0, ldy);
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* Native bf16 (AVX512-BF16): bf16 activations and weights, 32 per instruction, each pair's
@@ -125,7 +193,7 @@ TILES(DPTILE, bf16dp) LINEAR(bf16dp, bf16_t, bf16_t)
 #define PANEL 64
 #define PTILE(MB, NV)                                                                           \
 static void ptile_##MB##x##NV(const bf16_t* x, int64_t ldx, const bf16_t* wp, int64_t K,        \
-                              int64_t pw, const float* b, bf16_t* y, int64_t ldy) {             \
+                              int64_t pw, const float* b, bf16_t* y, float* y32, int64_t ldy) { \
     __m512 acc[MB][NV];                                                                         \
     for (int m = 0; m < MB; m++)                                                                \
         for (int j = 0; j < NV; j++) acc[m][j] = _mm512_setzero_ps();                           \
@@ -142,19 +210,24 @@ static void ptile_##MB##x##NV(const bf16_t* x, int64_t ldx, const bf16_t* wp, in
     for (int m = 0; m < MB; m++)                                                                \
         for (int j = 0; j < NV; j++) {                                                          \
             __m512 r = b ? _mm512_add_ps(acc[m][j], _mm512_loadu_ps(b + 16 * j)) : acc[m][j];  \
-            _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(r)); \
+            if (y32)                                                                            \
+                _mm512_storeu_ps(y32 + m * ldy + 16 * j, r);                                    \
+            else                                                                                \
+                _mm256_storeu_si256((__m256i*)(y + m * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(r)); \
         }                                                                                       \
 }
 #define PTILES(MB) PTILE(MB, 1) PTILE(MB, 2) PTILE(MB, 3) PTILE(MB, 4)
 PTILES(1) PTILES(2) PTILES(3) PTILES(4) PTILES(5) PTILES(6)
-typedef void (*ptile_fn)(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, const float*, bf16_t*, int64_t);
+typedef void (*ptile_fn)(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, const float*, bf16_t*, float*,
+                         int64_t);
 #define PROW(MB) {0, ptile_##MB##x1, ptile_##MB##x2, ptile_##MB##x3, ptile_##MB##x4}
 
 /* y [M, N] bf16 (row stride ldy) = x [M, K] bf16 (row stride ldx) @ packed w (+ b [N] float32);
-   N % 16 == 0, K % 2 == 0. Tasks are (panel, up to 48 rows), panel-major, so a thread's panel
-   stays in L2 while its rows pass; tiles of up to 6 rows. */
+   N % 16 == 0, K % 2 == 0; with y32, float32 into it instead (logits: no bf16 rounding). Tasks
+   are (panel, up to 48 rows), panel-major, so a thread's panel stays in L2 while its rows pass;
+   tiles of up to 6 rows. */
 void packed_linear_bf16(const bf16_t* x, int64_t ldx, const bf16_t* wp, const float* b, bf16_t* y,
-                        int64_t ldy, int64_t M, int64_t N, int64_t K) {
+                        float* y32, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     static const ptile_fn tiles[7][5] = {{0}, PROW(1), PROW(2), PROW(3), PROW(4), PROW(5), PROW(6)};
     int64_t panels = (N + PANEL - 1) / PANEL, rows = M <= 96 ? M : 48, chunks = (M + rows - 1) / rows;
     _Pragma("omp parallel for schedule(static)")
@@ -163,7 +236,8 @@ void packed_linear_bf16(const bf16_t* x, int64_t ldx, const bf16_t* wp, const fl
         int64_t m1 = (t % chunks + 1) * rows < M ? (t % chunks + 1) * rows : M;
         for (int64_t m0 = (t % chunks) * rows; m0 < m1; m0 += 6) {
             int64_t mb = m1 - m0 < 6 ? m1 - m0 : 6;
-            tiles[mb][pw / 16](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0, y + m0 * ldy + n0, ldy);
+            tiles[mb][pw / 16](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0, y + m0 * ldy + n0,
+                               y32 ? y32 + m0 * ldy + n0 : 0, ldy);
         }
     }
 }
@@ -186,8 +260,11 @@ def _load() -> ctypes.CDLL | None:
                     continue
                 fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
                 fn.restype = None
+            if hasattr(lib, "packed_linear_f32"):
+                lib.packed_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
+                lib.packed_linear_f32.restype = None
             if hasattr(lib, "packed_linear_bf16"):
-                lib.packed_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
+                lib.packed_linear_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64]
                 lib.packed_linear_bf16.restype = None
         _lib = lib
     return _lib
@@ -286,79 +363,110 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _by_rows(x, weight, bias)
 
 
-# --- prepacked bf16 weights (CPUs with native bf16) -------------------------------------------
-# Every bf16 linear layer's weight is reordered once at load into panels of 64 output columns
-# (`pack`), in place of the checkpoint layout: no second copy. One kernel then serves every row
-# count, from a one-row decode step to a 512-token prefill (SmolLM2-135M layers, one thread, bf16:
-# 0.72x the time of the unpacked kernels at 1 row, 0.46x at 4, 0.71x at 32, 0.85x at 200 and
-# 0.83x at 512, where oneDNN's own prepacked linear took 1.26x / 0.57x / 0.86x / 0.87x / 0.93x).
-_PANEL = 64
+# --- prepacked weights ------------------------------------------------------------------------
+# Every linear layer's weight is reordered once at load into panels of output columns (`pack`),
+# in place of the checkpoint layout: no second copy. One kernel then serves every row count,
+# from a one-row decode step to a 512-token prefill. bf16 (native bf16 CPUs), SmolLM2-135M layers,
+# one thread: 0.72x the time of the unpacked kernels at 1 row, 0.46x at 4, 0.71x at 32, 0.85x at
+# 200 and 0.83x at 512, where oneDNN's own prepacked linear took 1.26x / 0.57x / 0.86x / 0.87x /
+# 0.93x. float32 (AVX2 or AVX-512 with FMA): see `benchmarks/RESULTS.md`.
+
+def _layout(dtype: torch.dtype) -> tuple[int, int] | None:
+    """(panel width, k per pair) of the packed kernel for `dtype` on this CPU; None if it has none."""
+    lib = _load()
+    if lib is None or os.environ.get("STAGEWISE_PACKED_WEIGHTS", "1") == "0":
+        return None
+    if dtype == torch.bfloat16 and NATIVE_BF16 and hasattr(lib, "packed_linear_bf16"):
+        return 64, 2
+    if dtype == torch.float32 and hasattr(lib, "packed_f32_panel"):
+        lib.packed_f32_panel.restype = ctypes.c_int
+        return lib.packed_f32_panel(), 1
+    return None
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """The packed kernel serves this bf16 `[N, K]` weight here: native bf16, N % 16 == 0, K even.
-    `STAGEWISE_PACKED_WEIGHTS=0` keeps the checkpoint layout (the unpacked kernels and oneDNN)."""
-    lib = _load()
-    return (lib is not None and hasattr(lib, "packed_linear_bf16") and NATIVE_BF16
-            and os.environ.get("STAGEWISE_PACKED_WEIGHTS", "1") != "0"
-            and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0)
+    """The packed kernel serves this `[N, K]` weight here: bf16 on a native-bf16 CPU (N % 16 == 0,
+    K even) or float32 with AVX2/AVX-512 FMA (N a multiple of half a panel).
+    `STAGEWISE_PACKED_WEIGHTS=0` keeps the checkpoint layout (the unpacked kernels, MKL, oneDNN)."""
+    layout = None if weight.device.type != "cpu" or weight.dim() != 2 else _layout(weight.dtype)
+    return layout is not None and weight.shape[0] % (layout[0] // 2 if layout[1] == 1 else 16) == 0 \
+        and weight.shape[1] % layout[1] == 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` -> the same shape holding panels of 64 rows (the last may be narrower), each
-    stored `[K/2, width, 2]`: the (k, k+1) pairs of all the panel's output columns side by side."""
+    """`[N, K]` -> the same shape holding panels of P rows (the last may be narrower), each stored
+    `[K/pair, width, pair]`: at every k (bf16: every pair k, k+1) all the panel's output columns
+    side by side."""
+    panel, pair = _layout(weight.dtype) or (64, 2)
     n, k = weight.shape
-    full = n // _PANEL * _PANEL
-    parts = [weight[:full].reshape(n // _PANEL, _PANEL, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)]
+    full = n // panel * panel
+    parts = [weight[:full].reshape(n // panel, panel, k // pair, pair).permute(0, 2, 1, 3).reshape(-1)]
     if full < n:
-        parts.append(weight[full:].reshape(1, n - full, k // 2, 2).permute(0, 2, 1, 3).reshape(-1))
+        parts.append(weight[full:].reshape(1, n - full, k // pair, pair).permute(0, 2, 1, 3).reshape(-1))
     return torch.cat(parts).view(n, k)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """`pack`'s inverse."""
+    panel, pair = _layout(packed.dtype) or (64, 2)
     n, k = packed.shape
-    full = n // _PANEL * _PANEL
+    full = n // panel * panel
     flat = packed.reshape(-1)
-    parts = [flat[:full * k].view(n // _PANEL, k // 2, _PANEL, 2).permute(0, 2, 1, 3).reshape(full, k)]
+    parts = [flat[:full * k].view(n // panel, k // pair, panel, pair).permute(0, 2, 1, 3).reshape(full, k)]
     if full < n:
-        parts.append(flat[full * k:].view(k // 2, n - full, 2).permute(1, 0, 2).reshape(n - full, k))
+        parts.append(flat[full * k:].view(k // pair, n - full, pair).permute(1, 0, 2).reshape(n - full, k))
     return torch.cat(parts)
 
 
-def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f32_out: bool = False) -> torch.Tensor:
     lib = _load()
     assert lib is not None, "weights are packed only where the kernel loaded"
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
-        x = x.to(torch.bfloat16).reshape(-1, x.shape[-1]).contiguous()
+    dtype = weight.dtype
+    if x.dtype != dtype or x.dim() != 2 or x.stride(1) != 1:
+        x = x.to(dtype).reshape(-1, x.shape[-1]).contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16)
     b = None if bias is None else bias.float().contiguous()
+    b_ptr = None if b is None else b.data_ptr()
+    if dtype == torch.bfloat16:
+        y = torch.empty(m, n, dtype=torch.float32 if f32_out else dtype)
+        if m:
+            y_ptr = y.data_ptr()
+            lib.packed_linear_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), b_ptr, None if f32_out else y_ptr,
+                                   y_ptr if f32_out else None, n, m, n, k)
+        return y
+    y = torch.empty(m, n, dtype=dtype)
     if m:
-        lib.packed_linear_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), None if b is None else b.data_ptr(),
-                               y.data_ptr(), n, m, n, k)
+        lib.packed_linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), b_ptr, y.data_ptr(), n, m, n, k)
     return y
 
 
-_LIB.define("linear_packed(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("linear_packed(Tensor x, Tensor weight, Tensor? bias, bool f32_out=False) -> Tensor")
 _LIB.impl("linear_packed", _packed, "CPU")
 
 
 @torch.library.register_fake("stagewise::linear_packed")
-def _(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+def _(x, weight, bias, f32_out=False):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if f32_out else weight.dtype)
 
 
-def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` for a `pack`ed weight; bf16 out."""
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  f32_out: bool = False) -> torch.Tensor:
+    """`F.linear` for a `pack`ed weight, in the weight's dtype (`f32_out`: float32, unrounded)."""
     rows = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        y = torch.ops.stagewise.linear_packed(rows, weight, bias)
+        y = torch.ops.stagewise.linear_packed(rows, weight, bias, f32_out)
     else:
-        y = _packed(rows, weight, bias)
+        y = _packed(rows, weight, bias, f32_out)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
+    """float32 logits `[R, V]` of an LM head: a packed bf16 head writes them unrounded (bf16 logits
+    of a ~25 magnitude are 0.125 apart, enough to tie or flip a near-tie greedy pick)."""
+    if packed:
+        return linear_packed(hidden, weight, None, f32_out=weight.dtype == torch.bfloat16).float()
+    return linear(hidden, weight).float()
 
 
 class Linear(torch.nn.Linear):
@@ -389,26 +497,30 @@ class Embedding(torch.nn.Embedding):
 
     packed = False
     serves_head = False
+    layout = (1, 1)       # (panel width, k per pair) once packed
 
     def pack_(self) -> bool:
-        if self.packed or not self.serves_head or not packable(self.weight) or self.weight.shape[0] % _PANEL:
+        layout = _layout(self.weight.dtype)
+        if (self.packed or not self.serves_head or layout is None or not packable(self.weight)
+                or self.weight.shape[0] % layout[0]):
             return False
         with torch.no_grad():
             self.weight.copy_(pack(self.weight))
-        self.packed = True
+        self.packed, self.layout = True, layout
         return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return super().forward(ids)
+        panel, pair = self.layout
         n, k = self.weight.shape
-        panels = self.weight.view(n // _PANEL, k // 2, _PANEL, 2)
+        panels = self.weight.view(n // panel, k // pair, panel, pair)
         flat = ids.reshape(-1)
-        return panels[flat // _PANEL, :, flat % _PANEL].reshape(*ids.shape, k)      # [..., K/2, 2] -> [..., K]
+        return panels[flat // panel, :, flat % panel].reshape(*ids.shape, k)      # [..., K/pair, pair] -> [..., K]
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of `hidden` `[R, H]` against this (tied) weight, in the weight's dtype."""
-        return linear_packed(hidden, self.weight) if self.packed else linear(hidden, self.weight)
+        """float32 logits of `hidden` `[R, H]` against this (tied) weight."""
+        return logits(hidden, self.weight, self.packed)
 
 
 def pack_linears(model: torch.nn.Module) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.cpu_gemm import Embedding, Linear
+from stagewise.model.cpu_gemm import Embedding, Linear, logits
 from stagewise.model.layers import (
     FusedLinear,
     GatedMLP,
@@ -167,9 +167,9 @@ class LlamaForCausalLM(StageModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return logits(hidden, self.lm_head.weight, self.lm_head.packed)
         assert self.embed_tokens is not None   # the last stage has a head or (tied, also first) the embedding
-        return self.embed_tokens.as_head(hidden).float()
+        return self.embed_tokens.as_head(hidden)
 
     def kv_cache_spec(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
