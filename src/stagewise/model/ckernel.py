@@ -49,6 +49,25 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }     /* never contr
 #endif
 static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 """
+# The AVX512-BF16 tile of the packed linear layers and the prefill attention: MB rows of bf16 x
+# (row stride ldx) against NV vectors of 16 columns whose (k, k+1) weight pairs lie at
+# w + kp * kstride + j * jstride, into float32 acc[MB][NV]: each row's pair broadcast, exact
+# products (vdpbf16ps), float32 sums over k in order. Kernels include it after immintrin.h.
+BF16_TILE = r"""
+#define BF16_TILE_ACC(MB, NV, x, ldx, w, kstride, jstride, npairs, acc)                          \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < NV; j++) acc[m][j] = _mm512_setzero_ps();                           \
+    for (int64_t kp = 0; kp < (npairs); kp++) {                                                 \
+        __m512bh wv_[NV];                                                                       \
+        for (int j = 0; j < NV; j++) wv_[j] = (__m512bh)_mm512_loadu_si512((w) + kp * (kstride) + j * (jstride)); \
+        for (int m = 0; m < MB; m++) {                                                          \
+            int32_t pair_;                                                                      \
+            memcpy(&pair_, (x) + m * (ldx) + 2 * kp, 4);                                        \
+            __m512bh xb_ = (__m512bh)_mm512_set1_epi32(pair_);                                  \
+            for (int j = 0; j < NV; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb_, wv_[j]);  \
+        }                                                                                       \
+    }
+"""
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

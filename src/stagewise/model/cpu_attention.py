@@ -1,13 +1,18 @@
-"""Decode attention that reads the paged KV cache in place, on CPU: a small C kernel (`ckernel`:
-built once with the system C compiler, cached, called through ctypes).
+"""Attention kernels for CPU (`ckernel`: C built once with the system C compiler, cached, called
+through ctypes).
 
-Each sequence, or each (sequence, KV head) pair when there are fewer than two sequences per
-thread, is one OpenMP task: it walks the sequence's block table, scores every cached key against
-the query heads (8-lane dot products over the head size, a multiple of 8, one independent chain
-per query head, summed in a fixed order), and accumulates the values, so no `[G, L, Hkv, D]`
-copy of the keys is ever made. Both task layouts give the same results bit for bit. float32 and
-bfloat16 (computed in float32, rounded once on output). `available()` is False where no
-compiler works: callers keep the SDPA path.
+Decode (`decode_attention`) reads the paged KV cache in place. Each sequence, or each (sequence,
+KV head) pair when there are fewer than two sequences per thread, is one OpenMP task: it walks
+the sequence's block table in chunks of 8 keys (widened to float32 once per KV head, the rows 16
+keys ahead prefetched into L2), scores them against the query heads sharing the KV head (vector
+dot products over the head size, a multiple of 8, reduced by a fixed tree), takes a vectorised
+softmax and accumulates the values, so no `[G, L, Hkv, D]` copy of the keys is ever made. Both task
+layouts give the same results bit for bit. float32 and bfloat16 (computed in float32, rounded once
+on output); 16-lane vectors on AVX-512 where the head size allows.
+
+Prefill (`prefill_attention`, bf16 on AVX512-BF16 CPUs): a fresh prompt's causal attention on
+packed key and value panels with `vdpbf16ps` tiles (see the C comment). `available()` is False
+where no compiler works: callers keep the SDPA path.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 
 from . import ckernel
 
-_SOURCE = ckernel.VEC8 + r"""
+_SOURCE = ckernel.VEC8 + ckernel.BF16_TILE + r"""
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,18 +217,7 @@ static inline v16a exp16(v16a x) {          /* exp8's polynomial, 16 lanes */
 static void atile_##MB##x##NV(const uint16_t* x, int64_t ldx, const uint16_t* pan, int64_t pstride, \
                               int64_t npairs, float* o, int64_t ldo) {                          \
     __m512 acc[MB][NV];                                                                         \
-    for (int m = 0; m < MB; m++)                                                                \
-        for (int j = 0; j < NV; j++) acc[m][j] = _mm512_setzero_ps();                           \
-    for (int64_t kp = 0; kp < npairs; kp++) {                                                   \
-        __m512bh w[NV];                                                                         \
-        for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(pan + j * pstride + 32 * kp); \
-        for (int m = 0; m < MB; m++) {                                                          \
-            int32_t pair;                                                                       \
-            memcpy(&pair, x + m * ldx + 2 * kp, 4);                                             \
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                    \
-            for (int j = 0; j < NV; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);     \
-        }                                                                                       \
-    }                                                                                           \
+    BF16_TILE_ACC(MB, NV, x, ldx, pan, 32, pstride, npairs, acc)                                \
     for (int m = 0; m < MB; m++)                                                                \
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(o + m * ldo + 16 * j, acc[m][j]);         \
 }

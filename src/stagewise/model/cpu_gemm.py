@@ -1,21 +1,24 @@
-"""float32 linear layers for steps of few rows on CPU: a C kernel that reads each weight once.
+"""Linear layers on CPU: C kernels for packed weights and for steps of few rows.
 
-A decode step of a small batch, a speculative verify step (k + 1 rows) or a prefill's LM-head row
-multiplies a handful of activation rows by every weight matrix. The weights do not fit the cache,
-so such a step is bound by reading them; MKL's sgemm costs about one full weight read per row at
-2-16 rows (SmolLM2-135M, one thread: 106 ms at 1 row, 183 ms at 2, 190 ms at 8), where this
-kernel reads every weight row once and multiplies it with all the activation rows while it is
-in registers (73, 96, 144 ms). From `MAX_ROWS` rows up MKL's blocked GEMM wins and runs instead.
-bfloat16 weights are widened in registers on CPUs without native bf16, so a decode step reads half
-the bytes (above `MAX_ROWS` rows they are widened per call for MKL); with AVX512-BF16 a third
-kernel multiplies bf16 pairs natively and serves up to `NATIVE_BF16_ROWS` rows, oneDNN above.
+Packed weights (`pack_linears`, called once the weights are loaded): bf16 on CPUs with native
+bf16 and float32 with AVX2/AVX-512 FMA, each weight is reordered in its own storage into panels
+of output columns, and one kernel serves every row count by broadcasting each activation (bf16:
+each pair of activations) against a panel's contiguous weights: no horizontal sums, one stream
+per panel, each output one chain over k in order, so a row's result does not depend on its batch.
 
-Each output is an 8-lane dot product summed in a fixed order, so a row's result does not depend
-on which other rows share the step. Kernels come from `ckernel` (cc + ctypes, cached);
-without a compiler, or for other dtypes and layouts, `linear` is `F.linear`. Under
-`torch.compile`, or under a dispatch mode that records ops, the call is the opaque op
-`stagewise::linear`, which picks the kernel by the step's row count at run time (the compiled row
-dimension is dynamic).
+Small-row kernel (weights that are not packed): a decode step of a small batch, a speculative
+verify step or a prefill's LM-head row multiplies a handful of rows by every weight matrix, and
+the weights do not fit the cache, so such a step is bound by reading them; MKL's sgemm costs about
+one full weight read per row at 2-16 rows, where this kernel reads every weight row once and
+multiplies it with all the activation rows while it is in registers. From `MAX_ROWS` rows up
+MKL's blocked GEMM runs instead. bfloat16 weights are widened in registers on CPUs without native
+bf16 (above `MAX_ROWS` rows they are widened per call for MKL); with AVX512-BF16 a variant
+multiplies bf16 pairs natively up to `NATIVE_BF16_ROWS` rows, oneDNN above.
+
+Kernels come from `ckernel` (cc + ctypes, cached); without a compiler, or for other dtypes and
+layouts, `linear` is `F.linear` and nothing is packed. Under `torch.compile`, or under a dispatch
+mode that records ops, the calls are the opaque ops `stagewise::linear` (which picks by the
+step's row count at run time: the compiled row dimension is dynamic) and `stagewise::linear_packed`.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from . import ckernel
 
 MAX_ROWS = 32      # measured crossover with MKL (fp32, AVX2, one and two threads)
 
-_SOURCE = ckernel.VEC8 + r"""
+_SOURCE = ckernel.VEC8 + ckernel.BF16_TILE + r"""
 #include <string.h>
 /* y[m, j] = x[m, :] . w[j, :] (+ b[j]) for m < MB, j < NB: NB weight rows stay in registers
    while every one of the MB activation rows uses them. Activations, bias and output are float32;
@@ -90,6 +93,21 @@ void small_linear_##NAME(const XT* x, int64_t ldx, const WT* w, const float* b, 
 TILES(TILE, f32) LINEAR(f32, float, f32_t)
 TILES(TILE, bf16) LINEAR(bf16, float, bf16_t)
 
+/* The packed kernels' task loop: tasks are (panel of up to PW columns, up to 48 rows),
+   panel-major, so a thread's panel stays in L2 while its rows pass; CALL runs one tile of mb <= 6
+   rows at row m0 against the panel at column n0, pw wide. */
+#define FOR_PACKED_TILES(PW, M, N, CALL)                                                        \
+    int64_t panels = (N + PW - 1) / PW, rows = M <= 96 ? M : 48, chunks = (M + rows - 1) / rows; \
+    _Pragma("omp parallel for schedule(static)")                                               \
+    for (int64_t t = 0; t < panels * chunks; t++) {                                             \
+        int64_t n0 = (t / chunks) * PW, pw = N - n0 < PW ? N - n0 : PW;                         \
+        int64_t m1 = (t % chunks + 1) * rows < M ? (t % chunks + 1) * rows : M;                 \
+        for (int64_t m0 = (t % chunks) * rows; m0 < m1; m0 += 6) {                              \
+            int64_t mb = m1 - m0 < 6 ? m1 - m0 : 6;                                             \
+            CALL;                                                                               \
+        }                                                                                       \
+    }
+
 /* Packed float32 weights: panels of FPANEL output columns (the last one may be half as wide),
    each [K][width]: at every k the panel's weights lie side by side. A tile of up to 6 rows x
    FPANEL columns broadcasts x[m, k] against them (two vectors of FLANES per row, 12
@@ -141,20 +159,12 @@ typedef void (*ftile_fn)(const float*, int64_t, const float*, int64_t, int64_t, 
 #define FROW(MB) {0, ftile_##MB##x1, ftile_##MB##x2}
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed w (+ b [N]); N % FLANES == 0.
-   Tasks are (panel, up to 48 rows), panel-major, as in the bf16 kernel. */
+   Tasks as in FOR_PACKED_TILES. */
 void packed_linear_f32(const float* x, int64_t ldx, const float* wp, const float* b, float* y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K) {
     static const ftile_fn tiles[7][3] = {{0}, FROW(1), FROW(2), FROW(3), FROW(4), FROW(5), FROW(6)};
-    int64_t panels = (N + FPANEL - 1) / FPANEL, rows = M <= 96 ? M : 48, chunks = (M + rows - 1) / rows;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t t = 0; t < panels * chunks; t++) {
-        int64_t n0 = (t / chunks) * FPANEL, pw = N - n0 < FPANEL ? N - n0 : FPANEL;
-        int64_t m1 = (t % chunks + 1) * rows < M ? (t % chunks + 1) * rows : M;
-        for (int64_t m0 = (t % chunks) * rows; m0 < m1; m0 += 6) {
-            int64_t mb = m1 - m0 < 6 ? m1 - m0 : 6;
-            tiles[mb][pw / FLANES](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0, y + m0 * ldy + n0, ldy);
-        }
-    }
+    FOR_PACKED_TILES(FPANEL, M, N, tiles[mb][pw / FLANES](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0,
+                                                          y + m0 * ldy + n0, ldy))
 }
 #endif
 
@@ -195,18 +205,7 @@ TILES(DPTILE, bf16dp) LINEAR(bf16dp, bf16_t, bf16_t)
 static void ptile_##MB##x##NV(const bf16_t* x, int64_t ldx, const bf16_t* wp, int64_t K,        \
                               int64_t pw, const float* b, bf16_t* y, float* y32, int64_t ldy) { \
     __m512 acc[MB][NV];                                                                         \
-    for (int m = 0; m < MB; m++)                                                                \
-        for (int j = 0; j < NV; j++) acc[m][j] = _mm512_setzero_ps();                           \
-    for (int64_t kp = 0; kp < K / 2; kp++) {                                                    \
-        __m512bh wv[NV];                                                                        \
-        for (int j = 0; j < NV; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 2 * (kp * pw + 16 * j)); \
-        for (int m = 0; m < MB; m++) {                                                          \
-            int32_t pair;                                                                       \
-            memcpy(&pair, x + m * ldx + 2 * kp, 4);                                             \
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                    \
-            for (int j = 0; j < NV; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);    \
-        }                                                                                       \
-    }                                                                                           \
+    BF16_TILE_ACC(MB, NV, x, ldx, wp, 2 * pw, 32, K / 2, acc)                                   \
     for (int m = 0; m < MB; m++)                                                                \
         for (int j = 0; j < NV; j++) {                                                          \
             __m512 r = b ? _mm512_add_ps(acc[m][j], _mm512_loadu_ps(b + 16 * j)) : acc[m][j];  \
@@ -224,22 +223,12 @@ typedef void (*ptile_fn)(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t
 
 /* y [M, N] bf16 (row stride ldy) = x [M, K] bf16 (row stride ldx) @ packed w (+ b [N] float32);
    N % 16 == 0, K % 2 == 0; with y32, float32 into it instead (logits: no bf16 rounding). Tasks
-   are (panel, up to 48 rows), panel-major, so a thread's panel stays in L2 while its rows pass;
-   tiles of up to 6 rows. */
+   are as in FOR_PACKED_TILES. */
 void packed_linear_bf16(const bf16_t* x, int64_t ldx, const bf16_t* wp, const float* b, bf16_t* y,
                         float* y32, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     static const ptile_fn tiles[7][5] = {{0}, PROW(1), PROW(2), PROW(3), PROW(4), PROW(5), PROW(6)};
-    int64_t panels = (N + PANEL - 1) / PANEL, rows = M <= 96 ? M : 48, chunks = (M + rows - 1) / rows;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t t = 0; t < panels * chunks; t++) {
-        int64_t n0 = (t / chunks) * PANEL, pw = N - n0 < PANEL ? N - n0 : PANEL;
-        int64_t m1 = (t % chunks + 1) * rows < M ? (t % chunks + 1) * rows : M;
-        for (int64_t m0 = (t % chunks) * rows; m0 < m1; m0 += 6) {
-            int64_t mb = m1 - m0 < 6 ? m1 - m0 : 6;
-            tiles[mb][pw / 16](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0, y + m0 * ldy + n0,
-                               y32 ? y32 + m0 * ldy + n0 : 0, ldy);
-        }
-    }
+    FOR_PACKED_TILES(PANEL, M, N, tiles[mb][pw / 16](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0,
+                                                     y + m0 * ldy + n0, y32 ? y32 + m0 * ldy + n0 : 0, ldy))
 }
 #endif
 """
