@@ -63,7 +63,7 @@ def linear_rows(dtype: torch.dtype, rounds: int) -> list[list]:
         row: list = [m, f"{ms['unpacked']:.1f}"]
         for name in ("oneDNN prepacked", "packed"):
             row.append(f"{ms[name]:.1f} ({ms[name] / ms['unpacked']:.2f}x)" if name in ms else "n/a")
-        row.append(f"{flops_per_row * m / min(ms.values()) / 1e9 / 1e3:.0f}")
+        row.append(f"{flops_per_row * m / (min(ms.values()) / 1e3) / 1e9:.0f}")
         rows.append(row)
     return rows
 
