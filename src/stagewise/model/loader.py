@@ -95,7 +95,8 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     model.requires_grad_(False)
     packed = cpu_gemm.pack_linears(model)
     if packed:
-        log.info("stage %d: %d bf16 linear weights prepacked for the CPU kernel", stage.rank, packed)
+        log.info("stage %d: %d %s linear weights prepacked for the CPU kernels (STAGEWISE_PACKED_WEIGHTS=0: off)",
+                 stage.rank, packed, str(model.dtype).removeprefix("torch."))
     return model
 
 
