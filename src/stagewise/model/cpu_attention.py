@@ -38,15 +38,18 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define CHUNK 8          /* keys scored, and values summed, per pass over a [CHUNK, D] tile */
 
 /* e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, 2^n from the exponent bits and a
-   degree-6 polynomial for e^r (Cephes' expf, ~1 ulp); 0 below -87 (under float32's normals). */
-static inline v8 exp8(v8 x) {
-    v8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round(x / ln2) */
-    v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v8 p = (((((r * 1.9875691500e-4f + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
-              + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.f;
-    v8i two_n = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return (v8)((v8i)(p * (v8)two_n) & (x >= -87.f));
+   degree-6 polynomial for e^r (Cephes' expf, ~1 ulp); 0 below -87 (under float32's normals).
+   VT is a float vector type, VTI the int32 vector of the same width. */
+#define EXP_KERNEL(NAME, VT, VTI)                                                                   \
+static inline VT NAME(VT x) {                                                                       \
+    VT n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round(x / ln2) */              \
+    VT r = (x - n * 0.693359375f) + n * 2.12194440e-4f;                                             \
+    VT p = (((((r * 1.9875691500e-4f + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r                \
+              + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.f; \
+    VTI two_n = (__builtin_convertvector(n, VTI) + 127) << 23;                                      \
+    return (VT)((VTI)(p * (VT)two_n) & (x >= -87.f));                                               \
 }
+EXP_KERNEL(exp8, v8, v8i)
 
 /* [sum(a[0]), ..., sum(a[7])]: a transposing tree of shuffles and adds, in a fixed order */
 static inline v8 hsum8x8(const v8* a) {
@@ -109,12 +112,12 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
    sharing it scores the chunk (CHUNK independent 8-lane chains, reduced by one transposing tree),
    a vectorised softmax per query head, then the values are summed chunk by chunk with those
    weights. Each head's arithmetic is the same whatever hpt is, so results do not depend on it. */
-#define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                                   \
+#define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                     \
 void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
           const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
           int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
-    int64_t grp = Hq / Hkv, nd = D / LANES, runs = Hkv / hpt, nq = hpt * grp;                           \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
+    int64_t grp = Hq / Hkv, nd = D / LANES, runs = Hkv / hpt, nq = hpt * grp;                       \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                \
     for (int64_t t = 0; t < G * runs; t++) {                                                        \
         int64_t b = t / runs, h0 = (t % runs) * hpt, L = seq_lens[b];                               \
         int64_t Lp = (L + CHUNK - 1) / CHUNK * CHUNK;                                               \
@@ -125,14 +128,14 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
         const T* qb = q + b * q_row + h0 * grp * D;                                                 \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++) {                                                      \
-                qv[i * nd + c] = LD(qb + i * D + LANES * c) * scale;                                    \
+                qv[i * nd + c] = LD(qb + i * D + LANES * c) * scale;                                \
                 acc[i * nd + c] = (VT){0};                                                          \
             }                                                                                       \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
             const T* rp[CHUNK];                                                                     \
-            CHUNK_ROWS(T, k, rp, j0)                                                               \
+            CHUNK_ROWS(T, k, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                    \
+                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
                 for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
                     VT dot[CHUNK] = {{0}};                                                          \
                     v8 part[CHUNK];                                                                 \
@@ -148,9 +151,9 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
         for (int64_t i = 0; i < nq; i++) softmax_row(s + i * Lp, L, Lp);                            \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
             const T* rp[CHUNK];                                                                     \
-            CHUNK_ROWS(T, v, rp, j0)                                                               \
+            CHUNK_ROWS(T, v, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                    \
+                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
                 for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
                     VT w[CHUNK];                                                                    \
                     for (int r = 0; r < CHUNK; r++) w[r] = (VT){0} + s[i * Lp + j0 + r];            \
@@ -165,7 +168,7 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
         T* ob = out + (b * Hq + h0 * grp) * D;                                                      \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t c = 0; c < nd; c++)                                                        \
-                for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]);      \
+                for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]); \
         free(qv);                                                                                   \
     }                                                                                               \
 }
@@ -178,6 +181,8 @@ DECODE_KERNEL(decode_attention_bf16, uint16_t, v8, 8, ld_bf16, fma8, FOLD8, f2bf
 /* 16 lanes where the CPU has AVX-512 (head sizes that are a multiple of 16): half the instructions */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+EXP_KERNEL(exp16, v16, v16i)
 static inline v16 ld16_f32(const float* p) { return *(const v16u*)p; }
 static inline v16 ld16_bf16(const uint16_t* p) {
     return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
@@ -201,17 +206,6 @@ DECODE_KERNEL(decode_attention16_bf16, uint16_t, v16, 16, ld16_bf16, fma16, fold
    causal mask and the softmax are float32; each probability p becomes the bf16 pair (hi, lo),
    hi + lo = p to 16 bits, against the value's (v, v), so the sum over values loses no more than
    float32 math would (one bf16 p instead measured 1.4x SDPA's error, outside bf16's noise). */
-typedef float v16a __attribute__((vector_size(64)));
-typedef int32_t v16ai __attribute__((vector_size(64)));
-static inline v16a exp16(v16a x) {          /* exp8's polynomial, 16 lanes */
-    v16a n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    v16a r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v16a p = (((((r * 1.9875691500e-4f + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
-                + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.f;
-    v16ai two_n = (__builtin_convertvector(n, v16ai) + 127) << 23;
-    return (v16a)((v16ai)(p * (v16a)two_n) & (x >= -87.f));
-}
-
 /* o[m, 16 j + c] = sum over pairs kp < npairs of x[m, 2kp .. 2kp+1] . panel_j[kp, c, 0 .. 1] */
 #define ATILE(MB, NV)                                                                           \
 static void atile_##MB##x##NV(const uint16_t* x, int64_t ldx, const uint16_t* pan, int64_t pstride, \
@@ -271,10 +265,10 @@ void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k,
                 float mx = -INFINITY, sum = 0.f;
                 for (int64_t j = 0; j < valid; j++) { sr[j] *= scale; mx = sr[j] > mx ? sr[j] : mx; }
                 for (int64_t j = valid; j < Lp; j++) sr[j] = -INFINITY;
-                v16a sv = {0};
+                v16 sv = {0};
                 for (int64_t j = 0; j < Lp; j += 16) {
-                    v16a e = exp16(*(v16a*)(sr + j) - mx);
-                    *(v16a*)(sr + j) = e;
+                    v16 e = exp16(*(v16*)(sr + j) - mx);
+                    *(v16*)(sr + j) = e;
                     sv += e;
                 }
                 for (int i = 0; i < 16; i++) sum += sv[i];

@@ -250,6 +250,7 @@ def _load() -> ctypes.CDLL | None:
                 fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
                 fn.restype = None
             if hasattr(lib, "packed_linear_f32"):
+                lib.packed_f32_panel.restype = ctypes.c_int
                 lib.packed_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
                 lib.packed_linear_f32.restype = None
             if hasattr(lib, "packed_linear_bf16"):
@@ -368,7 +369,6 @@ def _layout(dtype: torch.dtype) -> tuple[int, int] | None:
     if dtype == torch.bfloat16 and NATIVE_BF16 and hasattr(lib, "packed_linear_bf16"):
         return 64, 2
     if dtype == torch.float32 and hasattr(lib, "packed_f32_panel"):
-        lib.packed_f32_panel.restype = ctypes.c_int
         return lib.packed_f32_panel(), 1
     return None
 
@@ -378,8 +378,11 @@ def packable(weight: torch.Tensor) -> bool:
     K even) or float32 with AVX2/AVX-512 FMA (N a multiple of half a panel).
     `STAGEWISE_PACKED_WEIGHTS=0` keeps the checkpoint layout (the unpacked kernels, MKL, oneDNN)."""
     layout = None if weight.device.type != "cpu" or weight.dim() != 2 else _layout(weight.dtype)
-    return layout is not None and weight.shape[0] % (layout[0] // 2 if layout[1] == 1 else 16) == 0 \
-        and weight.shape[1] % layout[1] == 0
+    if layout is None:
+        return False
+    panel, pair = layout
+    vector = 16 if pair == 2 else panel // 2           # output columns per vector of a tile
+    return weight.shape[0] % vector == 0 and weight.shape[1] % pair == 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
