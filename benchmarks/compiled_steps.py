@@ -46,7 +46,8 @@ class Bench:
         self.fresh = iter(random_workload(2000, (32, 32), (1, 1), VOCAB, seed=7)[0])
 
     def set(self, config: str) -> None:
-        from stagewise.model import cpu_attention, cpu_gemm
+        from stagewise.kernels import attention as cpu_attention
+        from stagewise.kernels import gemm as cpu_gemm
         self.llm.engine.policy = self.policies[config.split(",")[0]]
         cpu_gemm.MAX_ROWS = 0 if "MKL GEMMs" in config else _MAX_ROWS
         cpu_attention.supports = (lambda q, cache: False) if "KV gather" in config else _SUPPORTS
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-startup", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="threads of the engine (default: its own choice)")
     args = ap.parse_args(argv)
-    from stagewise.model import cpu_attention, cpu_gemm
+    from stagewise.kernels import attention as cpu_attention
+    from stagewise.kernels import gemm as cpu_gemm
     _SUPPORTS, _MAX_ROWS = cpu_attention.supports, cpu_gemm.MAX_ROWS
     started, load0 = time.time(), os.getloadavg()[0]
     bench = Bench(args.model, args.threads)

@@ -3,9 +3,9 @@ and 3 KV heads of 64, MLP 1536, 30 layers), in one process, one configuration af
 round (best of the rounds kept), weights streamed from memory as in a real step:
 
 - linear layers: every layer's four weight matrices (fused qkv, o, fused gate/up, down) at 1 to 512
-  rows: the unpacked path (`cpu_gemm.linear`: the small-row kernel, then MKL/oneDNN), oneDNN's own
+  rows: the unpacked path (`kernels.gemm.linear`: the small-row kernel, then MKL/oneDNN), oneDNN's own
   prepacked linear (`mkldnn._linear_pointwise`, weights reordered for 32 rows), and the packed
-  kernel (`cpu_gemm.linear_packed`), for bf16 (where the CPU has native bf16) and float32;
+  kernel (`kernels.gemm.linear_packed`), for bf16 (where the CPU has native bf16) and float32;
 - decode attention at batch 32 over contexts of 150-320 tokens, 30 layers;
 - causal prefill attention (bf16 kernel against SDPA) at 64, 200 and 512 tokens.
 
@@ -41,7 +41,7 @@ def best_ms(fn, rounds: int) -> float:
 
 
 def _linear_ms(xs: dict, weights: list, onednn: list | None, packed: list | None, rounds: int) -> dict[str, float]:
-    from stagewise.model import cpu_gemm
+    from stagewise.kernels import gemm as cpu_gemm
     runs = {"unpacked": lambda: [cpu_gemm.linear(xs[w.shape[1]], w) for w in weights]}
     if onednn is not None:
         runs["oneDNN prepacked"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
@@ -52,7 +52,7 @@ def _linear_ms(xs: dict, weights: list, onednn: list | None, packed: list | None
 
 
 def linear_rows(dtype: torch.dtype, rounds: int) -> list[list]:
-    from stagewise.model import cpu_gemm
+    from stagewise.kernels import gemm as cpu_gemm
     weights = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
     packed = [cpu_gemm.pack(w) for w in weights] if cpu_gemm.packable(weights[0]) else None
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights] if dtype == torch.bfloat16 else None
@@ -69,7 +69,7 @@ def linear_rows(dtype: torch.dtype, rounds: int) -> list[list]:
 
 
 def decode_attention_ms(rounds: int) -> float:
-    from stagewise.model import cpu_attention
+    from stagewise.kernels import attention as cpu_attention
     rng = random.Random(0)
     g = 32
     lens = [rng.randint(150, 320) for _ in range(g)]
@@ -83,7 +83,7 @@ def decode_attention_ms(rounds: int) -> float:
 
 
 def _prefill_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: int) -> tuple[float, float | None]:
-    from stagewise.model import cpu_attention
+    from stagewise.kernels import attention as cpu_attention
     qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, k, v))
     sdpa = best_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=D ** -0.5, enable_gqa=True),
                    rounds)

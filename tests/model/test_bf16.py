@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from stagewise import LLM, SamplingParams
-from stagewise.model import cpu_attention, cpu_gemm
+from stagewise.kernels import attention as cpu_attention
+from stagewise.kernels import gemm as cpu_gemm
 
 PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
            list(range(10, 410, 9))]

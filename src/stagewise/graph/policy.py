@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..config import PREFILL_GRAPH_CHOICES
+from ..kernels.build import cxx_compiler
 from .buckets import decode_bucket_ladder, pick_bucket, prefill_bucket_ladder
 
 DECODE_GRAPH_CHOICES = ("off", "breakable", "full", "compiled")
@@ -96,6 +97,8 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size)
     ladder, cap = _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size)
     decode_backend = _resolve_decode_backend(decode_graph)
+    if not is_cuda and "compiled" in (backend, decode_backend) and cxx_compiler() is None:
+        backend, decode_backend = _eager_without_compiler(backend, decode_backend, logs)
     if decode_backend == "compiled" and backend == "compiled":
         decode_backend = "off"      # the compiled prefill body serves decode steps at their own size
         logs.append("decode steps replay the compiled stage body (dynamic rows)")
@@ -119,6 +122,13 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
         logs.append(f"graphs are emulated on {device_type}: no CUDA, so replay re-runs the body on the "
                     "static buffers (same fill/bind/trim code, no speed-up)")
     return GraphPolicy(backend, ladder, cap, emulated, decode_backend, decode_ladder, tuple(logs), full_slots)
+
+
+def _eager_without_compiler(backend: str, decode_backend: str, logs: list[str]) -> tuple[str, str]:
+    """Inductor's CPU code needs a C++ compiler: without one the compiled backends run eager."""
+    logs.append("graphs: eager instead of compiled, since Inductor needs a C++ compiler and none was found "
+                "($CXX, else g++, on PATH); install g++ or set CXX to compile stage bodies")
+    return ("off" if backend == "compiled" else backend), ("off" if decode_backend == "compiled" else decode_backend)
 
 
 def _warmup_sizes(cap: int) -> tuple[int, ...]:

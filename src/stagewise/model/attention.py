@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from ..kernels import attention as cpu_attention
 
 
 @dataclass

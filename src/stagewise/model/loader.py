@@ -19,7 +19,8 @@ from stagewise.checkpoint import CONTENTS as _CONTENTS
 from stagewise.checkpoint import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
 from stagewise.checkpoint import require as _require
 from stagewise.errors import CheckpointNotFoundError
-from stagewise.model import ckernel, cpu_gemm
+from stagewise.kernels import build as kernel_build
+from stagewise.model import cpu_gemm
 from stagewise.model.registry import get_model_class
 from stagewise.parallel.partition import StageInfo
 
@@ -42,7 +43,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str | torch.devic
         return dtype
     if dtype == "auto":
         if torch.device(device).type == "cpu":
-            native_bf16 = ckernel.native_bf16()     # no flags to read (not Linux): False, the safe choice
+            native_bf16 = kernel_build.native_bf16()     # no flags to read (not Linux): False, the safe choice
             wide = (getattr(hf_config, "hidden_size", None) or 0) >= BF16_MIN_HIDDEN
             return torch.bfloat16 if native_bf16 and wide and torch.backends.mkldnn.is_available() else torch.float32
         saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)

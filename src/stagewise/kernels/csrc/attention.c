@@ -1,38 +1,16 @@
-"""Attention kernels for CPU (`ckernel`: C built once with the system C compiler, cached, called
-through ctypes).
+/* Attention: decode rows against the paged KV cache in place, and the causal prefill of fresh prompts.
 
-Decode (`decode_attention`) reads the paged KV cache in place. Each sequence, or each (sequence,
-KV head) pair when there are fewer than two sequences per thread, is one OpenMP task: it walks
-the sequence's block table in chunks of 8 keys (widened to float32 once per KV head, the rows 16
-keys ahead prefetched into L2), scores them against the query heads sharing the KV head (vector
-dot products over the head size, a multiple of 8, reduced by a fixed tree), takes a vectorised
-softmax and accumulates the values, so no `[G, L, Hkv, D]` copy of the keys is ever made. Both task
-layouts give the same results bit for bit. float32 and bfloat16 (computed in float32, rounded once
-on output); 16-lane vectors on AVX-512 where the head size allows.
-
-Prefill (`prefill_attention`, bf16 on AVX512-BF16 CPUs): a fresh prompt's causal attention on
-packed key and value panels with `vdpbf16ps` tiles (see the C comment). `available()` is False
-where no compiler works: callers keep the SDPA path.
-"""
-from __future__ import annotations
-
-import ctypes
-
-import torch
-
-from . import ckernel
-
-_SOURCE = ckernel.VEC8 + ckernel.BF16_TILE + r"""
+   decode_attention_*: one query row per sequence, keys and values read through its block table
+   (8-lane vectors; 16 lanes on AVX-512 where the head size allows). It checks the block tables
+   against the pool and the lengths against the tables before reading anything.
+   prefill_attention_bf16: bf16 on AVX512-BF16 only (absent elsewhere).
+   Callers check shapes, dtypes and strides (kernels/attention.py). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline uint16_t f2bf(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);      /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1);                                                /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "vec.h"
+
 #define IDENT(x) (x)
 typedef int32_t v8i __attribute__((vector_size(32)));
 #define CHUNK 8          /* keys scored, and values summed, per pass over a [CHUNK, D] tile */
@@ -105,6 +83,22 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
         for (int64_t c = 0; c < nd; c++)                                                            \
             tile[r * nd + c] = (j0) + r < L ? LD(rp[r] + h * D + LANES * c) : (VT){0};
 
+/* 0 if every sequence b < G has 1 <= seq_lens[b] <= nblk * bs keys and the blocks it reads
+   (its first ceil(L / bs) table entries) lie in [0, num_blocks); else 1 + the first b that does not.
+   Run before any cache read, so a bad table is an error instead of an out-of-bounds read. */
+static int64_t check_tables(const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,
+                            int64_t nblk, int64_t num_blocks, int64_t bs) {
+    for (int64_t b = 0; b < G; b++) {
+        int64_t L = seq_lens[b];
+        if (L < 1 || L > nblk * bs) return b + 1;
+        for (int64_t i = 0; i < (L + bs - 1) / bs; i++) {
+            int64_t id = tables[b * tab_stride + i];
+            if (id < 0 || id >= num_blocks) return b + 1;
+        }
+    }
+    return 0;
+}
+
 /* One task per sequence and run of `hpt` KV heads (hpt = Hkv: a task per sequence, each key's
    row of all its KV heads, [Hkv, D] contiguous in its block, read once and in order; hpt = 1: a
    task per (sequence, KV head), for batches too small to keep every thread busy otherwise).
@@ -113,9 +107,11 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
    a vectorised softmax per query head, then the values are summed chunk by chunk with those
    weights. Each head's arithmetic is the same whatever hpt is, so results do not depend on it. */
 #define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                     \
-void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,                    \
-          const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,            \
-          int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
+int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks, \
+             const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,  \
+             int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
+    int64_t bad = check_tables(tables, tab_stride, seq_lens, G, nblk, num_blocks, bs);              \
+    if (bad) return bad;                                                                            \
     int64_t grp = Hq / Hkv, nd = D / LANES, runs = Hkv / hpt, nq = hpt * grp;                       \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                \
     for (int64_t t = 0; t < G * runs; t++) {                                                        \
@@ -171,6 +167,7 @@ void NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,
                 for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]); \
         free(qv);                                                                                   \
     }                                                                                               \
+    return 0;                                                                                       \
 }
 
 #define FOLD8(x) (x)
@@ -294,90 +291,3 @@ void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k,
     free(kp);
 }
 #endif
-"""
-
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    lib = ckernel.load("paged_decode", _SOURCE, "decode attention gathers KV for SDPA")
-    if lib is None:
-        return None
-    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for name in ("decode_attention_f32", "decode_attention_bf16", "decode_attention16_f32", "decode_attention16_bf16"):
-        fn = getattr(lib, name, None)       # the 16-lane kernels exist on AVX-512 CPUs only
-        if fn is None:
-            continue
-        fn.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
-        fn.restype = None
-    if hasattr(lib, "prefill_attention_bf16"):
-        lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
-        lib.prefill_attention_bf16.restype = None
-    _lib = lib
-    return lib
-
-
-def available() -> bool:
-    return _load() is not None
-
-
-def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The kernel serves CPU float32/bfloat16 with the cache's dtype, a dense head layout and a head
-    size that is a multiple of 8."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
-            and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0 and available())
-
-
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, per_sequence: bool | None = None) -> torch.Tensor:
-    """One query row per sequence: q `[G, Hq, D]`, cache `[2, nb, bs, Hkv, D]`, block_tables
-    `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`."""
-    g, hq, d = q.shape
-    _, _, bs, hkv, _ = kv_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
-    out = q.new_empty(g, hq, d)
-    # a task per sequence reads each key row once; with fewer than two sequences per thread, a
-    # task per (sequence, KV head) keeps every thread busy (the two give identical results)
-    per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
-    name = "f32" if q.dtype == torch.float32 else "bf16"
-    fn = getattr(lib, f"decode_attention16_{name}", None) if d % 16 == 0 else None
-    fn = fn or getattr(lib, f"decode_attention_{name}")
-    fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d,
-       tables.data_ptr(), tables.stride(0), lens.data_ptr(), g, hq, hkv, d, bs, scale, hkv if per_seq else 1,
-       out.data_ptr())
-    return out
-
-
-def prefill_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The causal prefill kernel serves bf16 on CPUs with AVX512-BF16, head sizes that are a
-    multiple of 16 and rows `[n, H, D]` with dense heads (any row stride)."""
-    lib = _load()
-    return (lib is not None and hasattr(lib, "prefill_attention_bf16") and q.device.type == "cpu"
-            and q.dtype == torch.bfloat16 and k.dtype == q.dtype and q.shape[-1] % 16 == 0
-            and q.shape[-2] % k.shape[-2] == 0)
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal self-attention of one fresh prompt: q `[n, Hq, D]`, k/v `[n, Hkv, D]` -> `[n, Hq, D]`."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
-    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != d:
-        k, v = k.contiguous(), v.contiguous()
-    lib = _load()
-    assert lib is not None
-    out = q.new_empty(n, hq, d)
-    if n:
-        lib.prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, hq, hkv, d,
-                                   scale, out.data_ptr(), out.stride(0))
-    return out

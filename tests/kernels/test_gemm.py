@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stagewise.model import cpu_gemm
+from stagewise.kernels import build
+from stagewise.kernels import gemm as cpu_gemm
+from stagewise.model import cpu_gemm as layers
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler for the CPU kernel")
+pytestmark = pytest.mark.skipif(build.mode() == "off", reason="STAGEWISE_KERNELS=off")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 33])
@@ -85,7 +87,7 @@ def test_dispatch(monkeypatch):
 def test_the_compiled_op_picks_by_rows_at_run_time():
     """Under torch.compile with a dynamic row dimension the call is the opaque op, and it matches
     F.linear on both sides of the crossover from one compiled graph."""
-    lin = cpu_gemm.Linear(64, 48, bias=True).requires_grad_(False)     # the engine never trains
+    lin = layers.Linear(64, 48, bias=True).requires_grad_(False)     # the engine never trains
     fn = torch.compile(lambda x: torch.relu(lin(x)), dynamic=True, fullgraph=True)
     for rows in (3, cpu_gemm.MAX_ROWS + 5):
         x = torch.randn(rows, 64)
@@ -95,7 +97,10 @@ def test_the_compiled_op_picks_by_rows_at_run_time():
 # --- prepacked weights ----------------------------------------------------------------------
 
 def _packs(dtype):
-    return pytest.mark.skipif(not cpu_gemm.packable(torch.empty(64, 32, dtype=dtype)),
+    """Skip where the CPU lacks the packed kernel's instructions (not where the kernel failed to build)."""
+    flags = build.cpu_flags()
+    has = build.native_bf16() if dtype == torch.bfloat16 else {"avx2", "fma"} <= flags or "avx512f" in flags
+    return pytest.mark.skipif(not has,
                               reason=f"no packed {dtype} kernel on this CPU (bf16: AVX512-BF16; fp32: AVX2 FMA)")
 
 
@@ -143,17 +148,17 @@ def test_layers_pack_in_place_and_the_compiled_op_matches(monkeypatch):
     storage; outputs and token lookups stay what they were, eager and under torch.compile."""
     torch.manual_seed(0)
     model = torch.nn.Module()
-    model.proj = cpu_gemm.Linear(64, 96, bias=True, dtype=torch.bfloat16).requires_grad_(False)
-    model.embed = cpu_gemm.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
-    model.plain = cpu_gemm.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
+    model.proj = layers.Linear(64, 96, bias=True, dtype=torch.bfloat16).requires_grad_(False)
+    model.embed = layers.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
+    model.plain = layers.Embedding(128, 64, dtype=torch.bfloat16).requires_grad_(False)
     model.embed.serves_head = True
     x, ids = torch.randn(5, 64).bfloat16(), torch.tensor([0, 3, 64, 127])
     before = model.proj(x), model.embed(ids), model.embed.as_head(x)
     ptr = model.proj.weight.data_ptr()
     monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")
-    assert cpu_gemm.pack_linears(model) == 0
+    assert layers.pack_linears(model) == 0
     monkeypatch.delenv("STAGEWISE_PACKED_WEIGHTS")
-    assert cpu_gemm.pack_linears(model) == 2 and model.proj.packed and model.embed.packed and not model.plain.packed
+    assert layers.pack_linears(model) == 2 and model.proj.packed and model.embed.packed and not model.plain.packed
     assert model.proj.weight.data_ptr() == ptr                  # no second copy
     assert torch.equal(model.embed(ids), before[1])
     for got, ref in ((model.proj(x), before[0]), (model.embed.as_head(x), before[2])):

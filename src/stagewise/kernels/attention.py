@@ -1,0 +1,142 @@
+"""Attention kernels (csrc/attention.c): bindings and argument checks.
+
+Decode (`decode_attention`) reads the paged KV cache in place: each sequence, or each (sequence,
+KV head) pair when there are fewer than two sequences per thread, is one OpenMP task that walks
+the sequence's block table, scores chunks of 8 keys against the query heads sharing the KV head,
+takes a vectorised softmax and sums the values; no `[G, L, Hkv, D]` copy of the keys is made, and
+both task layouts give the same results bit for bit. float32 and bfloat16 (computed in float32,
+rounded once on output). The kernel checks the block tables against the pool before reading.
+Prefill (`prefill_attention`, bf16 on AVX512-BF16 CPUs): a fresh prompt's causal attention on
+packed key and value panels. `supports` / `prefill_supports` are False where the kernel is
+missing: callers keep the SDPA path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import build
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    lib = build.library("attention", ["attention.c"])
+    if lib is None:
+        return None
+    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for name in ("decode_attention_f32", "decode_attention_bf16", "decode_attention16_f32", "decode_attention16_bf16"):
+        if hasattr(lib, name):       # the 16-lane kernels exist on AVX-512 CPUs only
+            getattr(lib, name).argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
+            getattr(lib, name).restype = i64
+    if hasattr(lib, "prefill_attention_bf16"):
+        lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
+        lib.prefill_attention_bf16.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The kernel serves CPU float32/bfloat16 with the cache's dtype, a dense head layout and a head
+    size that is a multiple of 8."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
+            and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0 and available())
+
+
+def _check_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Shapes, dtypes and layout; the kernel itself checks the tables' contents against the pool."""
+    problem = None
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        problem = "q must be [G, Hq, D] and the cache [2, num_blocks, block_size, Hkv, D]"
+    elif q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype:
+        problem = "q and the cache must be CPU float32 or bfloat16 of one dtype"
+    elif not kv_cache.is_contiguous():
+        problem = "the cache must be contiguous"
+    elif kv_cache.shape[4] != q.shape[2] or q.shape[2] % 8 or q.shape[1] % kv_cache.shape[3]:
+        problem = "the head size must match the cache's and be a multiple of 8, and Hq a multiple of Hkv"
+    elif block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        problem = "block_tables must be int64 [G, max_blocks], one row per query row"
+    elif seq_lens.dtype != torch.int64 or seq_lens.shape != q.shape[:1]:
+        problem = "seq_lens must be int64 [G], one length per query row"
+    if problem:
+        raise ValueError(f"stagewise decode attention: {problem}; got q {list(q.shape)} {q.dtype}, cache "
+                         f"{list(kv_cache.shape)} {kv_cache.dtype}, block_tables {list(block_tables.shape)} "
+                         f"{block_tables.dtype}, seq_lens {list(seq_lens.shape)} {seq_lens.dtype}.")
+
+
+def _bad_table(row: int, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> ValueError:
+    """The sentence for the kernel's refusal of sequence `row`."""
+    num_blocks, bs = kv_cache.shape[1], kv_cache.shape[2]
+    length, width = int(lens[row]), tables.shape[1]
+    if not 1 <= length <= width * bs:
+        return ValueError(f"stagewise decode attention: sequence {row} has {length} keys, but its block table "
+                          f"row holds {width} blocks of {bs} (1 to {width * bs} keys).")
+    used = tables[row, :-(-length // bs)].tolist()
+    return ValueError(f"stagewise decode attention: sequence {row} reads blocks {used}, but the cache holds "
+                      f"blocks 0..{num_blocks - 1}.")
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, per_sequence: bool | None = None) -> torch.Tensor:
+    """One query row per sequence: q `[G, Hq, D]`, cache `[2, nb, bs, Hkv, D]`, block_tables
+    `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`."""
+    _check_decode(q, kv_cache, block_tables, seq_lens)
+    g, hq, d = q.shape
+    _, nb, bs, hkv, _ = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
+    out = q.new_empty(g, hq, d)
+    # a task per sequence reads each key row once; with fewer than two sequences per thread, a
+    # task per (sequence, KV head) keeps every thread busy (the two give identical results)
+    per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
+    name = "f32" if q.dtype == torch.float32 else "bf16"
+    fn = getattr(lib, f"decode_attention16_{name}", None) if d % 16 == 0 else None
+    fn = fn or getattr(lib, f"decode_attention_{name}")
+    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d, nb,
+             tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), g, hq, hkv, d, bs, scale,
+             hkv if per_seq else 1, out.data_ptr())
+    if bad:
+        raise _bad_table(bad - 1, kv_cache, tables, lens)
+    return out
+
+
+def prefill_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The causal prefill kernel serves bf16 on CPUs with AVX512-BF16, head sizes that are a
+    multiple of 16 and rows `[n, H, D]` with dense heads (any row stride)."""
+    lib = _load()
+    return (lib is not None and hasattr(lib, "prefill_attention_bf16") and q.device.type == "cpu"
+            and q.dtype == torch.bfloat16 and k.dtype == q.dtype and q.shape[-1] % 16 == 0
+            and q.shape[-2] % k.shape[-2] == 0)
+
+
+def _check_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (q.dim() == 3 and k.dim() == 3 and k.shape == v.shape and k.shape[0] == q.shape[0]
+            and k.shape[2] == q.shape[2] and v.dtype == k.dtype and prefill_supports(q, k)):
+        raise ValueError(f"stagewise prefill attention: it needs CPU bfloat16 q [n, Hq, D] and k, v [n, Hkv, D] "
+                         f"with D a multiple of 16, Hq a multiple of Hkv, and a CPU with AVX512-BF16; got q "
+                         f"{list(q.shape)} {q.dtype}, k {list(k.shape)} {k.dtype}, v {list(v.shape)} {v.dtype}.")
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one fresh prompt: q `[n, Hq, D]`, k/v `[n, Hkv, D]` -> `[n, Hq, D]`."""
+    _check_prefill(q, k, v)
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != d:
+        k, v = k.contiguous(), v.contiguous()
+    lib = _load()
+    assert lib is not None
+    out = q.new_empty(n, hq, d)
+    if n:
+        lib.prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, hq, hkv, d,
+                                   scale, out.data_ptr(), out.stride(0))
+    return out

@@ -1,0 +1,195 @@
+"""Build and load the C kernels of `csrc/`: the system compiler, the stagewise cache, one switch.
+
+`library(name, sources)` compiles csrc files (plus `isa.c`) with `-march=native` into one shared
+library in `<cache>/kernels/`, loads it through ctypes and returns it; a later start loads it
+from the cache. The cache key covers every csrc source and header, the flags, the CPU's flags and
+the compiler's path and `--version`. The compiler writes a temporary file in the cache directory
+itself, renamed into place, so concurrent builders never load a half-written library.
+`STAGEWISE_KERNELS` (`mode()`): `auto` (default) returns None where a library cannot be built
+(one log line with the compiler's own error output) and callers fall back to PyTorch's ops;
+`required` raises `KernelError` instead, also when the compiler left out an instruction set the
+CPU has (CI sets it); `off`, or the older `STAGEWISE_CPU_KERNELS=0`, turns every kernel off.
+No torch here: the graph policy asks `c_compiler()` / `cxx_compiler()` cheaply.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("stagewise.kernels")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+# -std=c11: no floating-point contraction behind the kernels' back, so results are what the
+# code spells (FMA only where it asks for one)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+MODES = ("auto", "required", "off")
+# instruction sets the kernels have paths for, as /proc/cpuinfo and isa.c spell them
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni")
+
+
+class KernelError(RuntimeError):
+    """A kernel library could not be built or loaded while `STAGEWISE_KERNELS=required`."""
+
+
+def mode() -> str:
+    """The kernel switch: `auto`, `required` or `off` (read on every call: tests change it)."""
+    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
+        return "off"
+    value = os.environ.get("STAGEWISE_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"STAGEWISE_KERNELS must be one of {', '.join(MODES)}, got {value!r}.")
+    return value
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none to read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split(":")[-1].split())
+    except OSError:
+        return frozenset()
+
+
+def native_bf16() -> bool:
+    """The CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: `<STAGEWISE_CACHE or ~/.cache/stagewise>/kernels`."""
+    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
+    return Path(root) / "kernels"
+
+
+def c_compiler() -> str | None:
+    """The C compiler's path (`$CC`, else `cc`), or None where there is none."""
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler Inductor would use (`$CXX`, else `g++`), or None where there is none."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+@functools.cache
+def compiler_version(path: str) -> str:
+    """`<path> --version`'s first line (part of the cache key: a new compiler rebuilds)."""
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    return (out.stdout or out.stderr).strip()
+
+
+class _BuildFailed(Exception):
+    """Why a library is unavailable: `reason` for the log line, `detail` the compiler's output."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+_libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+_logged: set[str] = set()
+
+
+def library(name: str, sources: list[str] | tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library `name` built from `sources` (file names in csrc/), loaded once per process.
+
+    None where kernels are off or the build failed under `auto` (logged once); `KernelError`
+    under `required`. Symbols of an ISA the CPU lacks are absent by design: ask `hasattr`."""
+    current = mode()
+    if current == "off":
+        return None
+    key = (name, tuple(sources))
+    with _lock:
+        if key not in _libs:
+            try:
+                _libs[key] = _load(name, tuple(sources), current)
+            except _BuildFailed as exc:
+                _libs[key] = None
+                _unavailable(name, exc, current)
+        lib = _libs[key]
+    if lib is None and current == "required":
+        raise KernelError(f"CPU kernel library {name!r} is unavailable (see the first error) "
+                          "and STAGEWISE_KERNELS=required.")
+    return lib
+
+
+def _unavailable(name: str, exc: _BuildFailed, current: str) -> None:
+    message = f"CPU kernels unavailable: {exc.reason}"
+    if current == "required":
+        raise KernelError(f"{message} (STAGEWISE_KERNELS=required).{_tail(exc.detail)}")
+    if exc.reason not in _logged:        # a missing compiler is one line, not one per library
+        _logged.add(exc.reason)
+        log.warning("%s; PyTorch's own ops run instead (STAGEWISE_KERNELS=required makes this an "
+                    "error).%s", message, _tail(exc.detail))
+
+
+def _tail(detail: str, limit: int = 8000) -> str:
+    detail = detail.strip()
+    if not detail:
+        return ""
+    return "\nThe compiler said:\n" + (detail if len(detail) <= limit else "...\n" + detail[-limit:])
+
+
+def _load(name: str, sources: tuple[str, ...], current: str) -> ctypes.CDLL:
+    cc = c_compiler()
+    if cc is None:
+        raise _BuildFailed(f"no C compiler (CC={os.environ.get('CC') or 'cc'} is not on PATH)")
+    files = [CSRC / s for s in (*sources, "isa.c")]
+    try:
+        path = cache_dir() / f"{name}_{_digest(files, cc)}.so"
+        if not path.exists():
+            _build(cc, files, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _BuildFailed(f"{name!r}: {type(exc).__name__}: {exc}") from exc
+    lib.stagewise_isa.restype = ctypes.c_char_p
+    built = set(lib.stagewise_isa().decode().split())
+    missing = sorted((cpu_flags() & set(ISA_FLAGS)) - built)
+    if missing:
+        message = (f"{cc} ({compiler_version(cc).splitlines()[0]}) built {name!r} without "
+                   f"{', '.join(missing)} although this CPU has it; the kernels of that ISA are missing")
+        if current == "required":
+            raise KernelError(f"{message} (STAGEWISE_KERNELS=required).")
+        log.warning("%s: a newer compiler makes them faster.", message)
+    return lib
+
+
+def _digest(files: list[Path], cc: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted({*files, *CSRC.glob("*.h")}):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update("\0".join([*FLAGS, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)]).encode())
+    return h.hexdigest()[:16]
+
+
+def _build(cc: str, files: list[Path], path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it into place (same filesystem)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".so.tmp")
+    os.close(fd)
+    t0 = time.perf_counter()
+    try:
+        cmd = [cc, *FLAGS, "-I", str(CSRC), *map(str, files), "-o", tmp, "-lm"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.SubprocessError as exc:
+            raise _BuildFailed(f"{cc} did not finish building {path.name} ({exc})") from exc
+        if out.returncode != 0:
+            raise _BuildFailed(f"{cc} failed building {path.name} with exit status {out.returncode}",
+                               out.stderr or out.stdout)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built CPU kernels %s in %.1f s (cached in %s)", path.name, time.perf_counter() - t0, path.parent)

@@ -1,0 +1,122 @@
+"""The kernel build: a cache directory on another filesystem than $TMPDIR, the switch
+(`STAGEWISE_KERNELS` / `STAGEWISE_CPU_KERNELS`), a missing and a broken compiler (the compiler's own
+output logged, or raised under `required`), the compiler in the cache key, and an instruction set
+the compiler left out. Most cases build `isa.c` alone (`library(name, [])`): a tenth of a second."""
+import logging
+import os
+import stat
+
+import pytest
+
+from stagewise.kernels import build
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, tmp_path):
+    """A process-fresh build module: its own cache directory, no libraries loaded, nothing logged."""
+    monkeypatch.setattr(build, "_libs", {})
+    monkeypatch.setattr(build, "_logged", set())
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("STAGEWISE_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("STAGEWISE_KERNELS", "auto")
+
+
+def _script(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_cache_on_another_filesystem_than_tmpdir(monkeypatch, tmp_path):
+    """The library is compiled inside the cache directory, so a cache on tmpfs with $TMPDIR on disk
+    (the os.replace across filesystems that used to fail with EXDEV) builds and loads."""
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's temporary directory")
+    cache = f"/dev/shm/stagewise-test-{os.getpid()}"
+    monkeypatch.setenv("STAGEWISE_CACHE", cache)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    try:
+        lib = build.library("exdev", [])
+        assert lib is not None and lib.stagewise_isa() is not None
+        assert [p.suffix for p in (build.cache_dir()).iterdir()] == [".so"]     # no temporary left behind
+    finally:
+        for p in build.cache_dir().glob("*"):
+            p.unlink()
+        os.removedirs(build.cache_dir())
+
+
+def test_a_second_process_loads_from_the_cache(monkeypatch):
+    first = build.library("cached", [])
+    path = next(build.cache_dir().iterdir())
+    monkeypatch.setattr(build, "_libs", {})
+    monkeypatch.setattr(build, "_build", lambda *a: pytest.fail("rebuilt a cached library"))
+    assert first is not None and build.library("cached", []) is not None and path.exists()
+
+
+def test_switch(monkeypatch):
+    monkeypatch.setenv("STAGEWISE_KERNELS", "off")
+    assert build.mode() == "off" and build.library("off", []) is None
+    monkeypatch.setenv("STAGEWISE_KERNELS", "required")
+    monkeypatch.setenv("STAGEWISE_CPU_KERNELS", "0")            # the older spelling of off still wins
+    assert build.mode() == "off"
+    monkeypatch.delenv("STAGEWISE_CPU_KERNELS")
+    monkeypatch.setenv("STAGEWISE_KERNELS", "sometimes")
+    with pytest.raises(ValueError, match="STAGEWISE_KERNELS must be one of auto, required, off"):
+        build.mode()
+
+
+def test_no_compiler_is_one_log_line_or_an_error(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="stagewise.kernels"):
+        assert build.library("one", []) is None and build.library("two", []) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no C compiler (CC=/nonexistent/cc is not on PATH)" in lines[0]
+    monkeypatch.setenv("STAGEWISE_KERNELS", "required")
+    with pytest.raises(build.KernelError, match="no C compiler"):
+        build.library("three", [])
+
+
+def test_a_broken_compiler_is_logged_with_its_own_output(monkeypatch, tmp_path, caplog):
+    cc = _script(tmp_path / "badcc", 'if [ "$1" = --version ]; then echo "badcc 1.0"; exit 0; fi\n'
+                                     'echo "gemm.c:12:3: error: the compiler says no" >&2; exit 1\n')
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.WARNING, logger="stagewise.kernels"):
+        assert build.library("broken", []) is None
+    assert "exit status 1" in caplog.text and "gemm.c:12:3: error: the compiler says no" in caplog.text
+    assert list(build.cache_dir().iterdir()) == []                # the temporary file is gone
+    monkeypatch.setattr(build, "_libs", {})
+    monkeypatch.setenv("STAGEWISE_KERNELS", "required")
+    with pytest.raises(build.KernelError, match="(?s)exit status 1.*the compiler says no"):
+        build.library("broken", [])
+    with pytest.raises(build.KernelError, match="unavailable"):   # and on every later call
+        build.library("broken", [])
+
+
+def test_the_compiler_and_its_version_are_in_the_cache_key(monkeypatch, tmp_path):
+    paths = []
+    for version in ("1", "2"):
+        cc = _script(tmp_path / f"cc{version}", f'if [ "$1" = --version ]; then echo "cc {version}"; exit 0; fi\n'
+                                                'exec cc "$@"\n')
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setattr(build, "_libs", {})
+        assert build.library("keyed", []) is not None
+        paths.append(sorted(build.cache_dir().iterdir()))
+    assert len(paths[0]) == 1 and len(paths[1]) == 2
+
+
+def test_an_instruction_set_the_cpu_has_but_the_build_lacks(monkeypatch, tmp_path, caplog):
+    """A compiler that leaves out an ISA the CPU has: logged under auto (the library still loads,
+    without those kernels), an error under required. An ISA the CPU lacks is not missing."""
+    if "avx2" not in build.cpu_flags():
+        pytest.skip("the CPU has no AVX2 to leave out")
+    cc = _script(tmp_path / "oldcc", 'exec cc "$@" -mno-avx2\n')
+    monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.WARNING, logger="stagewise.kernels"):
+        assert build.library("old", []) is not None
+    assert "without avx2" in caplog.text
+    monkeypatch.setattr(build, "_libs", {})
+    monkeypatch.setenv("STAGEWISE_KERNELS", "required")
+    with pytest.raises(build.KernelError, match="without avx2"):
+        build.library("old", [])
+    monkeypatch.setenv("CC", "cc")
+    assert build.library("current", []) is not None            # the real compiler misses nothing
