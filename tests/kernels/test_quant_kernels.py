@@ -1,33 +1,177 @@
-"""Quantized linear against `F.linear` on the dequantized weight, and its argument checks."""
+"""The quantized linear kernels against `F.linear` on the dequantized weight, for every type, every
+instruction-set build this CPU runs (AVX-512 with and without VNNI, AVX2, portable C) and the row
+counts a step uses; batch invariance; and the checks at the kernels' boundary.
+
+Tolerances, from the arithmetic: exact mode sums fp32 products of the exactly dequantized weights,
+so it is within the fp32 dot-product bound K * 2^-24 * sum|x||w| of the float64 product. Fast mode
+rounds each activation to x' = d * q with d = max|x| / 127 per 32 (|x - x'| <= d / 2), then sums
+exactly in integers: so it is within sum_chunks d/2 * sum|w| of the true product, and within fp32
+rounding of the same computation done in float64 on x' (`_fast_oracle`)."""
 import pytest
 import torch
-import torch.nn.functional as F
 from quant_blocks import TYPES, random_blocks
 
-from stagewise.kernels import quant
-from stagewise.kernels.quant import QuantizedWeight
+from stagewise.kernels import quant, quant_kernels
+from stagewise.kernels.quant import QuantizedWeight, T
+
+VARIANTS = [v for v in quant_kernels.VARIANTS if quant_kernels.variant_runs_here(v)]
+ROWS = [1, 2, 3, 4, 7, 8, 16, 32, 33, 64, 200, 512]
 
 
 def _weight(qtype, n, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return QuantizedWeight.from_gguf(random_blocks(qtype, n, k, gen), qtype, (n, k))
+    return QuantizedWeight.from_gguf(random_blocks(qtype, n, k, gen), qtype, (n, k)).pack()
+
+
+def _activations(x):
+    """The kernels' activation rounding, in float64: per 32, d = max|x| / 127, q = round-half-even(x / d)."""
+    chunks = x.double().reshape(x.shape[0], -1, 32)
+    amax = chunks.abs().amax(-1, keepdim=True).float().double()
+    d = (amax.float() / 127).double()
+    inverse = torch.where(amax > 0, (127 / amax.float()).double(), 0.0)
+    q = torch.round((chunks.float() * inverse.float()).double())
+    return (q * d).reshape(x.shape), d.reshape(x.shape[0], -1)
+
+
+def _fast_oracle(x, w64):
+    return _activations(x)[0] @ w64.T
+
+
+def _fast_bound(x, w64):
+    """sum over chunks of d/2 * sum |w|: the activation rounding's worst effect on each output."""
+    d = _activations(x)[1]
+    return (d / 2) @ w64.abs().reshape(w64.shape[0], -1, 32).sum(-1).T
+
+
+def _fp32_bound(x, w64, k):
+    return k * 2.0 ** -24 * (x.double().abs() @ w64.abs().T) + 1e-30
+
+
+def _check(qtype, n, k, rows, variant, seed=0):
+    w = _weight(qtype, n, k, seed)
+    w64 = quant.dequantize(w).double()
+    gen = torch.Generator().manual_seed(seed + rows)
+    x = torch.randn(rows, k, generator=gen)
+    exact = quant_kernels.run_linear(x, w.data, None, int(qtype), n, True, False, variant).double()
+    assert ((exact - x.double() @ w64.T).abs() <= _fp32_bound(x, w64, k)).all()
+    fast = quant_kernels.run_linear(x, w.data, None, int(qtype), n, False, False, variant).double()
+    oracle = _fast_oracle(x, w64)
+    assert ((fast - oracle).abs() <= _fp32_bound(_activations(x)[0], w64, k) * 4).all()
+    assert ((fast - x.double() @ w64.T).abs() <= _fast_bound(x, w64) + _fp32_bound(x, w64, k) * 4).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("packed", [False, True])
-def test_exact_equals_f_linear(qtype, packed):
-    w = _weight(qtype, 37, 256)
-    w = w.pack() if packed else w
-    gen = torch.Generator().manual_seed(1)
-    x, b = torch.randn(5, 256, generator=gen), torch.randn(37, generator=gen)
-    ref = F.linear(x, quant.dequantize(w), b)
-    torch.testing.assert_close(quant.linear(x, w, b, exact=True), ref, rtol=1e-5, atol=1e-4)
-    y = quant.linear(x.bfloat16().reshape(1, 5, 256), w, exact=True)
-    assert y.dtype == torch.bfloat16 and y.shape == (1, 5, 37)
-    assert quant.linear(x.bfloat16(), w, f32_out=True).dtype == torch.float32
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_kernel_every_row_count(qtype, rows):
+    _check(qtype, 70, 512, rows, "native")
 
 
-def test_wrong_k_raises():
-    w = _weight(quant.T.Q4_0, 16, 64)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k,rows", [(1, 256, 1), (37, 768, 5), (64, 256, 13), (100, 256, 200)])
+def test_every_build_odd_shapes(variant, qtype, n, k, rows):
+    _check(qtype, n, k, rows, variant, seed=n + k)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_blocks_of_32_take_any_k(qtype):
+    _check(qtype, 40, 96, 9, "native")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("exact", [False, True])
+def test_batch_invariance(variant, exact):
+    """A row's output is bit-identical alone, in any batch, on one or two threads."""
+    w = _weight(T.Q4_K, 96, 512)
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(2))
+    run = lambda rows: quant_kernels.run_linear(rows, w.data, None, int(T.Q4_K), 96, exact, False, variant)
+    full = run(x)
+    for i in (0, 5, 36):
+        assert torch.equal(run(x[i:i + 1]), full[i:i + 1])
+    assert torch.equal(run(x[3:10]), full[3:10])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(run(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_dtypes_and_bias(exact):
+    w = _weight(T.Q6_K, 50, 256)
+    gen = torch.Generator().manual_seed(3)
+    x, b = torch.randn(6, 256, generator=gen).bfloat16(), torch.randn(50, generator=gen)
+    run = lambda *a: quant_kernels.run_linear(*a)
+    f32 = run(x.float(), w.data, b, int(T.Q6_K), 50, exact, True)
+    assert torch.equal(run(x, w.data, b, int(T.Q6_K), 50, exact, True), f32)          # bf16 rows read exactly
+    assert torch.equal(run(x, w.data, b, int(T.Q6_K), 50, exact, False), f32.bfloat16())  # one rounding
+    unbiased = run(x.float(), w.data, None, int(T.Q6_K), 50, exact, True)
+    torch.testing.assert_close(f32, unbiased + b, rtol=0, atol=1e-5 * f32.abs().max().item())
+    assert run(x[:0], w.data, b, int(T.Q6_K), 50, exact, False).shape == (0, 50)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_kernel(variant, qtype):
+    w = _weight(qtype, 40, 256)
+    ids = torch.tensor([39, 0, 17, 17, 33])
+    ref = quant.dequantize(w)[ids]
+    assert torch.equal(quant_kernels.run_dequant_rows(w.data, int(qtype), 40, 256, ids, torch.float32, variant), ref)
+    got = quant_kernels.run_dequant_rows(w.data, int(qtype), 40, 256, ids, torch.bfloat16, variant)
+    assert torch.equal(got, ref.bfloat16())
+    with pytest.raises(IndexError, match="Row ids"):
+        quant_kernels.run_dequant_rows(w.data, int(qtype), 40, 256, torch.tensor([40]), torch.float32, variant)
+
+
+def test_linear_dispatch():
+    """`quant.linear` runs the kernel on packed weights and the dequantizing reference on file rows."""
+    w = _weight(T.Q5_0, 37, 256)
+    rows = QuantizedWeight.from_gguf(random_blocks(T.Q5_0, 37, 256, torch.Generator().manual_seed(0)), T.Q5_0,
+                                     (37, 256))
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(4))
+    got = quant.linear(x, w, exact=True)
+    assert got.shape == (2, 3, 37)
+    torch.testing.assert_close(got, quant.linear(x, rows, exact=True), rtol=1e-5, atol=1e-5)
+    assert torch.equal(quant.linear(x, w), quant_kernels.run_linear(x.reshape(6, 256), w.data, None, int(T.Q5_0),
+                                                                    37, False, False).view(2, 3, 37))
+
+
+def test_boundary_checks():
+    w = _weight(T.Q4_0, 40, 256)
+    x = torch.randn(3, 256)
+    call = lambda x=x, data=w.data, bias=None, n=40: quant_kernels.run_linear(x, data, bias, int(T.Q4_0), n, False,
+                                                                             False)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        call(x.double())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        call(x[0])
+    with pytest.raises(ValueError, match="must match the weight"):
+        call(torch.randn(3, 512))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        call(torch.randn(3, 250))
+    with pytest.raises(ValueError, match="unit column stride"):
+        call(torch.randn(256, 3).T)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        call(data=w.data[:, :-1])
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        call(data=w.data.T.contiguous().T)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        call(n=70)
+    with pytest.raises(ValueError, match="bias"):
+        call(bias=torch.randn(39))
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        quant_kernels.run_linear(x, w.data, None, int(T.IQ4_NL), 40, False, False)
     with pytest.raises(ValueError, match="features"):
-        quant.linear(torch.randn(2, 32), w)
+        quant.linear(torch.randn(2, 128), w)
+
+
+@pytest.mark.slow
+def test_compiled_call_is_one_op():
+    """Under torch.compile the quantized linear is the opaque op and gives the eager result."""
+    w = _weight(T.Q8_0, 64, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    fn = lambda x, data: torch.ops.stagewise.qlinear(x, data, None, int(T.Q8_0), 64, True, False, False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x, w.data), quant.linear(x, w))
+    assert torch.equal(compiled(x[:2], w.data), quant.linear(x[:2], w))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import quant_formats as formats
-from . import quant_pack
+from . import quant_kernels, quant_pack
 from .quant_formats import SUPPORTED, T
 
 # --quantization kinds -> the format each is stored in (both per-32-element blocks: Q8_0's per-block
@@ -75,7 +75,7 @@ class QuantizedWeight:
         if self.packed:
             return self
         n, k = self.shape
-        step = _ROWS_AT_ONCE // quant_pack.PANEL * quant_pack.PANEL
+        step = _ROWS_AT_ONCE // quant_pack.ROW_ALIGN * quant_pack.ROW_ALIGN
         out = torch.empty(quant_pack.num_panels(n), quant_pack.panel_bytes(self.qtype, k), dtype=torch.uint8)
         for start in range(0, n, step):
             fields = formats.decode(self.data[start:start + step], self.qtype, k)
@@ -127,6 +127,8 @@ def dequantize_rows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = 
     flat = ids.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
         raise IndexError(f"Row ids must lie in [0, {n}); got {int(flat.min())} .. {int(flat.max())}.")
+    if w.packed and quant_kernels.available():
+        return quant_kernels.run_dequant_rows(w.data, int(w.qtype), n, k, flat, dtype).reshape(*ids.shape, k)
     if not w.packed:
         rows = formats.values(formats.decode(w.data[flat], w.qtype, k))
     else:
@@ -147,6 +149,9 @@ def _reference(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, q
 
 def _qlinear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int, packed: bool,
              exact: bool, f32_out: bool) -> torch.Tensor:
+    if packed and quant_kernels.available():
+        return quant_kernels.run_linear(x, data, bias, qtype, n, exact, f32_out)
+    quant_kernels.check_linear(x, data, bias, qtype, n, packed)
     return _reference(x, data, bias, qtype, n, packed, exact, f32_out)
 
 

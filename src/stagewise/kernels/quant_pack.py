@@ -10,7 +10,7 @@ the file: Q4 nibbles pair vector g with g + 4 in one byte; the 5th bits of a chu
 Q8_0 keeps its 8 vectors (int8 + 128). Scales come first: per chunk the 16 rows' fp16 d (and m);
 per 256 for the K types: fp16 d, dmin, then the 6-bit scale/min codes widened to bytes, [8][16]
 each (Q6_K: int8 [16][16]): Q4_K/Q5_K panels are 1.03/1.02x the file's bytes, the others equal.
-A matrix whose N is not a multiple of 16 gets zero rows (zero scales) up to the next panel.
+A matrix whose N is not a multiple of 32 gets zero rows (zero scales) up to a whole pair of panels.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .quant_formats import BITS, K_TYPES, Fields, T
 
 PANEL = 16          # rows per panel
 CHUNK = 32          # K elements per chunk (one activation block)
+ROW_ALIGN = 32      # rows are padded to whole pairs of panels: a kernel tile is two panels wide
 
 
 def _has_min(qtype: T) -> bool:
@@ -48,7 +49,7 @@ def panel_bytes(qtype: T, k: int) -> int:
 
 
 def num_panels(n: int) -> int:
-    return -(-n // PANEL)
+    return -(-n // ROW_ALIGN) * (ROW_ALIGN // PANEL)
 
 
 def _groups(q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+/* Navigating a packed panel (16 rows; layout described in quant_pack.py): where a chunk's scales
+   and codes lie, the 64-byte code operand of one group of 4 k's, and a chunk's float values. */
+#pragma once
+#include "quant_simd.h"
+
+#define INLINE_L static inline __attribute__((always_inline))
+#define PANEL 16        /* rows (output columns) per panel */
+#define CHUNK 32        /* k per chunk */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml's ids */
+
+INLINE_L int is_k(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+INLINE_L int has_min(int qt) { return qt == Q4_1 || qt == Q5_1; }
+INLINE_L int code_bits(int qt) {
+    return qt == Q8_0 ? 8 : qt == Q6_K ? 6 : (qt == Q5_0 || qt == Q5_1 || qt == Q5_K) ? 5 : 4;
+}
+INLINE_L int64_t code_bytes(int qt) { return code_bits(qt) == 8 ? 512 : code_bits(qt) == 6 ? 384 : code_bits(qt) == 5 ? 320 : 256; }
+/* scales before each chunk (32-block types) or each 256 (K types) */
+INLINE_L int64_t head_bytes(int qt) {
+    return (qt == Q4_K || qt == Q5_K) ? 320 : qt == Q6_K ? 288 : has_min(qt) ? 64 : 32;
+}
+static inline int64_t panel_bytes(int qt, int64_t K) {
+    if (is_k(qt)) return K / 256 * head_bytes(qt) + K / CHUNK * code_bytes(qt);
+    return K / CHUNK * (head_bytes(qt) + code_bytes(qt));
+}
+int64_t quant_panel_bytes(int qt, int64_t K) { return panel_bytes(qt, K); }
+
+INLINE_L const uint8_t* chunk_head(int qt, const uint8_t* panel, int64_t c) {
+    if (is_k(qt)) return panel + (c / 8) * (head_bytes(qt) + 8 * code_bytes(qt));
+    return panel + c * (head_bytes(qt) + code_bytes(qt));
+}
+INLINE_L const uint8_t* chunk_codes(int qt, const uint8_t* panel, int64_t c) {
+    return chunk_head(qt, panel, c) + head_bytes(qt) + (is_k(qt) ? (c % 8) * code_bytes(qt) : 0);
+}
+
+/* Chunk c's per-column scales: d (and m) for the 32-block types; for Q4_K/Q5_K d * sc and
+   dmin * min of the chunk's sub-block; for Q6_K d * sc of its two halves (dw, dw2). */
+INLINE_L void chunk_scales(int qt, const uint8_t* panel, int64_t c, pvf* dw, pvf* mw, pvf* dw2) {
+    const uint8_t* head = chunk_head(qt, panel, c);
+    int64_t sub = c % 8;
+    if (qt == Q4_K || qt == Q5_K) {
+        *dw = pvf_mul(pvf_f16(head), pvf_u8(head + 64 + 16 * sub));
+        *mw = pvf_mul(pvf_f16(head + 32), pvf_u8(head + 192 + 16 * sub));
+    } else if (qt == Q6_K) {
+        pvf d = pvf_f16(head);
+        *dw = pvf_mul(d, pvf_i8(head + 32 + 32 * sub));
+        *dw2 = pvf_mul(d, pvf_i8(head + 48 + 32 * sub));
+    } else {
+        *dw = pvf_f16(head);
+        if (has_min(qt)) *mw = pvf_f16(head + 32);
+    }
+}
+
+/* The codes (unsigned, as stored) of group g (k = 4g .. 4g+3 of the chunk) for 16 columns:
+   byte 4r + i = column r's code at k = 4g + i. */
+INLINE_L pvi chunk_operand(int qt, const uint8_t* codes, int g) {
+    if (code_bits(qt) == 8) return pvi_load(codes + 64 * g);
+    pvi v = pvi_load(codes + 64 * (g & 3)), low = pvi_byte(15);
+    pvi q = g < 4 ? pvi_and(v, low) : pvi_and(pvi_srl16(v, 4), low);
+    if (code_bits(qt) == 5) {              /* bit g of each byte -> bit 4 */
+        pvi h = pvi_load(codes + 256);
+        h = g <= 4 ? pvi_sll16(h, 4 - g) : pvi_srl16(h, g - 4);
+        q = pvi_or(q, pvi_and(h, pvi_byte(0x10)));
+    } else if (code_bits(qt) == 6) {       /* bits 2t, 2t+1 of vector g / 4 -> bits 4, 5 */
+        int t = g & 3;
+        pvi h = pvi_load(codes + 256 + 64 * (g >> 2));
+        h = t <= 2 ? pvi_sll16(h, 4 - 2 * t) : pvi_srl16(h, 2);
+        q = pvi_or(q, pvi_and(h, pvi_byte(0x30)));
+    }
+    return q;
+}
+
+/* Chunk c of a panel -> out [32][16] float32, each value computed as gguf-py computes it (the
+   products are exact in float32, so one fused rounding equals its separate ones). */
+INLINE_L void dequant_chunk(int qt, const uint8_t* panel, int64_t c, float* out) {
+    pvf dw, mw = pvf_zero(), dw2 = pvf_zero();
+    chunk_scales(qt, panel, c, &dw, &mw, &dw2);
+    const uint8_t* codes = chunk_codes(qt, panel, c);
+    int offset = qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 ? 128 : qt == Q6_K ? 32 : 0;
+    for (int g = 0; g < 8; g++) {
+        pvi op = chunk_operand(qt, codes, g);
+        for (int i = 0; i < 4; i++) {
+            pvi code = pvi_and(pvi_srl32(op, 8 * i), pvi_set32(255));
+            pvf v;
+            if (has_min(qt))
+                v = pvf_fma(pvi_float(code), dw, mw);                   /* d q + m */
+            else if (qt == Q4_K || qt == Q5_K)
+                v = pvf_fms(pvi_float(code), dw, mw);                   /* (d sc) q - dmin m */
+            else
+                v = pvf_mul(pvi_float(pvi_sub32(code, pvi_set32(offset))), qt == Q6_K && g >= 4 ? dw2 : dw);
+            pvf_store(out + (4 * g + i) * PANEL, v);
+        }
+    }
+}

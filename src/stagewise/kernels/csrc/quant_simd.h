@@ -1,0 +1,196 @@
+/* Panel vectors for the quantized kernels: 64 bytes = 16 int32/float lanes = one 16-row panel's
+   columns. One implementation per instruction set, chosen when the library is compiled:
+   AVX-512 (one zmm; vpdpbusd with AVX512-VNNI, maddubs + madd without), AVX2 (two ymm; maddubs +
+   madd) and portable C (GCC vector extensions, scalar dot products). The kernels use only these. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(QUANT_PORTABLE)
+#include <immintrin.h>
+#define QUANT_ISA "avx512"
+#define QUANT_WIDE 1
+typedef __m512i pvi;        /* 64 bytes / 32 int16 / 16 int32 */
+typedef __m512 pvf;         /* 16 floats */
+static inline pvi pvi_load(const void* p) { return _mm512_loadu_si512(p); }
+static inline pvi pvi_and(pvi a, pvi b) { return _mm512_and_si512(a, b); }
+static inline pvi pvi_or(pvi a, pvi b) { return _mm512_or_si512(a, b); }
+static inline pvi pvi_xor(pvi a, pvi b) { return _mm512_xor_si512(a, b); }
+static inline pvi pvi_srl16(pvi a, int n) { return _mm512_srli_epi16(a, n); }
+static inline pvi pvi_sll16(pvi a, int n) { return _mm512_slli_epi16(a, n); }
+static inline pvi pvi_srl32(pvi a, int n) { return _mm512_srli_epi32(a, n); }
+static inline pvi pvi_byte(int c) { return _mm512_set1_epi8((char)c); }
+static inline pvi pvi_set32(int32_t c) { return _mm512_set1_epi32(c); }
+static inline pvi pvi_zero(void) { return _mm512_setzero_si512(); }
+static inline pvi pvi_sub32(pvi a, pvi b) { return _mm512_sub_epi32(a, b); }
+static inline pvf pvi_float(pvi a) { return _mm512_cvtepi32_ps(a); }
+#ifdef __AVX512VNNI__
+#define QUANT_VNNI 1
+/* acc + per lane the sum of 4 products of unsigned w bytes and signed x bytes */
+static inline pvi dot4(pvi acc, pvi w, pvi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+static inline pvi dot4(pvi acc, pvi w, pvi x) {       /* |products| <= 63 * 127 * 2: no saturation */
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+/* acc + sums of 4 products of signed w and x bytes (|x| <= 127): |w| times x with w's sign */
+static inline pvi dot4s(pvi acc, pvi w, pvi x) {
+    __mmask64 neg = _mm512_movepi8_mask(w);
+    pvi sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    return dot4(acc, _mm512_abs_epi8(w), sx);
+}
+#endif
+static inline pvf pvf_zero(void) { return _mm512_setzero_ps(); }
+static inline pvf pvf_set(float c) { return _mm512_set1_ps(c); }
+static inline pvf pvf_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void pvf_store(float* p, pvf a) { _mm512_storeu_ps(p, a); }
+static inline pvf pvf_add(pvf a, pvf b) { return _mm512_add_ps(a, b); }
+static inline pvf pvf_mul(pvf a, pvf b) { return _mm512_mul_ps(a, b); }
+static inline pvf pvf_fma(pvf a, pvf b, pvf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline pvf pvf_fnma(pvf a, pvf b, pvf c) { return _mm512_fnmadd_ps(a, b, c); }     /* c - a b */
+static inline pvf pvf_fms(pvf a, pvf b, pvf c) { return _mm512_fmsub_ps(a, b, c); }      /* a b - c */
+static inline pvf pvf_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline pvf pvf_u8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline pvf pvf_i8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(QUANT_PORTABLE)
+#include <immintrin.h>
+#define QUANT_ISA "avx2"
+#define QUANT_WIDE 0
+typedef struct { __m256i a, b; } pvi;
+typedef struct { __m256 a, b; } pvf;
+static inline pvi pvi_load(const void* p) { return (pvi){ _mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1) }; }
+static inline pvi pvi_and(pvi x, pvi y) { return (pvi){ _mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b) }; }
+static inline pvi pvi_or(pvi x, pvi y) { return (pvi){ _mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b) }; }
+static inline pvi pvi_xor(pvi x, pvi y) { return (pvi){ _mm256_xor_si256(x.a, y.a), _mm256_xor_si256(x.b, y.b) }; }
+static inline pvi pvi_srl16(pvi x, int n) { return (pvi){ _mm256_srli_epi16(x.a, n), _mm256_srli_epi16(x.b, n) }; }
+static inline pvi pvi_sll16(pvi x, int n) { return (pvi){ _mm256_slli_epi16(x.a, n), _mm256_slli_epi16(x.b, n) }; }
+static inline pvi pvi_srl32(pvi x, int n) { return (pvi){ _mm256_srli_epi32(x.a, n), _mm256_srli_epi32(x.b, n) }; }
+static inline pvi pvi_byte(int c) { __m256i v = _mm256_set1_epi8((char)c); return (pvi){ v, v }; }
+static inline pvi pvi_set32(int32_t c) { __m256i v = _mm256_set1_epi32(c); return (pvi){ v, v }; }
+static inline pvi pvi_zero(void) { return (pvi){ _mm256_setzero_si256(), _mm256_setzero_si256() }; }
+static inline pvi pvi_sub32(pvi x, pvi y) { return (pvi){ _mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b) }; }
+static inline pvf pvi_float(pvi x) { return (pvf){ _mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b) }; }
+static inline __m256i dot4_256(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+static inline pvi dot4(pvi acc, pvi w, pvi x) { return (pvi){ dot4_256(acc.a, w.a, x.a), dot4_256(acc.b, w.b, x.b) }; }
+static inline pvi dot4s(pvi acc, pvi w, pvi x) {
+    return (pvi){ dot4_256(acc.a, _mm256_sign_epi8(w.a, w.a), _mm256_sign_epi8(x.a, w.a)),
+                  dot4_256(acc.b, _mm256_sign_epi8(w.b, w.b), _mm256_sign_epi8(x.b, w.b)) };
+}
+static inline pvf pvf_zero(void) { return (pvf){ _mm256_setzero_ps(), _mm256_setzero_ps() }; }
+static inline pvf pvf_set(float c) { __m256 v = _mm256_set1_ps(c); return (pvf){ v, v }; }
+static inline pvf pvf_load(const float* p) { return (pvf){ _mm256_loadu_ps(p), _mm256_loadu_ps(p + 8) }; }
+static inline void pvf_store(float* p, pvf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline pvf pvf_add(pvf x, pvf y) { return (pvf){ _mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b) }; }
+static inline pvf pvf_mul(pvf x, pvf y) { return (pvf){ _mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b) }; }
+static inline pvf pvf_fma(pvf x, pvf y, pvf z) { return (pvf){ _mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b) }; }
+static inline pvf pvf_fnma(pvf x, pvf y, pvf z) { return (pvf){ _mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b) }; }
+static inline pvf pvf_fms(pvf x, pvf y, pvf z) { return (pvf){ _mm256_fmsub_ps(x.a, y.a, z.a), _mm256_fmsub_ps(x.b, y.b, z.b) }; }
+static inline pvf pvf_f16(const void* p) {
+    const __m128i* h = (const __m128i*)p;
+    return (pvf){ _mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)) };
+}
+static inline pvf pvf_u8(const void* p) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return (pvf){ _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))) };
+}
+static inline pvf pvf_i8(const void* p) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return (pvf){ _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))) };
+}
+
+#else
+#define QUANT_ISA "portable"
+#pragma GCC diagnostic ignored "-Wpsabi"     /* 64-byte vectors between inlined helpers only */
+#define QUANT_WIDE 0
+typedef uint8_t pvi __attribute__((vector_size(64)));
+typedef float pvf __attribute__((vector_size(64)));
+typedef int32_t pv32 __attribute__((vector_size(64)));
+typedef uint16_t pv16 __attribute__((vector_size(64)));
+static inline pvi pvi_load(const void* p) { pvi v; memcpy(&v, p, 64); return v; }
+static inline pvi pvi_and(pvi a, pvi b) { return a & b; }
+static inline pvi pvi_or(pvi a, pvi b) { return a | b; }
+static inline pvi pvi_xor(pvi a, pvi b) { return a ^ b; }
+static inline pvi pvi_srl16(pvi a, int n) { return (pvi)((pv16)a >> n); }
+static inline pvi pvi_sll16(pvi a, int n) { return (pvi)((pv16)a << n); }
+static inline pvi pvi_srl32(pvi a, int n) { return (pvi)((uint32_t __attribute__((vector_size(64))))a >> n); }
+static inline pvi pvi_byte(int c) { return (pvi){} + (uint8_t)c; }
+static inline pvi pvi_set32(int32_t c) { return (pvi)((pv32){} + c); }
+static inline pvi pvi_zero(void) { return (pvi){}; }
+static inline pvi pvi_sub32(pvi a, pvi b) { return (pvi)((pv32)a - (pv32)b); }
+static inline pvf pvi_float(pvi a) {
+    pv32 v = (pv32)a; pvf r;
+    for (int l = 0; l < 16; l++) r[l] = (float)v[l];
+    return r;
+}
+static inline pvi dot4(pvi acc, pvi w, pvi x) {
+    pv32 r = (pv32)acc;
+    for (int l = 0; l < 16; l++)
+        for (int i = 0; i < 4; i++) r[l] += (int32_t)w[4 * l + i] * (int8_t)x[4 * l + i];
+    return (pvi)r;
+}
+static inline pvi dot4s(pvi acc, pvi w, pvi x) {
+    pv32 r = (pv32)acc;
+    for (int l = 0; l < 16; l++)
+        for (int i = 0; i < 4; i++) r[l] += (int8_t)w[4 * l + i] * (int8_t)x[4 * l + i];
+    return (pvi)r;
+}
+static inline pvf pvf_zero(void) { return (pvf){}; }
+static inline pvf pvf_set(float c) { return (pvf){} + c; }
+static inline pvf pvf_load(const float* p) { pvf v; memcpy(&v, p, 64); return v; }
+static inline void pvf_store(float* p, pvf a) { memcpy(p, &a, 64); }
+static inline pvf pvf_add(pvf a, pvf b) { return a + b; }
+static inline pvf pvf_mul(pvf a, pvf b) { return a * b; }
+static inline pvf pvf_fma(pvf a, pvf b, pvf c) {     /* fused, as the vector builds: exact products */
+    pvf r;
+    for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return r;
+}
+static inline pvf pvf_fnma(pvf a, pvf b, pvf c) {
+    pvf r;
+    for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(-a[l], b[l], c[l]);
+    return r;
+}
+static inline pvf pvf_fms(pvf a, pvf b, pvf c) {
+    pvf r;
+    for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(a[l], b[l], -c[l]);
+    return r;
+}
+static inline float half_float(uint16_t h) {         /* IEEE binary16 -> binary32, exactly */
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31)
+        bits = sign | 0x7F800000u | (man << 13);
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        float f = (float)man * (1.0f / 16777216.0f);    /* subnormal: man * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float r;
+    memcpy(&r, &bits, 4);
+    return r;
+}
+static inline pvf pvf_f16(const void* p) {
+    uint16_t h[16]; pvf r;
+    memcpy(h, p, 32);
+    for (int l = 0; l < 16; l++) r[l] = half_float(h[l]);
+    return r;
+}
+static inline pvf pvf_u8(const void* p) { pvf r; for (int l = 0; l < 16; l++) r[l] = ((const uint8_t*)p)[l]; return r; }
+static inline pvf pvf_i8(const void* p) { pvf r; for (int l = 0; l < 16; l++) r[l] = ((const int8_t*)p)[l]; return r; }
+#endif
+
+/* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays NaN) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+static inline void pvf_store_bf16(uint16_t* p, pvf a, int count) {
+    float f[16];
+    pvf_store(f, a);
+    for (int l = 0; l < count; l++) p[l] = bf16_round(f[l]);
+}
