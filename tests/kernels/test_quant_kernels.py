@@ -7,11 +7,13 @@ so it is within the fp32 dot-product bound K * 2^-24 * sum|x||w| of the float64 
 rounds each activation to x' = d * q with d = max|x| / 127 per 32 (|x - x'| <= d / 2), then sums
 exactly in integers: so it is within sum_chunks d/2 * sum|w| of the true product, and within fp32
 rounding of the same computation done in float64 on x' (`_fast_oracle`)."""
+import ctypes
+
 import pytest
 import torch
 from quant_blocks import TYPES, random_blocks
 
-from stagewise.kernels import quant, quant_kernels
+from stagewise.kernels import quant, quant_kernels, quant_pack
 from stagewise.kernels.quant import QuantizedWeight, T
 
 VARIANTS = [v for v in quant_kernels.VARIANTS if quant_kernels.variant_runs_here(v)]
@@ -122,6 +124,14 @@ def test_dequantize_rows_kernel(variant, qtype):
     assert torch.equal(got, ref.bfloat16())
     with pytest.raises(IndexError, match="Row ids"):
         quant_kernels.run_dequant_rows(w.data, int(qtype), 40, 256, torch.tensor([40]), torch.float32, variant)
+
+
+def test_layout_sizes_agree():
+    lib = quant_kernels.library()
+    lib.quant_panel_bytes.restype = ctypes.c_int64
+    for qtype in TYPES:
+        for k in (256, 2048):
+            assert lib.quant_panel_bytes(int(qtype), ctypes.c_int64(k)) == quant_pack.panel_bytes(qtype, k)
 
 
 def test_linear_dispatch():

@@ -96,24 +96,26 @@ class _BuildFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
-_libs: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 _logged: set[str] = set()
 
 
-def library(name: str, sources: list[str] | tuple[str, ...]) -> ctypes.CDLL | None:
+def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library `name` built from `sources` (file names in csrc/), loaded once per process.
 
     None where kernels are off or the build failed under `auto` (logged once); `KernelError`
-    under `required`. Symbols of an ISA the CPU lacks are absent by design: ask `hasattr`."""
+    under `required`. Symbols of an ISA the CPU lacks are absent by design: ask `hasattr`.
+    `flags` go after the usual ones: tests build narrower instruction sets (`-mno-avx512f`) so
+    that every path of a kernel runs on one machine; such a build may lack what the CPU has."""
     current = mode()
     if current == "off":
         return None
-    key = (name, tuple(sources))
+    key = (name, tuple(sources), tuple(flags))
     with _lock:
         if key not in _libs:
             try:
-                _libs[key] = _load(name, tuple(sources), current)
+                _libs[key] = _load(name, tuple(sources), current, tuple(flags))
             except _BuildFailed as exc:
                 _libs[key] = None
                 _unavailable(name, exc, current)
@@ -141,22 +143,22 @@ def _tail(detail: str, limit: int = 8000) -> str:
     return "\nThe compiler said:\n" + (detail if len(detail) <= limit else "...\n" + detail[-limit:])
 
 
-def _load(name: str, sources: tuple[str, ...], current: str) -> ctypes.CDLL:
+def _load(name: str, sources: tuple[str, ...], current: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     cc = c_compiler()
     if cc is None:
         raise _BuildFailed(f"no C compiler (CC={os.environ.get('CC') or 'cc'} is not on PATH)")
     files = [CSRC / s for s in (*sources, "isa.c")]
     try:
-        path = cache_dir() / f"{name}_{_digest(files, cc)}.so"
+        path = cache_dir() / f"{name}_{_digest(files, cc, flags)}.so"
         if not path.exists():
-            _build(cc, files, path)
+            _build(cc, files, path, flags)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         raise _BuildFailed(f"{name!r}: {type(exc).__name__}: {exc}") from exc
     lib.stagewise_isa.restype = ctypes.c_char_p
     built = set(lib.stagewise_isa().decode().split())
     missing = sorted((cpu_flags() & set(ISA_FLAGS)) - built)
-    if missing:
+    if missing and not flags:
         message = (f"{cc} ({compiler_version(cc).splitlines()[0]}) built {name!r} without "
                    f"{', '.join(missing)} although this CPU has it; the kernels of that ISA are missing")
         if current == "required":
@@ -165,22 +167,22 @@ def _load(name: str, sources: tuple[str, ...], current: str) -> ctypes.CDLL:
     return lib
 
 
-def _digest(files: list[Path], cc: str) -> str:
+def _digest(files: list[Path], cc: str, flags: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     for f in sorted({*files, *CSRC.glob("*.h")}):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update("\0".join([*FLAGS, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)]).encode())
+    h.update("\0".join([*FLAGS, *flags, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)]).encode())
     return h.hexdigest()[:16]
 
 
-def _build(cc: str, files: list[Path], path: Path) -> None:
+def _build(cc: str, files: list[Path], path: Path, flags: tuple[str, ...] = ()) -> None:
     """Compile into a temporary file beside `path`, then rename it into place (same filesystem)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".so.tmp")
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        cmd = [cc, *FLAGS, "-I", str(CSRC), *map(str, files), "-o", tmp, "-lm"]
+        cmd = [cc, *FLAGS, *flags, "-I", str(CSRC), *map(str, files), "-o", tmp, "-lm"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except subprocess.SubprocessError as exc:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import quant_formats as formats
 from . import quant_kernels, quant_pack
 from .quant_formats import SUPPORTED, T
+from .registry import define
 
 # --quantization kinds -> the format each is stored in (both per-32-element blocks: Q8_0's per-block
 # scale is at least as accurate as a per-channel one; Q4_1 is group-wise scale + minimum)
@@ -155,15 +156,12 @@ def _qlinear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qty
     return _reference(x, data, bias, qtype, n, packed, exact, f32_out)
 
 
-_LIB = torch.library.Library("stagewise", "FRAGMENT")
-_LIB.define("qlinear(Tensor x, Tensor data, Tensor? bias, int qtype, int n, bool packed, bool exact, "
-            "bool f32_out) -> Tensor")
-_LIB.impl("qlinear", _qlinear, "CPU")
-
-
-@torch.library.register_fake("stagewise::qlinear")
-def _(x, data, bias, qtype, n, packed, exact, f32_out):
+def _qlinear_fake(x, data, bias, qtype, n, packed, exact, f32_out):
     return x.new_empty(x.shape[0], n, dtype=torch.float32 if f32_out else x.dtype)
+
+
+define("qlinear(Tensor x, Tensor data, Tensor? bias, int qtype, int n, bool packed, bool exact, bool f32_out) "
+       "-> Tensor", _qlinear, _qlinear_fake)
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, exact: bool = False,

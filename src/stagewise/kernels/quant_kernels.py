@@ -1,80 +1,37 @@
-"""The quantized kernels' C library (csrc/quant*.c): its build, its ctypes bindings and the checks
-at its boundary. `run_linear` and `run_dequant_rows` take packed weights only.
+"""Bindings of the quantized kernels (csrc/quant.c) and the checks at their boundary: `run_linear`
+and `run_dequant_rows` take packed weights (`quant_pack`) only.
 
-The library is compiled for this CPU (`-march=native`: AVX-512 with or without VNNI, AVX2, or
-portable C); tests also build the narrower variants (`VARIANTS`) to check every path here.
+The library is built by `build` for this CPU (AVX-512 with or without VNNI, AVX2, or portable C,
+picked by `-march=native`); tests also build the narrower `VARIANTS` so that every path runs here.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import subprocess
-from pathlib import Path
 
 import torch
 
-from . import quant_pack
+from . import build, quant_pack
 from .quant_formats import K_TYPES, SUPPORTED, T, row_bytes
 
-log = logging.getLogger("stagewise.kernels")
-
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("quant.c", "quant_layout.h", "quant_simd.h")
-_COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall"]
-# name -> (compiler flags, CPU flags it needs)
-VARIANTS = {"native": (["-march=native"], ()),
-            "avx512": (["-march=native", "-mno-avx512vnni"], ("avx512bw",)),
-            "avx2": (["-march=native", "-mno-avx512f"], ("avx2", "fma", "f16c")),
-            "portable": (["-DQUANT_PORTABLE", "-O2"], ())}     # -O3 unrolls its scalar loops: 3x the build
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
+# name -> (extra compiler flags, CPU flags it needs to run)
+VARIANTS = {"native": ((), ()),
+            "avx512": (("-mno-avx512vnni",), ("avx512bw",)),
+            "avx2": (("-mno-avx512f",), ("avx2", "fma", "f16c")),
+            "portable": (("-DQUANT_PORTABLE", "-O2"), ())}     # -O3 unrolls its scalar loops: 3x the build
 
 
 def variant_runs_here(variant: str) -> bool:
-    return set(VARIANTS[variant][1]) <= _cpu_flags()
-
-
-def _compiler() -> tuple[str, str]:
-    cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    return cc, version
-
-
-def _build(variant: str) -> Path:
-    cc, version = _compiler()
-    flags = [*_COMMON, *VARIANTS[variant][0]]
-    text = "\0".join([(_CSRC / s).read_text() for s in _SOURCES] + flags + [version, " ".join(sorted(_cpu_flags()))])
-    root = Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise") / "kernels"
-    path = root / f"quant_{variant}_{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
-    if not path.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")          # same directory: the rename is atomic
-        done = subprocess.run([cc, *flags, str(_CSRC / "quant.c"), "-o", str(partial), "-lm"],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode:
-            partial.unlink(missing_ok=True)
-            raise RuntimeError(f"Building the quantized kernels ({variant}) failed:\n{done.stderr}")
-        os.replace(partial, path)
-    return path
+    return set(VARIANTS[variant][1]) <= build.cpu_flags()
 
 
 @functools.cache
-def library(variant: str = "native") -> ctypes.CDLL:
-    """The kernel library, built on first use (raises if it cannot be built)."""
-    lib = ctypes.CDLL(str(_build(variant)))
+def _load(variant: str) -> ctypes.CDLL | None:
+    lib = build.library("quant", ["quant.c"], VARIANTS[variant][0])
+    if lib is None:
+        return None
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.quant_isa.restype = ctypes.c_char_p
-    lib.quant_panel_bytes.argtypes, lib.quant_panel_bytes.restype = [i32, i64], i64
     lib.quant_activations.argtypes, lib.quant_activations.restype = [p, i32, i64, i64, i64, p, p, p], None
     lib.quant_linear_fast.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, i64]
     lib.quant_linear_exact.argtypes = [i32, p, i64, i64, i64, p, i64, p, p, p, i64]
@@ -84,19 +41,16 @@ def library(variant: str = "native") -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
 def available() -> bool:
-    """The native library builds and loads here (one warning otherwise: the torch fallback runs)."""
-    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
-        return False
-    try:
-        library()
-        return True
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        if os.environ.get("STAGEWISE_REQUIRE_KERNELS") == "1":
-            raise
-        log.warning("Quantized kernels unavailable; quantized layers dequantize per call (slow): %s", exc)
-        return False
+    """The kernels built and loaded here (`build`'s switch decides what happens where they did not)."""
+    return _load("native") is not None
+
+
+def library(variant: str = "native") -> ctypes.CDLL:
+    lib = _load(variant)
+    if lib is None:
+        raise RuntimeError(f"The quantized kernels ({variant}) are not available on this machine (see the log).")
+    return lib
 
 
 def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int,
