@@ -291,6 +291,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_status: int | None = None        # 4xx: the request itself was at fault (its grammar, ...); None: the server
+
 
 
 @dataclass
@@ -334,6 +336,7 @@ class Request:
     num_registered_blocks: int = 0          # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_status: int | None = None          # see CompletionOutput.error_status
     text: str = ""                           # output text shown to the user (stop strings trimmed, held back)
     decoded: str = ""                        # all output text decoded so far
     decode_offsets: tuple[int, int] = (0, 0)   # output-token window of the incremental decoder

@@ -124,3 +124,21 @@ def test_bitmask_touches_only_constrained_rows_and_logprobs_stay_finite():
     draws = Sampler().sample(before.clone(), [Row()] * 3, ([1], bits))
     assert draws[1].token in (1, 3)
     assert set(draws[1].logprob.top) == {1, 3}
+
+
+@pytest.mark.parametrize("spec", [{"choice": ["a"]}, {"json_object": True}, {"regex": "[0-9]{2}"},
+                                  {"grammar": 'root ::= "(" [a-c] ")"'}])
+def test_a_finished_grammar_finishes_its_row_even_with_ignore_eos(llm, spec):
+    """A grammar that is complete ends the output ("stop"); it never kills the engine, and the
+    free request batched with it runs to its end."""
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, structured_outputs=spec), free]
+    outs = llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=params, use_tqdm=False)
+    constrained, bystander = outs[0].outputs[0], outs[1].outputs[0]
+    assert constrained.error is None and bystander.error is None
+    assert constrained.finish_reason in ("stop", "length")
+    if "choice" in spec:
+        assert constrained.finish_reason == "stop" and constrained.text == "a"
+    assert bystander.finish_reason == "length" and len(bystander.token_ids) == 12
+    assert llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0].outputs[0].token_ids

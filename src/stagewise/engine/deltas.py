@@ -28,7 +28,7 @@ class DeltaEncoder:
                                           n_plps + len(plps or ()))
         return OutputDelta(out.request_id, keep, c.text[keep:], c.token_ids[n_ids:], lps, plps, c.finish_reason,
                            c.error, out.finished, out.num_cached_tokens, out.metrics.get("first_token_time"),
-                           out.metrics.get("scheduled_time"))
+                           out.metrics.get("scheduled_time"), c.error_status)
 
 
 class _Output:
@@ -66,7 +66,7 @@ class OutputAssembler:
             metrics["scheduled_time"] = d.scheduled_time
         # NOTE: copies: a queued output must not change when the next delta arrives
         completion = CompletionOutput(0, acc.text, list(acc.ids), d.finish_reason,
-                                      None if acc.lps is None else list(acc.lps), d.error)
+                                      None if acc.lps is None else list(acc.lps), d.error, d.error_status)
         return RequestOutput(d.request_id, None, prompt_token_ids, [completion], finished=d.finished,
                              num_cached_tokens=d.num_cached_tokens, metrics=metrics,
                              prompt_logprobs=None if acc.plps is None else list(acc.plps))

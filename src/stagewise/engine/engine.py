@@ -37,7 +37,7 @@ from ..runtime.threads import usable_cpus
 from .balance import DecodeBalancer
 from .block_manager import BlockManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
-from .outputs import StepOutputs, finish_check, make_output
+from .outputs import StepOutputs, finish_check, finish_text, make_output
 from .placement import available_bytes, fit_problem, layout_line, place_stages
 from .profile import fitted_chunker
 from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
@@ -79,7 +79,7 @@ class Engine:
         spec = config.speculative_config
         self.speculator = NgramProposer(spec, self.max_len) if spec is not None else None
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size,
-                                   stop_rule=lambda req: finish_check(req, self.tok, self.max_len),
+                                   stop_rule=self._stop_rule,
                                    speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
@@ -221,16 +221,20 @@ class Engine:
         self.suspects.cleared(s.request_id for s in plan.seqs)
         if result.sampled:
             self.recovery.token_applied()
-        if plan.token_bitmask is not None and self._grammars is not None:
-            for rid in plan.token_bitmask.request_ids:
-                token = result.sampled.get(rid)
-                if token is not None and not self._grammars.accept(rid, token):
-                    result.failed[rid] = f"the sampled token {token} is outside the request's grammar"
+        if self._grammars is not None:
+            self._grammars.settle(plan, result)
         changed = self.scheduler.update(plan, result)
         failed = [r for r in changed if r.finish_reason is FinishReason.ERROR]
         if failed:
             log.warning("%d request(s) failed: %s", len(failed), failed[0].error)
         return self._outputs(changed)
+
+    def _stop_rule(self, req: Request) -> FinishReason | None:
+        """The output rules (EOS, stops, lengths), and a complete grammar ends its output."""
+        reason = finish_check(req, self.tok, self.max_len)
+        if reason is None and self._grammars is not None and self._grammars.is_terminated(req.request_id):
+            reason = finish_text(req, self.tok)
+        return reason
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         for req in changed:

@@ -56,6 +56,7 @@ class OutputDelta:
     num_cached_tokens: int
     first_token_time: float | None
     scheduled_time: float | None = None            # first admitted into a plan (the queue time ends)
+    error_status: int | None = None                # CompletionOutput.error_status
 
 
 @dataclass

@@ -66,6 +66,11 @@ def finish_check(req: Request, tok, max_model_len: int) -> FinishReason | None:
             else 0
         req.text = req.decoded[:len(req.decoded) - held_back]
         return None
+    return finish_text(req, tok, reason)
+
+
+def finish_text(req: Request, tok, reason: FinishReason = FinishReason.STOP) -> FinishReason:
+    """The request ends now: its whole decoded text is shown (nothing held back)."""
     decode_new_text(req, tok, flush=True)
     req.text = req.decoded
     return reason
@@ -101,7 +106,7 @@ def make_output(req: Request) -> RequestOutput:
     reason = req.finish_reason.value if req.finish_reason else None
     completion = CompletionOutput(0, req.text, list(req.output_token_ids), reason,
                                   list(req.output_logprobs) if req.params.logprobs is not None else None,
-                                  req.error)
+                                  req.error, req.error_status)
     metrics = {"arrival_time": req.arrival_time}
     if req.scheduled_time is not None:
         metrics["scheduled_time"] = req.scheduled_time

@@ -17,10 +17,12 @@ from typing import Any, Protocol
 
 from ..plan import StepPlan, TokenBitmask
 from ..request import Request, StructuredOutputs
+from ..runtime.sampler import NO_ALLOWED_TOKEN
 
 log = logging.getLogger("stagewise.engine")
 COMPILE_THREADS = 2
 MAX_SCHEMA_CHARS = 200_000
+BAD_REQUEST = 400           # the error status of a request failed by its own grammar
 
 
 class Matcher(Protocol):
@@ -152,6 +154,8 @@ class StructuredOutputManager:
         self.compiled: dict[tuple[str, str], Future] = {}
         self.pending: dict[str, tuple[Request, Future]] = {}     # compiling, not yet scheduled
         self.matchers: dict[str, Matcher] = {}
+        self.requests: dict[str, Request] = {}                  # the constrained requests with a matcher
+        self.failures: dict[str, str] = {}                       # matchers that failed in `fill`
         self.json_rows: set[str] = set()                         # JSON grammars: no control characters
 
     def submit(self, req: Request) -> None:
@@ -173,9 +177,11 @@ class StructuredOutputManager:
             if exc is not None:
                 spec = req.params.grammar
                 self.compiled.pop(spec.key, None) if spec is not None else None
+                req.error_status = BAD_REQUEST
                 failed.append((req, f"The grammar of this request failed to compile: {_first_line(exc)}"))
                 continue
             self.matchers[rid] = self.backend.matcher(fut.result())
+            self.requests[rid] = req
             spec = req.params.grammar
             if spec is not None and spec.kind in ("json", "json_object"):
                 self.json_rows.add(rid)
@@ -195,24 +201,67 @@ class StructuredOutputManager:
         return entry[0] if entry else None
 
     def fill(self, plan: StepPlan) -> TokenBitmask | None:
-        """The bitmask of the plan's constrained sampling rows; None (no cost) when there are none."""
+        """The bitmask of the plan's constrained sampling rows; None (no cost) when there are none.
+        A matcher that fails here fails its own request when the plan returns (`settle`); its row
+        goes unconstrained meanwhile (the token is dropped with the request)."""
         rids = [s.request_id for s in plan.seqs if s.sample and s.request_id in self.matchers]
         if not rids:
             return None
         bits = self.backend.allocate(len(rids))
+        ok = []
         for i, rid in enumerate(rids):
-            self.matchers[rid].fill_next_token_bitmask(bits, i)
+            try:
+                m = self.matchers[rid]
+                if m.is_terminated():       # finished by the stop rule the step it terminated; never here
+                    raise RuntimeError("the grammar is already complete")
+                m.fill_next_token_bitmask(bits, i)
+            except Exception as exc:        # noqa: BLE001  (a matcher fault is its request's alone)
+                self.failures[rid] = f"The request's grammar failed while generating: {_first_line(exc)}"
+                continue
             if rid in self.json_rows:
                 bits[i] &= self.backend.json_tokens()
-        return TokenBitmask(rids, bits)
+            ok.append(i)
+        if not ok:
+            return None
+        return TokenBitmask([rids[i] for i in ok], bits if len(ok) == len(rids) else bits[ok])
 
-    def accept(self, request_id: str, token: int) -> bool:
-        """Advance the request's matcher; False if the grammar does not allow `token`."""
+    def settle(self, plan: StepPlan, result) -> None:
+        """Advance the matchers of the plan's constrained rows by their sampled tokens; a matcher
+        that refuses or fails (or failed in `fill`) fails its own request, with a 4xx status, and
+        so does a row whose constraints left the sampler no token."""
+        failed = {s.request_id: self.failures.pop(s.request_id) for s in plan.seqs if s.request_id in self.failures}
+        for rid in plan.token_bitmask.request_ids if plan.token_bitmask is not None else ():
+            token = result.sampled.get(rid)
+            if result.failed.get(rid) == NO_ALLOWED_TOKEN:
+                failed[rid] = ("The request's constraints allow no token here (its grammar together with "
+                               "allowed_token_ids, bad_words or min_tokens); loosen them.")
+            elif token is not None and not self._accept(rid, token):
+                failed[rid] = f"the sampled token {token} is outside the request's grammar"
+        for rid, why in failed.items():
+            result.failed[rid] = why
+            if (req := self.requests.get(rid)) is not None:
+                req.error_status = BAD_REQUEST
+
+    def _accept(self, request_id: str, token: int) -> bool:
         m = self.matchers.get(request_id)
-        return m is None or m.is_terminated() or bool(m.accept_token(token))
+        try:
+            return m is None or bool(m.accept_token(token))
+        except Exception as exc:            # noqa: BLE001  (a matcher fault is its request's alone)
+            log.warning("request %s: the grammar matcher failed: %s", request_id, _first_line(exc))
+            return False
+
+    def is_terminated(self, request_id: str) -> bool:
+        """The request's grammar is complete (it accepted a stop token): its output ends here."""
+        m = self.matchers.get(request_id)
+        try:
+            return m is not None and bool(m.is_terminated())
+        except Exception:                   # noqa: BLE001
+            return False
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.requests.pop(request_id, None)
+        self.failures.pop(request_id, None)
         self.json_rows.discard(request_id)
         self.pending.pop(request_id, None)
 

@@ -41,6 +41,7 @@ class Job:
     params: list[SamplingParams]
     shape: Shape
     stream: bool
+    grammar_param: str | None = None         # the field a grammar failure names
 
 
 async def completions(serving: Serving, raw: Request) -> Response:
@@ -77,7 +78,8 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     req.check_unsupported()
     prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
     inputs, params, fields = [], [], req.sampling_kwargs()
-    grammar = checked_grammar(*req.structured_spec())
+    grammar, source = req.structured_spec()
+    grammar = checked_grammar(grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
     for prompt in prompts:
@@ -90,7 +92,7 @@ def completion_job(serving: Serving, body: bytes) -> Job:
         for j in range(req.n):
             inputs.append(prompt)
             params.append(make_sampling_params(fields, max_tokens, req.logprobs, j, prompt_logprobs=prompt_lps))
-    return Job(inputs, params, CompletionShape(serving, req, inputs), req.stream)
+    return Job(inputs, params, CompletionShape(serving, req, inputs), req.stream, source)
 
 
 def chat_job(serving: Serving, body: bytes) -> Job:
@@ -123,7 +125,7 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
     params = [make_sampling_params(fields, max_tokens, logprobs, j, prompt_logprobs=req.prompt_logprobs)
               for j in range(req.n)]
-    return Job([prompt] * req.n, params, ChatShape(serving, req, messages, mode), req.stream)
+    return Job([prompt] * req.n, params, ChatShape(serving, req, messages, mode), req.stream, source)
 
 
 def responses_job(serving: Serving, body: bytes) -> Job:
@@ -144,7 +146,7 @@ def responses_job(serving: Serving, body: bytes) -> Job:
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
     fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
     params = [make_sampling_params(fields, max_tokens, None)]
-    return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream)
+    return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream, source)
 
 
 def chat_prompt(serving: Serving, messages: list[dict], tools: list[dict] | None) -> PromptInput:
@@ -182,20 +184,22 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens",
                                         minimum=0 if sp.prompt_logprobs is not None else 1)
     fields = sp.sampling_kwargs()
-    grammar = checked_grammar(*sp.grammar_spec())
+    grammar, source = sp.grammar_spec()
+    grammar = checked_grammar(grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
     params = [make_sampling_params(fields, max_tokens, sp.logprobs, param_prefix="sampling_params.",
                                    prompt_logprobs=sp.prompt_logprobs)]
-    return Job([prompt], params, NativeShape(serving), req.stream)
+    return Job([prompt], params, NativeShape(serving), req.stream, source)
 
 
 async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
     sub = serving.submit(job.inputs, job.params)
     if job.stream:
-        return serving.streaming_response(sub, job.shape.render, lambda finals: job.shape.tail(job.inputs, finals))
+        return serving.streaming_response(sub, job.shape.render, lambda finals: job.shape.tail(job.inputs, finals),
+                                          job.grammar_param)
     try:
-        finals = await serving.run(raw, sub)
+        finals = await serving.run(raw, sub, job.grammar_param)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
     # NOTE: a long echoed prompt with logprobs takes a decode per token: shape it off the event loop

@@ -173,8 +173,9 @@ class Serving:
         except ValueError as exc:
             raise from_value_error(exc) from None
 
-    async def run(self, raw: Request, sub: Submission) -> list[RequestOutput]:
-        """Wait for every final output; a client disconnect aborts them all (and frees their blocks)."""
+    async def run(self, raw: Request, sub: Submission, param: str | None = None) -> list[RequestOutput]:
+        """Wait for every final output; a client disconnect aborts them all (and frees their blocks).
+        `param`: the field a request-caused failure names (its grammar's)."""
         finals: list[RequestOutput | None] = [None] * len(sub)
 
         async def consume():
@@ -202,19 +203,26 @@ class Serving:
                            None, None, "service_unavailable")
         failed = [f for f in done_outputs if f.outputs[0].finish_reason in ("error", "abort")]
         if failed:
-            raise self.failure(failed[0])
+            raise self.failure(failed[0], param)
         return done_outputs
 
     def streaming_response(self, sub: Submission, render: Callable[[int, RequestOutput], list[dict]],
-                           tail: Callable[[list], list[dict]]) -> StreamingResponse:
+                           tail: Callable[[list], list[dict]], param: str | None = None) -> StreamingResponse:
         # NOTE: the background task releases the submission even if the client leaves before the
         # body iterator ever starts (then its `finally` never runs).
-        return StreamingResponse(self._sse(sub, render, tail), media_type="text/event-stream",
+        return StreamingResponse(self._sse(sub, render, tail, param), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(self.engine.release, sub))
 
-    def failure(self, out: RequestOutput) -> APIError:
+    def failure(self, out: RequestOutput, param: str | None = None) -> APIError:
+        """The error a failed output answers with: 4xx when the request itself was at fault (`param`
+        names its field), 503 when aborted or the engine is down, else 500 (details in the log)."""
         completion = out.outputs[0]
+        status = completion.error_status
+        if completion.finish_reason == "error" and status is not None and 400 <= status < 500:
+            log.info("request %s failed: %s", out.request_id, completion.error)
+            return APIError(completion.error or "The request failed.", status, param,
+                            "timeout" if status == 408 else None)
         if completion.finish_reason == "abort" or not self.engine.is_healthy:
             return APIError(completion.error or "The request was aborted; retry later.", 503, None, None,
                             "service_unavailable")
@@ -226,7 +234,7 @@ class Serving:
         completion = sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _sse(self, sub: Submission, render, tail) -> AsyncIterator[str]:
+    async def _sse(self, sub: Submission, render, tail, param: str | None = None) -> AsyncIterator[str]:
         """`render(index, output)` chunks per update, `tail(finals)` at the end, then [DONE].
         An engine failure mid-stream, or the shutdown deadline, becomes one `{"error": ...}` event."""
         finals: list[RequestOutput | None] = [None] * len(sub)
@@ -235,7 +243,7 @@ class Serving:
                 if out.finished:
                     finals[i] = out
                     if out.outputs[0].finish_reason in ("error", "abort"):
-                        yield sse_event(self.failure(out).body())
+                        yield sse_event(self.failure(out, param).body())
                         break
                 for chunk in render(i, out):
                     yield sse_event(chunk)
