@@ -50,6 +50,7 @@ class Bench:
         from stagewise.kernels import gemm as cpu_gemm
         self.llm.engine.policy = self.policies[config.split(",")[0]]
         cpu_gemm.MAX_ROWS = 0 if "MKL GEMMs" in config else _MAX_ROWS
+        cpu_gemm.configure()        # the C++ stagewise::linear reads the row limit when told
         cpu_attention.supports = (lambda q, cache: False) if "KV gather" in config else _SUPPORTS
 
     def gen(self, prompts, n):

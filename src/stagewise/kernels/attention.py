@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from . import build
+from . import build, native
+from .registry import define
 
 
 @functools.cache
@@ -33,6 +34,7 @@ def _load() -> ctypes.CDLL | None:
     if hasattr(lib, "prefill_attention_bf16"):
         lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
         lib.prefill_attention_bf16.restype = None
+    native.load("attention", lib)
     return lib
 
 
@@ -56,7 +58,7 @@ def _check_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         problem = "q and the cache must be CPU float32 or bfloat16 of one dtype"
     elif not kv_cache.is_contiguous():
         problem = "the cache must be contiguous"
-    elif kv_cache.shape[4] != q.shape[2] or q.shape[2] % 8 or q.shape[1] % kv_cache.shape[3]:
+    elif kv_cache.shape[4] != q.shape[2] or q.shape[2] % 8 or kv_cache.shape[3] < 1 or q.shape[1] % kv_cache.shape[3]:
         problem = "the head size must match the cache's and be a multiple of 8, and Hq a multiple of Hkv"
     elif block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         problem = "block_tables must be int64 [G, max_blocks], one row per query row"
@@ -83,7 +85,15 @@ def _bad_table(row: int, kv_cache: torch.Tensor, tables: torch.Tensor, lens: tor
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, per_sequence: bool | None = None) -> torch.Tensor:
     """One query row per sequence: q `[G, Hq, D]`, cache `[2, nb, bs, Hkv, D]`, block_tables
-    `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`."""
+    `[G, nblk]` int64, seq_lens `[G]` int64 -> `[G, Hq, D]`. `per_sequence`: one task per sequence
+    or per (sequence, KV head) (None: by the batch against the thread count; same results)."""
+    if native.loaded("attention"):
+        return torch.ops.stagewise.decode_attention(q, kv_cache, block_tables, seq_lens, scale, per_sequence)
+    return _decode(q, kv_cache, block_tables, seq_lens, scale, per_sequence)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float, per_sequence: bool | None = None) -> torch.Tensor:
     _check_decode(q, kv_cache, block_tables, seq_lens)
     g, hq, d = q.shape
     _, nb, bs, hkv, _ = kv_cache.shape
@@ -108,6 +118,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return out
 
 
+define("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+       "bool? per_sequence=None) -> Tensor", _decode, lambda q, *args, **kwargs: q.new_empty(q.shape))
+
+
 def prefill_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The causal prefill kernel serves bf16 on CPUs with AVX512-BF16, head sizes that are a
     multiple of 16 and rows `[n, H, D]` with dense heads (any row stride)."""
@@ -127,6 +141,12 @@ def _check_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal self-attention of one fresh prompt: q `[n, Hq, D]`, k/v `[n, Hkv, D]` -> `[n, Hq, D]`."""
+    if native.loaded("attention"):
+        return torch.ops.stagewise.prefill_attention(q, k, v, scale)
+    return _prefill(q, k, v, scale)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     _check_prefill(q, k, v)
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -140,3 +160,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         lib.prefill_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, hq, hkv, d,
                                    scale, out.data_ptr(), out.stride(0))
     return out
+
+
+define("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", _prefill,
+       lambda q, k, v, scale: q.new_empty(q.shape))

@@ -14,6 +14,7 @@ No torch here: the graph policy asks `c_compiler()` / `cxx_compiler()` cheaply.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -88,7 +89,7 @@ def compiler_version(path: str) -> str:
     return (out.stdout or out.stderr).strip()
 
 
-class _BuildFailed(Exception):
+class BuildFailed(Exception):
     """Why a library is unavailable: `reason` for the log line, `detail` the compiler's output."""
 
     def __init__(self, reason: str, detail: str = ""):
@@ -116,9 +117,9 @@ def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, .
         if key not in _libs:
             try:
                 _libs[key] = _load(name, tuple(sources), current, tuple(flags))
-            except _BuildFailed as exc:
+            except BuildFailed as exc:
                 _libs[key] = None
-                _unavailable(name, exc, current)
+                unavailable("CPU kernels", exc, "PyTorch's own ops run instead")
         lib = _libs[key]
     if lib is None and current == "required":
         raise KernelError(f"CPU kernel library {name!r} is unavailable (see the first error) "
@@ -126,14 +127,15 @@ def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, .
     return lib
 
 
-def _unavailable(name: str, exc: _BuildFailed, current: str) -> None:
-    message = f"CPU kernels unavailable: {exc.reason}"
-    if current == "required":
+def unavailable(what: str, exc: BuildFailed, fallback: str) -> None:
+    """Log once that `what` is unavailable and what runs instead; under `required`, raise."""
+    message = f"{what} unavailable: {exc.reason}"
+    if mode() == "required":
         raise KernelError(f"{message} (STAGEWISE_KERNELS=required).{_tail(exc.detail)}")
-    if exc.reason not in _logged:        # a missing compiler is one line, not one per library
-        _logged.add(exc.reason)
-        log.warning("%s; PyTorch's own ops run instead (STAGEWISE_KERNELS=required makes this an "
-                    "error).%s", message, _tail(exc.detail))
+    if message not in _logged:        # a missing compiler is one line, not one per library
+        _logged.add(message)
+        log.warning("%s; %s (STAGEWISE_KERNELS=required makes this an error).%s", message, fallback,
+                    _tail(exc.detail))
 
 
 def _tail(detail: str, limit: int = 8000) -> str:
@@ -146,15 +148,15 @@ def _tail(detail: str, limit: int = 8000) -> str:
 def _load(name: str, sources: tuple[str, ...], current: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     cc = c_compiler()
     if cc is None:
-        raise _BuildFailed(f"no C compiler (CC={os.environ.get('CC') or 'cc'} is not on PATH)")
+        raise BuildFailed(f"no C compiler (CC={os.environ.get('CC') or 'cc'} is not on PATH)")
     files = [CSRC / s for s in (*sources, "isa.c")]
     try:
-        path = cache_dir() / f"{name}_{_digest(files, cc, flags)}.so"
-        if not path.exists():
-            _build(cc, files, path, flags)
+        key = digest(files, [*FLAGS, *flags, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)])
+        path = cache_dir() / f"{name}_{key}.so"
+        compile_into(path, [cc, *FLAGS, *flags, "-I", str(CSRC), *map(str, files)], ["-lm"])
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        raise _BuildFailed(f"{name!r}: {type(exc).__name__}: {exc}") from exc
+        raise BuildFailed(f"{name!r}: {type(exc).__name__}: {exc}") from exc
     lib.stagewise_isa.restype = ctypes.c_char_p
     built = set(lib.stagewise_isa().decode().split())
     missing = sorted((cpu_flags() & set(ISA_FLAGS)) - built)
@@ -167,31 +169,42 @@ def _load(name: str, sources: tuple[str, ...], current: str, flags: tuple[str, .
     return lib
 
 
-def _digest(files: list[Path], cc: str, flags: tuple[str, ...] = ()) -> str:
+def digest(files: list[Path], extra: list[str]) -> str:
+    """The cache key of a library: `files`, every csrc header, and `extra` (flags, compiler, ...)."""
     h = hashlib.sha256()
     for f in sorted({*files, *CSRC.glob("*.h")}):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update("\0".join([*FLAGS, *flags, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)]).encode())
+    h.update("\0".join(extra).encode())
     return h.hexdigest()[:16]
 
 
-def _build(cc: str, files: list[Path], path: Path, flags: tuple[str, ...] = ()) -> None:
-    """Compile into a temporary file beside `path`, then rename it into place (same filesystem)."""
+def compile_into(path: Path, command: list[str], libs: list[str]) -> None:
+    """Unless `path` exists: run `command -o <temporary> libs` beside it, then rename the result
+    into place (same filesystem: no EXDEV, and a concurrent reader never sees half a file). A lock
+    file makes the stages of one machine build once. Raises `BuildFailed` with the compiler's output."""
+    if path.exists():
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # released when the file closes
+        if not path.exists():
+            _compile(path, command, libs)
+
+
+def _compile(path: Path, command: list[str], libs: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".so.tmp")
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        cmd = [cc, *FLAGS, *flags, "-I", str(CSRC), *map(str, files), "-o", tmp, "-lm"]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            out = subprocess.run([*command, "-o", tmp, *libs], capture_output=True, text=True, timeout=600)
         except subprocess.SubprocessError as exc:
-            raise _BuildFailed(f"{cc} did not finish building {path.name} ({exc})") from exc
+            raise BuildFailed(f"{command[0]} did not finish building {path.name} ({exc})") from exc
         if out.returncode != 0:
-            raise _BuildFailed(f"{cc} failed building {path.name} with exit status {out.returncode}",
-                               out.stderr or out.stdout)
+            raise BuildFailed(f"{command[0]} failed building {path.name} with exit status {out.returncode}",
+                              out.stderr or out.stdout)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built CPU kernels %s in %.1f s (cached in %s)", path.name, time.perf_counter() - t0, path.parent)
+    log.info("built %s in %.1f s (cached in %s)", path.name, time.perf_counter() - t0, path.parent)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import build
+from . import build, native
 from .registry import define
 
 MAX_ROWS = 32      # measured crossover with MKL (fp32, AVX2, one and two threads)
@@ -47,7 +47,24 @@ def _load() -> ctypes.CDLL | None:
     if hasattr(lib, "packed_linear_bf16"):
         lib.packed_linear_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64]
         lib.packed_linear_bf16.restype = None
+    ops = native.load("gemm", lib)
+    if ops is not None:
+        _configure(lib, ops)
     return lib
+
+
+def configure() -> None:
+    """Hand `MAX_ROWS` and the CPU's bf16 support to the C++ `stagewise::linear` (done when it
+    loads; call again after changing `MAX_ROWS`)."""
+    lib = _load()
+    ops = None if lib is None else native.load("gemm", lib)
+    if lib is not None and ops is not None:
+        _configure(lib, ops)
+
+
+def _configure(lib: ctypes.CDLL, ops: ctypes.CDLL) -> None:
+    ops.stagewise_gemm_configure(ctypes.c_int64(_rows_limit(lib, torch.float32)),
+                                 ctypes.c_int64(_rows_limit(lib, torch.bfloat16)), ctypes.c_int(NATIVE_BF16))
 
 
 def available() -> bool:
@@ -115,7 +132,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _max_rows(dtype: torch.dtype) -> int:
     lib = _load()
-    if lib is None or _kernel(lib, dtype) is None:
+    return 0 if lib is None else _rows_limit(lib, dtype)
+
+
+def _rows_limit(lib: ctypes.CDLL, dtype: torch.dtype) -> int:
+    """Rows up to which `linear` runs the small-row kernel (0: its kernel for `dtype` is missing)."""
+    if _kernel(lib, dtype) is None:
         return 0
     return min(MAX_ROWS, NATIVE_BF16_ROWS) if NATIVE_BF16 and dtype == torch.bfloat16 else MAX_ROWS
 
@@ -254,7 +276,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   f32_out: bool = False) -> torch.Tensor:
     """`F.linear` for a `pack`ed weight, in the weight's dtype (`f32_out`: float32, unrounded)."""
     rows = x.reshape(-1, x.shape[-1])
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or native.loaded("gemm"):
         y = torch.ops.stagewise.linear_packed(rows, weight, bias, f32_out)
     else:
         y = _packed(rows, weight, bias, f32_out)

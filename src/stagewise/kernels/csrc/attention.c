@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "vec.h"
 
 #define IDENT(x) (x)

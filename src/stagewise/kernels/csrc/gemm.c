@@ -9,6 +9,7 @@
    Callers check shapes, dtypes and strides (kernels/gemm.py); these functions trust them. */
 #include <string.h>
 
+#include "gemm.h"
 #include "vec.h"
 /* y[m, j] = x[m, :] . w[j, :] (+ b[j]) for m < MB, j < NB: NB weight rows stay in registers
    while every one of the MB activation rows uses them. Activations, bias and output are float32;
