@@ -13,7 +13,6 @@ import ctypes
 import os
 import subprocess
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -59,9 +58,7 @@ def _load(name: str, clib: Path) -> ctypes.CDLL:
                 "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
         build.compile_into(path, [cxx, *CXXFLAGS, abi, f"-I{torch_dir / 'include'}", f"-I{build.CSRC}", str(source)],
                            libs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")      # torch's notes on the stable ABI's version
-            torch.ops.load_library(str(path))
+        torch.ops.load_library(str(path))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         raise build.BuildFailed(f"{name}_ops: {type(exc).__name__}: {exc}") from exc
