@@ -12,10 +12,12 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stagewise import LLM, SamplingParams
 from stagewise.kernels import attention as cpu_attention
-from stagewise.kernels import gemm as cpu_gemm
+from stagewise.model import cpu_gemm as model_gemm
+from stagewise.model import gpt2
 
 PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
            list(range(10, 410, 9))]
@@ -53,10 +55,12 @@ def test_prefill_logits_sit_inside_bf16_noise_of_hf_bf16(family_dir, eager_pipel
 def test_bf16_prefill_is_hf_bf16_bit_for_bit(family_dir, eager_pipeline, monkeypatch):
     """Every block rounds where HF's does (RMSNorm before its weight, rope in the activation
     dtype, GPT-2's gelu formula op by op), so a one-chunk prefill gives HF bf16's logits exactly.
-    The GEMMs are torch's, as in HF: the small-row kernel sums in another order (its own test
-    bounds it), so it is kept out here, and so are the packed weights and the bf16 prefill
+    The GEMMs are torch's bf16 F.linear, as in HF: the small-row kernel sums in another order, and on
+    CPUs without native bf16 the engine widens bf16 weights to float32 for MKL (their own tests
+    bound both), so they are kept out here, and so are the packed weights and the bf16 prefill
     attention kernel (it rounds the probabilities where SDPA's math does not)."""
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)
+    monkeypatch.setattr(model_gemm, "linear", F.linear)     # Linear layers and the LM head
+    monkeypatch.setattr(gpt2, "linear", F.linear)
     monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")
     monkeypatch.setattr(cpu_attention, "prefill_supports", lambda q, k: False)
     pipe = eager_pipeline(family_dir, dtype=torch.bfloat16)
