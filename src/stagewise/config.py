@@ -170,6 +170,8 @@ class EngineConfig:
     prefill_graph_buckets: tuple[int, ...] | None = flag(None, "explicit bucket list, e.g. 16,32,64")
     decode_graph: bool = flag(False, "capture decode graphs per batch size")
     decode_graph_max_bs: int = flag(32, "largest batch size with a decode graph")
+    compile_in_background: bool = flag(True, "compiled graphs build on a background thread while steps run eager, "
+                                       "and replace them between steps once ready; off: compile before serving")
     # speculative decoding (README: Speculative decoding)
     speculative_config: SpeculativeConfig | None = flag(
         None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")

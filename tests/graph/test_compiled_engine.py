@@ -1,6 +1,8 @@
 """The compiled CPU stage body through the whole engine: greedy fp32 tokens equal the one-stage
 eager run (PP=1 and PP=2, chunked prefill, prefix-cache hits, embedding prompts, batched decode),
-every step replays at its own size, and a second start reuses Inductor's on-disk cache.
+every step replays at its own size (steps of up to 8 tokens on the few-rows decode graph, larger
+ones on the prefill graph), the same holds when the graphs compile in the background while the
+first steps run eager, and a second start reuses Inductor's on-disk cache.
 
 The suite's compile-heavy module: one tiny model, compiled once per process and configuration.
 """
@@ -17,7 +19,8 @@ from stagewise import LLM, SamplingParams
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 SHARED = [(7 * i) % 800 + 5 for i in range(40)]
 PROMPTS = [SHARED + [11, 12, 13], list(range(10, 31)), [5], SHARED + [99]]   # the last hits the prefix cache
-OPTIONS = dict(chunked_prefill_size=32, enable_prefix_caching=True, dtype="float32")
+OPTIONS = dict(chunked_prefill_size=32, enable_prefix_caching=True, dtype="float32", decode_graph_max_bs=8)
+COMPILED = dict(OPTIONS, prefill_graph="compiled", compile_in_background=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +57,19 @@ def eager_tokens(llama_dir):
 
 @pytest.mark.slow
 def test_compiled_equals_eager_one_stage(llama_dir, cache_dir, eager_tokens):
-    with LLM(model=str(llama_dir), prefill_graph="compiled", **OPTIONS) as llm:
+    with LLM(model=str(llama_dir), **COMPILED) as llm:
         got, cached = _run(llm, llama_dir)
-        stats = llm.stats()["prefill_graph"]
+        prefill, decode = llm.stats()["prefill_graph"], llm.stats()["decode_graph"]
+        runner = llm.engine.executor.worker.runner
+        stage_eager = runner.stats()["eager"], runner.stats("decode")["eager"]
     assert got == eager_tokens
     assert got[1] == got[4]                        # the embedding prompt gives its ids' tokens
     assert cached > 0                              # the fourth prompt did hit the prefix cache
-    assert stats["backend"] == "compiled" and not stats["eager"]
-    assert {1, 3, 32} <= set(stats["replays"])     # decode batches and full chunks, each at its own size
-    assert stats["padded_tokens"] == 0
+    assert prefill["backend"] == decode["backend"] == "compiled" and not prefill["eager"] and not decode["eager"]
+    assert 32 in prefill["replays"] and {1, 3} <= set(decode["replays"])   # each step at its own size
+    assert max(decode["replays"]) <= 8 < min(prefill["replays"])
+    assert prefill["padded_tokens"] == decode["padded_tokens"] == 0
+    assert stage_eager == ({}, {})                 # the stage replayed every step it was told to
     # NOTE: whether Inductor writes to `cache_dir` here depends on what this process compiled before
     # (an earlier module's compile of the same graph is reused from memory); the on-disk cache is
     # checked in fresh processes below.
@@ -70,15 +77,15 @@ def test_compiled_equals_eager_one_stage(llama_dir, cache_dir, eager_tokens):
 
 @pytest.mark.slow
 def test_second_start_hits_the_compile_cache(llama_dir, tmp_path):
-    """Two fresh processes compile the same model: the first fills the cache, the second finds
-    its graph there."""
+    """Two fresh processes compile the same model: the first fills the cache (under
+    `$STAGEWISE_CACHE/inductor`), the second finds its graph there."""
     code = (
         "import json, torch._dynamo.utils as u\n"
         "from stagewise import LLM, SamplingParams\n"
-        f"llm = LLM(model={str(llama_dir)!r}, prefill_graph='compiled', **{OPTIONS!r})\n"
+        f"llm = LLM(model={str(llama_dir)!r}, **{COMPILED!r})\n"
         "llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)\n"
         "print(json.dumps(dict(u.counters['inductor'])))\n")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "STAGEWISE_CACHE": str(tmp_path)}
     runs = []
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -87,12 +94,27 @@ def test_second_start_hits_the_compile_cache(llama_dir, tmp_path):
     cold, warm = runs
     assert cold.get("fxgraph_cache_miss", 0) >= 1 and cold.get("fxgraph_cache_hit", 0) == 0, cold
     assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0, warm
+    assert any((tmp_path / "inductor" / "fxgraph").iterdir())       # under $STAGEWISE_CACHE, as documented
 
 
 @pytest.mark.slow
 def test_compiled_pipeline_equals_one_stage_eager(llama_dir, cache_dir, eager_tokens):
-    with LLM(model=str(llama_dir), prefill_graph="compiled", pp_size=2, **OPTIONS) as llm:
+    with LLM(model=str(llama_dir), pp_size=2, **COMPILED) as llm:
         got, _ = _run(llm, llama_dir)
-        stats = llm.stats()["prefill_graph"]
+        prefill, decode = llm.stats()["prefill_graph"], llm.stats()["decode_graph"]
     assert got == eager_tokens
-    assert stats["backend"] == "compiled" and sum(stats["replays"].values()) > 0 and not stats["eager"]
+    for stats in (prefill, decode):
+        assert stats["backend"] == "compiled" and sum(stats["replays"].values()) > 0 and not stats["eager"]
+
+
+@pytest.mark.slow
+def test_background_compile_gives_the_eager_tokens(llama_dir, cache_dir, eager_tokens):
+    """The default: the engine serves at once, eagerly, and switches to each graph once compiled."""
+    with LLM(model=str(llama_dir), prefill_graph="compiled", **OPTIONS) as llm:
+        runner = llm.engine.executor.worker.runner
+        early, _ = _run(llm, llama_dir)                # whatever mix of eager and compiled steps this was
+        assert runner.wait_compiled(600)
+        late, _ = _run(llm, llama_dir)                 # every step compiled now
+        prefill, decode = runner.stats(), runner.stats("decode")
+    assert early == late == eager_tokens
+    assert prefill["replays"] and decode["replays"]

@@ -243,6 +243,26 @@ def test_verdict_decode_buckets_by_batch_size():
     assert decide_verdict(off, 1, True, 1) == GraphVerdict("prefill", None, "disabled")
 
 
+def test_compiled_policy_adds_a_few_rows_decode_graph():
+    policy = resolve_graph_policy("compiled", chunked_prefill_size=512, decode_graph_max_bs=32, device_type="cpu")
+    assert (policy.backend, policy.buckets) == ("compiled", (512,))
+    assert (policy.decode_backend, policy.decode_buckets) == ("compiled", (32,))
+    assert any("few rows" in line for line in policy.log_lines)
+    one_graph = resolve_graph_policy("compiled", decode_graph="off", device_type="cpu")
+    assert one_graph.decode_backend == "off" and any("--decode-graph off" in x for x in one_graph.log_lines)
+    assert resolve_graph_policy("off", device_type="cpu").decode_backend == "off"
+
+
+def test_verdict_small_steps_take_the_few_rows_graph():
+    policy = resolve_graph_policy("compiled", chunked_prefill_size=512, decode_graph_max_bs=32, device_type="cpu")
+    assert decide_verdict(policy, 1, True, 1) == GraphVerdict("decode", 1)
+    assert decide_verdict(policy, 5, False, 1) == GraphVerdict("decode", 5)       # a verify step, a short prefill
+    assert decide_verdict(policy, 32, True, 32) == GraphVerdict("decode", 32)
+    assert decide_verdict(policy, 33, True, 33) == GraphVerdict("prefill", 33)    # past the cap: the prefill graph
+    assert decide_verdict(policy, 513, False, 2) == GraphVerdict("prefill", None, "too_large")
+    assert decide_verdict(policy, 4, False, 1, unservable="logprobs") == GraphVerdict("prefill", None, "logprobs")
+
+
 def test_verdict_full_graph_slots():
     policy = resolve_graph_policy("full", buckets=[8, 16], full_slots=4, device_type="cuda")
     assert decide_verdict(policy, 8, False, 4) == GraphVerdict("prefill", 8)

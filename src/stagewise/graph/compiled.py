@@ -7,12 +7,13 @@ metadata (Python lists, per-step groups) is never traced or guarded on.
 
 The token dimension is dynamic (unbacked): one compile serves every row count from 1 to the
 capture cap, so replay needs no padding.
-Inductor's on-disk caches live under the stagewise cache directory (`compile_cache_dir`).
+Inductor's on-disk caches live under the stagewise cache directory (`compile_cache.py`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -21,22 +22,24 @@ import torch
 
 from ..model.attention import AttentionMetadata, ForwardBatch
 from ..model.attention import paged_attention as _paged_attention
+from . import compile_cache
 from .backend import Body, GraphBackend
 
 log = logging.getLogger("stagewise.graph")
-_live: list[AttentionMetadata | None] = [None]     # the metadata the op reads; set only by live_metadata
+# NOTE: per thread: a graph may compile on a background thread while steps replay another one
+_live = threading.local()     # .meta: the metadata the op reads; set only by live_metadata
 
 
 @contextmanager
 def live_metadata(meta: AttentionMetadata) -> Iterator[None]:
-    """Scope `meta` as the metadata every `paged_attention` call in the block reads."""
-    if _live[0] is not None:
+    """Scope `meta` as the metadata every `paged_attention` call in the block (on this thread) reads."""
+    if getattr(_live, "meta", None) is not None:
         raise RuntimeError("live_metadata is already set: compiled stage bodies do not nest.")
-    _live[0] = meta
+    _live.meta = meta
     try:
         yield
     finally:
-        _live[0] = None
+        _live.meta = None
 
 
 # NOTE: the op writes k/v into `kv_cache` but declares no mutation. Declaring it makes the
@@ -47,7 +50,7 @@ def live_metadata(meta: AttentionMetadata) -> Iterator[None]:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """`sdpa_paged_attention` on the scoped live metadata: q `[rows, Hq, D]` -> `[rows, Hq, D]`."""
-    meta = _live[0]
+    meta = getattr(_live, "meta", None)
     if meta is None:
         raise RuntimeError("paged_attention ran outside live_metadata; replay must scope the step's metadata.")
     return _paged_attention(meta, kv_cache, q, k, v, scale).contiguous()
@@ -63,40 +66,48 @@ def _(q, k, v, kv_cache, scale):
     return q.new_empty(q.shape)
 
 
-def compile_cache_dir() -> str:
-    """Where Inductor keeps compiled code between starts (keyed by graph, config and torch version)."""
-    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
-    return os.path.join(root, "inductor")
-
-
-def use_compile_cache() -> str:
-    """Point Inductor's caches at the stagewise cache directory unless the user chose one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
 class CompiledBackend(GraphBackend):
     """Keys are `(rows, variant)`. `capture` compiles at the warm-up sizes; `adopt` registers a
-    new row count on the already-compiled code without running it (the dynamic dimension)."""
+    new row count on the already-compiled code without running it (the dynamic dimension).
+
+    `few_rows`: a compile for steps of a few rows (decode batches): its rows are hinted at one and
+    its loops generated serial, so a one-row RMSNorm does not open an OpenMP parallel region (the
+    default hint of 8192 rows makes Inductor parallelise every fused loop)."""
 
     name = "compiled"
     dynamic_rows = True
 
-    def __init__(self, live: ForwardBatch):
+    def __init__(self, live: ForwardBatch, model: torch.nn.Module, few_rows: bool = False):
         super().__init__()
         self._batch = live
-        use_compile_cache()
+        self.few_rows = few_rows
+        compile_cache.claim()
+        # NOTE: a torch.compile object of its own: Dynamo keys its cache entries by backend, so the
+        # two kinds' graphs of one model never stand in for each other.
+        self.model = torch.compile(model, dynamic=None, options={"cpp.threads": 1} if few_rows else None)
 
-    def capture(self, key, body: Body) -> None:
-        rows = f"1..{key[0]} rows"
-        log.info("compiling the stage body for %s (Inductor; cached in %s after the first start) ...",
-                 rows, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    def mark_rows(self, tensors: list[torch.Tensor | None]) -> None:
+        """Mark the row dimension of the capture inputs unbacked.
+
+        NOTE: unbacked, not merely dynamic: Dynamo specialises a backed size of 1, so batch-1
+        decode would need a second graph (or pad to 2 rows, which sends fp32 GEMMs from MKL's GEMV
+        to its packing GEMM: measured 1.6x slower per token). Unbacked sizes serve 1..cap with one
+        graph, and the GEMM kernels still see the real row count at run time."""
+        for t in tensors:
+            if t is not None:
+                torch._dynamo.decorators.mark_unbacked(t, 0, hint_override=1 if self.few_rows else None)
+
+    def capture(self, key, body: Body, meta: AttentionMetadata | None = None) -> None:
+        what = f"the {'few-rows' if self.few_rows else 'stage'} body for 1..{key[0]} rows"
+        log.info("compiling %s (Inductor; cached in %s after the first start) ...",
+                 what, os.environ.get(compile_cache.VAR))
         t0 = time.perf_counter()
-        assert self._batch.meta is not None, "capture runs on the dummy metadata"
-        with live_metadata(self._batch.meta):
+        meta = meta if meta is not None else self._batch.meta
+        assert meta is not None, "capture runs on the dummy metadata"
+        with live_metadata(meta):
             body()      # compile (the row dimension is dynamic)
             body()      # and check the guards hold on a second call (no recompile at replay)
-        log.info("compiled the stage body for %s in %.1f s", rows, time.perf_counter() - t0)
+        log.info("compiled %s in %.1f s", what, time.perf_counter() - t0)
         self._graphs[key] = body
 
     def adopt(self, key, body: Body) -> None:

@@ -99,9 +99,12 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     decode_backend = _resolve_decode_backend(decode_graph)
     if not is_cuda and "compiled" in (backend, decode_backend) and cxx_compiler() is None:
         backend, decode_backend = _eager_without_compiler(backend, decode_backend, logs)
-    if decode_backend == "compiled" and backend == "compiled":
-        decode_backend = "off"      # the compiled prefill body serves decode steps at their own size
-        logs.append("decode steps replay the compiled stage body (dynamic rows)")
+    if backend == "compiled" and decode_graph in (False, None):
+        # NOTE: a second, few-rows compile of the same body: with the rows hinted at one, Inductor
+        # keeps its small loops serial instead of opening a parallel region per fused kernel.
+        decode_backend = "compiled"
+    elif decode_backend == "off" and backend == "compiled":
+        logs.append("decode steps replay the compiled prefill body (--decode-graph off)")
     decode_ladder = tuple(decode_bucket_ladder(decode_graph_max_bs)) if decode_backend != "off" else ()
     if decode_backend == "compiled":
         decode_ladder = _warmup_sizes(decode_ladder[-1])
@@ -116,7 +119,10 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
     elif backend != "off":
         logs.append(f"prefill graphs: {backend}, {len(ladder)} buckets {ladder[0]}..{ladder[-1]} "
                     f"(capture cap {cap} tokens); larger forwards run eager")
-    if decode_backend != "off":
+    if decode_backend == "compiled":
+        logs.append(f"decode graphs: compiled for few rows (serial loops), any step of up to {decode_ladder[-1]} "
+                    "tokens (decode batches, speculative verify steps, short prefills)")
+    elif decode_backend != "off":
         logs.append(f"decode graphs: {decode_backend}, batch sizes {list(decode_ladder)}")
     if emulated:
         logs.append(f"graphs are emulated on {device_type}: no CUDA, so replay re-runs the body on the "
@@ -200,9 +206,12 @@ def decide_verdict(policy: GraphPolicy, num_tokens: int, is_decode_only: bool, n
     """Graph or eager, and which bucket, for one step; the driver ships it to every stage.
 
     A decode-only step uses the decode buckets (keyed by `num_seqs`) when decode graphs are on
-    and it fits them; anything else uses the prefill buckets. `unservable` is a short word the
+    and it fits them; anything else uses the prefill buckets. A compiled decode graph (dynamic
+    rows) takes every step of up to its cap in tokens, decode-only or not. `unservable` is a short word the
     driver passes when the step needs something no graph can serve; it becomes the reason.
     """
+    if policy.decode_dynamic_rows and not unservable and 0 < num_tokens <= policy.decode_buckets[-1]:
+        return GraphVerdict("decode", num_tokens)      # the few-rows compile serves any small step
     if is_decode_only and policy.decode_backend != "off":
         verdict = _fit("decode", policy.decode_buckets, num_seqs, unservable, policy.decode_dynamic_rows)
         if verdict.bucket is not None or policy.backend == "off":

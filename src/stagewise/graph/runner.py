@@ -7,6 +7,7 @@ the byte counts the memory planner needs. It never decides graph vs eager: the v
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from ..model.attention import AttentionMetadata, ForwardBatch
 from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
 from .backend import GraphBackend, GraphBatch, RerunBackend
+from .background import compile_in_background
 from .bind import bind_forward
 from .buffers import StaticInputs
 from .dummy import DummyMetadata
@@ -40,6 +42,7 @@ class _Kind:
         self.replays: Counter = Counter()
         self.eager: Counter = Counter()
         self.padded_tokens = 0
+        self.ready = True        # False while a background compile of this kind runs (steps run eager)
 
     def slots(self, bucket: int) -> int:
         """Request slots of a full graph: one per row for decode, the policy's count for prefill."""
@@ -72,7 +75,7 @@ class StageGraphRunner:
         self.variants = self._variants()
         self.inputs = self._make_inputs() if policy.enabled else None
         self._cuda: Any = None               # the CudaContext, made by the first CUDA backend
-        self._compiled_model: Any = None     # torch.compile(model), built by the first compiled kind
+        self._compile_thread: threading.Thread | None = None
         self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
                        "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
         self.capture_seconds = 0.0
@@ -90,22 +93,22 @@ class StageGraphRunner:
             return ("proxy",)
         return ("ids", "embeds") if self.binding.embeds_name else ("ids",)
 
-    def _make_inputs(self) -> StaticInputs:
+    def _make_inputs(self, rows: int | None = None) -> StaticInputs:
         keys = tuple(getattr(self.model, "proxy_keys", ()) or ())
         if not self.stage.is_first and not keys:
             raise ValueError(f"Stage {self.stage.rank}'s model declares no proxy_keys, so its graphs cannot "
                              "allocate proxy buffers; set model.proxy_keys.")
-        return StaticInputs(self.stage, self.policy.max_rows, self.model.hidden_size, keys, self.dtype,
+        return StaticInputs(self.stage, rows or self.policy.max_rows, self.model.hidden_size, keys, self.dtype,
                             self.device, with_embeds=self.binding.embeds_name is not None)
 
     def _make_kind(self, kind: str, name: str, buckets: tuple[int, ...]) -> _Kind:
-        backend = None if name == "off" else self._make_backend(name)
+        backend = None if name == "off" else self._make_backend(name, few_rows=kind == "decode")
         return _Kind(kind, name, buckets, backend, self.policy.full_slots)
 
-    def _make_backend(self, name: str) -> GraphBackend:
+    def _make_backend(self, name: str, few_rows: bool) -> GraphBackend:
         if name == "compiled":
             from .compiled import CompiledBackend  # lazy: importing torch._dynamo costs seconds
-            return CompiledBackend(self.batch)
+            return CompiledBackend(self.batch, self.model, few_rows=few_rows)
         rows = self.policy.max_rows
         if self.device.type == "cuda" and not self.policy.emulated:
             from .cuda import CudaBreakableBackend, CudaContext, CudaFullBackend
@@ -128,10 +131,18 @@ class StageGraphRunner:
         return found
 
     # capture
-    def capture(self) -> None:
+    def capture(self, background: bool = False) -> None:
         """Capture every bucket of every enabled kind, largest first (smaller ones reuse its pool).
-        Needs the KV caches allocated: capture writes its dummy KV to scratch block 0."""
+        Needs the KV caches allocated: capture writes its dummy KV to scratch block 0.
+
+        `background`: compiled (dynamic-rows) kinds compile on a thread instead, decode first;
+        until a kind is ready its steps run eager (`wait_compiled` waits for them)."""
         kinds = [k for k in self._kinds.values() if k.backend is not None]
+        if background:
+            later = [k for k in kinds if k.dynamic_rows][::-1]      # decode, then prefill
+            kinds = [k for k in kinds if not k.dynamic_rows]
+            if later:
+                self._compile_thread = compile_in_background(self, later)
         if not kinds:
             return
         dummy = DummyMetadata(self._block_size(), self.device)
@@ -150,8 +161,17 @@ class StageGraphRunner:
                  ", ".join(f"{k.kind} {k.name} x{len(k.buckets) * len(self._kind_variants(k))}" for k in kinds),
                  self.capture_seconds, self._pool_bytes / 2**20)
 
-    def _capture_kind(self, kind: _Kind, dummy: "DummyMetadata") -> None:
-        backend, inputs = kind.backend, self.inputs
+    def wait_compiled(self, timeout_s: float | None = None) -> bool:
+        """Wait for a background compile; True when every kind is ready (or failed and runs eager)."""
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout_s)
+        return self._compile_thread is None or not self._compile_thread.is_alive()
+
+    def _capture_kind(self, kind: _Kind, dummy: "DummyMetadata", background: bool = False) -> None:
+        """Capture `kind`; `background` (compiled kinds): on scratch inputs and the dummy metadata
+        passed down, so the steps the main thread runs meanwhile keep the shared buffers."""
+        backend = kind.backend
+        inputs = self._make_inputs(max(kind.buckets)) if background else self.inputs
         assert backend is not None and inputs is not None, "capture runs only enabled kinds"
         if backend.static_attention:
             largest = max(kind.buckets)
@@ -159,11 +179,17 @@ class StageGraphRunner:
                                                        dummy.block_size, self.device)
         for bucket in sorted(kind.buckets, reverse=True):
             for variant in self._kind_variants(kind):
-                self.batch.meta = dummy.get(bucket)
+                key, meta = (bucket, variant), dummy.get(bucket)
                 inputs.zero(bucket)
+                if background:      # the compiled backend: it takes the metadata, and adopts the replay body
+                    compiled: Any = backend
+                    compiled.capture(key, self._body(kind, bucket, variant, True, inputs), meta=meta)
+                    compiled.adopt(key, self._body(kind, bucket, variant))
+                    continue
+                self.batch.meta = meta
                 if kind.static_meta is not None:
                     kind.static_meta.reset()
-                backend.capture((bucket, variant), self._body(kind, bucket, variant, mark_dynamic=True))
+                backend.capture(key, self._body(kind, bucket, variant, mark_dynamic=True))
 
     def _kind_variants(self, kind: _Kind) -> tuple[str, ...]:
         """A dynamic-rows (compiled) first stage embeds token ids eagerly and compiles the
@@ -172,9 +198,11 @@ class StageGraphRunner:
             return ("embeds",)
         return self.variants
 
-    def _body(self, kind: _Kind, bucket: int, variant: str, mark_dynamic: bool = False):
-        assert self.inputs is not None and kind.backend is not None, "bodies exist only for enabled kinds"
-        views = self.inputs.views(bucket)
+    def _body(self, kind: _Kind, bucket: int, variant: str, mark_dynamic: bool = False,
+              inputs: StaticInputs | None = None):
+        inputs = inputs or self.inputs
+        assert inputs is not None and kind.backend is not None, "bodies exist only for enabled kinds"
+        views = inputs.views(bucket)
         ids = views["input_ids"] if variant == "ids" else None
         kwargs = self.binding.kwargs(views["input_embeds"] if variant == "embeds" else None, views["proxy"])
         positions, model = views["positions"], self.model
@@ -185,28 +213,15 @@ class StageGraphRunner:
             kind.graph_batch = kind.graph_batch or GraphBatch(self.batch, kind.backend.attend)
             batch = kind.graph_batch
         if kind.dynamic_rows:
-            model = self._compiled(views if mark_dynamic else None)
+            backend: Any = kind.backend      # the compiled backend: its own torch.compile of the model
+            model = backend.model
+            if mark_dynamic:
+                backend.mark_rows([views["positions"], views["input_ids"], views["input_embeds"],
+                                   *(views["proxy"].tensors.values() if views["proxy"] is not None else ())])
 
         def body():
             return model(ids, positions, batch, **kwargs)
         return body
-
-    def _compiled(self, views: dict | None):
-        """The compiled model (one for the stage); `views` given: their row dimension is dynamic.
-
-        NOTE: unbacked, not merely dynamic: Dynamo specialises a backed size of 1, so batch-1
-        decode would need a second graph (or pad to 2 rows, which sends fp32 GEMMs from MKL's GEMV
-        to its packing GEMM: measured 1.6x slower per token). Unbacked sizes serve 1..cap with one
-        graph, and the GEMM kernels still see the real row count at run time."""
-        if self._compiled_model is None:
-            self._compiled_model = torch.compile(self.model, dynamic=None)
-        if views is not None:
-            rows = [views["positions"], views["input_ids"], views["input_embeds"]]
-            rows += list(views["proxy"].tensors.values()) if views["proxy"] is not None else []
-            for t in rows:
-                if t is not None:
-                    torch._dynamo.decorators.mark_unbacked(t, 0)
-        return self._compiled_model
 
     def _block_size(self) -> int:
         cache = next((c for c in self.batch.kv_caches if c is not None), None)
@@ -239,8 +254,9 @@ class StageGraphRunner:
         this stage overwrites: send or copy them first. The last stage's hidden rows likewise.
         """
         self.batch.meta = meta
-        if verdict is None or verdict.bucket is None:
+        if not self.will_replay(verdict):
             return self._eager(verdict, input_ids, positions, input_embeds, proxy)
+        assert verdict is not None and verdict.bucket is not None, "will_replay implies a bucket"
         kind = self._kinds[verdict.kind]
         T, B = meta.num_tokens, verdict.bucket
         if kind.dynamic_rows:
@@ -279,9 +295,15 @@ class StageGraphRunner:
             return "proxy"
         return "embeds" if input_embeds is not None else "ids"
 
+    def will_replay(self, verdict: GraphVerdict | None) -> bool:
+        """Whether `forward` replays this verdict's graph: it names a bucket, and the graph is not
+        still compiling (a dynamic-rows graph pads nothing, so running eager instead is safe)."""
+        return verdict is not None and verdict.bucket is not None and self._kinds[verdict.kind].ready
+
     def _eager(self, verdict, input_ids, positions, input_embeds, proxy) -> Any:
         kind = self._kinds[verdict.kind if verdict is not None else "prefill"]
-        kind.eager[verdict.reason if verdict is not None and verdict.reason else "no_verdict"] += 1
+        why = "compiling" if verdict is not None and verdict.bucket is not None else None
+        kind.eager[why or (verdict.reason if verdict is not None and verdict.reason else "no_verdict")] += 1
         kwargs = self.binding.kwargs(input_embeds, proxy)
         with torch.inference_mode():
             return self.model(input_ids, positions, self.batch, **kwargs)

@@ -64,7 +64,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
     plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
                                          head_dim, dtype, device)
-    runner.capture()
+    runner.capture(background=config.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
     return StageParts(model, runner, plan, device, batch)
 

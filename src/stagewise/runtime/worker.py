@@ -81,7 +81,7 @@ class Worker:
         with torch.inference_mode():
             ids, positions, meta, embeds, sample_rows = self._prepare(plan)
             self.batch.meta = meta
-            eager = plan.verdict is None or plan.verdict.bucket is None   # captured graphs keep their kernels
+            eager = not self.runner.will_replay(plan.verdict)      # captured graphs keep their kernels
             with gemm_kernels(meta.num_tokens if eager else 0, self.dtype, self.device):
                 out = self.runner.forward(plan.verdict, ids, positions, meta, input_embeds=embeds, proxy=proxy)
             if not self.stage.is_last:
