@@ -128,7 +128,6 @@ def test_dequantize_rows_kernel(variant, qtype):
 
 def test_layout_sizes_agree():
     lib = quant_kernels.library()
-    lib.quant_panel_bytes.restype = ctypes.c_int64
     for qtype in TYPES:
         for k in (256, 2048):
             assert lib.quant_panel_bytes(int(qtype), ctypes.c_int64(k)) == quant_pack.panel_bytes(qtype, k)

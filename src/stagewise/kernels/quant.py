@@ -173,9 +173,10 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"Activations have {x.shape[-1]} features but the {n}x{k} {w.qtype.name} weight takes {k}.")
-    rows = x.reshape(-1, k)
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, k)
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        y = torch.ops.stagewise.qlinear(rows, w.data, bias, int(w.qtype), n, w.packed, exact, f32_out)
+        y = torch.ops.stagewise.qlinear(rows, w.data, bias, w.qtype, n, w.packed, exact, f32_out)
     else:
-        y = _qlinear(rows, w.data, bias, int(w.qtype), n, w.packed, exact, f32_out)
-    return y.view(*x.shape[:-1], n)
+        y = _qlinear(rows, w.data, bias, w.qtype, n, w.packed, exact, f32_out)
+    return y if flat else y.view(*x.shape[:-1], n)

@@ -32,12 +32,10 @@ def _load(variant: str) -> ctypes.CDLL | None:
         return None
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.quant_isa.restype = ctypes.c_char_p
-    lib.quant_activations.argtypes, lib.quant_activations.restype = [p, i32, i64, i64, i64, p, p, p], None
-    lib.quant_linear_fast.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, i64]
-    lib.quant_linear_exact.argtypes = [i32, p, i64, i64, i64, p, i64, p, p, p, i64]
+    lib.quant_panel_bytes.argtypes, lib.quant_panel_bytes.restype = [i32, i64], i64
+    lib.quant_linear.argtypes = [i32, i32, p, i32, i64, i64, i64, p, i64, p, p, p, i64]
     lib.quant_dequant_rows.argtypes = [i32, p, i64, p, i64, p, p]
-    for fn in (lib.quant_linear_fast, lib.quant_linear_exact, lib.quant_dequant_rows):
-        fn.restype = i32
+    lib.quant_linear.restype = lib.quant_dequant_rows.restype = i32
     return lib
 
 
@@ -53,28 +51,42 @@ def library(variant: str = "native") -> ctypes.CDLL:
     return lib
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(qtype: int, n: int, k: int, packed: bool) -> tuple[int, int] | str:
+    """The weight's `data` shape, or why a call with these sizes cannot work."""
+    if qtype not in _SUPPORTED_IDS:
+        return f"GGUF type {T(qtype).name} has no quantized kernel."
+    step = 256 if T(qtype) in K_TYPES else 32
+    if k % step or k == 0:
+        return f"Quantized linear needs K a multiple of {step}; got K={k}."
+    if packed:
+        return quant_pack.num_panels(n), quant_pack.panel_bytes(T(qtype), k)
+    return n, row_bytes(T(qtype), k)
+
+
+_SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED)
+
+
 def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int,
                  packed: bool = True) -> None:
-    """One sentence for each way a call could read out of bounds or misread the weight."""
-    if T(qtype) not in SUPPORTED:
-        raise ValueError(f"GGUF type {T(qtype).name} has no quantized kernel.")
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+    """One sentence for each way a call could read out of bounds or misread the weight (cheap: it
+    runs on every call)."""
+    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"Quantized linear takes CPU float32 or bfloat16 rows [M, K], not {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}.")
-    k = x.shape[1]
-    step = 256 if T(qtype) in K_TYPES else 32
-    if k % step or x.stride(1) != 1:
-        raise ValueError(f"Quantized linear needs K a multiple of {step} and unit column stride; got K={k}, "
-                         f"strides {x.stride()}.")
-    if packed:
-        expected = (quant_pack.num_panels(n), quant_pack.panel_bytes(T(qtype), k))
-    else:
-        expected = (n, row_bytes(T(qtype), k))
-    if data.dtype != torch.uint8 or tuple(data.shape) != expected or not data.is_contiguous():
-        raise ValueError(f"A{' packed' if packed else ''} {n}x{k} {T(qtype).name} weight is contiguous uint8 "
-                         f"{expected}; got {data.dtype} {tuple(data.shape)} (K of the activations must match the "
-                         f"weight's, and N its rows).")
-    if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.float32, torch.bfloat16)):
+    expected = _expected(qtype, n, x.shape[1], packed)
+    if isinstance(expected, str):
+        raise ValueError(expected)
+    if x.stride(1) != 1:
+        raise ValueError(f"Quantized linear needs rows with unit column stride; got strides {x.stride()}.")
+    if data.dtype != torch.uint8 or data.shape != expected or not data.is_contiguous():
+        raise ValueError(f"A{' packed' if packed else ''} {n}x{x.shape[1]} {T(qtype).name} weight is contiguous "
+                         f"uint8 {expected}; got {data.dtype} {tuple(data.shape)} (K of the activations must match "
+                         f"the weight's, and N its rows).")
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES):
         raise ValueError(f"The bias must be float [{n}], not {bias.dtype} {tuple(bias.shape)}.")
 
 
@@ -82,26 +94,18 @@ def run_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, q
                f32_out: bool, variant: str = "native") -> torch.Tensor:
     """`x [M, K] @ W^T (+ bias)` by the kernels, W packed; float32 with `f32_out`, else x's dtype."""
     check_linear(x, data, bias, qtype, n)
-    lib = library(variant)
+    lib = _load(variant) or library(variant)
     m, k = x.shape
-    out_dtype = torch.float32 if f32_out else x.dtype
-    y = torch.empty(m, n, dtype=out_dtype)
-    if m == 0:
-        return y
-    b = None if bias is None else bias.float().contiguous()
-    ptrs = (None if b is None else b.data_ptr(), y.data_ptr() if out_dtype == torch.float32 else None,
-            y.data_ptr() if out_dtype == torch.bfloat16 else None, n)
-    if exact:
-        xf = x.float() if x.dtype != torch.float32 else x
-        status = lib.quant_linear_exact(qtype, xf.data_ptr(), xf.stride(0), m, k, data.data_ptr(), n, *ptrs)
-    else:
-        xq = torch.empty(m, k, dtype=torch.int8)
-        xd, xs = torch.empty(m, k // 32), torch.empty(m, k // 16, dtype=torch.int32)
-        lib.quant_activations(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, k, xq.data_ptr(),
-                              xd.data_ptr(), xs.data_ptr())
-        status = lib.quant_linear_fast(qtype, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, k, data.data_ptr(),
-                                       n, *ptrs)
-    assert status == 0
+    y = torch.empty(m, n, dtype=torch.float32 if f32_out else x.dtype)
+    if m:
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        f32 = y.dtype == torch.float32
+        status = lib.quant_linear(qtype, exact, x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, k,
+                                  data.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                  y.data_ptr() if f32 else None, None if f32 else y.data_ptr(), n)
+        if status:
+            raise MemoryError(f"The quantized kernel ran out of memory for {m} rows of {k}.")
     return y
 
 

@@ -51,6 +51,16 @@ static inline pvf pvf_fms(pvf a, pvf b, pvf c) { return _mm512_fmsub_ps(a, b, c)
 static inline pvf pvf_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static inline pvf pvf_u8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 static inline pvf pvf_i8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline pvf pvf_bf16(const void* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline float pvf_absmax(pvf a) { return _mm512_reduce_max_ps(_mm512_abs_ps(a)); }
+/* round to nearest even, store as 16 int8 (|v| <= 127.5 by construction), return their sum */
+static inline int32_t pvf_round_i8(pvf v, int8_t* out) {
+    __m512i i = _mm512_cvtps_epi32(v);
+    _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(i));
+    return _mm512_reduce_add_epi32(i);
+}
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(QUANT_PORTABLE)
 #include <immintrin.h>
@@ -98,6 +108,24 @@ static inline pvf pvf_u8(const void* p) {
 static inline pvf pvf_i8(const void* p) {
     __m128i b = _mm_loadu_si128((const __m128i*)p);
     return (pvf){ _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))) };
+}
+static inline __m256 bf16_8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline pvf pvf_bf16(const void* p) { return (pvf){ bf16_8((const uint16_t*)p), bf16_8((const uint16_t*)p + 8) }; }
+static inline float pvf_absmax(pvf x) {
+    __m256 m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x.a), _mm256_andnot_ps(_mm256_set1_ps(-0.f), x.b));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+static inline int32_t pvf_round_i8(pvf x, int8_t* out) {
+    int32_t v[16], sum = 0;
+    _mm256_storeu_si256((__m256i*)v, _mm256_cvtps_epi32(x.a));
+    _mm256_storeu_si256((__m256i*)(v + 8), _mm256_cvtps_epi32(x.b));
+    for (int l = 0; l < 16; l++) { out[l] = (int8_t)v[l]; sum += v[l]; }
+    return sum;
 }
 
 #else
@@ -180,6 +208,22 @@ static inline pvf pvf_f16(const void* p) {
 }
 static inline pvf pvf_u8(const void* p) { pvf r; for (int l = 0; l < 16; l++) r[l] = ((const uint8_t*)p)[l]; return r; }
 static inline pvf pvf_i8(const void* p) { pvf r; for (int l = 0; l < 16; l++) r[l] = ((const int8_t*)p)[l]; return r; }
+static inline pvf pvf_bf16(const void* p) {
+    uint16_t h[16]; pvf r;
+    memcpy(h, p, 32);
+    for (int l = 0; l < 16; l++) { uint32_t b = (uint32_t)h[l] << 16; memcpy(&r[l], &b, 4); }
+    return r;
+}
+static inline float pvf_absmax(pvf a) {
+    float m = 0.f;
+    for (int l = 0; l < 16; l++) { float v = a[l] < 0 ? -a[l] : a[l]; m = v > m ? v : m; }
+    return m;
+}
+static inline int32_t pvf_round_i8(pvf a, int8_t* out) {
+    int32_t sum = 0;
+    for (int l = 0; l < 16; l++) { int32_t v = (int32_t)__builtin_lrintf(a[l]); out[l] = (int8_t)v; sum += v; }
+    return sum;
+}
 #endif
 
 /* float32 -> bfloat16, rounding to nearest even as torch does (NaN stays NaN) */
