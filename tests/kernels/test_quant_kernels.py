@@ -146,6 +146,24 @@ def test_linear_dispatch():
                                                                     37, False, False).view(2, 3, 37))
 
 
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 7, 130])
+def test_linear_cat_equals_parts(exact, rows):
+    """Weights side by side in one call (mixed types, odd row counts): each part's columns equal its
+    own call, bit for bit, and the bias lands on the right columns."""
+    parts = [_weight(T.Q4_K, 40, 256, 1), _weight(T.Q6_K, 17, 256, 2), _weight(T.Q8_0, 64, 256, 3)]
+    gen = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, 256, generator=gen).bfloat16(), torch.randn(121, generator=gen)
+    got = quant.linear_cat(x.unsqueeze(0), parts, b, exact=exact, f32_out=True)[0]
+    alone = torch.cat([quant.linear(x, w, exact=exact, f32_out=True) for w in parts], -1)
+    assert torch.equal(got, alone + b)                        # the same float32 add, in C or here
+    assert torch.equal(quant.linear_cat(x, parts, exact=exact, f32_out=True), alone)
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        quant_kernels.run_linear_cat(x, [], None, [], [], exact, False)
+    with pytest.raises(ValueError, match="bias"):
+        quant.linear_cat(x, parts, b[:-1])
+
+
 def test_boundary_checks():
     w = _weight(T.Q4_0, 40, 256)
     x = torch.randn(3, 256)

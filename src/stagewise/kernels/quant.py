@@ -180,3 +180,37 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
     else:
         y = _qlinear(rows, w.data, bias, w.qtype, n, w.packed, exact, f32_out)
     return y if flat else y.view(*x.shape[:-1], n)
+
+
+def _qlinear_cat(x: torch.Tensor, data: list[torch.Tensor], bias: torch.Tensor | None, qtypes: list[int],
+                 ns: list[int], exact: bool, f32_out: bool) -> torch.Tensor:
+    if quant_kernels.available():
+        return quant_kernels.run_linear_cat(x, data, bias, qtypes, ns, exact, f32_out)
+    parts = [_qlinear(x, d, None, q, n, True, exact, True) for d, q, n in zip(data, qtypes, ns)]
+    y = torch.cat(parts, -1) + (0 if bias is None else bias.float())
+    return y if f32_out else y.to(x.dtype)
+
+
+def _qlinear_cat_fake(x, data, bias, qtypes, ns, exact, f32_out):
+    return x.new_empty(x.shape[0], sum(ns), dtype=torch.float32 if f32_out else x.dtype)
+
+
+define("qlinear_cat(Tensor x, Tensor[] data, Tensor? bias, int[] qtypes, int[] ns, bool exact, bool f32_out) "
+       "-> Tensor", _qlinear_cat, _qlinear_cat_fake)
+
+
+def linear_cat(x: torch.Tensor, weights: list[QuantizedWeight], bias: torch.Tensor | None = None,
+               exact: bool = False, f32_out: bool = False) -> torch.Tensor:
+    """`linear` of several packed weights side by side (a fused projection whose parts are stored
+    in different types, e.g. Q4_K q/k and Q6_K v): `[..., sum N]`, x quantized once for all."""
+    k = x.shape[-1]
+    if any(w.shape[1] != k or not w.packed for w in weights):
+        raise ValueError(f"linear_cat takes packed weights of K={k} (the activations' features).")
+    rows = x.reshape(-1, k)
+    args = (rows, [w.data for w in weights], bias, [int(w.qtype) for w in weights], [w.shape[0] for w in weights],
+            exact, f32_out)
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        y = torch.ops.stagewise.qlinear_cat(*args)
+    else:
+        y = _qlinear_cat(*args)
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -33,7 +33,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.quant_isa.restype = ctypes.c_char_p
     lib.quant_panel_bytes.argtypes, lib.quant_panel_bytes.restype = [i32, i64], i64
-    lib.quant_linear.argtypes = [i32, i32, p, i32, i64, i64, i64, p, i64, p, p, p, i64]
+    lib.quant_linear.argtypes = [i32, p, p, p, i32, p, i32, i64, i64, i64, p, p, p, i64]
     lib.quant_dequant_rows.argtypes = [i32, p, i64, p, i64, p, p]
     lib.quant_linear.restype = lib.quant_dequant_rows.restype = i32
     return lib
@@ -77,6 +77,11 @@ def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
     if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"Quantized linear takes CPU float32 or bfloat16 rows [M, K], not {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}.")
+    _check_weight(x, data, qtype, n, packed)
+    _check_bias(bias, n)
+
+
+def _check_weight(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, packed: bool) -> None:
     expected = _expected(qtype, n, x.shape[1], packed)
     if isinstance(expected, str):
         raise ValueError(expected)
@@ -86,6 +91,9 @@ def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"A{' packed' if packed else ''} {n}x{x.shape[1]} {T(qtype).name} weight is contiguous "
                          f"uint8 {expected}; got {data.dtype} {tuple(data.shape)} (K of the activations must match "
                          f"the weight's, and N its rows).")
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES):
         raise ValueError(f"The bias must be float [{n}], not {bias.dtype} {tuple(bias.shape)}.")
 
@@ -93,20 +101,40 @@ def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
 def run_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int, exact: bool,
                f32_out: bool, variant: str = "native") -> torch.Tensor:
     """`x [M, K] @ W^T (+ bias)` by the kernels, W packed; float32 with `f32_out`, else x's dtype."""
-    check_linear(x, data, bias, qtype, n)
+    return run_linear_cat(x, [data], bias, [qtype], [n], exact, f32_out, variant)
+
+
+def run_linear_cat(x: torch.Tensor, data: list[torch.Tensor], bias: torch.Tensor | None, qtypes: list[int],
+                   ns: list[int], exact: bool, f32_out: bool, variant: str = "native") -> torch.Tensor:
+    """`x @ [W_0; W_1; ...]^T (+ bias)`: packed matrices side by side (their types may differ), the
+    activations quantized once for all; `[M, sum(ns)]`."""
+    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"Quantized linear takes CPU float32 or bfloat16 rows [M, K], not {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}.")
+    if not 1 <= len(data) <= _MAX_SEGMENTS or len(qtypes) != len(data) or len(ns) != len(data):
+        raise ValueError(f"Quantized linear takes 1 to {_MAX_SEGMENTS} weights with one type and row count each.")
+    for d, qtype, n in zip(data, qtypes, ns):
+        _check_weight(x, d, qtype, n, True)
+    total = sum(ns)
+    _check_bias(bias, total)
     lib = _load(variant) or library(variant)
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32 if f32_out else x.dtype)
+    y = torch.empty(m, total, dtype=torch.float32 if f32_out else x.dtype)
     if m:
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        f32 = y.dtype == torch.float32
-        status = lib.quant_linear(qtype, exact, x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, k,
-                                  data.data_ptr(), n, None if bias is None else bias.data_ptr(),
-                                  y.data_ptr() if f32 else None, None if f32 else y.data_ptr(), n)
+        count, f32 = len(data), y.dtype == torch.float32
+        status = lib.quant_linear(count, (ctypes.c_int * count)(*qtypes),
+                                  (ctypes.c_void_p * count)(*[d.data_ptr() for d in data]),
+                                  (ctypes.c_int64 * count)(*ns), exact, x.data_ptr(), x.dtype == torch.bfloat16,
+                                  x.stride(0), m, k, None if bias is None else bias.data_ptr(),
+                                  y.data_ptr() if f32 else None, None if f32 else y.data_ptr(), total)
         if status:
             raise MemoryError(f"The quantized kernel ran out of memory for {m} rows of {k}.")
     return y
+
+
+_MAX_SEGMENTS = 8      # csrc/quant.c's MAX_SEGMENTS
 
 
 def run_dequant_rows(data: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor, dtype: torch.dtype,

@@ -239,38 +239,55 @@ static const fast_fn* fast_table(int qt) {
     }
 }
 
-/* Tasks: (G panels, a run of up to `rows` rows), panel-major so that a thread's panels stay in
-   cache while its rows pass; the last group may hold fewer panels. Inside a parallel region. */
-#define FOR_TASKS(M, P, G, BODY)                                                                  \
-    int64_t groups_ = ((P) + (G) - 1) / (G), rows_ = (M) <= 96 ? (M) : 48, runs_ = ((M) + rows_ - 1) / rows_; \
+/* A linear call multiplies x by up to MAX_SEGMENTS matrices side by side (fused projections whose
+   parts are stored in different types), each writing its own columns of y. */
+#define MAX_SEGMENTS 8
+typedef struct {
+    int qt;
+    const fast_fn* table;
+    const uint8_t* w;
+    int64_t pstride, panels, first;      /* first: index of the segment's first task */
+    out_t o;
+} seg_t;
+
+/* Tasks: (a group of G panels of one segment, a run of up to `rows` rows), panel-major so that a
+   thread's panels stay in cache while its rows pass; a segment's last group may be narrower.
+   Inside a parallel region; BODY sees sg (the segment), p0 (its first panel), r0 .. r1 (rows). */
+#define FOR_TASKS(segs, S, M, G, BODY)                                                            \
+    int64_t rows_ = (M) <= 96 ? (M) : 48, runs_ = ((M) + rows_ - 1) / rows_;                      \
+    int64_t total_ = segs[S - 1].first + (segs[S - 1].panels + (G) - 1) / (G) * runs_;            \
     _Pragma("omp for schedule(static)")                                                          \
-    for (int64_t t_ = 0; t_ < groups_ * runs_; t_++) {                                            \
-        int64_t p0 = (t_ / runs_) * (G);                                                          \
-        int64_t r0 = (t_ % runs_) * rows_, r1 = r0 + rows_ < (M) ? r0 + rows_ : (M);              \
+    for (int64_t t_ = 0; t_ < total_; t_++) {                                                     \
+        int s_ = S - 1;                                                                           \
+        while (segs[s_].first > t_) s_--;                                                         \
+        const seg_t* sg = &segs[s_];                                                              \
+        int64_t p0 = ((t_ - sg->first) / runs_) * (G), r0 = ((t_ - sg->first) % runs_) * rows_;    \
+        int64_t r1 = r0 + rows_ < (M) ? r0 + rows_ : (M);                                         \
         BODY                                                                                      \
     }
 
 /* table[mb]: mb <= MBMAX rows x NV panels; table[MBMAX + 1]: 1 row x NV1; table[MBMAX + 2]: 2 x NV2 */
-static void run_fast(const fast_fn* table, int qt, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
-                     const uint8_t* w, const out_t* o, char* work) {
+static void run_fast(const seg_t* segs, int S, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
+                     int64_t width, char* work) {
     int8_t* xq = (int8_t*)work;
     float* xd = (float*)(work + M * K);
     int32_t* xs = (int32_t*)(xd + M * (K / CHUNK));
     act_t a = {xq, xd, xs, K};
-    int64_t pstride = panel_bytes(qt, K), P = (o->N + 2 * PANEL - 1) / (2 * PANEL) * 2, esize = x_bf16 ? 2 : 4;
-    int64_t width = M == 1 ? NV1 : M == 2 ? NV2 : NV;
+    int64_t esize = x_bf16 ? 2 : 4;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row((const char*)x + m * ldx * esize, x_bf16, K, xq + m * K, xd + m * (K / CHUNK),
                          xs + m * (K / 16));
-        FOR_TASKS(M, P, width, {
+        FOR_TASKS(segs, S, M, width, {
             for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
                 int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
-                for (int64_t p = p0, end = p0 + width < P ? p0 + width : P; p < end;) {
+                int64_t end = p0 + width < sg->panels ? p0 + width : sg->panels;
+                for (int64_t p = p0; p < end;) {
                     int wide = width > NV && end - p == width;      /* else NV panels at a time */
-                    table[wide ? MBMAX + mb : mb](&a, m0, w + p * pstride, pstride, o, p * PANEL);
+                    sg->table[wide ? MBMAX + mb : mb](&a, m0, sg->w + p * sg->pstride, sg->pstride, &sg->o,
+                                                      p * PANEL);
                     p += wide ? width : NV;
                 }
             }
@@ -278,12 +295,11 @@ static void run_fast(const fast_fn* table, int qt, const void* x, int x_bf16, in
     }
 }
 
-static int run_exact(int qt, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
-                     const out_t* o, char* work) {
+static int run_exact(const seg_t* segs, int S, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
+                     char* work) {
     static const exact_fn table[] = EXACT_TABLE;
     const float* xf = x_bf16 ? (const float*)work : (const float*)x;
     int64_t ldf = x_bf16 ? K : ldx;
-    int64_t pstride = panel_bytes(qt, K), P = (o->N + 2 * PANEL - 1) / (2 * PANEL) * 2;
     int failed = 0;
     #pragma omp parallel
     {
@@ -298,12 +314,13 @@ static int run_exact(int qt, const void* x, int x_bf16, int64_t ldx, int64_t M, 
             #pragma omp atomic write
             failed = 1;
         }
-        FOR_TASKS(M, P, NV, {
+        FOR_TASKS(segs, S, M, NV, {
             if (!wf) continue;
-            for (int64_t j = 0; j < NV; j++) dequant_panel(qt, w + (p0 + j) * pstride, K, wf + j * K * PANEL);
+            for (int64_t j = 0; j < NV; j++)
+                dequant_panel(sg->qt, sg->w + (p0 + j) * sg->pstride, K, wf + j * K * PANEL);
             for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
                 int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
-                table[mb](xf, ldf, m0, wf, K, o, p0 * PANEL);
+                table[mb](xf, ldf, m0, wf, K, &sg->o, p0 * PANEL);
             }
         })
         free(wf);
@@ -311,26 +328,39 @@ static int run_exact(int qt, const void* x, int x_bf16, int64_t ldx, int64_t M, 
     return failed ? -2 : 0;
 }
 
-/* y [M, N] (float32 y or bfloat16 ybf, row stride ldy) = x [M, K] (float32, or bfloat16 when
-   x_bf16; row stride ldx) @ W^T (+ bias float32 [N]). W: packed panels of a GGUF type `qt` (ggml's
-   id), N its logical rows (the panels hold ceil(N/32) * 32). Fast mode quantizes x per 32 first;
-   exact mode multiplies float32. Returns 0, -1 for an unknown type, -2 when out of memory. */
-int quant_linear(int qt, int exact, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
-                 int64_t N, const float* bias, float* y, uint16_t* ybf, int64_t ldy) {
-    const fast_fn* table = fast_table(qt);
-    if (!table) return -1;
-    out_t o = {y, ybf, ldy, N, bias};
+/* y [M, sum N] (float32 y or bfloat16 ybf, row stride ldy) = x [M, K] (float32, or bfloat16 when
+   x_bf16; row stride ldx) @ [W_0; W_1; ...]^T (+ bias float32 [sum N]). W_s: packed panels of GGUF
+   type qts[s] (ggml's ids) with ns[s] logical rows (its panels hold ceil(N/32) * 32), writing
+   columns from sum of the earlier ns. Fast mode quantizes x per 32 once for all; exact mode
+   multiplies float32. Returns 0, -1 for an unknown type or too many segments, -2 out of memory. */
+int quant_linear(int S, const int* qts, const uint8_t* const* ws, const int64_t* ns, int exact, const void* x,
+                 int x_bf16, int64_t ldx, int64_t M, int64_t K, const float* bias, float* y, uint16_t* ybf,
+                 int64_t ldy) {
+    if (S < 1 || S > MAX_SEGMENTS) return -1;
+    seg_t segs[MAX_SEGMENTS];
+    int64_t width = exact ? NV : M == 1 ? NV1 : M == 2 ? NV2 : NV, rows = M <= 96 ? M : 48;
+    int64_t runs = (M + rows - 1) / rows, column = 0, first = 0;
+    for (int s = 0; s < S; s++) {
+        const fast_fn* table = fast_table(qts[s]);
+        if (!table) return -1;
+        int64_t panels = (ns[s] + 2 * PANEL - 1) / (2 * PANEL) * 2;
+        out_t o = {y ? y + column : 0, ybf ? ybf + column : 0, ldy, ns[s], bias ? bias + column : 0};
+        segs[s] = (seg_t){qts[s], table, ws[s], panel_bytes(qts[s], K), panels, first, o};
+        first += (panels + width - 1) / width * runs;
+        column += ns[s];
+    }
     size_t per_row = exact ? (x_bf16 ? (size_t)K * 4 : 0) : (size_t)(K + K / CHUNK * 4 + K / 16 * 4);
     char* work = per_row ? (char*)malloc((size_t)M * per_row) : 0;
     if (per_row && !work) return -2;
     int status = 0;
     if (exact)
-        status = run_exact(qt, x, x_bf16, ldx, M, K, w, &o, work);
+        status = run_exact(segs, S, x, x_bf16, ldx, M, K, work);
     else
-        run_fast(table, qt, x, x_bf16, ldx, M, K, w, &o, work);
+        run_fast(segs, S, x, x_bf16, ldx, M, K, width, work);
     free(work);
     return status;
 }
+
 /* Rows ids [R] of the matrix -> out [R, K] float32 (or bfloat16 into outbf): embedding lookups.
    Ids are checked by the caller. */
 int quant_dequant_rows(int qt, const uint8_t* w, int64_t K, const int64_t* ids, int64_t R, float* out,
