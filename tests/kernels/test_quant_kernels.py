@@ -164,33 +164,44 @@ def test_linear_cat_equals_parts(exact, rows):
         quant.linear_cat(x, parts, b[:-1])
 
 
-def test_boundary_checks():
+_CALLERS = {"python": lambda x, data, bias, qtype, n: quant_kernels.run_linear(x, data, bias, qtype, n, False, False),
+            "op": lambda x, data, bias, qtype, n: torch.ops.stagewise.qlinear(x, data, bias, qtype, n, True, False,
+                                                                              False)}
+
+
+@pytest.mark.parametrize("caller", _CALLERS)
+def test_boundary_checks(caller):
+    """The Python checks and the op's (registered from C++ where it built) refuse the same calls."""
     w = _weight(T.Q4_0, 40, 256)
     x = torch.randn(3, 256)
-    call = lambda x=x, data=w.data, bias=None, n=40: quant_kernels.run_linear(x, data, bias, int(T.Q4_0), n, False,
-                                                                             False)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        call(x.double())
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        call(x[0])
-    with pytest.raises(ValueError, match="must match the weight"):
-        call(torch.randn(3, 512))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        call(torch.randn(3, 250))
-    with pytest.raises(ValueError, match="unit column stride"):
-        call(torch.randn(256, 3).T)
-    with pytest.raises(ValueError, match="contiguous uint8"):
-        call(data=w.data[:, :-1])
-    with pytest.raises(ValueError, match="contiguous uint8"):
-        call(data=w.data.T.contiguous().T)
-    with pytest.raises(ValueError, match="contiguous uint8"):
-        call(n=70)
-    with pytest.raises(ValueError, match="bias"):
-        call(bias=torch.randn(39))
-    with pytest.raises(ValueError, match="no quantized kernel"):
-        quant_kernels.run_linear(x, w.data, None, int(T.IQ4_NL), 40, False, False)
+    run = _CALLERS[caller]
+    call = lambda x=x, data=w.data, bias=None, n=40, qtype=int(T.Q4_0): run(x, data, bias, qtype, n)
+    for problem, args in [("float32 or bfloat16", dict(x=x.double())), ("float32 or bfloat16", dict(x=x[0])),
+                          ("must match the weight", dict(x=torch.randn(3, 512))),
+                          ("multiple of 32", dict(x=torch.randn(3, 250))),
+                          ("unit column stride", dict(x=torch.randn(256, 3).T)),
+                          ("contiguous uint8", dict(data=w.data[:, :-1])),
+                          ("contiguous uint8", dict(data=w.data.T.contiguous().T)),
+                          ("contiguous uint8", dict(data=w.data.view(torch.int8))),
+                          ("contiguous uint8", dict(n=70)), ("bias", dict(bias=torch.randn(39))),
+                          ("no quantized kernel", dict(qtype=int(T.IQ4_NL)))]:
+        with pytest.raises(ValueError, match=problem):
+            call(**args)
+    assert torch.equal(call(), quant_kernels.run_linear(x, w.data, None, int(T.Q4_0), 40, False, False))
+
+
+def test_op_refuses_file_rows_and_bad_lists():
+    rows = QuantizedWeight.from_gguf(random_blocks(T.Q4_0, 40, 256, torch.Generator().manual_seed(0)), T.Q4_0,
+                                     (40, 256))
+    x = torch.randn(2, 256)
+    if quant_kernels.native_ops():
+        with pytest.raises(ValueError, match="pack"):
+            torch.ops.stagewise.qlinear(x, rows.data, None, int(T.Q4_0), 40, False, False, False)
+    torch.testing.assert_close(quant.linear(x, rows), x @ quant.dequantize(rows).T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        torch.ops.stagewise.qlinear_cat(x, [rows.pack().data], None, [int(T.Q4_0)], [40, 2], False, False)
     with pytest.raises(ValueError, match="features"):
-        quant.linear(torch.randn(2, 128), w)
+        quant.linear(torch.randn(2, 128), rows)
 
 
 @pytest.mark.slow

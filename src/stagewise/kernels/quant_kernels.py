@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from . import build, quant_pack
+from . import build, native, quant_pack
 from .quant_formats import K_TYPES, SUPPORTED, T, row_bytes
 
 # name -> (extra compiler flags, CPU flags it needs to run)
@@ -36,12 +36,20 @@ def _load(variant: str) -> ctypes.CDLL | None:
     lib.quant_linear.argtypes = [i32, p, p, p, i32, p, i32, i64, i64, i64, p, p, p, i64]
     lib.quant_dequant_rows.argtypes = [i32, p, i64, p, i64, p, p]
     lib.quant_linear.restype = lib.quant_dequant_rows.restype = i32
+    if variant == "native":
+        native.load("quant", lib)      # the ops' CPU kernels in C++, where a C++ compiler works
     return lib
 
 
 def available() -> bool:
     """The kernels built and loaded here (`build`'s switch decides what happens where they did not)."""
     return _load("native") is not None
+
+
+def native_ops() -> bool:
+    """The ops' CPU kernels are registered from C++ (csrc/quant_ops.cpp): eager calls go through
+    the dispatcher straight to them."""
+    return available() and native.loaded("quant")
 
 
 def library(variant: str = "native") -> ctypes.CDLL:
@@ -134,7 +142,7 @@ def run_linear_cat(x: torch.Tensor, data: list[torch.Tensor], bias: torch.Tensor
     return y
 
 
-_MAX_SEGMENTS = 8      # csrc/quant.c's MAX_SEGMENTS
+_MAX_SEGMENTS = 8      # csrc/quant.h's QUANT_MAX_SEGMENTS
 
 
 def run_dequant_rows(data: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor, dtype: torch.dtype,

@@ -12,6 +12,7 @@
    arithmetic is the same whatever the split or the other rows (batch invariance). */
 #include <stdlib.h>
 
+#include "quant.h"
 #include "quant_simd.h"
 #include "quant_layout.h"
 
@@ -222,6 +223,9 @@ EXACT(1) EXACT(2) EXACT(3) EXACT(4)
 TILES(FAST, Q4_0) TILES(FAST, Q4_1) TILES(FAST, Q5_0) TILES(FAST, Q5_1)
 TILES(FAST, Q8_0) TILES(FAST, Q4_K) TILES(FAST, Q5_K) TILES(FAST, Q6_K)
 
+static const fast_fn* fast_table(int qt);
+int quant_supported(int qt) { return fast_table(qt) != 0; }
+
 static const fast_fn* fast_table(int qt) {
     static const fast_fn q4_0[] = TABLE(fast_Q4_0_), q4_1[] = TABLE(fast_Q4_1_), q5_0[] = TABLE(fast_Q5_0_),
         q5_1[] = TABLE(fast_Q5_1_), q8_0[] = TABLE(fast_Q8_0_), q4_k[] = TABLE(fast_Q4_K_),
@@ -241,7 +245,7 @@ static const fast_fn* fast_table(int qt) {
 
 /* A linear call multiplies x by up to MAX_SEGMENTS matrices side by side (fused projections whose
    parts are stored in different types), each writing its own columns of y. */
-#define MAX_SEGMENTS 8
+#define MAX_SEGMENTS QUANT_MAX_SEGMENTS
 typedef struct {
     int qt;
     const fast_fn* table;
