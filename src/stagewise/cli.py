@@ -19,6 +19,8 @@ from .errors import EngineDeadError
 # NOTE: SamplingParams' defaults are the API's (OpenAI's temperature 1, max_tokens 16), which the
 # server keeps; a terminal user trying a model wants a reproducible answer of some length.
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+LOG_LEVEL = {"type": str.upper, "choices": ("DEBUG", "INFO", "WARNING", "ERROR"), "metavar": "LEVEL",
+             "help": "DEBUG | INFO | WARNING | ERROR (default: INFO); before or after the command"}
 SAMPLING_NOTE = ("`generate` is greedy by default (temperature 0, up to 64 tokens); the server follows the OpenAI "
                  "defaults (temperature 1; max_tokens 16 for completions) unless a request says otherwise.")
 
@@ -47,7 +49,8 @@ def sampling_from_args(args):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagewise", description="Pipeline-parallel LLM inference with captured "
                                      "prefill graphs.", formatter_class=HelpFormatter)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    parser.add_argument("--log-level", default="INFO", **LOG_LEVEL)
+    parser.add_argument("--version", action="version", version=f"stagewise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
@@ -75,11 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every command's parser shows defaults in --help."""
+    """Every command's parser shows defaults in --help and takes --log-level after the command too."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        # SUPPRESS: unless given here, the value before the command (or its default) stays
+        self.add_argument("--log-level", default=argparse.SUPPRESS, **LOG_LEVEL)
+
+
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("stagewise")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,9 +62,9 @@ class Engine:
         # NOTE: a bad partition is a clear error here, before any stage process starts; stages get
         # the resolved counts (an `auto` split is computed once, here).
         if config.pp_size > 1:
-            config = self.config = with_resolved_partition(config, self.tok.hf_config)
-            for line in partition_lines(config, self.tok.hf_config):
+            for line in partition_lines(config, self.tok.hf_config):     # says how the split was chosen
                 log.info(line)
+            config = self.config = with_resolved_partition(config, self.tok.hf_config)
         stage_infos(num_layers_of(self.tok.hf_config, self.model_dir), config.pp_size, config.pp_layer_partition)
         self.policy = policy_for(config, config.resolved_device)
         for line in self.policy.log_lines:

@@ -87,15 +87,17 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
             if generation > 1:
-                log.warning("node %d joins the driver's pipeline %d with stage(s) %s", config.node_rank, generation,
-                            ", ".join(map(str, stages)))
+                log.warning("node %d joins the driver's pipeline %d with %s", config.node_rank, generation,
+                            _stages_text(config, model_dir, stages))
+            else:
+                log.info("node %d runs %s", config.node_rank, _stages_text(config, model_dir, stages))
             try:
                 procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
                                      generation=generation, stages=stages)
             except RuntimeError as exc:      # a stage died while starting: the driver sees it too
                 log.error("%s", exc)
                 if not heals:
-                    return 1
+                    return _exit(config, 1, "a stage failed to start and --max-pipeline-restarts is 0")
                 continue
             spares_at = None
             if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
@@ -104,14 +106,34 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
             for p in procs:
                 if p.is_alive():
                     p.kill()
-            if code == 0 or not heals:
-                return code
-        return code
+            if code == 0:
+                return _exit(config, 0, "the driver shut the pipeline down")
+            if not heals:
+                return _exit(config, code, "its stages failed and --max-pipeline-restarts is 0")
+        return _exit(config, code, "the driver builds no more pipelines (it stopped, or it is gone)")
     except TimeoutError as exc:      # the driver never appeared
         log.error("%s", exc)
-        return 1
+        return _exit(config, 1, "the driver never appeared")
     finally:             # a signal (SystemExit / KeyboardInterrupt) must not leave stages behind
         kill_local_stages()
+
+
+def _stages_text(config, model_dir: str, stages: list[int]) -> str:
+    """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
+    from ..checkpoint import load_hf_config, num_layers_of
+    from ..parallel.partition import stage_infos
+    from ..runtime.stage_cost import with_resolved_partition
+    hf = load_hf_config(model_dir)
+    resolved = with_resolved_partition(config.replace(model=model_dir), hf)
+    infos = stage_infos(num_layers_of(hf, model_dir), config.pp_size, resolved.pp_layer_partition)
+    layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
+    return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
+
+
+def _exit(config, code: int, why: str) -> int:
+    log.log(logging.INFO if code == 0 else logging.WARNING, "node %d exits with code %d: %s", config.node_rank,
+            code, why)
+    return code
 
 
 def _await_generation(store: dist.Store, last: int) -> int | None:

@@ -149,8 +149,8 @@ def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: lis
     if pp_size > 1:
         # NOTE: under PP, auto leaves graphs off and the log says how to opt in; an explicit choice
         # is kept as given.
-        logs.append(f"prefill graphs: off (auto with pp_size={pp_size}); "
-                    "pass --prefill-graph breakable to capture them")
+        logs.append(f"prefill graphs: off (auto with pp_size={pp_size}); pass --prefill-graph "
+                    f"{'breakable to capture them' if is_cuda else 'compiled to compile each stage body'}")
         return "off"
     if not is_cuda:
         if hidden_size is not None and hidden_size >= COMPILE_MIN_HIDDEN:
