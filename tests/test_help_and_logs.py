@@ -51,3 +51,10 @@ def test_graphs_under_pp_suggest_what_pays_on_the_device():
     assert cpu.backend == cuda.backend == "off"
     assert any("--prefill-graph compiled" in line for line in cpu.log_lines), cpu.log_lines
     assert any("--prefill-graph breakable" in line for line in cuda.log_lines), cuda.log_lines
+
+
+def test_a_headless_node_names_its_stages_and_layers(llama_dir):
+    from stagewise.executor.generations import _stages_text
+    config = EngineConfig(model=str(llama_dir), pp_size=2, nnodes=2, node_rank=1, master_port=29500,
+                          pp_layer_partition="1,3")
+    assert _stages_text(config, str(llama_dir), [1]) == "stage(s) 1 (layers 1-3)"
