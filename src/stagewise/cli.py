@@ -19,8 +19,6 @@ from .errors import EngineDeadError
 # NOTE: SamplingParams' defaults are the API's (OpenAI's temperature 1, max_tokens 16), which the
 # server keeps; a terminal user trying a model wants a reproducible answer of some length.
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
-LOG_LEVEL = {"type": str.upper, "choices": ("DEBUG", "INFO", "WARNING", "ERROR"), "metavar": "LEVEL",
-             "help": "DEBUG | INFO | WARNING | ERROR (default: INFO); before or after the command"}
 SAMPLING_NOTE = ("`generate` is greedy by default (temperature 0, up to 64 tokens); the server follows the OpenAI "
                  "defaults (temperature 1; max_tokens 16 for completions) unless a request says otherwise.")
 
@@ -49,7 +47,7 @@ def sampling_from_args(args):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagewise", description="Pipeline-parallel LLM inference with captured "
                                      "prefill graphs.", formatter_class=HelpFormatter)
-    parser.add_argument("--log-level", default="INFO", **LOG_LEVEL)
+    _add_log_level(parser, "INFO")
     parser.add_argument("--version", action="version", version=f"stagewise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
@@ -84,7 +82,13 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         # SUPPRESS: unless given here, the value before the command (or its default) stays
-        self.add_argument("--log-level", default=argparse.SUPPRESS, **LOG_LEVEL)
+        _add_log_level(self, argparse.SUPPRESS)
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default, type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        metavar="LEVEL", help="DEBUG | INFO | WARNING | ERROR (default: INFO); before or after the "
+                        "command")
 
 
 def _version() -> str:

@@ -120,8 +120,10 @@ class EngineConfig:
     seed: int = flag(0, "seed of the engine's random state")
     # KV cache and scheduling
     block_size: int = flag(16, "tokens per KV cache block")
-    kv_cache_memory: int | None = flag(None, "KV cache bytes per stage, e.g. 2GiB (default: planned from memory, at "
-                                       "most 1GiB)", size=True)
+    kv_cache_memory: int | None = flag(None, "KV cache bytes per stage, e.g. 2GiB (default: what is left of the "
+                                       "stage's budget after weights, graphs and activations: 2GiB per stage on CPU, "
+                                       "capped at what max_num_seqs full-length sequences use; 90%% of the GPU, shared "
+                                       "by its stages, on CUDA)", size=True)
     max_num_seqs: int = flag(64, "requests in the running batch, at most")
     max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
     chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
