@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
-LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0, "gguf_meta": 0,
+LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0, "gguf_meta": 0, "envs": 0,
           "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "runtime": 3, "executor": 4, "engine": 5,
           "server": 6, "cli": 6, "cli_flags": 6, "llm": 6, "__main__": 7, "__init__": 7}
 

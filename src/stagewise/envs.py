@@ -1,0 +1,92 @@
+"""Every `STAGEWISE_*` environment variable, typed, with its default and meaning (vLLM's envs.py
+pattern). Values are read when asked for (`envs.STAGEWISE_CACHE`), never at import, so a variable
+set after `import stagewise` counts; nothing else in stagewise reads `os.environ` for one of them.
+docs/environment.md is checked against `VARIABLES` by tests/test_docs.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+KERNEL_MODES = ("auto", "required", "off")
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One variable: how the docs show it, and how its text becomes a value."""
+    name: str
+    kind: str                            # what it holds, as the docs say it
+    default: str                         # its default, as the docs say it
+    meaning: str
+    parse: Callable[[str | None], Any]   # the raw value (None: unset) -> the typed value
+    internal: bool = False               # set by stagewise for its own child processes, not by users
+
+
+def _cache(raw: str | None) -> Path:
+    return Path(raw) if raw else Path.home() / ".cache" / "stagewise"
+
+
+def _kernels(raw: str | None) -> str:
+    # NOTE: the older spelling STAGEWISE_CPU_KERNELS=0 wins, as it always did
+    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
+        return "off"
+    value = (raw or "auto").strip().lower() or "auto"
+    if value not in KERNEL_MODES:
+        raise ValueError(f"STAGEWISE_KERNELS must be one of {', '.join(KERNEL_MODES)}, got {raw!r}.")
+    return value
+
+
+def _on_unless_zero(raw: str | None) -> bool:
+    return raw != "0"
+
+
+def _text(raw: str | None) -> str | None:
+    return raw or None
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("STAGEWISE_CACHE", "path", "`~/.cache/stagewise`",
+             "the cache directory: the default model (`models/`), the demo model, tokenizers built from GGUF "
+             "files, built kernels (`kernels/`), Inductor's compiled graphs (`inductor/`)", _cache),
+    Variable("STAGEWISE_KERNELS", "`auto` \\| `required` \\| `off`", "`auto`",
+             "the C kernels: `auto` uses them and falls back to PyTorch's ops (one log line) where one cannot be "
+             "built; `required` makes that an error, as is a build missing an instruction set the CPU has (CI "
+             "sets it); `off` runs PyTorch's ops everywhere", _kernels),
+    Variable("STAGEWISE_CPU_KERNELS", "`0`", "unset",
+             "the older spelling of `STAGEWISE_KERNELS=off` (wins when set to `0`)", _on_unless_zero),
+    Variable("STAGEWISE_PACKED_WEIGHTS", "`0`", "unset (packed)",
+             "`0` keeps linear weights in the checkpoint layout instead of prepacking them for the CPU kernels",
+             _on_unless_zero),
+    Variable("STAGEWISE_API_KEY", "text", "unset",
+             "the server's API key when `--api-key` is not given (several keys: comma-separated)", _text),
+    Variable("STAGEWISE_TEST_CRASH_TOKEN", "`TOKEN[@STAGE]`", "unset",
+             "test hook: that stage (default: the last) SIGKILLs itself whenever a plan brings it a request whose "
+             "tokens contain `TOKEN` (recovery tests); never set it in production", _text),
+    Variable("STAGEWISE_DIST_IFNAME", "`MASTER_ADDR=IFNAME`", "unset",
+             "the network interface a node chose, handed to its stage processes", _text, internal=True),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+if TYPE_CHECKING:
+    STAGEWISE_CACHE: Path
+    STAGEWISE_KERNELS: str
+    STAGEWISE_CPU_KERNELS: bool
+    STAGEWISE_PACKED_WEIGHTS: bool
+    STAGEWISE_API_KEY: str | None
+    STAGEWISE_TEST_CRASH_TOKEN: str | None
+    STAGEWISE_DIST_IFNAME: str | None
+
+
+def __getattr__(name: str) -> Any:
+    """`envs.<name>`: the variable's value now, parsed (a bad value raises ValueError)."""
+    var = _BY_NAME.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.parse(os.environ.get(name))
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_BY_NAME])
