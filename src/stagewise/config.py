@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from . import envs
 
 GIB = 1 << 30
 # NOTE: graph/policy.py keeps a copy; it belongs here (config may not import graph/)
@@ -267,7 +268,7 @@ class EngineConfig:
 
 def cache_root() -> Path:
     """`$STAGEWISE_CACHE`, else `~/.cache/stagewise`: the demo model, the default model, converted tokenizers."""
-    return Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise")
+    return envs.STAGEWISE_CACHE
 
 
 def _parse_int_list(name: str, text: str) -> tuple[int, ...]:

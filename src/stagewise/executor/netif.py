@@ -17,6 +17,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from .. import envs
+
 log = logging.getLogger("stagewise.executor")
 
 CHOSEN_VAR = "STAGEWISE_DIST_IFNAME"     # "master_addr=ifname" once a node chose; child processes inherit it
@@ -129,7 +131,7 @@ def _check_not_stranded(chosen: DistInterface, ip: str) -> None:
 
 def use_interface(master_addr: str, dist_ifname: str | None = None) -> str:
     """Choose this node's interface once, export it for gloo/NCCL and child processes; its name."""
-    for_addr, _, ours = os.environ.get(CHOSEN_VAR, "").rpartition("=")
+    for_addr, _, ours = (envs.STAGEWISE_DIST_IFNAME or "").rpartition("=")
     if ours and os.environ.get("GLOO_SOCKET_IFNAME") == ours:
         if for_addr == master_addr:       # this node's first process chose (and logged) already
             return ours

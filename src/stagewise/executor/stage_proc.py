@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+from .. import envs
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..parallel.transport import Message, recv_message, send_message
@@ -116,7 +117,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
 
 
 def _crash_token(stage) -> int | None:
-    spec = os.environ.get(CRASH_HOOK_ENV)
+    spec = envs.STAGEWISE_TEST_CRASH_TOKEN
     if not spec:
         return None
     token, _, where = spec.partition("@")

@@ -26,13 +26,14 @@ import threading
 import time
 from pathlib import Path
 
+from .. import envs
+
 log = logging.getLogger("stagewise.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -std=c11: no floating-point contraction behind the kernels' back, so results are what the
 # code spells (FMA only where it asks for one)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-MODES = ("auto", "required", "off")
 # instruction sets the kernels have paths for, as /proc/cpuinfo and isa.c spell them
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni")
 
@@ -43,12 +44,7 @@ class KernelError(RuntimeError):
 
 def mode() -> str:
     """The kernel switch: `auto`, `required` or `off` (read on every call: tests change it)."""
-    if os.environ.get("STAGEWISE_CPU_KERNELS", "1") == "0":
-        return "off"
-    value = os.environ.get("STAGEWISE_KERNELS", "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"STAGEWISE_KERNELS must be one of {', '.join(MODES)}, got {value!r}.")
-    return value
+    return envs.STAGEWISE_KERNELS
 
 
 @functools.cache
@@ -68,8 +64,7 @@ def native_bf16() -> bool:
 
 def cache_dir() -> Path:
     """Where built libraries live: `<STAGEWISE_CACHE or ~/.cache/stagewise>/kernels`."""
-    root = os.environ.get("STAGEWISE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stagewise")
-    return Path(root) / "kernels"
+    return envs.STAGEWISE_CACHE / "kernels"
 
 
 def c_compiler() -> str | None:

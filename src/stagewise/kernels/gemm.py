@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .. import envs
 from . import build, native
 from .registry import define
 
@@ -173,7 +173,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def layout(dtype: torch.dtype) -> tuple[int, int] | None:
     """(panel width, k per pair) of the packed kernel for `dtype` on this CPU; None if it has none.
     `STAGEWISE_PACKED_WEIGHTS=0` keeps the checkpoint layout (the unpacked kernels, MKL, oneDNN)."""
-    if os.environ.get("STAGEWISE_PACKED_WEIGHTS", "1") == "0":
+    if not envs.STAGEWISE_PACKED_WEIGHTS:
         return None
     return _kernel_layout(dtype)
 

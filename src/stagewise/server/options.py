@@ -3,10 +3,10 @@ name, the API key, the request size limit and the timeouts. Imports nothing heav
 builds the server flags from it (each field carries its help text)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import envs
 from ..config import flag, parse_size
 
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as token ids, four times as text
@@ -76,4 +76,4 @@ def served_name_for(model_path: str | None) -> str:
 
 
 def api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV) or None
+    return envs.STAGEWISE_API_KEY
