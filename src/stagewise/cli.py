@@ -101,6 +101,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _start_process()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
@@ -112,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _start_process() -> None:
+    """This process runs the engine: OpenMP's wait default and Inductor's cache directory go into
+    its environment before torch loads (OpenMP reads them once), for it and the processes it starts.
+    Importing stagewise alone does neither."""
+    from .graph import compile_cache
+    from .runtime import threads
+    threads.set_wait_default(openmp_started="torch" in sys.modules)
+    compile_cache.claim()
 
 
 def cmd_demo_model(args) -> int:

@@ -1,5 +1,6 @@
-"""Inductor's on-disk cache lives under `$STAGEWISE_CACHE/inductor` whichever of torch's inductor
-and stagewise is imported first, and a `TORCHINDUCTOR_CACHE_DIR` the user set wins."""
+"""Inductor's on-disk cache lives under `$STAGEWISE_CACHE/inductor` once an engine (or the command
+line) claims it, whichever of torch's inductor and stagewise is imported first, and a
+`TORCHINDUCTOR_CACHE_DIR` the user set wins. Importing stagewise alone claims nothing."""
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 from stagewise.graph import compile_cache
 
 VAR = compile_cache.VAR
+CLAIM = "from stagewise.graph import compile_cache\ncompile_cache.claim()\n"     # what the compiled backend calls
 PRINT_DIR = "from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())\n"
 
 
@@ -20,18 +22,18 @@ def _inductor_dir(code: str, **env) -> str:
 
 def test_inductor_imported_first_still_uses_the_stagewise_cache(tmp_path):
     # the order that broke: torch._inductor fills the variable with its temp-dir default first
-    got = _inductor_dir("import torch._inductor.config\nimport stagewise\n", STAGEWISE_CACHE=str(tmp_path))
+    got = _inductor_dir("import torch._inductor.config\nimport stagewise\n" + CLAIM, STAGEWISE_CACHE=str(tmp_path))
     assert got == str(tmp_path / "inductor")
 
 
 def test_stagewise_imported_first_uses_the_stagewise_cache(tmp_path):
-    got = _inductor_dir("import stagewise\nimport torch._inductor.config\n", STAGEWISE_CACHE=str(tmp_path))
+    got = _inductor_dir("import stagewise\n" + CLAIM + "import torch._inductor.config\n", STAGEWISE_CACHE=str(tmp_path))
     assert got == str(tmp_path / "inductor")
 
 
 def test_the_users_inductor_dir_wins(tmp_path):
     mine = str(tmp_path / "mine")
-    got = _inductor_dir("import torch._inductor.config\nimport stagewise\n", STAGEWISE_CACHE=str(tmp_path),
+    got = _inductor_dir("import torch._inductor.config\nimport stagewise\n" + CLAIM, STAGEWISE_CACHE=str(tmp_path),
                         TORCHINDUCTOR_CACHE_DIR=mine)
     assert got == mine
 

@@ -166,8 +166,19 @@ def test_wait_default_never_overrides_the_user():
     set_wait_default(environ={})                                 # the module's own record, for later tests
 
 
-def test_package_import_sets_the_default_before_torch_and_keeps_user_values():
-    code = "import os, stagewise; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+# the command line's process, up to its command: the default is in place and torch not yet loaded
+CLI_START = ("import os, sys\nfrom stagewise import cli\ncli.COMMANDS['plan'] = lambda args: print("
+             "os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules) or 0\n"
+             "cli.main(['plan'])")
+
+
+def test_the_command_line_sets_the_default_before_torch_and_keeps_user_values():
     expected = " ".join(str(threads.WAIT_DEFAULT.get(k)) for k in threads.WAIT_VARS)
-    assert _run(code) == expected
-    assert _run(code, _clean_env(OMP_WAIT_POLICY="ACTIVE")) == "ACTIVE None"
+    assert _run(CLI_START) == f"{expected} False"
+    assert _run(CLI_START, _clean_env(OMP_WAIT_POLICY="ACTIVE")) == "ACTIVE None False"
+
+
+def test_importing_stagewise_changes_no_environment_variable():
+    code = ("import os\nbefore = dict(os.environ)\nimport stagewise\nfrom stagewise import LLM, SamplingParams\n"
+            "print(dict(os.environ) == before)")
+    assert _run(code) == "True"

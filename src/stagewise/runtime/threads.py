@@ -2,8 +2,9 @@
 its cgroup CPU quota, shared by the stages of this node) and how idle OpenMP threads wait.
 
 The wait policy is an environment default that only counts if it is set before the OpenMP
-runtime starts (before torch is imported, or in a spawned child's environment); the package
-`__init__` and the stage launcher apply it. torch is imported lazily: this module must load first.
+runtime starts (before torch is imported, or in a spawned child's environment); the command line
+(before torch loads) and the stage launcher apply it; importing stagewise does not. torch is
+imported lazily: this module must load first.
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def spawn_env_defaults(environ=os.environ) -> str:
     if just_set:
         environ.update(WAIT_DEFAULT)
     _defaulted = _defaulted or (just_set and environ is os.environ)
-    # NOTE: the package __init__ already defaulted os.environ: that is still ours, not the user's
+    # NOTE: the command line already defaulted os.environ: that is still ours, not the user's
     ours = just_set or (environ is os.environ and _defaulted and
                         all(environ.get(k) == v for k, v in WAIT_DEFAULT.items()))
     return _describe(environ, "stagewise default" if ours else "from the environment")
@@ -163,7 +164,7 @@ def spawn_env_defaults(environ=os.environ) -> str:
 
 def wait_policy_line() -> str:
     """How this process's OpenMP threads wait, and where that came from."""
-    return _wait_source or _describe(os.environ, "set before stagewise was imported")
+    return _wait_source or _describe(os.environ, "this process's environment")
 
 
 def _user_set(environ) -> bool:
