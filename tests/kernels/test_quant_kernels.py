@@ -65,7 +65,8 @@ def _check(qtype, n, k, rows, variant, seed=0):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", ROWS)
 def test_native_kernel_every_row_count(qtype, rows):
-    _check(qtype, 70, 512, rows, "native")
+    """300 outputs: 20 panels, so one- and two-row steps use their wide tiles and a narrower rest"""
+    _check(qtype, 300, 512, rows, "native")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -83,14 +84,16 @@ def test_blocks_of_32_take_any_k(qtype):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("exact", [False, True])
 def test_batch_invariance(variant, exact):
-    """A row's output is bit-identical alone, in any batch, on one or two threads."""
-    w = _weight(T.Q4_K, 96, 512)
+    """A row's output is bit-identical alone, in any batch, whatever tiles run it (wide decode
+    tiles at one and two rows, direct ones up to 6, blocked ones above), on one or two threads."""
+    w = _weight(T.Q4_K, 300, 512)
     x = torch.randn(37, 512, generator=torch.Generator().manual_seed(2))
-    run = lambda rows: quant_kernels.run_linear(rows, w.data, None, int(T.Q4_K), 96, exact, False, variant)
+    run = lambda rows: quant_kernels.run_linear(rows, w.data, None, int(T.Q4_K), 300, exact, False, variant)
     full = run(x)
     for i in (0, 5, 36):
         assert torch.equal(run(x[i:i + 1]), full[i:i + 1])
-    assert torch.equal(run(x[3:10]), full[3:10])
+    for lo, hi in ((3, 5), (3, 9), (3, 10)):
+        assert torch.equal(run(x[lo:hi]), full[lo:hi])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
