@@ -44,10 +44,16 @@ typedef void (*direct_fn)(const act_t*, int64_t, const uint8_t*, int64_t, const 
 typedef void (*extract_fn)(const uint8_t*, int64_t, int64_t, int64_t, chunk_ops_t*);
 typedef void (*block_fn)(const act_t*, int64_t, int64_t, int64_t, const chunk_ops_t*, pvf*, int);
 typedef void (*exact_fn)(const float*, int64_t, int64_t, const float*, int64_t, const out_t*, int64_t);
+typedef void (*exact_direct_fn)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const out_t*, int64_t);
 /* direct tiles of 1 .. MBMAX rows x NV panels, of 1 row x NV1 and 2 rows x NV2 panels (decode);
    blocked tiles of 1 .. MBMAX rows x NV (none for Q8_0, whose codes need no unpacking: extracting
-   them would only copy them) */
-typedef struct { direct_fn direct[MBMAX + 1], one, two; extract_fn extract; block_fn block[MBMAX + 1]; } kernels_t;
+   them would only copy them); exact decode tiles of 1 row x NV2 and 2 rows x NV panels */
+typedef struct {
+    direct_fn direct[MBMAX + 1], one, two;
+    extract_fn extract;
+    block_fn block[MBMAX + 1];
+    exact_direct_fn exact_one, exact_two;
+} kernels_t;
 
 #define DIRECT(QT, MB, NVT)                                                                       \
 static void direct_##QT##_##MB##x##NVT(const act_t* x, int64_t m0, const uint8_t* w, int64_t pstride,      \
@@ -82,16 +88,25 @@ static void block_##QT##_##MB(const act_t* x, int64_t m0, int64_t c0, int64_t co
 #define NV_SUFFIX x1
 #endif
 #define DIRECT_TABLE(QT, S) MB_TABLE(direct_##QT##_, S)
+#define EXACT_DIRECT(QT, MB, NVT)                                                                 \
+static void exact_##QT##_##MB(const float* x, int64_t ldx, const uint8_t* w, int64_t pstride, int64_t K, \
+                              const out_t* o, int64_t n0) {                                       \
+    pvf acc[MBMAX][NVW];                                                                          \
+    exact_direct_tile(QT, MB, NVT, x, ldx, 0, w, pstride, K, acc);                                \
+    store_tile(MB, NVT, &acc[0][0], NVW, o, 0, n0);                                               \
+}
+#define EXACTS(QT) EXACT_DIRECT(QT, 1, NV2) EXACT_DIRECT(QT, 2, NV)
 #define KERNELS(QT)                                                                               \
-EACH_MB(DIRECT_NV, QT) WIDE(QT) EACH_MB(BLOCK, QT)                                                \
+EACH_MB(DIRECT_NV, QT) WIDE(QT) EACH_MB(BLOCK, QT) EXACTS(QT)                                     \
 static void extract_##QT(const uint8_t* w, int64_t pstride, int64_t c0, int64_t count, chunk_ops_t* ops) { \
     extract_chunks(QT, w, pstride, c0, count, ops);                                               \
 }                                                                                                 \
 static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), extract_##QT,   \
-                                       MB_TABLE(block_##QT##_, )};
+                                       MB_TABLE(block_##QT##_, ), exact_##QT##_1, exact_##QT##_2};
 #define KERNELS_Q8(QT)                                                                            \
-EACH_MB(DIRECT_NV, QT) WIDE(QT)                                                                   \
-static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}};
+EACH_MB(DIRECT_NV, QT) WIDE(QT) EXACTS(QT)                                                        \
+static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}, exact_##QT##_1, \
+                                       exact_##QT##_2};
 KERNELS(Q4_0) KERNELS(Q4_1) KERNELS(Q5_0) KERNELS(Q5_1) KERNELS_Q8(Q8_0) KERNELS(Q4_K) KERNELS(Q5_K) KERNELS(Q6_K)
 
 static const kernels_t* kernels_of(int qt) {
@@ -206,7 +221,7 @@ static void dequant_panel(int qt, const uint8_t* panel, int64_t K, float* out) {
 }
 
 static int run_exact(const seg_t* segs, int S, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
-                     char* work) {
+                     int64_t width, char* work) {
     const float* xf = x_bf16 ? (const float*)work : (const float*)x;
     int64_t ldf = x_bf16 ? K : ldx;
     int failed = 0;
@@ -218,18 +233,22 @@ static int run_exact(const seg_t* segs, int S, const void* x, int x_bf16, int64_
                 for (int64_t k = 0; k < K; k += 16)
                     pvf_store((float*)work + m * K + k, pvf_bf16((const uint16_t*)x + m * ldx + k));
         }
-        float* wf = (float*)malloc((size_t)(NV * K * PANEL) * sizeof(float));
-        if (!wf) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        FOR_TASKS(segs, S, M, NV, {
-            if (!wf || p1 <= p0) continue;
-            for (int64_t j = 0; j < NV; j++)
-                dequant_panel(sg->qt, sg->w + (p0 + j) * sg->pstride, K, wf + j * K * PANEL);
-            for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
-                int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
-                exact_tiles[mb](xf, ldf, m0, wf, K, &sg->o, p0 * PANEL);
+        float* wf = 0;                    /* panels dequantized for the rows of a task (3 rows up) */
+        FOR_TASKS(segs, S, M, width, {
+            if (M <= 2 && p1 - p0 == width) {            /* a decode step: in registers */
+                (M == 1 ? sg->k->exact_one : sg->k->exact_two)(xf, ldf, sg->w + p0 * sg->pstride, sg->pstride, K,
+                                                               &sg->o, p0 * PANEL);
+                continue;
+            }
+            if (!wf && !(wf = (float*)malloc((size_t)(NV * K * PANEL) * sizeof(float))))
+                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+            for (int64_t p = p0; wf && p < p1; p += NV) {
+                for (int64_t j = 0; j < NV; j++)
+                    dequant_panel(sg->qt, sg->w + (p + j) * sg->pstride, K, wf + j * K * PANEL);
+                for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
+                    int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
+                    exact_tiles[mb](xf, ldf, m0, wf, K, &sg->o, p * PANEL);
+                }
             }
         })
         free(wf);
@@ -243,7 +262,7 @@ int quant_linear(int S, const int* qts, const uint8_t* const* ws, const int64_t*
                  int64_t ldy) {
     if (S < 1 || S > QUANT_MAX_SEGMENTS) return -1;
     seg_t segs[QUANT_MAX_SEGMENTS];
-    int64_t width = exact ? NV : M == 1 ? NV1 : M == 2 ? NV2 : NV;
+    int64_t width = exact ? (M == 1 ? NV2 : NV) : M == 1 ? NV1 : M == 2 ? NV2 : NV;
     int64_t runs = (M + RUN_ROWS(M) - 1) / RUN_ROWS(M), column = 0, first = 0;
     for (int s = 0; s < S; s++) {
         const kernels_t* k = kernels_of(qts[s]);
@@ -259,7 +278,7 @@ int quant_linear(int S, const int* qts, const uint8_t* const* ws, const int64_t*
     if (per_row && !work) return -2;
     int status = 0;
     if (exact)
-        status = run_exact(segs, S, x, x_bf16, ldx, M, K, work);
+        status = run_exact(segs, S, x, x_bf16, ldx, M, K, width, work);
     else
         run_fast(segs, S, x, x_bf16, ldx, M, K, width, work);
     free(work);

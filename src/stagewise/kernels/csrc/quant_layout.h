@@ -70,25 +70,24 @@ INLINE_L pvi chunk_operand(int qt, const uint8_t* codes, int g) {
     return q;
 }
 
-/* Chunk c of a panel -> out [32][16] float32, each value computed as gguf-py computes it (the
-   products are exact in float32, so one fused rounding equals its separate ones). */
+/* The values of 16 columns at k = 4g + i of a chunk from its operand `op` of group g and its
+   scales, each computed as gguf-py computes it (the products are exact in float32, so one fused
+   rounding equals its separate ones): the one place a weight's float value is written. */
+INLINE_L pvf code_value(int qt, pvi op, int g, int i, pvf dw, pvf mw, pvf dw2) {
+    int offset = qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 ? 128 : qt == Q6_K ? 32 : 0;
+    pvi code = pvi_and(pvi_srl32(op, 8 * i), pvi_set32(255));
+    if (has_min(qt)) return pvf_fma(pvi_float(code), dw, mw);                  /* d q + m */
+    if (qt == Q4_K || qt == Q5_K) return pvf_fms(pvi_float(code), dw, mw);     /* (d sc) q - dmin m */
+    return pvf_mul(pvi_float(pvi_sub32(code, pvi_set32(offset))), qt == Q6_K && g >= 4 ? dw2 : dw);
+}
+
+/* Chunk c of a panel -> out [32][16] float32 */
 INLINE_L void dequant_chunk(int qt, const uint8_t* panel, int64_t c, float* out) {
     pvf dw, mw = pvf_zero(), dw2 = pvf_zero();
     chunk_scales(qt, panel, c, &dw, &mw, &dw2);
     const uint8_t* codes = chunk_codes(qt, panel, c);
-    int offset = qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 ? 128 : qt == Q6_K ? 32 : 0;
     for (int g = 0; g < 8; g++) {
         pvi op = chunk_operand(qt, codes, g);
-        for (int i = 0; i < 4; i++) {
-            pvi code = pvi_and(pvi_srl32(op, 8 * i), pvi_set32(255));
-            pvf v;
-            if (has_min(qt))
-                v = pvf_fma(pvi_float(code), dw, mw);                   /* d q + m */
-            else if (qt == Q4_K || qt == Q5_K)
-                v = pvf_fms(pvi_float(code), dw, mw);                   /* (d sc) q - dmin m */
-            else
-                v = pvf_mul(pvi_float(pvi_sub32(code, pvi_set32(offset))), qt == Q6_K && g >= 4 ? dw2 : dw);
-            pvf_store(out + (4 * g + i) * PANEL, v);
-        }
+        for (int i = 0; i < 4; i++) pvf_store(out + (4 * g + i) * PANEL, code_value(qt, op, g, i, dw, mw, dw2));
     }
 }

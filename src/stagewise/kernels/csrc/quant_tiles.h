@@ -168,6 +168,36 @@ INLINE void exact_tile(const int MB, const float* x, int64_t ldx, int64_t m0, co
     }
 }
 
+/* Exact direct tile (decode): acc [MB][NVT] = rows m0.. of float32 x times panels w, w + pstride,
+   ..., dequantized in registers: the same values and the same fused multiply-adds in k order as
+   `exact_tile` over `dequant_chunk`'s output, so either path gives the same bits. */
+INLINE void exact_direct_tile(const int qt, const int MB, const int NVT, const float* x, int64_t ldx, int64_t m0,
+                              const uint8_t* w, int64_t pstride, int64_t K, pvf acc[MBMAX][NVW]) {
+    for (int m = 0; m < MB; m++)
+        for (int j = 0; j < NVT; j++) acc[m][j] = pvf_zero();
+    for (int64_t c = 0; c < K / CHUNK; c++) {
+        pvf dw[NVW], mw[NVW], dw2[NVW];
+        const uint8_t* codes[NVW];
+        for (int j = 0; j < NVT; j++) {
+            mw[j] = dw2[j] = pvf_zero();
+            chunk_scales(qt, w + j * pstride, c, &dw[j], &mw[j], &dw2[j]);
+            codes[j] = chunk_codes(qt, w + j * pstride, c);
+        }
+        for (int g = 0; g < 8; g++) {
+            pvi op[NVW];
+            for (int j = 0; j < NVT; j++) op[j] = chunk_operand(qt, codes[j], g);
+            for (int i = 0; i < 4; i++) {
+                pvf wv[NVW];
+                for (int j = 0; j < NVT; j++) wv[j] = code_value(qt, op[j], g, i, dw[j], mw[j], dw2[j]);
+                for (int m = 0; m < MB; m++) {
+                    pvf xb = pvf_set(x[(m0 + m) * ldx + c * CHUNK + 4 * g + i]);
+                    for (int j = 0; j < NVT; j++) acc[m][j] = pvf_fma(xb, wv[j], acc[m][j]);
+                }
+            }
+        }
+    }
+}
+
 /* Outputs of a tile (+ bias) into y: float32, or bfloat16 rounded once; padding panels skipped */
 INLINE void store_tile(const int MB, const int NVT, const pvf* acc, int64_t stride, const out_t* o, int64_t m0,
                        int64_t n0) {
