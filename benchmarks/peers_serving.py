@@ -23,7 +23,7 @@ SERVED_NAME = "smollm2-135m-instruct"
 
 
 def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
-    from stagewise.executor.launch import free_port
+    from stagewise.executor.rendezvous import free_port
     have_vllm = bool(args.vllm_python) and Path(args.vllm_python).exists()
     if not have_vllm:
         notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "

@@ -137,9 +137,9 @@ def _worker_role(config: EngineConfig) -> int | None:
     Every pipeline node first picks the network interface it talks on (errors here are the user's to fix)."""
     from .checkpoint import eos_token_ids_of, load_hf_config
     from .executor.generations import run_headless
-    from .executor.launch import torchrun_env
+    from .executor.hygiene import exit_now
     from .executor.netif import use_interface
-    from .executor.watchdog import exit_now
+    from .executor.rendezvous import torchrun_env
     from .executor.watchdog import install as install_stop_watchdog
     install_stop_watchdog()
     env = torchrun_env()
@@ -150,7 +150,10 @@ def _worker_role(config: EngineConfig) -> int | None:
     model_dir = str(config.model)        # resolved by config_from_args
     eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
     if env and env["rank"] > 0:
+        from .executor.netif import master_ip
         from .executor.stage_proc import stage_main
+        from .parallel.auth import cluster_token, warn_if_open
+        warn_if_open(cluster_token(config.cluster_token), master_ip(env["addr"]), True)
         stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], eos_ids, spawned=False)
         return 0
     exit_now(run_headless(config, model_dir, eos_ids))    # a headless node has nothing to tear down

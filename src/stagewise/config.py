@@ -152,6 +152,12 @@ class EngineConfig:
     master_addr: str = flag("127.0.0.1", "address of node 0 (the rendezvous)")
     master_port: int | None = flag(None, "port of the rendezvous (default: a free one; single node only)")
     dist_timeout_s: float = flag(60.0, "seconds a stage may take to answer before it counts as stuck")
+    heartbeat_timeout_s: float = flag(5.0, "seconds without a heartbeat from a stage process before it counts as "
+                                      "lost (stopped, frozen or cut off); a busy stage keeps beating")
+    # NOTE: repr=False: a secret never shows in a log line or a traceback
+    cluster_token: str | None = field(default=None, repr=False, metadata={
+        "help": "secret every node of a pipeline must present on each of its connections (default: "
+                "$STAGEWISE_CLUSTER_TOKEN, which keeps it out of `ps`; a one-node pipeline makes its own)"})
     max_pipeline_restarts: int = flag(3, "pipeline rebuilds allowed within --pipeline-restart-window-s after a stage "
                                       "dies, hangs or loses its link (live requests are recomputed); more fail every "
                                       "request as before; 0: never rebuild")
@@ -225,6 +231,8 @@ class EngineConfig:
                              f"got {self.max_pipeline_restarts!r}.")
         if not self.node_rejoin_timeout_s > 0:
             raise ValueError(f"node_rejoin_timeout_s must be positive, got {self.node_rejoin_timeout_s!r}.")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s!r}.")
         if not self.pipeline_restart_window_s > 0:
             raise ValueError(f"pipeline_restart_window_s must be positive, got {self.pipeline_restart_window_s!r}.")
         if self.nnodes > 1 and self.master_port is None:

@@ -18,6 +18,10 @@ class EngineDeadError(RuntimeError):
         self.outputs = list(outputs)
 
 
+class ClusterAuthError(ValueError):
+    """A pipeline connection without the cluster token (or to a peer without it) was refused."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room in the model's context or the KV cache."""
 

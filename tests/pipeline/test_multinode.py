@@ -321,7 +321,7 @@ def test_rendezvous_errors_are_one_sentence():
 
     import torch.distributed as dist
 
-    from stagewise.executor.launch import free_port, rendezvous
+    from stagewise.executor.rendezvous import free_port, rendezvous
     port = free_port()
     with pytest.raises(TimeoutError, match=r"Nothing answered at --master-addr 127\.0\.0\.1:\d+ within 1 s"):
         rendezvous(1, 3, "127.0.0.1", port, 1.0)

@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from stagewise.executor import multiproc
-from stagewise.executor.launch import default_layout, stages_of
+from stagewise.executor.layout import default_layout, stages_of
 from stagewise.executor.multiproc import MultiprocExecutor
 
 

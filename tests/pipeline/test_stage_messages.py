@@ -2,10 +2,10 @@
 change a proxy that is still being sent."""
 import torch
 
+from stagewise.executor.messages import PlanMsg
 from stagewise.executor.stage_proc import _handle
 from stagewise.parallel.partition import stage_infos
 from stagewise.parallel.proxy import ProxyTensors
-from stagewise.parallel.transport import Message
 from stagewise.plan import ScheduledSeq, StepPlan
 
 
@@ -24,7 +24,7 @@ class GraphMemoryWorker:
 def test_sent_proxy_survives_the_next_replay():
     worker, stage = GraphMemoryWorker(), stage_infos(4, 2)[0]
     plan = StepPlan(plan_id=0, seqs=[ScheduledSeq("a", 0, 3, True)])
-    first = _handle(worker, stage, Message("plan", plan))
-    _handle(worker, stage, Message("plan", StepPlan(plan_id=1, seqs=plan.seqs)))   # overwrites the buffer
-    assert torch.equal(first.tensors["hidden_states"], torch.ones(3, 4))
-    assert first.obj.plan_id == 0 and first.obj.stage_busy_s == [0.0]
+    first = _handle(worker, stage, PlanMsg(plan))
+    _handle(worker, stage, PlanMsg(StepPlan(plan_id=1, seqs=plan.seqs)))   # overwrites the buffer
+    assert torch.equal(first.proxy["hidden_states"], torch.ones(3, 4))
+    assert first.plan.plan_id == 0 and first.plan.stage_busy_s == [0.0]

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from stagewise.executor.launch import free_port
+from stagewise.executor.rendezvous import free_port
 
 HOST = "127.0.0.1"
 

@@ -16,7 +16,7 @@ import pytest
 
 from stagewise.engine.outputs import StepOutputs
 from stagewise.errors import EngineDeadError
-from stagewise.executor.launch import free_port
+from stagewise.executor.rendezvous import free_port
 from stagewise.request import CompletionOutput, RequestOutput
 
 try:

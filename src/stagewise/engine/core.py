@@ -51,8 +51,7 @@ class ClientGone(Exception):
 def engine_main(config, engine_factory, log_level: int, inbox: Connection, outbox: Connection) -> None:
     """Entry point of the engine process (multiprocessing spawn). It ignores SIGINT (the client
     drains, then stops it in order) and dies with its parent (PDEATHSIG)."""
-    from ..executor.launch import die_with_parent
-    from ..executor.watchdog import exit_now
+    from ..executor.hygiene import die_with_parent, exit_now
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)

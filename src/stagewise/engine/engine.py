@@ -25,8 +25,10 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor, make_executor
 from ..executor.generations import await_nodes, end_generations, next_generation, ready_nodes
-from ..executor.launch import default_layout, spares_ready, stages_of, start_spares, stop_spares, torchrun_env
+from ..executor.layout import default_layout, stages_of
 from ..executor.multiproc import MultiprocExecutor
+from ..executor.rendezvous import torchrun_env
+from ..executor.spawn import spares_ready, start_spares, stop_spares
 from ..graph.policy import decide_verdict, policy_for
 from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
@@ -345,7 +347,7 @@ class Engine:
             return make_executor(c.replace(master_port=None), self.model_dir, self.tok.eos_token_ids)
         addr, port = c.master_addr, c.master_port
         assert port is not None and isinstance(c.pp_layer_partition, tuple), "validated, resolved in __init__"
-        generation = next_generation(addr, port, c.pp_size + 1, max(c.dist_timeout_s, 300.0))
+        generation = next_generation(addr, port)        # the first pipeline serves the store
         t0 = time.monotonic()
         present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0

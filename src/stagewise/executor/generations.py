@@ -10,9 +10,13 @@ import json
 import logging
 import time
 
-import torch.distributed as dist
-
-from .launch import join_store, kill_local_stages, prepare_stage_env, serve_store, spawn_stages, stages_of, start_spares
+from ..parallel.auth import cluster_token, key_of, warn_if_open
+from .hygiene import kill_local_stages
+from .layout import stages_of
+from .netif import master_ip
+from .rendezvous import Store, join_store, serve_store
+from .spawn import prepare_stage_env, spawn_stages, start_spares
+from .store import StoreServer
 
 log = logging.getLogger("stagewise.executor")
 GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline
@@ -21,20 +25,21 @@ READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join 
 LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
 HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
-_control: dict = {}            # (addr, port) -> the store this driver serves for all its generations
+_control: dict[tuple[str, int], StoreServer] = {}     # (addr, port) -> the store this driver serves for all
 
 
-def control_store(addr: str, port: int) -> dist.Store:
+def control_store(addr: str, port: int) -> StoreServer:
     """The store the driver serves for its generations (after `next_generation`)."""
     return _control[(addr, port)]
 
 
-def next_generation(addr: str, port: int, world_size: int, timeout_s: float) -> int:
+def next_generation(addr: str, port: int, key: bytes | None = None) -> int:
     """The driver starts a pipeline across nodes: its number, published in the store it serves
-    on addr:port (made at the first call, kept for the life of this process). The other nodes
-    stop their stages of older generations when they see it."""
+    on addr:port (made at the first call, with the cluster `key`, and kept for the life of this
+    process). The other nodes stop their stages of older generations when they see it."""
     if (addr, port) not in _control:
-        _control[(addr, port)] = serve_store(addr, port, world_size, timeout_s)
+        assert key is not None, "the first pipeline serves the store, with the cluster key"
+        _control[(addr, port)] = serve_store(addr, port, key)
     return int(_control[(addr, port)].add(GENERATION_KEY, 1))
 
 
@@ -75,11 +80,13 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     while the driver may still be starting."""
     addr, port, k = config.master_addr, config.master_port, config.stages_per_node
     heals = config.max_pipeline_restarts > 0
+    token = cluster_token(config.cluster_token)
+    warn_if_open(token, master_ip(addr), True)
     prepare_stage_env(config, addr)
     start_spares(k, model_dir)
     wait_s = max(config.dist_timeout_s, 300.0)
     try:
-        store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s)
+        store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation
@@ -136,7 +143,7 @@ def _exit(config, code: int, why: str) -> int:
     return code
 
 
-def _await_generation(store: dist.Store, last: int) -> int | None:
+def _await_generation(store: Store, last: int) -> int | None:
     """The driver's next pipeline after `last`, or None once it builds no more (or is gone)."""
     while True:
         try:
@@ -150,7 +157,7 @@ def _await_generation(store: dist.Store, last: int) -> int | None:
         time.sleep(HEADLESS_POLL_S)
 
 
-def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]:
+def _join_generation(store: Store, generation: int, node: int) -> list[int]:
     """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
     (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
     key = LAYOUT_KEY.format(generation=generation)
@@ -173,7 +180,7 @@ def _join_generation(store: dist.Store, generation: int, node: int) -> list[int]
         time.sleep(HEADLESS_POLL_S)
 
 
-def _watch_stages(procs: list, store: dist.Store, generation: int, spares_at: float | None, start) -> int:
+def _watch_stages(procs: list, store: Store, generation: int, spares_at: float | None, start) -> int:
     """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
     pipeline (1: at once) or stops or is gone (the stages' exit codes, after a moment to exit in
     order); `start` (spares) runs once at `spares_at`."""

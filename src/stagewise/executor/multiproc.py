@@ -1,12 +1,13 @@
 """MultiprocExecutor: the driver's side of a pipeline of stage processes.
 
-It spawns this node's stage processes (other nodes run `run_headless`), joins the process
-group as rank 0, sends plans into the ring and receives results from the last stage. A
-monitor thread watches the local stage processes and a heartbeat thread keeps idle links
-alive; any death, timeout or IO error is fatal to this executor: every stage is stopped and
-EngineDeadError carries the reason (`cause` says which kind). The engine then builds a new
-executor (fresh processes, a fresh group: on a new port, or across nodes a new generation of the
-driver's store, executor/generations.py) or fails, engine/engine.py decides.
+It spawns this node's stage processes (other nodes run `run_headless`), joins the pipeline as
+rank 0 (links.py), sends plans into the ring and receives results from the last stage. A
+monitor thread watches the local stage processes, a watch thread every stage's heartbeats
+(liveness.py), and a heartbeat thread keeps idle links alive; any death, silence, timeout or IO
+error is fatal to this executor: every stage is stopped and EngineDeadError carries the reason
+(`cause` says which kind). The engine then builds a new executor (fresh processes and links: on a
+new port, or across nodes a new generation of the driver's store, executor/generations.py) or
+fails, engine/engine.py decides.
 """
 from __future__ import annotations
 
@@ -16,22 +17,19 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import wait as wait_sentinels
+from typing import NoReturn
 
 from ..errors import EngineDeadError, describe_exit
-from ..parallel.transport import Message, recv_message, send_message
+from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
 from .generations import control_store, next_generation, publish_layout
-from .launch import (
-    DRIVER_RANK,
-    default_layout,
-    destroy_group,
-    free_port,
-    init_group,
-    spawn_stages,
-    stage_rank,
-    stages_of,
-    torchrun_env,
-)
+from .layout import DRIVER_RANK, default_layout, stages_of
+from .links import PipelineLinks, join_pipeline
+from .liveness import Watch
+from .messages import CONTROL, Heartbeat, Message, PlanMsg, ReadyMsg, ResultMsg, Shutdown, recv_message, send_message
+from .netif import master_ip
+from .rendezvous import free_port, torchrun_env
+from .spawn import spawn_stages
 
 log = logging.getLogger("stagewise.executor")
 MONITOR_GRACE_S = 2.0
@@ -62,46 +60,56 @@ class MultiprocExecutor:
         env = torchrun_env()
         addr = env["addr"] if env else config.master_addr
         port = env["port"] if env else (config.master_port or free_port())
+        token = cluster_token(config.cluster_token)
+        warn_if_open(token, master_ip(addr), config.nnodes > 1 or env is not None)
+        if not token and config.nnodes == 1 and not env:
+            token = new_token()           # every process of this pipeline starts here: they inherit it
         wait_s = max(self.timeout, 300.0)
+        self.links: PipelineLinks | None = None
         try:
             # NOTE: across nodes every pipeline is a new generation of the same store (generations.py)
             self.generation = None
             if config.nnodes > 1 and not env:
-                self.generation = generation or next_generation(addr, port, config.pp_size + 1, wait_s)
+                self.generation = generation or next_generation(addr, port, key_of(token))
                 publish_layout(addr, port, self.generation, self.layout)
             if not env:
-                self.procs = spawn_stages(config, model_dir, 0, addr, port, eos_token_ids, models,
-                                          generation=self.generation, stages=self.local_stages)
-            init_group(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, self.generation,
-                       control_store(addr, port) if self.generation else None)
+                self.procs = spawn_stages(config.replace(cluster_token=token), model_dir, 0, addr, port,
+                                          eos_token_ids, models, generation=self.generation,
+                                          stages=self.local_stages)
+            self.links = join_pipeline(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, key_of(token),
+                                       self.generation, control_store(addr, port) if self.generation else None,
+                                       config.dist_ifname)
             self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
-            destroy_group()
+            if self.links is not None:
+                self.links.close()
             raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
         self.num_blocks = min(p.num_blocks for p in self.memory_plans)
         total = time.monotonic() - t0
         self.startup = {"spawn_s": max(0.0, total - load_s), "load_s": load_s, "total_s": total}
+        self.watch = Watch(self.links.controls, config.heartbeat_timeout_s, self._silent)
         threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
 
     def _await_ready(self) -> tuple[list, float]:
         """Every stage's memory plan, and the longest weight load (the stages load in parallel)."""
+        assert self.links is not None, "joined"
         plans, load_s = [], 0.0
-        for s in range(self.config.pp_size):
-            # NOTE: polled, so Ctrl-C reaches a user's script while the stages load their weights.
-            msg = recv_message(stage_rank(s), max(self.timeout, 600.0), poll_s=0.05)
-            if "error" in msg.obj:
-                raise RuntimeError(msg.obj["error"])
-            plans.append(msg.obj["memory_plan"])
-            load_s = max(load_s, msg.obj.get("load_s", 0.0))
+        for link in self.links.controls:
+            msg = recv_message(link, max(self.timeout, 600.0), CONTROL)
+            assert isinstance(msg, ReadyMsg), "a stage's first control message says it is ready"
+            if msg.error is not None or msg.memory_plan is None:
+                raise RuntimeError(msg.error)
+            plans.append(msg.memory_plan)
+            load_s = max(load_s, msg.load_s)
         return plans, load_s
 
     # the links
     def submit(self, plan: StepPlan) -> None:
         self._check()
         with self.lock:
-            self._send(Message("plan", plan))
+            self._send(PlanMsg(plan))
             self.num_inflight += 1
 
     def collect(self) -> StepResult:
@@ -109,14 +117,17 @@ class MultiprocExecutor:
         with self.lock:
             msg = self._recv()
             self.num_inflight -= 1
-        return msg.obj
+        if not isinstance(msg, ResultMsg):
+            self._fail(f"the last stage answered a plan with {type(msg).__name__}, not a result.")
+        return msg.result
 
     def _send(self, msg: Message) -> None:
         try:
             while len(self.pending) > 2 * self.config.pp_size:
                 self.pending.popleft().wait(self.timeout)
-            self.pending.append(send_message(msg, stage_rank(0)))
-        except Exception as exc:     # noqa: BLE001  (gloo raises RuntimeError for anything: the link is gone)
+            assert self.links is not None, "joined"
+            self.pending.append(send_message(self.links.next, msg))
+        except Exception as exc:     # noqa: BLE001  (timed out, closed or broke: the link is gone)
             self._fail(self.dead or self._link_failure(0, "sending to", exc))
         except BaseException:
             self._interrupted()
@@ -126,7 +137,8 @@ class MultiprocExecutor:
     def _recv(self) -> Message:
         last = self.config.pp_size - 1
         try:
-            msg = recv_message(stage_rank(last), self.timeout)
+            assert self.links is not None, "joined"
+            msg = recv_message(self.links.prev, self.timeout)
         except Exception as exc:     # noqa: BLE001  (as in _send)
             time.sleep(0.2)          # let the monitor name a stage that was killed here first
             self._fail(self.dead or self._link_failure(last, "receiving from", exc))
@@ -141,7 +153,7 @@ class MultiprocExecutor:
 
     def _link_failure(self, stage: int, doing: str, exc: Exception) -> str:
         """Why a link failed, naming the stage behind it and its node: a timeout, or a closed link.
-        NOTE: gloo's own text (a source path inside the torch build) goes to the log, not to people."""
+        NOTE: the link's own text goes to the log, not to people."""
         where = self._where(stage)
         log.error("%s %s failed: %s", doing, where, exc)
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
@@ -179,7 +191,7 @@ class MultiprocExecutor:
         log.warning("stopping the pipeline: %s", why)
         self._kill_all()
 
-    def _fail(self, why: str):
+    def _fail(self, why: str) -> NoReturn:
         self.dead = self.dead or why
         self._kill_all()
         raise EngineDeadError(self.dead)
@@ -199,6 +211,20 @@ class MultiprocExecutor:
                     log.error(self.dead)
                     self._kill_all()
 
+    def _silent(self, stage: int, silent_s: float) -> None:
+        """The watch found a stage silent: it is stopped, frozen or cut off. Stop the pipeline and wake
+        the ring's receive (the engine rebuilds it as after a death)."""
+        if self.closing or self.dead:
+            return
+        self.dead = (f"{self._where(stage)} stopped answering: no heartbeat for {silent_s:.1f} s "
+                     f"(--heartbeat-timeout-s {self.config.heartbeat_timeout_s:g}); it is stopped, frozen or cut "
+                     f"off from the network{self._hint()}.")
+        self.cause = "timeout"
+        log.error(self.dead)
+        self._kill_all()
+        if self.links is not None:
+            self.links.abort()
+
     def _heartbeat(self) -> None:
         """An idle driver sends a heartbeat around the ring every timeout/4, so an idle link never
         hits the group timeout."""
@@ -209,7 +235,7 @@ class MultiprocExecutor:
                 continue
             try:
                 if self.num_inflight == 0 and not self.closing and not self.dead:
-                    self._send(Message("heartbeat"))
+                    self._send(Heartbeat())
                     self._recv()
             except EngineDeadError:
                 return
@@ -231,14 +257,17 @@ class MultiprocExecutor:
         if not self.dead:
             with self.lock:
                 try:
-                    self._send(Message("shutdown"))
-                    while self._recv().kind != "shutdown":   # results of abandoned plans
+                    self._send(Shutdown())
+                    while not isinstance(self._recv(), Shutdown):   # results of abandoned plans
                         pass
                     while self.pending:
                         self.pending.popleft().wait(self.timeout)
                 except EngineDeadError:
                     pass
-        destroy_group()
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()
+        if self.links is not None:
+            self.links.close()
         for p in self.procs:
             p.join(timeout=10)
         self._kill_all()

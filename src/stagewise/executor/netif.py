@@ -1,10 +1,10 @@
-"""Which network interface a node's ranks talk on: the one its route to the master uses.
+"""Which network interface (and address) a node's ranks talk on: the one its route to the master uses.
 
 Left alone, gloo binds the address the host name resolves to, which is 127.0.0.1 on many
 machines, and peers on other hosts then cannot connect. So each node asks the kernel which
 local address it would use to reach `--master-addr` and points gloo (and NCCL) at the
-interface that owns it. `GLOO_SOCKET_IFNAME` (`NCCL_SOCKET_IFNAME` for NCCL), then
-`--dist-ifname`, override that choice.
+interface that owns it; the stage links (links.py) listen on that address. `GLOO_SOCKET_IFNAME`
+(`NCCL_SOCKET_IFNAME` for NCCL), then `--dist-ifname`, override that choice.
 """
 from __future__ import annotations
 
@@ -157,3 +157,14 @@ def _warn_if_not_primary(chosen: DistInterface) -> None:
     if first != chosen.address:
         log.warning("interface %s has several addresses; gloo advertises %s, not %s: peers must reach %s",
                     chosen.ifname, first, chosen.address, first)
+
+
+def link_address(master_addr: str) -> str:
+    """The address this node's links listen on: the routed one if it is on the chosen interface,
+    else the interface's first address (as gloo advertises it). Call after `use_interface`."""
+    local = route_address(master_ip(master_addr))
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if not ifname or interface_of(local) == ifname:
+        return local
+    family = ipv6_addresses() if ":" in local else ipv4_addresses()
+    return next((a for n, a in family if n == ifname), local)

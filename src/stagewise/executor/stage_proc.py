@@ -1,6 +1,7 @@
 """A stage process: receive (plan, proxy) from the previous rank, run the worker, pass the
-result on. Stages run plans strictly in arrival order; a plan's proxy is cloned before the
-isend, so the next replay cannot overwrite rows still being sent.
+result on. Stages run plans strictly in arrival order; a plan's proxy is cloned before it is
+queued to send, so the next replay cannot overwrite rows still being sent. Once loaded it says
+so on its control link and beats there (liveness.py).
 """
 from __future__ import annotations
 
@@ -11,13 +12,26 @@ import sys
 import time
 
 from .. import envs
+from ..parallel.auth import cluster_token, key_of
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
-from ..parallel.transport import Message, recv_message, send_message
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
-from .launch import DRIVER_RANK, destroy_group, die_with_parent, init_group, name_process, stage_rank
-from .watchdog import exit_now
+from .hygiene import die_with_parent, exit_now, name_process
+from .layout import stage_rank
+from .links import PipelineLinks, join_pipeline
+from .liveness import start_beating
+from .messages import (
+    Heartbeat,
+    Message,
+    PlanFailedMsg,
+    PlanMsg,
+    ReadyMsg,
+    ResultMsg,
+    Shutdown,
+    recv_message,
+    send_message,
+)
 
 log = logging.getLogger("stagewise.stage")
 # Test hook (never set in normal use): "TOKEN" or "TOKEN@STAGE" makes that stage (default: the last)
@@ -44,24 +58,26 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
         for arch, cls in models.items():
             register_model(arch, cls)
     logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
-    code = 0
+    code, links = 0, None
     try:
         # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
-        init_group(stage_rank(stage_idx), config.pp_size + 1, addr, port, max(config.dist_timeout_s, 300.0),
-                   generation)
-        _serve(config, model_dir, stage_idx, eos_ids)
+        links = join_pipeline(stage_rank(stage_idx), config.pp_size + 1, addr, port,
+                              max(config.dist_timeout_s, 300.0), key_of(cluster_token(config.cluster_token)),
+                              generation, dist_ifname=config.dist_ifname)
+        _serve(config, model_dir, stage_idx, eos_ids, links)
     except Exception as exc:  # noqa: BLE001 (a peer died or timed out: exit and let the cascade reach the driver)
         log.error("stage %d stopped: %s", stage_idx, exc)
         code = 1
     finally:
-        destroy_group()
+        if links is not None:
+            links.close()
     if spawned:   # NOTE: skip interpreter teardown (seconds with torch loaded); nothing is left to flush
         exit_now(code)
     sys.exit(code)
 
 
 def standby_main(conn, model_dir: str) -> None:
-    """A spare stage process (launch.start_spares): import what a stage of `model_dir` needs (its
+    """A spare stage process (spawn.start_spares): import what a stage of `model_dir` needs (its
     first checkpoint config read imports seconds of transformers), then wait for the driver to
     name a stage (`stage_main`'s arguments), or for the pipe to close (exit)."""
     die_with_parent()
@@ -83,34 +99,33 @@ def standby_main(conn, model_dir: str) -> None:
     stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, started=conn)
 
 
-def _serve(config, model_dir: str, stage_idx: int, eos_ids) -> None:
+def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks) -> None:
     from ..checkpoint import load_hf_config, num_layers_of
     from ..runtime.stage_cost import with_resolved_partition
     from ..runtime.worker import Worker
     hf = load_hf_config(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
     stage = stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    assert links.control is not None, "a stage dials the driver's control link"
     t0 = time.monotonic()
     try:
         worker = Worker(config, model_dir, stage, eos_ids)
     except Exception as exc:
-        send_message(Message("ready", {"error": f"stage {stage_idx}: {exc}"}), DRIVER_RANK).wait()
+        send_message(links.control, ReadyMsg(error=f"stage {stage_idx}: {exc}")).wait()
         raise
-    send_message(Message("ready", {"memory_plan": worker.memory_plan, "load_s": time.monotonic() - t0}),
-                 DRIVER_RANK).wait()
-    prev = DRIVER_RANK if stage.is_first else stage_rank(stage_idx - 1)
-    nxt = DRIVER_RANK if stage.is_last else stage_rank(stage_idx + 1)
+    send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
+    start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
     pending: list = []
     crash_token = _crash_token(stage)
     while True:
-        msg = recv_message(prev, config.dist_timeout_s)
-        if crash_token is not None and msg.kind == "plan":
-            _crash_if_asked(msg.obj, crash_token)
+        msg = recv_message(links.prev, config.dist_timeout_s)
+        if crash_token is not None and isinstance(msg, PlanMsg):
+            _crash_if_asked(msg.plan, crash_token)
         out = _handle(worker, stage, msg)
         for p in pending:        # sends of two messages ago must be done before we reuse anything
             p.wait(config.dist_timeout_s)
-        pending = pending[-1:] + [send_message(out, nxt)]
-        if msg.kind == "shutdown":
+        pending = pending[-1:] + [send_message(links.next, out)]
+        if isinstance(msg, Shutdown):
             for p in pending:
                 p.wait(config.dist_timeout_s)
             return
@@ -132,21 +147,23 @@ def _crash_if_asked(plan, token: int) -> None:
 
 def _handle(worker, stage, msg: Message) -> Message:
     """Run a plan (or skip one that failed upstream); pass anything else along."""
-    if msg.kind == "error":
-        plan, why = msg.obj
-        out = worker.skip(plan, why)
-    elif msg.kind == "plan":
-        plan = msg.obj
-        proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.tensors.items()}) if msg.tensors else None
+    if isinstance(msg, PlanFailedMsg):
+        plan = msg.plan
+        out = worker.skip(plan, msg.why)
+    elif isinstance(msg, PlanMsg):
+        plan = msg.plan
+        proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.proxy.items()}) if msg.proxy else None
         out = worker.execute(plan, proxy)
+    elif isinstance(msg, (Heartbeat, Shutdown)):
+        return msg                       # pass along
     else:
-        return msg                       # heartbeat, shutdown: pass along
+        raise TypeError(f"a stage does not take {type(msg).__name__} on the ring")
     busy = plan.stage_busy_s + [worker.busy_s]
     if isinstance(out, StepResult):
         out.stage_busy_s = busy
-        return Message("result", out)
+        return ResultMsg(out)
     fwd = plan.without_embeds()
     fwd.stage_busy_s = busy
     if isinstance(out, PlanFailed):
-        return Message("error", (fwd, out.why))
-    return Message("plan", fwd, {k: t.clone() for k, t in out.items()})
+        return PlanFailedMsg(fwd, out.why)
+    return PlanMsg(fwd, {k: t.clone() for k, t in out.items()})

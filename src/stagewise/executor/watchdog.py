@@ -1,7 +1,7 @@
 """Prompt stop on SIGINT/SIGTERM for a command-line node, even while its main thread waits in C++.
 
-Python runs signal handlers only between bytecodes of the main thread, so a node blocked in a
-gloo connect or receive would ignore Ctrl-C and SIGTERM until that call returns. The signal
+Python runs signal handlers only between bytecodes of the main thread, so a node blocked in C
+(a torchrun store call, a join) would ignore Ctrl-C and SIGTERM until that call returns. The signal
 still wakes a watcher thread (through `signal.set_wakeup_fd`): if the process has not exited
 `grace_s` later, it kills this node's stage processes and exits. A handler that lands inside a
 message transfer stops the node at once (unwinding there would leave a half-read message on a
@@ -12,8 +12,6 @@ unwound exits at once too, skipping seconds of torch teardown. Signals another h
 from __future__ import annotations
 
 import atexit
-import logging
-import os
 import signal
 import socket
 import sys
@@ -22,6 +20,7 @@ import time
 from typing import NoReturn
 
 from ..parallel import transport
+from .hygiene import exit_now
 
 GRACE_S = 1.5
 _installed = False
@@ -80,7 +79,7 @@ def _watch(reader: socket.socket, writer: socket.socket, grace_s: float) -> None
     _note_stop(signum)
     time.sleep(grace_s)
     print(f"stagewise: {signal.Signals(signum).name} did not stop the process within {grace_s:.1f} s "
-          f"(it was waiting in torch.distributed); killing its stage processes.", file=sys.stderr)
+          f"(it was waiting outside Python); killing its stage processes.", file=sys.stderr)
     _hard_stop(signum)
 
 
@@ -99,17 +98,3 @@ def _exit_now_if_stopping() -> None:
 
 def _hard_stop(signum: int) -> NoReturn:
     exit_now(128 + signum)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Kill this process's stage processes, flush, and exit without the seconds of torch teardown:
-    the one way a stagewise process that loaded torch ends (the CLI's, the engine process)."""
-    from .launch import kill_local_stages
-    kill_local_stages()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)

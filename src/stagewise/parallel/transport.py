@@ -1,98 +1,186 @@
-"""Point-to-point messages between pipeline ranks over torch.distributed.
+"""Point-to-point links between pipeline ranks: one TCP connection each, authenticated (auth.py)
+before it carries anything, then framed messages.
 
-A message is an int64 header length, a pickled header (kind, payload object, tensor
-metadata), then each non-empty tensor in header order. Every send is an isend whose
-(work, tensor) pairs are kept until `wait()` returns (gloo may hold a send until the
-peer posts its receive). Receives take a deadline; a dead peer surfaces as an error.
+A frame is a prefix (magic, header length), a JSON header [tensor table, message] and the raw
+bytes of each tensor in table order; the table ([dtype, shape] each) is checked against the
+limits below before anything is allocated. Sends are asynchronous and in order (a thread per
+link; `PendingSend.wait` like an isend's), so a stage can post its output and go on receiving.
+Receives take a deadline and wait in short slices, so the main thread's signal handlers run.
 """
 from __future__ import annotations
 
-import pickle
+import json
+import math
+import queue
+import select
+import socket
+import struct
 import threading
-from dataclasses import dataclass, field
-from datetime import timedelta
+import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+PREFIX = struct.Struct("!4sI")        # magic, header bytes
+MAGIC = b"SWM1"
+MAX_HEADER_BYTES = 64 << 20
+MAX_TENSORS = 64
+MAX_NDIM = 8
+MAX_TENSOR_BYTES = 8 << 30            # all tensors of one message together
+WAIT_SLICE_S = 0.25                   # receives return to Python this often (signal handlers run)
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
 
 
-@dataclass
-class Message:
-    kind: str                                   # "plan", "proxy", "result", "ready", "error", "heartbeat", "shutdown"
-    obj: Any = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+class LinkError(ConnectionError):
+    """The link closed, broke, or carried something that is not a message."""
 
 
 class PendingSend:
-    """Handles of one isent message; the tensors stay referenced until `wait()`."""
+    """One queued message: `wait` returns once it is written to the socket."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]):
-        self.works, self.tensors = works, tensors
+    def __init__(self, link: "Link", parts: list):
+        self.link, self.parts, self.done, self.error = link, parts, threading.Event(), None
 
     def wait(self, timeout_s: float | None = None) -> None:
-        for w in self.works:
-            w.wait(timedelta(seconds=timeout_s)) if timeout_s else w.wait()
-        self.works, self.tensors = [], []
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"sending to {self.link.peer} timed out after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise LinkError(f"sending to {self.link.peer} failed: {self.error}")
 
 
-def send_message(msg: Message, dst: int, group=None) -> PendingSend:
-    # NOTE: host staging: gloo moves CPU tensors, and it also works for two stages sharing one GPU
-    # (which NCCL refuses).
-    tensors = {k: t.detach().cpu().contiguous() for k, t in msg.tensors.items()}
-    meta = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-    header = torch.frombuffer(bytearray(pickle.dumps((msg.kind, msg.obj, meta))), dtype=torch.uint8)
-    size = torch.tensor([header.numel()], dtype=torch.int64)
-    keep = [size, header] + [t for t in tensors.values() if t.numel()]
-    works = [dist.isend(t, dst, group=group) for t in keep]
-    return PendingSend(works, keep)
+class Link:
+    """A connected, authenticated socket to one peer. One thread receives; any thread may send."""
 
+    def __init__(self, sock: socket.socket, peer: str):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        self.sock, self.peer = sock, peer
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        self.sender: threading.Thread | None = None
 
-def recv_message(src: int, timeout_s: float, group=None, poll_s: float | None = None) -> Message:
-    """`poll_s`: wait for the message's start in Python steps of that length (signals are handled
-    between them) instead of blocking in C++; for long waits such as start-up."""
-    deadline = timedelta(seconds=timeout_s)
-    size = torch.empty(1, dtype=torch.int64)
-    work = _irecv(size, src, group)
-    if poll_s:
-        _wait_interruptibly(work, deadline, poll_s)
-    else:
-        work.wait(deadline)
-    header = torch.empty(int(size[0]), dtype=torch.uint8)
-    _irecv(header, src, group).wait(deadline)
-    kind, obj, meta = pickle.loads(header.numpy().tobytes())
-    tensors = {}
-    for key, shape, dtype in meta:
-        t = torch.empty(shape, dtype=dtype)
-        if t.numel():
-            _irecv(t, src, group).wait(deadline)
-        tensors[key] = t
-    return Message(kind, obj, tensors)
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
+    # sending
+    def send(self, header: Any, tensors: list[torch.Tensor]) -> PendingSend:
+        """Queue one message: `header` (JSON-able) and `tensors`, sent raw after it."""
+        # NOTE: host staging: tensors move as CPU bytes, also between two stages on one GPU
+        flat = [t.detach().cpu().contiguous() for t in tensors]
+        table = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in flat]
+        text = json.dumps([table, header], separators=(",", ":")).encode()
+        parts = [PREFIX.pack(MAGIC, len(text)), text] + [_bytes_of(t) for t in flat if t.numel()]
+        pending = PendingSend(self, parts)
+        if self.sender is None:
+            self.sender = threading.Thread(target=self._send_loop, daemon=True, name="stagewise-send")
+            self.sender.start()
+        self.queue.put(pending)
+        return pending
 
-def _irecv(t: torch.Tensor, src: int, group) -> dist.Work:
-    work = dist.irecv(t, src, group=group)
-    assert work is not None, "irecv from outside the group"   # every stage is in the group
-    return work
+    def _send_loop(self) -> None:
+        error = None
+        while True:
+            pending = self.queue.get()
+            if pending is None:
+                return
+            if error is None and self.closed:
+                error = "the link is closed"
+            if error is None:
+                try:
+                    _send_all(self.sock, pending.parts)
+                except OSError as exc:
+                    error = str(exc) or type(exc).__name__
+            pending.error, pending.parts = error, []
+            pending.done.set()
 
-
-def _wait_interruptibly(work, deadline: timedelta, poll_s: float) -> None:
-    """`work.wait` in a helper thread while this thread wakes every `poll_s` to run signal handlers.
-
-    NOTE: gloo's `is_completed()` stays False until someone waits, so polling it cannot work. If a
-    signal unwinds this thread, the helper stays blocked until the links close."""
-    done, failed = threading.Event(), []
-
-    def wait() -> None:
+    # receiving
+    def recv(self, timeout_s: float) -> tuple[Any, list[torch.Tensor]]:
+        """The next message's header and tensors; TimeoutError if none completes within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        magic, size = PREFIX.unpack(self._read(PREFIX.size, deadline, timeout_s))
+        if magic != MAGIC or size > MAX_HEADER_BYTES:
+            raise LinkError(f"{self.peer} sent something that is not a message frame")
         try:
-            work.wait(deadline)
-        except Exception as exc:   # noqa: BLE001  (re-raised in the caller's thread)
-            failed.append(exc)
-        finally:
-            done.set()
+            table, header = json.loads(self._read(size, deadline, timeout_s))
+        except (ValueError, TypeError, RecursionError):
+            raise LinkError(f"{self.peer} sent a message whose header is not valid JSON") from None
+        tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in _checked_table(table, self.peer)]
+        for t in tensors:
+            if t.numel():
+                self._read_into(memoryview(_bytes_of(t)), deadline, timeout_s)
+        return header, tensors
 
-    threading.Thread(target=wait, daemon=True, name="stagewise-recv").start()
-    while not done.wait(poll_s):
-        pass
-    if failed:
-        raise failed[0]
+    def _read(self, n: int, deadline: float, timeout_s: float) -> bytes:
+        buf = bytearray(n)
+        self._read_into(memoryview(buf), deadline, timeout_s)
+        return bytes(buf)
+
+    def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
+        got = 0
+        while got < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"receiving from {self.peer} timed out after {timeout_s:.0f} s")
+            ready, _, _ = select.select([self.sock], [], [], min(left, WAIT_SLICE_S))
+            if not ready:
+                continue
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as exc:
+                raise LinkError(f"the link to {self.peer} broke: {exc}") from None
+            if n == 0:
+                raise LinkError(f"the link to {self.peer} closed")
+            got += n
+
+    def readable(self) -> bool:
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def abort(self) -> None:
+        """Wake any thread blocked on this link (its receive sees the link closed); sends fail from now."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.abort()
+        if self.sender is not None:
+            self.queue.put(None)
+        self.sock.close()
+
+
+def _checked_table(table: Any, peer: str) -> list[tuple[torch.dtype, list[int]]]:
+    """The tensor table, or LinkError if it names an unknown dtype or shapes past the limits."""
+    if type(table) is not list or len(table) > MAX_TENSORS:
+        raise LinkError(f"{peer} sent a message with a malformed tensor table")
+    out, total = [], 0
+    for entry in table:
+        ok = type(entry) is list and len(entry) == 2 and entry[0] in DTYPES and type(entry[1]) is list
+        shape = entry[1] if ok else []
+        if not ok or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+            raise LinkError(f"{peer} sent a tensor with an unknown dtype or a bad shape: {str(entry)[:80]}")
+        dtype = DTYPES[entry[0]]
+        total += math.prod(shape) * dtype.itemsize
+        if total > MAX_TENSOR_BYTES:
+            raise LinkError(f"{peer} sent tensors of more than {MAX_TENSOR_BYTES >> 30} GiB in one message")
+        out.append((dtype, shape))
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory as bytes (shared, not copied)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def _send_all(sock: socket.socket, parts: list) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        sent = sock.sendmsg(views[:64])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]

@@ -1,0 +1,61 @@
+"""Process hygiene: no stage process outlives the process that started it, every one has a name in
+ps/top, and a stagewise process that loaded torch ends without seconds of interpreter teardown.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import weakref
+from typing import NoReturn
+
+_local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
+
+
+def track(process) -> None:
+    """Count `process` among this process's stage processes (kill_local_stages ends it)."""
+    _local_stages.add(process)
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no stage outlives its driver."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """Linux: the process's name in ps/top (/proc/PID/comm, at most 15 bytes), e.g. stagewise-st1."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)   # PR_SET_NAME
+    except OSError:
+        return
+
+
+def kill_local_stages() -> None:
+    """SIGKILL every stage process this process started and is still running."""
+    for p in list(_local_stages):
+        if p.is_alive():
+            p.kill()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Kill this process's stage processes, flush, and exit without the seconds of torch teardown:
+    the one way a stagewise process that loaded torch ends (the CLI's, the engine process)."""
+    kill_local_stages()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,96 @@
+"""Every message between the driver and its stages, one dataclass per kind, and their encoding
+(parallel/codec.py: JSON of the fields with a type name, tensors raw; no pickle).
+
+Ring (driver → stage 0 → … → last stage → driver): PlanMsg, PlanFailedMsg, ResultMsg, Heartbeat,
+Shutdown. Control (each stage → driver): ReadyMsg once, then StageAlive every beat (liveness.py).
+A message of another type, or one whose fields do not fit their types, is refused with WireError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..graph.policy import GraphVerdict
+from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
+from ..parallel.transport import Link, PendingSend
+from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
+from ..request import SamplingParams, StructuredOutputs, TokenLogprob
+from ..runtime.memory import MemoryPlan
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class PlanMsg:
+    """A step plan on its way down the ring, with the previous stage's proxy (none into stage 0)."""
+    plan: StepPlan
+    proxy: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PlanFailedMsg:
+    """A plan that failed on an earlier stage: later stages only apply its deltas."""
+    plan: StepPlan
+    why: str
+
+
+@dataclass
+class ResultMsg:
+    """The last stage's answer to a plan."""
+    result: StepResult
+
+
+@dataclass
+class ReadyMsg:
+    """A stage loaded its weights (its memory plan and how long that took), or could not (`error`)."""
+    memory_plan: MemoryPlan | None = None
+    load_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class StageAlive:
+    """A stage's heartbeat on its control link, every beat while the process runs (liveness.py)."""
+    stage: int
+    beat: int
+
+
+@dataclass
+class Heartbeat:
+    """Sent around the ring by an idle driver, so an idle link never reaches its timeout."""
+
+
+@dataclass
+class Shutdown:
+    """Stop in order: each stage passes it on and exits."""
+
+
+RING = (PlanMsg, PlanFailedMsg, ResultMsg, Heartbeat, Shutdown)
+CONTROL = (ReadyMsg, StageAlive)
+CODEC = Codec(
+    [*RING, *CONTROL, StepPlan, ScheduledSeq, NewRequestData, CachedRequestData, TokenBitmask, StepResult,
+     SamplingParams, StructuredOutputs, TokenLogprob, GraphVerdict, MemoryPlan],
+    # NOTE: plan.py and request.py import neither torch nor graph/: their fields of those types say Any
+    overrides={(NewRequestData, "input_embeds"): OrNone(TensorSpec(FLOATS, ndim=2)),
+               (TokenBitmask, "bits"): TensorSpec((torch.int32,), ndim=2),
+               (StepPlan, "verdict"): GraphVerdict | None,
+               (StructuredOutputs, "json"): JsonValue,
+               (SamplingParams, "structured_outputs"): StructuredOutputs | None},   # __post_init__ made it so
+    # the engine derives it from bad_words on the driver (engine/inputs.py); not a field
+    extras={SamplingParams: {"bad_words_token_ids": list[list[int]] | None}})
+Message = PlanMsg | PlanFailedMsg | ResultMsg | ReadyMsg | StageAlive | Heartbeat | Shutdown
+
+
+def send_message(link: Link, msg: Message) -> PendingSend:
+    header, tensors = CODEC.encode(msg)
+    return link.send(header, tensors)
+
+
+def recv_message(link: Link, timeout_s: float, allowed: tuple[type, ...] = RING) -> Message:
+    """The next message on `link`; WireError if it is not one of `allowed` or does not fit its type."""
+    header, tensors = link.recv(timeout_s)
+    try:
+        return CODEC.decode(header, tensors, allowed)
+    except WireError as exc:
+        raise WireError(f"{link.peer} sent a malformed message ({exc})") from None
