@@ -2,7 +2,8 @@
 
 Each namespace has only `lo` and its end of the veth (10.77.0.1/24 and 10.77.0.2/24), so
 traffic stays inside them, and the host name resolves to 127.0.0.1 there as on many real
-machines. Every scenario gets its own pair, so "no process left in either host" is exact.
+machines. Nodes run with a cluster token (STAGEWISE_CLUSTER_TOKEN) unless a scenario says
+otherwise. Every scenario gets its own pair, so "no process left in either host" is exact.
 The namespaces (and every process still inside them) are removed at teardown.
 """
 from __future__ import annotations
@@ -27,10 +28,14 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True)
 
 
-def node_env() -> dict[str, str]:
+CLUSTER_TOKEN = "multinode-test-token"       # every node gets it unless a scenario says otherwise
+
+
+def node_env(**overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED and not k.startswith(SCRUBBED_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    env["STAGEWISE_CLUSTER_TOKEN"] = CLUSTER_TOKEN
+    return {**env, **overrides}
 
 
 @dataclass
@@ -39,10 +44,11 @@ class Host:
     veth: str
     addr: str
 
-    def popen(self, args: list[str], stdout, stderr) -> subprocess.Popen:
-        """Run a command inside this host; `ip netns exec` execs it, so the pid is the command's."""
-        return subprocess.Popen(["ip", "netns", "exec", self.netns, *args], env=node_env(), stdout=stdout,
-                                stderr=stderr)
+    def popen(self, args: list[str], stdout, stderr, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Run a command inside this host; `ip netns exec` execs it, so the pid is the command's.
+        `env` overrides variables of the node's environment (an empty STAGEWISE_CLUSTER_TOKEN: none)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.netns, *args], env=node_env(**(env or {})),
+                                stdout=stdout, stderr=stderr)
 
     def run(self, args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.netns, *args], env=node_env(), capture_output=True,

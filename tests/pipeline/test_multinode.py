@@ -5,7 +5,10 @@ both nodes promptly and leave no process behind (recovery off), a server on node
 across hosts, and a pipeline over two hosts heals under load with no request lost: node 1's
 stage SIGKILLed or SIGSTOPped (node 1's headless process respawns it into the driver's next
 pipeline), node 1 gone for good (its stage moves to node 0 after --node-rejoin-timeout-s), and
-node 1 started again (it gets its stage back).
+node 1 started again (it gets its stage back). Every node runs with a cluster token: a node with
+another token is refused by the driver's store, and so is a raw socket; a start without a token
+says so in one warning line per node. A stopped stage is found by its missing heartbeats, well
+before --dist-timeout-s.
 
 Start-up (torch imports) dominates, so each wave of scenarios starts all its nodes at once,
 every scenario in its own pair of hosts."""
@@ -35,16 +38,18 @@ START_TIMEOUT_S = 300          # a node's start-up on a busy 2-core machine, wit
 GENERATE = ["--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--no-chat"]
 LONG_RUN = ["--max-tokens", "400", "--ignore-eos", "--no-chat"] + ["--prompt", "Once"] * 20
 NO_RECOVERY = ["--max-pipeline-restarts", "0"]
+NO_TOKEN = {"STAGEWISE_CLUSTER_TOKEN": ""}
+OPEN_WARNING = "no --cluster-token (or STAGEWISE_CLUSTER_TOKEN) is set"
 
 
 class Node:
     """One `python -m stagewise ...` (or torchrun) inside a host, its output in files."""
 
-    def __init__(self, host, args: list[str], log_dir: Path, name: str):
+    def __init__(self, host, args: list[str], log_dir: Path, name: str, env: dict[str, str] | None = None):
         self.host, self.name = host, name
         self.out_path, self.err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = host.popen(args, stdout=out, stderr=err)
+            self.proc = host.popen(args, stdout=out, stderr=err, env=env)
 
     def stdout(self) -> str:
         return self.out_path.read_text()
@@ -94,11 +99,12 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def stagewise(command: str, model_dir, pp_size: int, node_rank: int, *extra: str, port: int = PORT) -> list[str]:
+def stagewise(command: str, model_dir, pp_size: int, node_rank: int, *extra: str, port: int = PORT,
+              dist_timeout_s: float = DIST_TIMEOUT_S) -> list[str]:
     """The README's multi-node command for one node."""
     return [sys.executable, "-m", "stagewise", command, "--model", str(model_dir), "--pp-size", str(pp_size),
             "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", MASTER, "--master-port", str(port),
-            "--dist-timeout-s", str(DIST_TIMEOUT_S), *extra]
+            "--dist-timeout-s", str(dist_timeout_s), *extra]
 
 
 def pair(make_hosts, log_dir: Path, tag: str, command: str, model_dir, pp_size: int, driver_extra=(),
@@ -188,6 +194,7 @@ def test_launch_across_hosts_matches_one_process(wave1, want_text, run):
     assert driver.stdout().strip() == want_text.strip()
     for node, host in ((driver, wave1[run]["hosts"][0]), (worker, wave1[run]["hosts"][1])):
         assert node.stderr().count("distributed traffic uses interface") == 1, node.stderr()[-2000:]   # per node
+        assert OPEN_WARNING not in node.stderr()                 # the nodes share a cluster token
         assert f"interface {host.veth}, address {host.addr}" in node.stderr()
     assert_hosts_empty(wave1[run]["hosts"])
 
@@ -209,11 +216,18 @@ def test_server_on_node0_answers_an_openai_client_on_the_other_host(wave1, want_
 def wave2(make_hosts, llama_dir, tmp_path_factory):
     """Runs that get stopped: nodes whose peer never starts, a killed remote stage, a SIGTERMed driver."""
     log_dir = tmp_path_factory.mktemp("multinode-wave2")
-    a, b = make_hosts()                  # two pipelines (two ports) whose other node is never started
+    a, b = make_hosts()                  # two pipelines (two ports) whose other node is never started, no token
+    c, d = make_hosts()                  # node 1 with another token than node 0's
     runs = {"lonely": {"hosts": (a, b),
-                       "driver": Node(a, stagewise("generate", llama_dir, 2, 0, *GENERATE), log_dir, "lonely-node0"),
+                       "driver": Node(a, stagewise("generate", llama_dir, 2, 0, *GENERATE), log_dir, "lonely-node0",
+                                      env=NO_TOKEN),
                        "worker": Node(b, stagewise("generate", llama_dir, 2, 1, port=PORT + 1), log_dir,
-                                      "lonely-node1")},
+                                      "lonely-node1", env=NO_TOKEN)},
+            "intruder": {"hosts": (c, d),
+                         "driver": Node(c, stagewise("generate", llama_dir, 2, 0, *GENERATE), log_dir,
+                                        "intruder-node0"),
+                         "worker": Node(d, stagewise("generate", llama_dir, 2, 1), log_dir, "intruder-node1",
+                                        env={"STAGEWISE_CLUSTER_TOKEN": "a-guess"})},
             "kill": pair(make_hosts, log_dir, "kill", "generate", llama_dir, 2, [*LONG_RUN, *NO_RECOVERY],
                          NO_RECOVERY),
             "term": pair(make_hosts, log_dir, "term", "generate", llama_dir, 2, LONG_RUN)}
@@ -237,6 +251,42 @@ def test_store_binds_master_addr_and_sigterm_stops_nodes_waiting_for_peers(wave2
         code = node.wait(10)
         took = time.monotonic() - t0
         assert code == 143 and took < 3.0, (node.name, code, took, node.stderr()[-2000:])
+    assert_hosts_empty((a, b), timeout=5)
+    for node in (driver, worker):        # no token on a network interface: one warning line per node
+        assert node.stderr().count(OPEN_WARNING) == 1, (node.name, node.stderr()[-2000:])
+
+
+RAW_PROBE = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10) as s:
+    greeting = s.recv(48, socket.MSG_WAITALL)
+    s.sendall(b'["set", "stagewise/generation", "999"]'.rjust(77))
+    try:
+        answer = s.recv(4096)
+    except ConnectionResetError:
+        answer = b""
+print(greeting[:16].decode(), len(answer))
+"""
+
+
+def test_a_node_with_another_token_and_a_raw_socket_are_refused(wave2):
+    """Node 1 started with another token than node 0's stops with one sentence and joins nothing; a
+    raw socket from its host that sends a store request gets the greeting and then a closed connection."""
+    run = wave2["intruder"]
+    driver, worker, (a, b) = run["driver"], run["worker"], run["hosts"]
+    assert worker.wait(START_TIMEOUT_S) != 0
+    error = worker.stderr().strip().splitlines()[-1]
+    assert error == (f"error: The rendezvous at {MASTER}:{PORT} refused this node: its cluster token differs; give "
+                     f"every node the same --cluster-token or STAGEWISE_CLUSTER_TOKEN."), worker.stderr()[-2000:]
+    probe = b.run([sys.executable, "-c", RAW_PROBE, MASTER, str(PORT)])
+    assert probe.returncode == 0 and probe.stdout.split() == ["stagewise-link/1", "0"], probe.stderr
+    driver.wait_for(lambda: "refused a connection from 10.77.0.2: the peer did not prove the cluster token"
+                    in driver.stderr(), what="the refusal in node 0's log", timeout=10)
+    assert driver.proc.poll() is None and not driver.stdout()        # still waiting for its node 1
+    for node in (driver, worker):
+        assert OPEN_WARNING not in node.stderr()
+    driver.proc.send_signal(signal.SIGTERM)
+    assert driver.wait(10) == 143
     assert_hosts_empty((a, b), timeout=5)
 
 
@@ -317,15 +367,11 @@ def test_interface_choice_overrides_and_errors(make_hosts, llama_dir):
 
 def test_rendezvous_errors_are_one_sentence():
     """No store, missing ranks, a duplicate rank, and an address or port node 0 cannot serve on."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from stagewise.executor.rendezvous import free_port, rendezvous
+    from stagewise.executor.rendezvous import free_port, rendezvous, serve_store
     port = free_port()
     with pytest.raises(TimeoutError, match=r"Nothing answered at --master-addr 127\.0\.0\.1:\d+ within 1 s"):
         rendezvous(1, 3, "127.0.0.1", port, 1.0)
-    store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False)
+    store = serve_store("127.0.0.1", port, b"")
     with pytest.raises(TimeoutError, match=r"The driver, stage 1 did not join the rendezvous at 127\.0\.0\.1"):
         rendezvous(1, 3, "127.0.0.1", port, 1.0)
     with pytest.raises(ValueError, match="as rank 1; give every node its own --node-rank"):
@@ -336,7 +382,7 @@ def test_rendezvous_errors_are_one_sentence():
         rendezvous(0, 2, "127.0.0.1", free_port(), 1.0)
     with pytest.raises(ValueError, match="is not an address of this host"):
         rendezvous(0, 2, "198.51.100.7", free_port(), 1.0)     # TEST-NET-2: never local
-    del store
+    store.close()
 
 
 # The driver of the healing scenarios: an offline LLM on node 0 that generates PROMPTS once as the
@@ -377,6 +423,8 @@ with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, mast
         time.sleep(0.05)
 """
 REJOIN_S = 3
+HEAL_DIST_TIMEOUT_S = 60       # faults here must be found by closed links and heartbeats, never by this
+HANG_FOUND_S = 30              # a stopped stage is declared lost after ~5 s of silence; generous on a busy box
 
 
 @pytest.fixture(scope="module")
@@ -387,11 +435,12 @@ def heal(make_hosts, llama_dir, tmp_path_factory):
     gate.mkdir()
     (gate / "0").touch()
     a, b = make_hosts()
-    worker_args = stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0")
+    worker_args = stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0",
+                            dist_timeout_s=HEAL_DIST_TIMEOUT_S)
     run = {"hosts": (a, b), "gate": gate, "log_dir": log_dir, "worker_args": worker_args,
            "worker": Node(b, worker_args, log_dir, "heal-node1"),
            "driver": Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
-                              str(DIST_TIMEOUT_S), str(REJOIN_S), str(gate)], log_dir, "heal-node0")}
+                              str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate)], log_dir, "heal-node0")}
     try:
         run["driver"].wait_for(lambda: '{"phase": 0}' in run["driver"].stdout(), what="the reference run")
         yield run
@@ -454,12 +503,23 @@ def test_node_started_again_gets_its_stages_back(heal):
 
 
 def test_remote_stage_that_hangs_is_replaced_after_the_timeout(heal):
-    """SIGSTOP: the driver gives up after --dist-timeout-s and starts a new generation; node 1
-    kills its stopped stage and starts a new one; then both nodes stop in order."""
+    """SIGSTOP: the driver misses the stage's heartbeats for --heartbeat-timeout-s (well before
+    --dist-timeout-s) and starts a new generation; node 1 kills its stopped stage and starts a new
+    one; then both nodes stop in order."""
     driver, worker = heal["driver"], heal["worker"]
     (victim,) = worker.stage_pids("stagewise-st1")
-    got = _phase(heal, 4, lambda: os.kill(victim, signal.SIGSTOP))
+    found = {}
+
+    def stop():
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        driver.wait_for(lambda: "stage 1 (node 1) stopped answering: no heartbeat for" in driver.stderr(),
+                        what="the stopped stage found", timeout=HANG_FOUND_S)
+        found["s"] = time.monotonic() - t0
+    got = _phase(heal, 4, stop)
+    assert found["s"] < HANG_FOUND_S < HEAL_DIST_TIMEOUT_S
     assert got["recovery"]["last"]["cause"] == "timeout", got
+    assert "no heartbeat" in got["recovery"]["last"]["why"], got
     assert worker.stage_pids("stagewise-st1") not in ([], [victim])
     assert not Path(f"/proc/{victim}").exists() or _comm(victim) != "stagewise-st1"
     (heal["gate"] / "end").touch()

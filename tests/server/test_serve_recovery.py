@@ -1,11 +1,12 @@
 """`stagewise serve --pp-size 2` heals (one server for the module, a tiny fp32 model): 32 streaming
 clients mid-decode lose nothing when stage 1 is SIGKILLed, when it is SIGSTOPped (it stops
-answering: found after --dist-timeout-s) and when stage 0 is SIGKILLed: every request ends with
-its normal finish reason, the streamed text equals the fault-free run (nothing repeated or
-changed), /health is 503 `recovering` during the rebuild and 200 after, and /metrics counts the
-rebuilds by cause. A request that crashes the pipeline each time it runs (the stage test hook
-STAGEWISE_TEST_CRASH_TOKEN) fails alone after two crashes; the others finish. Real processes and
-signals; stage processes are found by name (stagewise-st0, stagewise-st1, stagewise-spare)."""
+answering: found by its missing heartbeats, long before --dist-timeout-s) and when stage 0 is
+SIGKILLed: every request ends with its normal finish reason, the streamed text equals the fault-free
+run (nothing repeated or changed), /health is 503 `recovering` during the rebuild and 200 after, and
+/metrics counts the rebuilds by cause. A request that crashes the pipeline each time it runs (the
+stage test hook STAGEWISE_TEST_CRASH_TOKEN) fails alone after two crashes; the others finish. Real
+processes and signals; stage processes are found by name (stagewise-st0, stagewise-st1,
+stagewise-spare)."""
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.slow,
 CRASH_TOKEN = 997
 MAX_TOKENS = 48
 PROMPTS = [[10 + i, 20 + i % 7, 30 + i % 5, 40 + 3 * i] for i in range(32)]
+DIST_TIMEOUT_S = 60           # no fault here may wait for it: deaths close links, hangs miss heartbeats
+HANG_FOUND_S = 30             # a stopped stage is declared lost after ~5 s of silence; generous on a busy box
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,8 @@ def server(llama_dir, tmp_path_factory, launch):
     old = os.environ.get("STAGEWISE_TEST_CRASH_TOKEN")
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)     # the server's processes inherit it
     try:
-        srv = launch(llama_dir, tmp_path_factory.mktemp("healing"), "--pp-size", "2", "--dist-timeout-s", "4",
-                     "--max-pipeline-restarts", "20", "--pipeline-spares-delay-s", "0")
+        srv = launch(llama_dir, tmp_path_factory.mktemp("healing"), "--pp-size", "2", "--dist-timeout-s",
+                     str(DIST_TIMEOUT_S), "--max-pipeline-restarts", "20", "--pipeline-spares-delay-s", "0")
     finally:
         if old is None:
             del os.environ["STAGEWISE_TEST_CRASH_TOKEN"]
@@ -165,14 +168,35 @@ def test_sigkill_of_stage_1_mid_decode_loses_no_request(server, reference):
 
 
 def test_a_stopped_stage_is_replaced_after_the_timeout(server, reference):
+    """SIGSTOP: the missing heartbeats find it in seconds; /health says `recovering` while the rebuild
+    waits (for the spares, held here), and names the silent stage."""
     _ready_for_a_fault(server)
     before = _rebuilds(server, "timeout")
-    victim = _stage_pids(server)["stagewise-st1"][0]
-    results, _, _ = _clients_with_fault(server, PROMPTS[:8], lambda: os.kill(victim, signal.SIGSTOP))
+    pids = _stage_pids(server)
+    spares, victim = pids["stagewise-spare"], pids["stagewise-st1"][0]
+    seen = {}
+
+    def fault():
+        t0 = time.monotonic()
+        for pid in spares:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            seen["health"] = _wait(lambda: (h := _health(server))[0] == 503 and h, HANG_FOUND_S, "/health 503")
+            seen["found_s"] = time.monotonic() - t0
+            time.sleep(0.5)
+        finally:
+            for pid in spares:
+                os.kill(pid, signal.SIGCONT)
+
+    results, _, _ = _clients_with_fault(server, PROMPTS[:8], fault)
     _check_all_recovered(results, reference)
+    status, body = seen["health"]
+    assert seen["found_s"] < HANG_FOUND_S < DIST_TIMEOUT_S
+    assert body.get("status") == "recovering" and "no heartbeat" in body["error"]["message"], body
     assert _rebuilds(server, "timeout") == before + 1
     assert victim not in server.descendants() or not wait_gone([victim])     # SIGKILLed in the teardown
-    assert _health(server)[0] == 200
+    _wait(lambda: _health(server)[0] == 200, 30, "/health 200 after the rebuild")
 
 
 def test_sigkill_of_stage_0_reports_recovering_until_rebuilt(server, reference):

@@ -33,7 +33,7 @@ class StoreServer:
         self.data: dict[str, str] = {}
         self.lock = threading.Lock()
         self.closed = False
-        self.refusals = RefusalLog(f"the rendezvous store on {addr}:{port}")
+        self.refusals = RefusalLog(f"the rendezvous store on {addr}:{self.listener.getsockname()[1]}")
         threading.Thread(target=self._accept, daemon=True, name="stagewise-store").start()
 
     # the map (also what remote requests run)

@@ -126,10 +126,12 @@ class Codec:
                 raise WireError(f"expected {cls.__name__} as a list of {len(attrs)} values")
             for i, allowed in scalars:
                 if type(v[i]) not in allowed:
-                    raise WireError(f"expected {kinds[i]}, got {type(v[i]).__name__}").at(attrs[i])
+                    raise WireError(f"expected {_name(kinds[i])}, got {type(v[i]).__name__}").at(attrs[i])
             for i, allowed in flat:
                 if type(v[i]) is not list or not set(map(type, v[i])) <= allowed:
-                    raise WireError(f"expected {kinds[i]}").at(attrs[i])
+                    raise WireError(f"expected {_name(kinds[i])}").at(attrs[i])
+            if nested:
+                v = list(v)          # NOTE: the caller's value stays as it was
             for i, d in nested:
                 try:
                     v[i] = d(v[i], ts)
@@ -244,7 +246,7 @@ class Codec:
         if key is str and (allowed := set(_scalar_types(value))):     # the hot case: request id -> number
             def dec_flat(v, ts):
                 if type(v) is not dict or not set(map(type, v.values())) <= allowed:
-                    raise WireError(f"expected an object of {value}")
+                    raise WireError(f"expected an object of {_name(value)}")
                 return v
             return (lambda v, ts: {_str_key(k): x for k, x in v.items()}), dec_flat
         if key is str:          # a JSON object
@@ -280,6 +282,11 @@ def _flat_list_types(hint: Any) -> set[type]:
     if typing.get_origin(hint) is list and args[0] in (int, float, str, bool):
         return set(_ALLOWED[args[0]])
     return set()
+
+
+def _name(hint: Any) -> str:
+    return "null" if hint is NoneType else getattr(hint, "__name__", None) if isinstance(hint, type) else \
+        str(hint).replace("NoneType", "None")
 
 
 def _same(v, ts):

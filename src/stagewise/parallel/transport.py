@@ -45,7 +45,7 @@ class PendingSend:
 
     def wait(self, timeout_s: float | None = None) -> None:
         if not self.done.wait(timeout_s):
-            raise TimeoutError(f"sending to {self.link.peer} timed out after {timeout_s:.0f} s")
+            raise TimeoutError(f"sending to {self.link.peer} timed out after {timeout_s:.3g} s")
         if self.error is not None:
             raise LinkError(f"sending to {self.link.peer} failed: {self.error}")
 
@@ -122,7 +122,7 @@ class Link:
         while got < len(view):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"receiving from {self.peer} timed out after {timeout_s:.0f} s")
+                raise TimeoutError(f"receiving from {self.peer} timed out after {timeout_s:.3g} s")
             ready, _, _ = select.select([self.sock], [], [], min(left, WAIT_SLICE_S))
             if not ready:
                 continue
