@@ -19,6 +19,9 @@ from ..request import SamplingParams, StructuredOutputs, TokenLogprob
 from ..runtime.memory import MemoryPlan
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# NOTE: how long the driver waits for every ReadyMsg, and a stage for its first ring message: the
+# slowest stage's weights load in between, however long --dist-timeout-s is
+READY_WAIT_S = 600.0
 
 
 @dataclass

@@ -26,7 +26,18 @@ from .generations import control_store, next_generation, publish_layout
 from .layout import DRIVER_RANK, default_layout, stages_of
 from .links import PipelineLinks, join_pipeline
 from .liveness import Watch
-from .messages import CONTROL, Heartbeat, Message, PlanMsg, ReadyMsg, ResultMsg, Shutdown, recv_message, send_message
+from .messages import (
+    CONTROL,
+    READY_WAIT_S,
+    Heartbeat,
+    Message,
+    PlanMsg,
+    ReadyMsg,
+    ResultMsg,
+    Shutdown,
+    recv_message,
+    send_message,
+)
 from .netif import master_ip
 from .rendezvous import free_port, torchrun_env
 from .spawn import spawn_stages
@@ -97,7 +108,7 @@ class MultiprocExecutor:
         assert self.links is not None, "joined"
         plans, load_s = [], 0.0
         for link in self.links.controls:
-            msg = recv_message(link, max(self.timeout, 600.0), CONTROL)
+            msg = recv_message(link, max(self.timeout, READY_WAIT_S), CONTROL)
             assert isinstance(msg, ReadyMsg), "a stage's first control message says it is ready"
             if msg.error is not None or msg.memory_plan is None:
                 raise RuntimeError(msg.error)

@@ -22,6 +22,7 @@ from .layout import stage_rank
 from .links import PipelineLinks, join_pipeline
 from .liveness import start_beating
 from .messages import (
+    READY_WAIT_S,
     Heartbeat,
     Message,
     PlanFailedMsg,
@@ -117,8 +118,10 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
     start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
     pending: list = []
     crash_token = _crash_token(stage)
+    wait_s = max(config.dist_timeout_s, READY_WAIT_S)      # the first message comes once every stage is ready
     while True:
-        msg = recv_message(links.prev, config.dist_timeout_s)
+        msg = recv_message(links.prev, wait_s)
+        wait_s = config.dist_timeout_s
         if crash_token is not None and isinstance(msg, PlanMsg):
             _crash_if_asked(msg.plan, crash_token)
         out = _handle(worker, stage, msg)

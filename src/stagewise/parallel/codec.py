@@ -103,8 +103,8 @@ class Codec:
         pairs = [self._of(k) for k in kinds]
         encs = [p[0] for p in pairs]
         # NOTE: the hot path (a plan per step per stage): scalars are checked inline, not by a call each
-        scalars = [(i, a) for i, k in enumerate(kinds) if (a := _scalar_types(k))]
-        flat = [(i, a) for i, k in enumerate(kinds) if not _scalar_types(k) and (a := _flat_list_types(k))]
+        scalars = [(i, _scalar_types(k)) for i, k in enumerate(kinds) if _scalar_types(k)]
+        flat = [(i, _flat_list_types(k)) for i, k in enumerate(kinds) if not _scalar_types(k) and _flat_list_types(k)]
         nested = [(i, pairs[i][1]) for i, k in enumerate(kinds) if not _scalar_types(k) and not _flat_list_types(k)]
         positional = not extra and all(f.init for f in fields)
         get = operator.attrgetter(*attrs) if len(attrs) > 1 else (lambda v: (getattr(v, attrs[0]),)) if attrs \
@@ -285,8 +285,9 @@ def _flat_list_types(hint: Any) -> set[type]:
 
 
 def _name(hint: Any) -> str:
-    return "null" if hint is NoneType else getattr(hint, "__name__", None) if isinstance(hint, type) else \
-        str(hint).replace("NoneType", "None")
+    if hint is NoneType:
+        return "null"
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("NoneType", "None")
 
 
 def _same(v, ts):
