@@ -161,7 +161,7 @@ def _worker_role(config: EngineConfig) -> int | None:
 
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so `finally` blocks stop every stage process; a process stuck in
-    torch.distributed is stopped by a watchdog instead."""
+    C code is stopped by a watchdog instead."""
     from .executor.watchdog import install as install_stop_watchdog
     install_stop_watchdog()
 

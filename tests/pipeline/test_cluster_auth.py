@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 import threading
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from stagewise.executor.links import open_links
 from stagewise.executor.messages import CONTROL as CONTROL_MSGS
 from stagewise.executor.messages import Heartbeat, StageAlive, recv_message, send_message
 from stagewise.executor.store import StoreClient, StoreServer
+from stagewise.parallel import auth
 from stagewise.parallel.auth import MAGIC, NONCE_BYTES, RING, Hello, dial_handshake, key_of
 
 KEY = key_of("s3cret")
@@ -30,6 +32,14 @@ def _read_all(sock: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     return out
+
+
+def _logged(caplog, text: str, timeout_s: float = 5.0) -> None:
+    """`text` in the log (a listener logs a refusal from its own thread, just after it closed the socket)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -64,9 +74,25 @@ def test_store_refuses_a_raw_socket_before_reading_its_request(store, caplog):
                 assert greeting.startswith(MAGIC)          # the listener speaks first, and only that
                 raw.sendall(junk)
                 assert _read_all(raw) == b""               # closed without an answer
-    assert not store.check(["owned"])
-    assert "refused a connection from 127.0.0.1: the peer did not prove the cluster token" in caplog.text
+        assert not store.check(["owned"])
+        _logged(caplog, "refused a connection from 127.0.0.1: the peer did not prove the cluster token")
     assert caplog.text.count("refused a connection") == 1       # rate-limited: a scan cannot flood the log
+
+
+def test_a_flood_of_silent_connections_holds_a_bounded_number_of_handshakes(monkeypatch):
+    monkeypatch.setattr(auth, "MAX_HANDSHAKES", 2)
+    server = StoreServer("127.0.0.1", 0, KEY)
+    silent = [socket.create_connection(("127.0.0.1", _port(server)), timeout=5) for _ in range(2)]
+    for sock in silent:
+        assert sock.recv(len(MAGIC) + NONCE_BYTES, socket.MSG_WAITALL).startswith(MAGIC)
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=5) as third:
+        assert _read_all(third) == b""                 # closed at once: no thread, no greeting
+    for sock in silent:
+        sock.close()
+    client = StoreClient("127.0.0.1", _port(server), KEY, deadline=time.monotonic() + 30, timeout_s=30)
+    assert client.add("n", 1) == 1                      # a token holder gets in once a slot is free
+    client.close()
+    server.close()
 
 
 def test_a_node_with_another_token_cannot_join(store):
@@ -133,7 +159,7 @@ def test_ring_and_control_links_open_and_refuse_strangers(store, caplog):
         assert links.control is not None
         send_message(links.control, StageAlive(stage, 0)).wait(5)
         assert recv_message(driver.controls[stage], 5, CONTROL_MSGS) == StageAlive(stage, 0)
-    assert "the driver's link listener refused a connection from 127.0.0.1: the peer did not prove" in caplog.text
+    _logged(caplog, "the driver's link listener refused a connection from 127.0.0.1: the peer did not prove")
     for links in found.values():
         if not isinstance(links, bytes):
             links.close()

@@ -1,4 +1,4 @@
-"""Pipeline parallelism with real stage processes over gloo: token equivalence with PP=1,
+"""Pipeline parallelism with real stage processes over their TCP links: token equivalence with PP=1,
 micro-batching, faults (a killed stage), and a two-node launch simulated on localhost."""
 import os
 import signal

@@ -3,7 +3,7 @@ schedule → submit (up to `depth` plans in flight) → collect the oldest → a
 changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
 A pipeline (pp_size > 1, not torchrun) heals: when a stage process dies, hangs or loses a link,
-`step` tears the pipeline down, starts it again (new processes, a new process group; across
+`step` tears the pipeline down, starts it again (new processes and links; across
 nodes, the remote nodes rejoin, or their stages move to node 0: engine/placement.py) and
 recomputes every live request from its tokens, as preemption does (engine/recovery.py has the
 restart budget and the poison-plan rule). `recovering` says why while that is under way.

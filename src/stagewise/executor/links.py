@@ -14,13 +14,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ClusterAuthError
-from ..parallel.auth import CONTROL, RING, Hello, RefusalLog, dial_handshake, serve_handshake, session_of
+from ..parallel.auth import CONTROL, RING, Gate, Hello, session_of
 from ..parallel.transport import Link
 from .layout import DRIVER_RANK, ring_next, ring_prev
 from .netif import link_address, use_interface
 from .rendezvous import RDZV_POLL_S, Store, attempt_name, close_store, rendezvous, torchrun_env
-from .store import connect_until
+from .store import dial
 
 log = logging.getLogger("stagewise.executor")
 
@@ -104,43 +103,27 @@ def _dial(store: Store, prefix: str, key: bytes, hello: Hello, deadline: float, 
         time.sleep(RDZV_POLL_S / 2)
     host, port = json.loads(store.get(name))
     where = f"{_rank_name(hello.to_rank)} at {host}:{port}"
-    sock = connect_until(host, port, deadline, timeout_s)
-    dial_handshake(sock, key, hello, where)
-    return Link(sock, where)
+    return Link(dial(host, port, key, hello, where, deadline, timeout_s), where)
 
 
 class Acceptor:
-    """Accepts the links a rank expects, each after its handshake (in a thread of its own, so a
-    peer that stalls its handshake delays nobody)."""
+    """Accepts the links a rank expects (parallel/auth.py's Gate: each after its handshake)."""
 
     def __init__(self, host: str, key: bytes, session: int, rank: int, expected: set[tuple[int, int]]):
         self.listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address = list(self.listener.getsockname()[:2])
-        self.key, self.session, self.rank, self.expected = key, session, rank, expected
+        self.session, self.rank, self.expected = session, rank, expected
         self.got: dict[tuple[int, int], Link] = {}
         self.done = threading.Condition()
-        self.refusals = RefusalLog(f"{_rank_name(rank)}'s link listener")
-        threading.Thread(target=self._accept, daemon=True, name="stagewise-accept").start()
+        self.gate = Gate(f"{_rank_name(rank)}'s link listener", key, self._admit)
+        threading.Thread(target=self.gate.serve, args=(self.listener,), daemon=True, name="stagewise-accept").start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, peer = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._greet, args=(sock, peer), daemon=True, name="stagewise-greet").start()
-
-    def _greet(self, sock: socket.socket, peer) -> None:
-        try:
-            hello = serve_handshake(sock, self.key)
-        except ClusterAuthError as exc:
-            self.refusals.refused(peer, str(exc))
-            return
+    def _admit(self, sock: socket.socket, hello: Hello, peer) -> None:
         ident = (hello.purpose, hello.from_rank)
         with self.done:
             if hello.session != self.session or hello.to_rank != self.rank or ident not in self.expected \
                     or ident in self.got:
-                self.refusals.refused(peer, "it is not a link this rank expects (another pipeline attempt?)")
+                self.gate.refusals.refused(peer, "it is not a link this rank expects (another pipeline attempt?)")
                 sock.close()
                 return
             self.got[ident] = Link(sock, f"{_rank_name(hello.from_rank)} at {peer[0]}")

@@ -259,7 +259,7 @@ class MultiprocExecutor:
                 p.kill()
 
     def shutdown(self) -> None:
-        """Stop every stage in order (or, once dead, kill them) and leave the process group."""
+        """Stop every stage in order (or, once dead, kill them) and close the links."""
         if self.closing:
             return
         self.closing = True

@@ -1,10 +1,10 @@
 """Which network interface (and address) a node's ranks talk on: the one its route to the master uses.
 
-Left alone, gloo binds the address the host name resolves to, which is 127.0.0.1 on many
-machines, and peers on other hosts then cannot connect. So each node asks the kernel which
-local address it would use to reach `--master-addr` and points gloo (and NCCL) at the
-interface that owns it; the stage links (links.py) listen on that address. `GLOO_SOCKET_IFNAME`
-(`NCCL_SOCKET_IFNAME` for NCCL), then `--dist-ifname`, override that choice.
+The address the host name resolves to is 127.0.0.1 on many machines, where peers on other hosts
+cannot connect. So each node asks the kernel which local address it would use to reach
+`--master-addr`; the stage links (links.py) listen on that address, and the interface that owns
+it is exported as GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for any torch.distributed use.
+`GLOO_SOCKET_IFNAME` (`NCCL_SOCKET_IFNAME` for NCCL), then `--dist-ifname`, override that choice.
 """
 from __future__ import annotations
 
@@ -145,23 +145,12 @@ def use_interface(master_addr: str, dist_ifname: str | None = None) -> str:
     if os.environ.get("LOCAL_RANK", "0") == "0":      # under torchrun: once per node
         where = f", address {chosen.address}" if chosen.address else ""
         log.info("distributed traffic uses interface %s%s (chosen by %s)", chosen.ifname, where, chosen.source)
-        _warn_if_not_primary(chosen)
     return chosen.ifname
-
-
-def _warn_if_not_primary(chosen: DistInterface) -> None:
-    """gloo advertises an interface's first IPv4 address; say so when that is not the routed one."""
-    if not chosen.address or ":" in chosen.address:
-        return
-    first = next((a for n, a in ipv4_addresses() if n == chosen.ifname), chosen.address)
-    if first != chosen.address:
-        log.warning("interface %s has several addresses; gloo advertises %s, not %s: peers must reach %s",
-                    chosen.ifname, first, chosen.address, first)
 
 
 def link_address(master_addr: str) -> str:
     """The address this node's links listen on: the routed one if it is on the chosen interface,
-    else the interface's first address (as gloo advertises it). Call after `use_interface`."""
+    else the interface's first address. Call after `use_interface`."""
     local = route_address(master_ip(master_addr))
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if not ifname or interface_of(local) == ifname:

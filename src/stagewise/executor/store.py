@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..errors import ClusterAuthError
-from ..parallel.auth import STORE, Hello, RefusalLog, dial_handshake, serve_handshake
+from ..parallel.auth import STORE, Gate, Hello, dial_handshake
 from .netif import master_ip
 
 FRAME = struct.Struct("!I")
@@ -29,12 +29,12 @@ class StoreServer:
     """The store, served on addr:port from threads of this process; the process uses it directly."""
 
     def __init__(self, addr: str, port: int, key: bytes):
-        self.listener, self.key = listen_on(addr, port), key
+        self.listener = listen_on(addr, port)
         self.data: dict[str, str] = {}
         self.lock = threading.Lock()
         self.closed = False
-        self.refusals = RefusalLog(f"the rendezvous store on {addr}:{self.listener.getsockname()[1]}")
-        threading.Thread(target=self._accept, daemon=True, name="stagewise-store").start()
+        self.gate = Gate(f"the rendezvous store on {addr}:{self.listener.getsockname()[1]}", key, self._serve)
+        threading.Thread(target=self.gate.serve, args=(self.listener,), daemon=True, name="stagewise-store").start()
 
     # the map (also what remote requests run)
     def add(self, key: str, amount: int) -> int:
@@ -71,25 +71,12 @@ class StoreServer:
         self.listener.close()
 
     # serving
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                sock, peer = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock, peer), daemon=True, name="stagewise-store-conn").start()
-
-    def _serve(self, sock: socket.socket, peer) -> None:
-        try:
-            hello = serve_handshake(sock, self.key)
-        except ClusterAuthError as exc:
-            self.refusals.refused(peer, str(exc))
-            return
-        if hello.purpose != STORE:
-            self.refusals.refused(peer, "it asked for something else than the store")
-            sock.close()
-            return
+    def _serve(self, sock: socket.socket, hello: Hello, peer) -> None:
+        """A connection that proved the key: answer its requests until it closes."""
         with sock:
+            if hello.purpose != STORE:
+                self.gate.refusals.refused(peer, "it asked for something else than the store")
+                return
             try:
                 while not self.closed:
                     request = _read_frame(sock)
@@ -122,12 +109,7 @@ class StoreClient:
     def __init__(self, addr: str, port: int, key: bytes, deadline: float, timeout_s: float):
         self.where, self.timeout_s = f"the rendezvous at {addr}:{port}", timeout_s
         self.lock = threading.Lock()
-        self.sock = connect_until(addr, port, deadline, timeout_s)
-        try:
-            dial_handshake(self.sock, key, Hello(STORE), self.where)
-        except ClusterAuthError:
-            self.sock.close()
-            raise
+        self.sock = dial(addr, port, key, Hello(STORE), self.where, deadline, timeout_s)
         self.sock.settimeout(timeout_s)
 
     def add(self, key: str, amount: int) -> int:
@@ -186,6 +168,26 @@ def connect_until(addr: str, port: int, deadline: float, timeout_s: float) -> so
                                    f"start node 0 with the same --master-addr and --master-port, and let TCP "
                                    f"port {port} through between the hosts.") from None
             time.sleep(CONNECT_RETRY_S)
+
+
+def dial(addr: str, port: int, key: bytes, hello: Hello, where: str, deadline: float,
+         timeout_s: float) -> socket.socket:
+    """A connection to addr:port that passed the handshake, retried until `deadline` while nothing
+    answers or the listener is busy; ClusterAuthError at once if the token is refused."""
+    while True:
+        sock = connect_until(addr, port, deadline, timeout_s)
+        try:
+            dial_handshake(sock, key, hello, where)
+            return sock
+        except ConnectionError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{where[:1].upper()}{where[1:]} kept closing the connection for "
+                                   f"{timeout_s:.0f} s.") from None
+            time.sleep(CONNECT_RETRY_S)
+        except ClusterAuthError:
+            sock.close()
+            raise
 
 
 def _keys_ok(keys: list) -> bool:

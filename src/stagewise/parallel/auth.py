@@ -17,8 +17,10 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import ClusterAuthError
 
@@ -32,6 +34,7 @@ HELLO = struct.Struct("!BHHQ")        # purpose, from rank, to rank, session
 ANSWER_BYTES = NONCE_BYTES + HELLO.size + MAC_BYTES
 HANDSHAKE_S = 10.0                    # a peer that does not finish its handshake within this is dropped
 REFUSAL_LOG_S = 10.0                  # at most one log line per listener per this many seconds about refusals
+MAX_HANDSHAKES = 32                   # connections a listener lets prove the token at once (a flood costs no more)
 STORE, RING, CONTROL = 1, 2, 3        # purposes: the rendezvous store, a ring link, a stage's control link
 _warned = False
 
@@ -100,14 +103,18 @@ def serve_handshake(sock: socket.socket, key: bytes) -> Hello:
 
 
 def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) -> None:
-    """The dialler's side: ClusterAuthError unless the listener at `where` accepts our proof and proves the key."""
+    """The dialler's side: ClusterAuthError unless the listener at `where` accepts our proof and proves
+    the key; ConnectionError (worth a retry) if it closes before its greeting (busy, or going away)."""
     sock.settimeout(HANDSHAKE_S)
     try:
         greeting = _read_exactly(sock, len(MAGIC) + NONCE_BYTES)
-        if greeting[:len(MAGIC)] != MAGIC:
-            raise ClusterAuthError(_sentence(f"{where} is not a stagewise pipeline (it answered something else); "
-                                             f"check --master-addr and --master-port."))
-        theirs, nonce, packed = greeting[len(MAGIC):], secrets.token_bytes(NONCE_BYTES), hello.pack()
+    except (OSError, EOFError) as exc:
+        raise ConnectionError(f"{where} closed the connection before its greeting ({exc})") from None
+    if greeting[:len(MAGIC)] != MAGIC:
+        raise ClusterAuthError(_sentence(f"{where} is not a stagewise pipeline (it answered something else); "
+                                         f"check --master-addr and --master-port."))
+    theirs, nonce, packed = greeting[len(MAGIC):], secrets.token_bytes(NONCE_BYTES), hello.pack()
+    try:
         sock.sendall(nonce + packed + _mac(key, b"dial", theirs, nonce, packed))
         proof = _read_exactly(sock, MAC_BYTES)
     except EOFError:
@@ -123,6 +130,38 @@ def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) ->
 
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
+
+
+class Gate:
+    """A listener's door: each accepted connection proves the key in a thread of its own (a peer that
+    stalls delays nobody), at most MAX_HANDSHAKES at once; `admit(sock, hello, peer)` gets the ones that did."""
+
+    def __init__(self, what: str, key: bytes, admit: Callable[[socket.socket, Hello, tuple], None]):
+        self.key, self.admit, self.refusals = key, admit, RefusalLog(what)
+        self.slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+
+    def serve(self, listener: socket.socket) -> None:
+        """Accept until the listener closes (a thread's loop)."""
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return
+            if not self.slots.acquire(blocking=False):
+                sock.close()
+                self.refusals.refused(peer, f"{MAX_HANDSHAKES} connections are proving the token already")
+                continue
+            threading.Thread(target=self._greet, args=(sock, peer), daemon=True, name="stagewise-greet").start()
+
+    def _greet(self, sock: socket.socket, peer) -> None:
+        try:
+            hello = serve_handshake(sock, self.key)
+        except ClusterAuthError as exc:
+            self.refusals.refused(peer, str(exc))
+            return
+        finally:
+            self.slots.release()
+        self.admit(sock, hello, peer)
 
 
 class RefusalLog:
