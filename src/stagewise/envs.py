@@ -61,6 +61,9 @@ VARIABLES: tuple[Variable, ...] = (
              _on_unless_zero),
     Variable("STAGEWISE_API_KEY", "text", "unset",
              "the server's API key when `--api-key` is not given (several keys: comma-separated)", _text),
+    Variable("STAGEWISE_CLUSTER_TOKEN", "text", "unset",
+             "the secret every node of a pipeline proves on each of its connections when `--cluster-token` is not "
+             "given (docs/security.md); one machine without it: a random one per pipeline", _text),
     Variable("STAGEWISE_TEST_CRASH_TOKEN", "`TOKEN[@STAGE]`", "unset",
              "test hook: that stage (default: the last) SIGKILLs itself whenever a plan brings it a request whose "
              "tokens contain `TOKEN` (recovery tests); never set it in production", _text),
@@ -76,6 +79,7 @@ if TYPE_CHECKING:
     STAGEWISE_CPU_KERNELS: bool
     STAGEWISE_PACKED_WEIGHTS: bool
     STAGEWISE_API_KEY: str | None
+    STAGEWISE_CLUSTER_TOKEN: str | None
     STAGEWISE_TEST_CRASH_TOKEN: str | None
     STAGEWISE_DIST_IFNAME: str | None
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import envs
 from ..errors import ClusterAuthError
 
 log = logging.getLogger("stagewise.executor")
@@ -58,7 +59,7 @@ def session_of(name: str) -> int:
 
 def cluster_token(given: str | None) -> str | None:
     """The token: --cluster-token, else $STAGEWISE_CLUSTER_TOKEN, else None."""
-    return given or os.environ.get(TOKEN_ENV) or None
+    return given or envs.STAGEWISE_CLUSTER_TOKEN
 
 
 def key_of(token: str | None) -> bytes:
