@@ -321,11 +321,10 @@ def test_sigterm_to_driver_stops_both_nodes(wave2):
 
 
 NETIF_CHECKS = """
-import importlib.util, json, os, sys
-spec = importlib.util.spec_from_file_location("netif", sys.argv[1])     # stdlib only: no torch import
-netif = sys.modules["netif"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(netif)
-choose_interface = netif.choose_interface
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from stagewise.executor.netif import choose_interface
+assert "torch" not in sys.modules        # stdlib only: choosing an interface loads no torch
 def pick(addr, ifname=None, env=None):
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     os.environ.update(env or {})
@@ -348,8 +347,8 @@ def test_interface_choice_overrides_and_errors(make_hosts, llama_dir):
     cli = a.popen([sys.executable, "-m", "stagewise", "generate", "--model", str(llama_dir), "--pp-size", "2",
                    "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.99.0.1", "--master-port", str(PORT)],
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    from stagewise.executor import netif
-    checks = a.run([sys.executable, "-c", NETIF_CHECKS % (a.veth, a.veth), netif.__file__])
+    import stagewise
+    checks = a.run([sys.executable, "-c", NETIF_CHECKS % (a.veth, a.veth), str(Path(stagewise.__file__).parents[1])])
     assert checks.returncode == 0, checks.stderr
     got = json.loads(checks.stdout)
     route = [a.veth, "10.77.0.1", "the route to --master-addr"]
