@@ -164,16 +164,18 @@ class EagerPipeline:
     """Reference driver for tests: every stage of a checkpoint in this process, run in order, eager.
 
     Up to 4 sequences get disjoint block ranges of a paged KV cache (`block_size` 16, 256 tokens
-    each with the default 64 blocks); `reset()` zeroes it.
+    each with the default 64 blocks); `reset()` zeroes it. `tp` (rank, size): that tensor-parallel
+    rank's slices of every stage (parallel/tp.py; connect them to a group before running).
     """
 
-    def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32):
+    def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32,
+                 tp=None):
         from stagewise.model.attention import ForwardBatch
         from stagewise.model.loader import load_hf_config, load_model
         from stagewise.parallel.partition import stage_infos
         num_layers = load_hf_config(model_dir).num_hidden_layers
         self.block_size, self.num_blocks = 16, num_blocks
-        self.stages = [load_model(model_dir, info, dtype) for info in stage_infos(num_layers, pp_size, partition)]
+        self.stages = [load_model(model_dir, info, dtype, tp=tp) for info in stage_infos(num_layers, pp_size, partition)]
         self.batches = []
         for model in self.stages:
             hkv, d = model.kv_cache_spec()

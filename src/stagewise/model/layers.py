@@ -192,12 +192,15 @@ def build_layers(stage: StageInfo, make_layer: Callable[[int], nn.Module]) -> nn
 
 
 class WeightSlot(NamedTuple):
-    """Where one checkpoint tensor goes: a parameter, optionally a row range of it (fused projections)."""
+    """Where one checkpoint tensor goes: a parameter, optionally a row range of it (fused projections).
+    Under tensor parallelism `piece` is this rank's part of the tensor (parallel/tp.py `Slice`) and
+    `shape` the whole tensor's."""
 
     param: str
     start: int
     rows: int | None
     shape: tuple[int, ...]
+    piece: Any = None
 
 
 class StageModel(nn.Module):
@@ -231,13 +234,19 @@ class StageModel(nn.Module):
         full = f"{mod_name}.{p_name}" if mod_name else p_name
         parts = getattr(module, "hf_parts", None)
         if parts is None:
-            return {self.hf_name(full): WeightSlot(full, 0, None, tuple(param.shape))}
+            return dict([self._slot(full, full, 0, None, tuple(param.shape))])
         parent = mod_name.rsplit(".", 1)[0]
         slots, start = {}, 0
         for part, rows in parts:
-            slots[self.hf_name(f"{parent}.{part}.{p_name}")] = WeightSlot(full, start, rows, (rows, *param.shape[1:]))
+            slots.update([self._slot(f"{parent}.{part}.{p_name}", full, start, rows, (rows, *param.shape[1:]))])
             start += rows
         return slots
+
+    def _slot(self, name: str, param: str, start: int, rows: int | None,
+              shape: tuple[int, ...]) -> tuple[str, WeightSlot]:
+        hf = self.hf_name(name)
+        piece = self.__dict__.get("tp_slices", {}).get(hf)      # set by parallel.tp.shard
+        return hf, WeightSlot(param, start, rows, shape if piece is None else piece.full_shape(shape), piece)
 
     def is_stage_weight(self, hf_name: str) -> bool:
         return self.canonical_name(hf_name) in self.weight_table()
@@ -253,6 +262,8 @@ class StageModel(nn.Module):
             if tuple(tensor.shape) != slot.shape:
                 raise ValueError(f"Checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, but this model "
                                  f"expects {slot.shape}; the checkpoint does not match its config.json.")
+            if slot.piece is not None:
+                tensor = slot.piece.take(tensor)
             dst: torch.Tensor = params[slot.param]
             if slot.rows is not None:
                 dst = dst.narrow(0, slot.start, slot.rows)

@@ -22,6 +22,7 @@ from stagewise.errors import CheckpointNotFoundError
 from stagewise.kernels import build as kernel_build
 from stagewise.model import cpu_gemm
 from stagewise.model.registry import get_model_class
+from stagewise.parallel import tp as tensor_parallel
 from stagewise.parallel.partition import StageInfo
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -73,8 +74,9 @@ def tensor_locations(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype,
-               device: str | torch.device = "cpu") -> nn.Module:
-    """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad."""
+               device: str | torch.device = "cpu", tp: tuple[int, int] | None = None) -> nn.Module:
+    """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad.
+    `tp` (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
     hf_config = load_hf_config(model_dir)
     gguf_path = gguf_file_of(model_dir)
     locations = tensor_locations(model_dir) if gguf_path is None else None
@@ -84,6 +86,8 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
                          f"{hf_config.num_hidden_layers}.")
     with torch.device("meta"):
         model = cls(hf_config, stage, resolve_dtype(dtype, hf_config, device))
+    if tp is not None and tp[1] > 1:
+        tensor_parallel.shard(model, *tp)
     model.to_empty(device=device)
     model.reset_buffers()
     if gguf_path is not None:

@@ -1,0 +1,242 @@
+"""Tensor parallelism inside a stage: which rank holds which slice of a stage model, and the
+collectives that join the slices (Megatron's layout, applied to a built model as gpt-fast does, so
+the model files stay as they are).
+
+Column-parallel by output rows: q/k/v (whole heads; KV heads replicated when there are fewer than
+ranks) and gate/up. Row-parallel by input columns: the attention output and down projections, one
+all-reduce after each (their bias counts once: rank 0 holds it, the others zeros). Vocabulary-
+parallel: the token embedding (each rank looks up its own rows, one all-reduce joins them) and the
+LM head (each rank's logits, gathered where sampling runs). `shard` narrows a model's parameters,
+on the meta device before loading or loaded ones, and records each checkpoint tensor's `Slice`
+for the loader; `connect` adds the collectives.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+QKV, COLUMN, ROW, VOCAB = "qkv", "column", "row", "vocab"
+# module paths (fnmatch patterns) of each family -> style; families are named by their class
+RULES: dict[str, tuple[tuple[str, str], ...]] = {
+    "LlamaForCausalLM": (("layers.*.self_attn.qkv_proj", QKV), ("layers.*.self_attn.o_proj", ROW),
+                         ("layers.*.mlp.gate_up_proj", COLUMN), ("layers.*.mlp.down_proj", ROW),
+                         ("embed_tokens", VOCAB), ("lm_head", VOCAB)),
+    "GPT2LMHeadModel": (("layers.*.attn.c_attn", QKV), ("layers.*.attn.c_proj", ROW), ("layers.*.mlp.c_fc", COLUMN),
+                        ("layers.*.mlp.c_proj", ROW), ("wte", VOCAB), ("lm_head", VOCAB)),
+}
+
+
+class Group(Protocol):
+    """The collectives of one stage's ranks (kernels.comm.ShmGroup, or a test's stand-in)."""
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dst: int = -1) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Slice:
+    """This rank's part of one checkpoint tensor: the `ranges` (start, length) along `dim`,
+    concatenated, of a dimension `full` long; `zero`: the rank holds zeros of the whole tensor."""
+    dim: int
+    full: int
+    ranges: tuple[tuple[int, int], ...]
+    zero: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.full if self.zero else sum(n for _, n in self.ranges)
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.full if d == self.dim else n for d, n in enumerate(local))
+
+    def take(self, tensor: Any) -> Any:
+        """This rank's part of the whole `tensor` (a torch tensor, or a kernels.quant.QuantizedWeight
+        held as rows of blocks)."""
+        if self.zero:
+            return torch.zeros_like(tensor)
+        if isinstance(tensor, torch.Tensor):
+            return _cat(tensor, self.dim, self.ranges)
+        return _take_quantized(tensor, self)
+
+
+def _cat(t: torch.Tensor, dim: int, ranges, offset: int = 0) -> torch.Tensor:
+    parts = [t.narrow(dim, offset + start, n) for start, n in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _take_quantized(weight: Any, piece: Slice) -> Any:
+    """Rows of a quantized matrix by index; columns only at block boundaries (a block never splits)."""
+    if piece.dim == 0:
+        return weight.take_rows(torch.cat([torch.arange(s, s + n) for s, n in piece.ranges]))
+    return weight.take_columns(piece.ranges)
+
+
+def family_of(model_or_class: Any) -> str | None:
+    """The family whose rules shard this model (by class, or any base class), or None."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    return next((c.__name__ for c in cls.__mro__ if c.__name__ in RULES), None)
+
+
+def head_ranges(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first q head, q heads), (first kv head, kv heads) of `rank`: q heads split evenly; KV heads
+    too, or (fewer KV heads than ranks) the one KV head its q heads attend, replicated."""
+    q = num_heads // size
+    if num_kv_heads >= size:
+        kv = num_kv_heads // size
+        return (rank * q, q), (rank * kv, kv)
+    return (rank * q, q), (rank * q * num_kv_heads // num_heads, 1)
+
+
+def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int, vocab: int, intermediate: int,
+                size: int) -> None:
+    """One sentence, before any process starts, if `size` ranks cannot split this model."""
+    if size == 1:
+        return
+    if family is None:
+        raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3) and GPT-2 families; "
+                         f"{arch} runs with tp_size 1.")
+    for what, count in (("attention heads", num_heads), ("vocabulary entries", vocab),
+                        ("MLP columns (intermediate size)", intermediate)):
+        if count % size:
+            raise ValueError(f"tp_size {size} does not divide the model's {count} {what}; use a tp_size that does.")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tp_size {size} and the model's {num_kv_heads} KV heads do not divide one another (each "
+                         f"rank holds whole KV heads, or one replicated); use a tp_size that divides or is a "
+                         f"multiple of {num_kv_heads}.")
+
+
+def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
+    """Narrow `model`'s parameters to `rank`'s slices (meta or real tensors, before any packing) and
+    record each checkpoint tensor's Slice in `model.tp_slices` (by checkpoint name) for the loader."""
+    family = family_of(model)
+    if family is None:
+        raise ValueError(f"Tensor parallelism has no rules for {type(model).__name__}.")
+    heads, head_dim = model.kv_cache_spec()            # type: ignore[operator]  # the model contract
+    slices: dict[str, Slice] = {}
+    kv_heads = heads
+    for path, module in list(model.named_modules()):
+        style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
+        if style is None:
+            continue
+        if getattr(module, "packed", False):
+            raise ValueError(f"{path} holds packed weights; shard a model before its weights are packed.")
+        attn = model.get_submodule(path.rsplit(".", 1)[0]) if style == QKV else None
+        for leaf in ("bias", "weight"):          # the weight last: it rewrites hf_parts to this rank's rows
+            if isinstance(getattr(module, leaf, None), torch.Tensor):
+                _shard_param(model, path, module, leaf, _Cut(style, rank, size, attn), slices)
+        if attn is not None:
+            kv_heads = _localize_heads(attn, rank, size)
+    model.__dict__["kv_cache_spec"] = lambda: (kv_heads, head_dim)
+    model.__dict__["tp_slices"] = slices
+    model.__dict__["tp_rank"], model.__dict__["tp_size"] = rank, size
+    model.__dict__.pop("_weight_table", None)           # the slots changed
+    return model
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How one module is split: its style, the rank, and (q/k/v) its attention module."""
+    style: str
+    rank: int
+    size: int
+    attn: nn.Module | None
+
+    def dim(self, module: nn.Module, leaf: str) -> int | None:
+        """The dim of our parameter (= of its checkpoint tensor) that is split; None: not split."""
+        in_out = type(module).__name__ == "Conv1D" or bool(getattr(module, "in_out_layout", False))
+        if leaf == "bias":
+            return 0 if self.style in (QKV, COLUMN) else None
+        rows = 1 if in_out else 0
+        return 1 - rows if self.style == ROW else rows
+
+    def ranges(self, part: str, extent: int) -> tuple[tuple[int, int], ...]:
+        if self.style != QKV:
+            n = extent // self.size
+            return ((self.rank * n, n),)
+        attn = self.attn
+        hq, d = attn.num_heads, attn.head_dim
+        hkv = getattr(attn, "num_kv_heads", hq)
+        (q0, qn), (k0, kn) = head_ranges(hq, hkv, self.rank, self.size)
+        if extent == (hq + 2 * hkv) * d:                # q | k | v in one tensor (GPT-2's c_attn)
+            return ((q0 * d, qn * d), ((hq + k0) * d, kn * d), ((hq + hkv + k0) * d, kn * d))
+        is_kv = part.rsplit(".", 2)[-2] in ("k_proj", "v_proj")
+        return ((k0 * d, kn * d),) if is_kv else ((q0 * d, qn * d),)
+
+
+def _shard_param(model, path: str, module: nn.Module, leaf: str, cut: _Cut, slices: dict[str, Slice]) -> None:
+    param = getattr(module, leaf)
+    dim = cut.dim(module, leaf)
+    hf_parts = getattr(module, "hf_parts", None)
+    parent = path.rsplit(".", 1)[0]
+    # checkpoint tensors stacked along dim 0 of the parameter: (our name, extent along dim 0)
+    parts = ([(f"{parent}.{p}.{leaf}", rows) for p, rows in hf_parts] if hf_parts
+             else [(f"{path}.{leaf}", param.shape[0])])
+    pieces, offset = [], 0
+    for name, rows in parts:
+        part = param.narrow(0, offset, rows)
+        offset += rows
+        if dim is None:              # a row-parallel bias: rank 0 adds it once, the others hold zeros
+            piece = Slice(0, rows, (), zero=True) if cut.rank else None
+        else:
+            piece = Slice(dim, part.shape[dim], cut.ranges(name, part.shape[dim]))
+        if piece is not None:
+            slices[model.hf_name(name)] = piece
+        pieces.append(part if piece is None else piece.take(part))
+    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+    module._parameters[leaf] = nn.Parameter(value.clone(), requires_grad=False)
+    if leaf == "weight":
+        if hf_parts:
+            module.hf_parts = tuple((p, piece.shape[0]) for (p, _), piece in zip(hf_parts, pieces))
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = value.shape[0]
+        elif isinstance(module, nn.Linear):
+            module.out_features, module.in_features = value.shape
+
+
+def _localize_heads(attn: nn.Module, rank: int, size: int) -> int:
+    """The attention module's head counts become this rank's; returns its KV heads."""
+    hq = attn.num_heads
+    hkv = getattr(attn, "num_kv_heads", hq)
+    (_, qn), (_, kn) = head_ranges(hq, hkv, rank, size)
+    attn.num_heads = qn
+    if hasattr(attn, "num_kv_heads"):
+        attn.num_kv_heads = kn
+    return kn
+
+
+def connect(model: nn.Module, group: Group, logits_to: int = 0) -> nn.Module:
+    """Add the collectives to a sharded model: an all-reduce after every row-parallel layer and
+    around the vocabulary-parallel embedding, and `compute_logits` gathering the vocabulary on rank
+    `logits_to` (the rank that samples; -1: every rank; elsewhere the logits are not meaningful)."""
+    family = family_of(model)
+    assert family is not None and model.__dict__.get("tp_size") == group.size, "connect a model sharded for the group"
+    for path, module in model.named_modules():
+        style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
+        if style == ROW:
+            module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+        elif style == VOCAB and hasattr(module, "num_embeddings"):       # the token embedding
+            module.forward = _vocab_lookup(module, group)
+    base = model.compute_logits
+    model.__dict__["compute_logits"] = lambda hidden: group.all_gather(base(hidden), logits_to)
+    return model
+
+
+def _vocab_lookup(module: nn.Module, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The embedding's forward on this rank's vocabulary rows: ids elsewhere give zeros, and the
+    all-reduce adds every rank's rows (each id's row comes from exactly one rank)."""
+    lookup = type(module).forward
+    rows = module.num_embeddings
+    first = group.rank * rows
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        local = ids - first
+        mine = (local >= 0) & (local < rows)
+        out = lookup(module, torch.where(mine, local, 0))
+        return group.all_reduce(torch.where(mine.unsqueeze(-1), out, 0))
+    return forward
