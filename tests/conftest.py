@@ -175,7 +175,8 @@ class EagerPipeline:
         from stagewise.parallel.partition import stage_infos
         num_layers = load_hf_config(model_dir).num_hidden_layers
         self.block_size, self.num_blocks = 16, num_blocks
-        self.stages = [load_model(model_dir, info, dtype, tp=tp) for info in stage_infos(num_layers, pp_size, partition)]
+        infos = stage_infos(num_layers, pp_size, partition)
+        self.stages = [load_model(model_dir, info, dtype, tp=tp) for info in infos]
         self.batches = []
         for model in self.stages:
             hkv, d = model.kv_cache_spec()

@@ -236,7 +236,8 @@ class StageModel(nn.Module):
         if parts is None:
             return dict([self._slot(full, full, 0, None, tuple(param.shape))])
         parent = mod_name.rsplit(".", 1)[0]
-        slots, start = {}, 0
+        slots: dict[str, WeightSlot] = {}
+        start = 0
         for part, rows in parts:
             slots.update([self._slot(f"{parent}.{part}.{p_name}", full, start, rows, (rows, *param.shape[1:]))])
             start += rows

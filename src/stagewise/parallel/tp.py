@@ -48,16 +48,11 @@ class Slice:
     ranges: tuple[tuple[int, int], ...]
     zero: bool = False
 
-    @property
-    def length(self) -> int:
-        return self.full if self.zero else sum(n for _, n in self.ranges)
-
     def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.full if d == self.dim else n for d, n in enumerate(local))
 
     def take(self, tensor: Any) -> Any:
-        """This rank's part of the whole `tensor` (a torch tensor, or a kernels.quant.QuantizedWeight
-        held as rows of blocks)."""
+        """This rank's part of the whole `tensor` (a torch tensor, or a kernels.quant.QuantizedWeight)."""
         if self.zero:
             return torch.zeros_like(tensor)
         if isinstance(tensor, torch.Tensor):
@@ -65,16 +60,18 @@ class Slice:
         return _take_quantized(tensor, self)
 
 
-def _cat(t: torch.Tensor, dim: int, ranges, offset: int = 0) -> torch.Tensor:
-    parts = [t.narrow(dim, offset + start, n) for start, n in ranges]
+def _cat(t: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    parts = [t.narrow(dim, start, n) for start, n in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _take_quantized(weight: Any, piece: Slice) -> Any:
-    """Rows of a quantized matrix by index; columns only at block boundaries (a block never splits)."""
+    """Rows of a quantized matrix by index (blocks run along a row, so rows never split one); a
+    split along columns (row-parallel layers) is refused until it cuts at block boundaries."""
     if piece.dim == 0:
         return weight.take_rows(torch.cat([torch.arange(s, s + n) for s, n in piece.ranges]))
-    return weight.take_columns(piece.ranges)
+    raise ValueError("Tensor parallelism does not split quantized weights along their columns yet; run a "
+                     "quantized checkpoint with tp_size 1.")
 
 
 def family_of(model_or_class: Any) -> str | None:
@@ -145,7 +142,7 @@ class _Cut:
     style: str
     rank: int
     size: int
-    attn: nn.Module | None
+    attn: Any                     # the attention module (q/k/v), else None
 
     def dim(self, module: nn.Module, leaf: str) -> int | None:
         """The dim of our parameter (= of its checkpoint tensor) that is split; None: not split."""
@@ -169,7 +166,7 @@ class _Cut:
         return ((k0 * d, kn * d),) if is_kv else ((q0 * d, qn * d),)
 
 
-def _shard_param(model, path: str, module: nn.Module, leaf: str, cut: _Cut, slices: dict[str, Slice]) -> None:
+def _shard_param(model: Any, path: str, module: Any, leaf: str, cut: _Cut, slices: dict[str, Slice]) -> None:
     param = getattr(module, leaf)
     dim = cut.dim(module, leaf)
     hf_parts = getattr(module, "hf_parts", None)
@@ -199,7 +196,7 @@ def _shard_param(model, path: str, module: nn.Module, leaf: str, cut: _Cut, slic
             module.out_features, module.in_features = value.shape
 
 
-def _localize_heads(attn: nn.Module, rank: int, size: int) -> int:
+def _localize_heads(attn: Any, rank: int, size: int) -> int:
     """The attention module's head counts become this rank's; returns its KV heads."""
     hq = attn.num_heads
     hkv = getattr(attn, "num_kv_heads", hq)
@@ -210,7 +207,7 @@ def _localize_heads(attn: nn.Module, rank: int, size: int) -> int:
     return kn
 
 
-def connect(model: nn.Module, group: Group, logits_to: int = 0) -> nn.Module:
+def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
     """Add the collectives to a sharded model: an all-reduce after every row-parallel layer and
     around the vocabulary-parallel embedding, and `compute_logits` gathering the vocabulary on rank
     `logits_to` (the rank that samples; -1: every rank; elsewhere the logits are not meaningful)."""
@@ -227,7 +224,7 @@ def connect(model: nn.Module, group: Group, logits_to: int = 0) -> nn.Module:
     return model
 
 
-def _vocab_lookup(module: nn.Module, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
+def _vocab_lookup(module: Any, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
     """The embedding's forward on this rank's vocabulary rows: ids elsewhere give zeros, and the
     all-reduce adds every rank's rows (each id's row comes from exactly one rank)."""
     lookup = type(module).forward
