@@ -46,6 +46,21 @@ def _text(raw: str | None) -> str | None:
     return raw or None
 
 
+def _on_if_set(raw: str | None) -> bool:
+    return (raw or "").strip() not in ("", "0")
+
+
+def _nice(raw: str | None) -> int:
+    text = (raw or "5").strip() or "5"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"STAGEWISE_HTTP_NICE must be a whole number from 0 to 19, got {raw!r}.") from None
+    if not 0 <= value <= 19:
+        raise ValueError(f"STAGEWISE_HTTP_NICE must be a whole number from 0 to 19, got {raw!r}.")
+    return value
+
+
 VARIABLES: tuple[Variable, ...] = (
     Variable("STAGEWISE_CACHE", "path", "`~/.cache/stagewise`",
              "the cache directory: the default model (`models/`), the demo model, tokenizers built from GGUF "
@@ -59,6 +74,16 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("STAGEWISE_PACKED_WEIGHTS", "`0`", "unset (packed)",
              "`0` keeps linear weights in the checkpoint layout instead of prepacking them for the CPU kernels",
              _on_unless_zero),
+    Variable("STAGEWISE_PIN_THREADS", "`1`", "unset (not pinned)",
+             "`1` pins each CPU stage's OpenMP threads to its slice of the affinity mask; off by default because a "
+             "pinned thread cannot leave a core another process keeps busy ([Performance](performance.md))",
+             _on_if_set),
+    Variable("STAGEWISE_KEEP_AWAKE", "`0`", "unset (kept awake)",
+             "`0` starts no keeper threads: a CPU stage's idle CPUs may then halt within a step, and each parallel "
+             "region pays their wake-up ([Performance](performance.md))", _on_unless_zero),
+    Variable("STAGEWISE_HTTP_NICE", "0-19", "`5`",
+             "how much lower than the engine the server's HTTP threads run (`nice`), so their bursts wait for an "
+             "idle CPU instead of preempting the engine mid-step; `0`: the same priority", _nice),
     Variable("STAGEWISE_API_KEY", "text", "unset",
              "the server's API key when `--api-key` is not given (several keys: comma-separated)", _text),
     Variable("STAGEWISE_CLUSTER_TOKEN", "text", "unset",
@@ -78,6 +103,9 @@ if TYPE_CHECKING:
     STAGEWISE_KERNELS: str
     STAGEWISE_CPU_KERNELS: bool
     STAGEWISE_PACKED_WEIGHTS: bool
+    STAGEWISE_PIN_THREADS: bool
+    STAGEWISE_KEEP_AWAKE: bool
+    STAGEWISE_HTTP_NICE: int
     STAGEWISE_API_KEY: str | None
     STAGEWISE_CLUSTER_TOKEN: str | None
     STAGEWISE_TEST_CRASH_TOKEN: str | None

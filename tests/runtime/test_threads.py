@@ -1,5 +1,7 @@
 """Thread sizing follows the CPUs a process may use (affinity mask, cgroup CPU quota, stages per node),
-and the OpenMP wait default never overrides a value the user set. No model is built here."""
+the OpenMP wait default never overrides a value the user set, a stage's CPUs are its slice of the
+affinity mask (pinning, when asked, and the keepers follow it), and stage processes run with the
+wait policy and keepers of the driver's choice. Only the last test builds a model."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ import torch
 
 from stagewise.config import EngineConfig
 from stagewise.runtime import threads
+from stagewise.runtime.cpu_pool import stage_cpus
 from stagewise.runtime.threads import (
     CpuBudget,
     cgroup_quota_cpus,
@@ -182,3 +185,65 @@ def test_importing_stagewise_changes_no_environment_variable():
     code = ("import os\nbefore = dict(os.environ)\nimport stagewise\nfrom stagewise import LLM, SamplingParams\n"
             "print(dict(os.environ) == before)")
     assert _run(code) == "True"
+
+
+def test_stage_cpus_are_the_stages_slice_of_the_affinity_mask():
+    assert stage_cpus({0, 1, 2, 3}, 2, 0, 2) == [0, 1] and stage_cpus({0, 1, 2, 3}, 2, 1, 2) == [2, 3]
+    assert stage_cpus({7, 5}, 2) == [5, 7] and stage_cpus({7, 5}, 1) == [5]
+    assert stage_cpus({0, 1, 2}, 1, 1, 2) == [1]               # the odd CPU is nobody's
+    assert stage_cpus({0, 1}, 4, 1, 2) == [1]                  # more threads than CPUs: the whole slice
+    assert stage_cpus({0}, 1, 1, 2) == []                      # no CPU of its own: none
+
+
+POOL_PROBE = """
+import os, torch
+torch.set_num_threads(2)
+from stagewise.config import EngineConfig
+from stagewise.runtime import cpu_pool
+pool = cpu_pool.for_stage(EngineConfig(model="x"), 0, 2)
+tasks = [int(t) for t in os.listdir("/proc/self/task")]
+idle = sorted(sorted(os.sched_getaffinity(t)) for t in tasks if os.sched_getscheduler(t) == os.SCHED_IDLE)
+others = [sorted(os.sched_getaffinity(t)) for t in tasks
+          if t != os.getpid() and os.sched_getscheduler(t) != os.SCHED_IDLE]
+print(sorted(os.sched_getaffinity(0)), idle, pool.pinned, pool.keepers, sorted(map(tuple, others)))
+"""
+
+
+@pytest.mark.skipif(AFFINITY < 2, reason="needs two CPUs for a two-thread team")
+def test_pinning_and_keepers_follow_the_affinity_mask():
+    cpus = sorted(os.sched_getaffinity(0))[-2:]
+    narrowed = (lambda: os.sched_setaffinity(0, set(cpus)))
+    out = _run(POOL_PROBE, _clean_env(STAGEWISE_PIN_THREADS="1"), preexec_fn=narrowed)
+    assert out.startswith(f"[{cpus[0]}] [[{cpus[0]}], [{cpus[1]}]] True 2 "), out   # thread 0 here, keepers on both
+    assert f"({cpus[1]},)" in out.split(" 2 ", 1)[1]                                # OpenMP's thread 1 there
+    out = _run(POOL_PROBE, _clean_env(), preexec_fn=narrowed)                       # the default: no pinning
+    assert out.startswith(f"[{cpus[0]}, {cpus[1]}] [[{cpus[0]}], [{cpus[1]}]] False 2 "), out
+
+
+def _children_named(prefix: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and name.startswith(prefix):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_stage_processes_get_the_wait_policy_and_keepers(llama_dir):
+    from stagewise import LLM, SamplingParams
+    with LLM(model=str(llama_dir), pp_size=2, threads_per_stage=2) as llm:
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
+        stages = _children_named("stagewise-st")
+        assert len(stages) == 2
+        for pid in stages:
+            items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            env = dict(item.split("=", 1) for item in items if "=" in item)
+            assert {k: env.get(k) for k in threads.WAIT_VARS} == {k: os.environ.get(k) for k in threads.WAIT_VARS}
+            assert any(k in env for k in threads.WAIT_VARS)
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            assert sum(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids) == 1    # one keeper: its one CPU

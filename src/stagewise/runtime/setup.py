@@ -17,6 +17,7 @@ from ..graph.policy import policy_for
 from ..model.attention import ForwardBatch
 from ..model.loader import load_model, resolve_dtype
 from ..parallel.partition import StageInfo
+from . import cpu_pool
 from .allocator import keep_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
@@ -32,6 +33,7 @@ class StageParts:
     memory_plan: MemoryPlan
     device: torch.device
     batch: ForwardBatch
+    cpu_pool: Any = None          # CPU: the pinned, kept-awake thread team (cpu_pool.CpuPool), if any
 
 
 def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
@@ -49,8 +51,9 @@ def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
 def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
+    pool = None
     if device.type == "cpu":
-        configure_threads(config)
+        pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config))
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
@@ -66,7 +69,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
                                          head_dim, dtype, device)
     runner.capture(background=config.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
-    return StageParts(model, runner, plan, device, batch)
+    return StageParts(model, runner, plan, device, batch, pool)
 
 
 def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class Worker:
         self.model: Any = parts.model     # the model contract (README): duck-typed
         self.runner, self.memory_plan = parts.runner, parts.memory_plan
         self.device, self.batch = parts.device, parts.batch
+        self.cpu_pool = parts.cpu_pool
         self.dtype = next(self.model.parameters()).dtype
         self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
@@ -62,7 +64,8 @@ class Worker:
         self.apply_deltas(plan)
         result: ProxyTensors | StepResult | PlanFailed
         try:
-            result = self._run(plan, proxy)
+            with self.cpu_pool.step() if self.cpu_pool is not None else nullcontext():
+                result = self._run(plan, proxy)
         except Exception as exc:  # noqa: BLE001 (this plan fails; the engine and the other plans go on)
             log.error("plan %d failed on stage %d:\n%s", plan.plan_id, self.stage.rank, traceback.format_exc())
             result = self.failed(plan, f"stage {self.stage.rank} failed: {type(exc).__name__}: {exc}")
