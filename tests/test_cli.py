@@ -1,4 +1,5 @@
 """The command line, run as a user would: subprocesses of `python -m stagewise`."""
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,8 @@ def test_generate_on_demo_model_streams_text(tmp_path):
               "--max-tokens", "12", "--ignore-eos", "--no-chat")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon") and len(out.stdout.strip()) > len("Once upon")
+    summary = out.stderr.strip().splitlines()[-1]           # one line at the end, apart from the text
+    assert re.fullmatch(r"12 tokens in \d+\.\d\d s \(\d+\.\d tok/s\), \d+\.\d s in all with start-up", summary), summary
 
 
 def test_generate_uses_the_chat_template_when_the_model_has_one(tmp_path, monkeypatch, capsys):

@@ -168,14 +168,17 @@ def _exit_on_sigterm() -> None:
 
 def cmd_generate(args) -> int:
     from .llm import LLM
+    t0 = time.perf_counter()
     _exit_on_sigterm()
     params = sampling_from_args(args)          # a bad sampling flag fails before the model loads
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
         return role
+    logging.getLogger("stagewise").info("loading %s (checkpoint, tokenizer, weights) ...", config.model)
+    num_tokens, generate_s = 0, 0.0
     with LLM(**dataclasses.asdict(config)) as llm:
-        engine = llm.engine
+        engine, t_ready = llm.engine, time.perf_counter()
         chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
         prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
         for prompt in prompts:
@@ -184,20 +187,25 @@ def cmd_generate(args) -> int:
             req = engine.add_request(text, params)
             # with the template, show the question, not the template around it
             print(prompt, end="\n" if chat else "", flush=True)
-            _stream(engine, req.request_id)
+            num_tokens += _stream(engine, req.request_id)
+        generate_s = time.perf_counter() - t_ready
+    print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s), "
+          f"{time.perf_counter() - t0:.1f} s in all with start-up", file=sys.stderr)
     return 0
 
 
-def _stream(engine, request_id: str) -> None:
-    shown = 0
+def _stream(engine, request_id: str) -> int:
+    """Print the request's text as it grows; returns its number of output tokens."""
+    shown, num_tokens = 0, 0
     for out in engine.run_until_done():
         if out.request_id == request_id:
-            text = out.outputs[0].text
+            text, num_tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
             print(text[shown:], end="", flush=True)
             shown = len(text)
             if out.finished and out.outputs[0].error:
                 print(f"\nerror: {out.outputs[0].error}", file=sys.stderr)
-    print()
+    print(flush=True)
+    return num_tokens
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
