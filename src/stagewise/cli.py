@@ -19,6 +19,9 @@ from .errors import EngineDeadError
 # NOTE: SamplingParams' defaults are the API's (OpenAI's temperature 1, max_tokens 16), which the
 # server keeps; a terminal user trying a model wants a reproducible answer of some length.
 GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+# NOTE: a compile (10-50 s on 2 cores, background or not) saves a few ms per token; below this many
+# new tokens in all, `generate` with --prefill-graph auto never wins it back, so it does not compile.
+GENERATE_COMPILE_MIN_TOKENS = 4096
 SAMPLING_NOTE = ("`generate` is greedy by default (temperature 0, up to 64 tokens); the server follows the OpenAI "
                  "defaults (temperature 1; max_tokens 16 for completions) unless a request says otherwise.")
 
@@ -175,6 +178,7 @@ def cmd_generate(args) -> int:
     role = _worker_role(config)
     if role is not None:
         return role
+    config = _small_jobs_skip_compiling(config, len(args.prompt or [None]) * params.max_tokens)
     logging.getLogger("stagewise").info("loading %s (checkpoint, tokenizer, weights) ...", config.model)
     num_tokens, generate_s = 0, 0.0
     with LLM(**dataclasses.asdict(config)) as llm:
@@ -192,6 +196,15 @@ def cmd_generate(args) -> int:
     print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s), "
           f"{time.perf_counter() - t0:.1f} s in all with start-up", file=sys.stderr)
     return 0
+
+
+def _small_jobs_skip_compiling(config: EngineConfig, max_new_tokens: int) -> EngineConfig:
+    if config.prefill_graph != "auto" or max_new_tokens >= GENERATE_COMPILE_MIN_TOKENS:
+        return config
+    logging.getLogger("stagewise").info(
+        "at most %d new tokens: too few to win back compiling the graphs, so this run is eager "
+        "(--prefill-graph compiled compiles anyway)", max_new_tokens)
+    return config.replace(prefill_graph="off")
 
 
 def _stream(engine, request_id: str) -> int:

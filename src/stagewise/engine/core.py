@@ -5,13 +5,16 @@ stage that died while idle, and at stop aborts what is open and drains it (bound
 
 `engine_main` runs it as the engine process of `stagewise serve` (spawned by `EngineClient`);
 `serve` runs it wherever it is called (a thread of the client's process, for scripted engines
-in tests). The loop never waits for the HTTP side's GIL in the process layout.
+in tests). The loop never waits for the HTTP side: not for its GIL in the process layout, and
+not for it to read (a thread of the core writes the pipe, so a full pipe holds up no step).
 """
 from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -29,6 +32,7 @@ from .messages import (
     EngineOutputs,
     EngineReady,
     StopEngine,
+    encode,
     recv,
     send,
 )
@@ -39,6 +43,7 @@ IDLE_PUBLISH_S = 1.0          # an idle core refreshes the stats snapshot this o
 BUSY_PUBLISH_S = 0.05         # a step without outputs still refreshes it this often
 NO_PROGRESS_WAIT_S = 0.005    # nothing schedulable but work pending: wait instead of spinning
 STOP_DRAIN_S = 5.0            # at stop, how long aborted requests get to leave the pipeline
+OUTBOX_FLUSH_S = 10.0         # at exit, how long the last messages get to reach a slow client
 ENGINE_FAULT = "The engine failed with an internal error (the server logged the details); restart the server."
 # start-up errors the CLI prints as one line; anything else is logged here with its traceback
 USER_ERRORS = (ValueError, FileNotFoundError, EngineDeadError)
@@ -103,9 +108,39 @@ def final_output(rid: str, reason: str, message: str) -> RequestOutput:
     return RequestOutput(rid, None, [], [CompletionOutput(0, "", [], reason, None, message)], finished=True)
 
 
+class Outbox:
+    """The core's messages to the client, written by a thread of their own, in order: a client that
+    reads slowly (a busy event loop, a full pipe) never holds up a step. `put` raises ClientGone
+    once a write found the client gone."""
+
+    def __init__(self, conn: Connection):
+        self.conn, self.gone = conn, False
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="stagewise-core-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: CoreMessage) -> None:
+        if self.gone:
+            raise ClientGone()
+        self._queue.put(encode(msg))
+
+    def close(self, timeout_s: float = OUTBOX_FLUSH_S) -> None:
+        """Write what is queued (for up to `timeout_s`), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                self.gone = True
+                return
+
+
 class EngineCore:
     def __init__(self, engine, inbox: Connection, outbox: Connection):
-        self.engine, self.inbox, self.outbox = engine, inbox, outbox
+        self.engine, self.inbox, self.outbox = engine, inbox, Outbox(outbox)
         self.encoder = DeltaEncoder()
         self.live: set[str] = set()                 # requests added and not finished
         self.refused: list[RequestOutput] = []      # final outputs of adds the engine refused
@@ -115,6 +150,12 @@ class EngineCore:
     def run(self) -> int:
         """Serve until the client says stop (0) or the engine dies (1)."""
         try:
+            return self._run()
+        finally:
+            self.outbox.close()
+
+    def _run(self) -> int:
+        try:
             return self._serve()
         except ClientGone:
             log.warning("the client closed the engine's pipes; stopping the engine")
@@ -122,7 +163,8 @@ class EngineCore:
             return 0
         except Exception:                    # a bug of this loop: say so, never hang the client
             log.exception("the engine loop failed")
-            _send_quietly(self.outbox, EngineDied(ENGINE_FAULT))
+            if not self.outbox.gone:
+                self.outbox.put(EngineDied(ENGINE_FAULT))
             self.engine.shutdown()
             return 1
 
@@ -215,10 +257,7 @@ class EngineCore:
         self._send(EngineOutputs(self.last_publish, deltas, snapshot))
 
     def _send(self, msg: CoreMessage) -> None:
-        try:
-            send(self.outbox, msg)
-        except OSError:
-            raise ClientGone() from None
+        self.outbox.put(msg)
 
     def _stop(self) -> int:
         """Abort everything, let the aborts leave the pipeline (bounded), stop the engine."""

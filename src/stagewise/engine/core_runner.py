@@ -18,6 +18,7 @@ from ..errors import EngineDeadError, describe_exit
 from .core import STOP_DRAIN_S, engine_main, serve
 from .messages import EngineFailed, EngineReady, recv
 
+HTTP_NICE = 5                 # how much nicer than the engine core the client's threads run (STAGEWISE_HTTP_NICE)
 STARTUP_POLL_S = 0.1
 EXIT_WAIT_S = 2.0             # after the core closed its pipe: time for its exit code to show
 STOP_WAIT_S = 10.0 + STOP_DRAIN_S
@@ -82,7 +83,28 @@ def start_core(config, engine_factory: Callable, in_process: bool = False) -> Co
     proc.start()
     core_in.close()
     core_out.close()
+    yield_cpu_to_core()
     return CorePipes(proc, to_core, from_core)
+
+
+_yielded = [False]
+
+
+def yield_cpu_to_core() -> None:
+    """Lower the calling thread's priority below the engine core's, once per process (threads it
+    starts later inherit it): where the engine's threads fill every core, the HTTP side's bursts
+    (JSON, SSE writes) then take a CPU when one is idle instead of preempting an engine thread in
+    the middle of a step, which every other thread of that step would wait for.
+
+    NOTE: on Linux a nice value belongs to a thread; the engine process, spawned before, keeps its own."""
+    nice = int(os.environ.get("STAGEWISE_HTTP_NICE", HTTP_NICE))
+    if _yielded[0] or nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    _yielded[0] = True
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except OSError:
+        pass
 
 
 def await_ready(pipes: CorePipes) -> EngineReady:

@@ -99,9 +99,13 @@ ClientMessage = Union[AddRequests, AbortRequests, StopEngine]
 CoreMessage = Union[EngineReady, EngineFailed, EngineOutputs, EngineDied]
 
 
+def encode(msg: ClientMessage | CoreMessage) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def send(conn: Connection, msg: ClientMessage | CoreMessage) -> None:
     """Raises OSError when the other end is gone."""
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(encode(msg))
 
 
 def recv(conn: Connection) -> ClientMessage | CoreMessage:
