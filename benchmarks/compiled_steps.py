@@ -4,7 +4,8 @@ interleaved round by round (so the load of a shared machine falls on all of them
 start-up times in fresh processes.
 
 One engine is built with `--prefill-graph compiled`; "eager" rounds swap the driver's graph policy
-to `off` (every stage then runs the eager body), "MKL GEMMs" rounds set the small-row kernel's row
+to `off` (every stage then runs the eager body), "one graph" rounds send decode steps to the prefill
+graph instead of the few-rows (serial loops) one, "MKL GEMMs" rounds set the small-row kernel's row
 limit to 0 (every linear layer is `F.linear`), "KV gather" rounds make the attention op take the
 SDPA path. The same greedy token-id workload runs in every configuration. `--busy` repeats the
 rounds with another process keeping core 0 busy.
@@ -14,6 +15,7 @@ rounds with another process keeping core 0 busy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result  # noqa: E402
 
 VOCAB = 49152
-CONFIGS = ("compiled", "compiled, MKL GEMMs", "eager", "eager, MKL GEMMs", "eager, MKL GEMMs, KV gather")
+CONFIGS = ("compiled", "compiled one graph", "compiled, MKL GEMMs", "eager", "eager, MKL GEMMs",
+           "eager, MKL GEMMs, KV gather")
 BASE = CONFIGS[-1]      # the code before these levers
 METRICS = (("ttft200_ms", "TTFT 200 ms"), ("ttft512_ms", "TTFT 512 ms"), ("decode1_ms", "decode b1 ms/token"),
            ("decode32_ms", "decode b32 ms/step"), ("offline_tok_s", "offline tok/s"))
@@ -41,8 +44,12 @@ class Bench:
         from stagewise.graph.policy import resolve_graph_policy
         # NOTE: no prefix caching: every configuration runs the same prompts and must prefill them all
         self.llm = LLM(model=model, prefill_graph="compiled", kv_cache_memory="1GiB", max_model_len=2048,
+                       compile_in_background=False,
                        enable_prefix_caching=False, threads_per_stage=threads)
-        self.policies = {"compiled": self.llm.engine.policy, "eager": resolve_graph_policy("off")}
+        policy = self.llm.engine.policy
+        # "one graph": decode steps replay the prefill graph (parallel loops) instead of the few-rows one
+        self.policies = {"compiled": policy, "eager": resolve_graph_policy("off"),
+                         "compiled one graph": dataclasses.replace(policy, decode_backend="off", decode_buckets=())}
         self.fresh = iter(random_workload(2000, (32, 32), (1, 1), VOCAB, seed=7)[0])
 
     def set(self, config: str) -> None:

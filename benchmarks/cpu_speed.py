@@ -78,7 +78,8 @@ def run_config(spec: dict) -> dict:
     from stagewise import LLM, SamplingParams
     q, out = spec["quick"], {"load": os.getloadavg()[0]}
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], device="cpu", kv_cache_memory="1GiB", max_model_len=2048, **spec["options"])
+    llm = LLM(model=spec["model"], device="cpu", kv_cache_memory="1GiB", max_model_len=2048,
+              compile_in_background=False, **spec["options"])
     out["startup_s"] = time.perf_counter() - t0
     out["dtype"] = str(llm.engine.executor.worker.model.dtype).replace("torch.", "")
     out["threads"] = torch.get_num_threads()

@@ -108,7 +108,7 @@ def call_table(rounds: int) -> list[list]:
 def decode_table(rounds: int, threads: int | None) -> list[list]:
     from stagewise import LLM, SamplingParams
     llm = LLM(model=None, prefill_graph="compiled", kv_cache_memory="1GiB", max_model_len=2048,
-              enable_prefix_caching=False, threads_per_stage=threads)
+              enable_prefix_caching=False, threads_per_stage=threads, compile_in_background=False)
     fresh = iter(random_workload(200, (32, 32), (1, 1), 49152, seed=7)[0])
 
     def per_token(steps: int = 48) -> tuple[float, float]:

@@ -21,7 +21,7 @@ class Stagewise:
         self.params = lambda n: SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
         self.llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], device="cpu", max_num_seqs=64,
                        threads_per_stage=spec["threads"], kv_cache_memory=f"{spec['kv_cache_gib']}GiB",
-                       max_model_len=spec["max_model_len"])
+                       max_model_len=spec["max_model_len"], compile_in_background=False)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=self.params(n), use_tqdm=False)

@@ -31,7 +31,7 @@ def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -
     servers = {"stagewise serve": [sys.executable, "-m", "stagewise", "serve", "--model", str(hf_dir),
                                    "--dtype", args.serve_dtype, "--threads-per-stage", str(args.threads),
                                    "--kv-cache-memory", "2GiB", "--max-model-len", "2048",
-                                   "--served-model-name", SERVED_NAME]}
+                                   "--served-model-name", SERVED_NAME, "--no-compile-in-background"]}
     if have_vllm:
         servers["vllm serve"] = [args.vllm_python, "-c", VLLM_CLI, "serve", str(hf_dir), "--dtype", args.serve_dtype,
                                  "--max-model-len", "2048", "--seed", "0", "--served-model-name", SERVED_NAME]

@@ -67,7 +67,8 @@ def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 
 
 def start_server(model_dir: str, pp_size: int, extra: list[str], log_path: Path) -> ServerProcess:
-    return ServerProcess(model_dir, log_path, "--pp-size", str(pp_size), *extra)
+    # NOTE: compiled before serving: this measures the served steady state
+    return ServerProcess(model_dir, log_path, "--pp-size", str(pp_size), "--no-compile-in-background", *extra)
 
 
 async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> dict | None:

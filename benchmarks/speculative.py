@@ -147,7 +147,7 @@ def main() -> None:
 
     from stagewise import LLM
     # NOTE: two engines in one process: a modest KV cache each (the default plans 2 GiB per engine)
-    opts: dict = {"kv_cache_memory": "384MiB"}
+    opts: dict = {"kv_cache_memory": "384MiB", "compile_in_background": False}
     if args.threads is not None:
         opts["threads_per_stage"] = args.threads
     base = LLM(**opts)

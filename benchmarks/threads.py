@@ -1,5 +1,7 @@
 """Threads on a busy machine: offline output tok/s and batch-1 decode on the default model, on a
-quiet machine and with one core kept busy by another process, for each OpenMP wait policy.
+quiet machine and with one core kept busy by another process, for each OpenMP wait policy, with
+and without the stage's keepers (SCHED_IDLE threads that keep its CPUs awake within a step) and
+with pinned threads.
 
 Each policy runs in its own child process (the policy must be in the environment before OpenMP
 starts); the children stay alive and take turns, round by round, quiet then loaded, so drifting
@@ -24,16 +26,19 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "threads.md"
 MARK = "THREADS-RESULT "
 # label -> (environment for the child, extra engine options)
+NO_KEEPERS = {"STAGEWISE_KEEP_AWAKE": "0"}
 POLICIES = {
-    "unset (GNU default: spin 300k)": ({}, {}),
-    "OMP_WAIT_POLICY=PASSIVE": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
-    "OMP_WAIT_POLICY=ACTIVE": ({"OMP_WAIT_POLICY": "ACTIVE"}, {}),
-    "GOMP_SPINCOUNT=1000": ({"GOMP_SPINCOUNT": "1000"}, {}),
-    "GOMP_SPINCOUNT=10000": ({"GOMP_SPINCOUNT": "10000"}, {}),
-    "GOMP_SPINCOUNT=100000": ({"GOMP_SPINCOUNT": "100000"}, {}),
-    "unset, --threads-per-stage 1 (reference)": ({}, {"threads_per_stage": 1}),
+    "PASSIVE + keepers (the default)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+    "PASSIVE, no keepers": ({"OMP_WAIT_POLICY": "PASSIVE", **NO_KEEPERS}, {}),
+    "PASSIVE + keepers, pinned": ({"OMP_WAIT_POLICY": "PASSIVE", "STAGEWISE_PIN_THREADS": "1"}, {}),
+    "GOMP_SPINCOUNT=1000 + keepers": ({"GOMP_SPINCOUNT": "1000"}, {}),
+    "GOMP_SPINCOUNT=1000, no keepers": ({"GOMP_SPINCOUNT": "1000", **NO_KEEPERS}, {}),
+    "GOMP_SPINCOUNT=10000, no keepers": ({"GOMP_SPINCOUNT": "10000", **NO_KEEPERS}, {}),
+    "unset (GNU default: spin 300k), no keepers": (dict(NO_KEEPERS), {}),
+    "OMP_WAIT_POLICY=ACTIVE, no keepers": ({"OMP_WAIT_POLICY": "ACTIVE", **NO_KEEPERS}, {}),
+    "--threads-per-stage 1 (reference)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {"threads_per_stage": 1}),
 }
-OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "STAGEWISE_KEEP_AWAKE", "STAGEWISE_PIN_THREADS")
 CELL_LIMIT_S = 30.0
 
 
@@ -71,7 +76,7 @@ def child(num_requests: int, options: dict) -> None:
     import torch  # NOTE: first, so OpenMP starts with exactly the parent's environment, not stagewise's default
 
     from stagewise import LLM
-    llm = LLM(kv_cache_memory="256MiB", **options)
+    llm = LLM(kv_cache_memory="256MiB", compile_in_background=False, **options)
     _offline(llm, _prompts(llm, 4, seed=-1))        # warm-up: one-time costs out of the timings
     print(MARK + json.dumps({"threads": torch.get_num_threads()}), flush=True)
     for seed, command in enumerate(sys.stdin):
@@ -184,7 +189,7 @@ def run_rounds(labels: list[str], args) -> dict:
 
 
 def report(results: dict, args, header: list[str]) -> str:
-    rows = ["| wait policy | threads | quiet tok/s | loaded tok/s | loaded / quiet | quiet tok/s vs unset "
+    rows = ["| wait policy | threads | quiet tok/s | loaded tok/s | loaded / quiet | quiet tok/s vs the first "
             "| batch-1 decode quiet ms/tok | loaded ms/tok |", "|" + "---|" * 8]
     base = max(results[next(iter(results))]["quiet_tps"])
     for label, r in results.items():
