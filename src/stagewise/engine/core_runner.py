@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable, Protocol
 
+from .. import envs
 from ..errors import EngineDeadError, describe_exit
 from .core import STOP_DRAIN_S, engine_main, serve
 from .messages import EngineFailed, EngineReady, recv
 
-HTTP_NICE = 5                 # how much nicer than the engine core the client's threads run (STAGEWISE_HTTP_NICE)
 STARTUP_POLL_S = 0.1
 EXIT_WAIT_S = 2.0             # after the core closed its pipe: time for its exit code to show
 STOP_WAIT_S = 10.0 + STOP_DRAIN_S
@@ -97,7 +97,7 @@ def yield_cpu_to_core() -> None:
     the middle of a step, which every other thread of that step would wait for.
 
     NOTE: on Linux a nice value belongs to a thread; the engine process, spawned before, keeps its own."""
-    nice = int(os.environ.get("STAGEWISE_HTTP_NICE", HTTP_NICE))
+    nice = envs.STAGEWISE_HTTP_NICE
     if _yielded[0] or nice <= 0 or not hasattr(os, "setpriority"):
         return
     _yielded[0] = True
