@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -49,8 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Python of the llama-cpp-python venv")
     ap.add_argument("--stagewise-src", default=None, metavar="DIR",
                     help="import stagewise from DIR (e.g. /work/main/src)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of every run (best kept)")
-    ap.add_argument("--llamacpp-repeats", type=int, default=3, help="llama.cpp runs per round (best kept)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of every run, best kept (default 2; quick 1)")
+    ap.add_argument("--llamacpp-repeats", type=int, default=None,
+                    help="llama.cpp runs per round, best kept (default 3; quick 1)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed (default 64; quick 16)")
+    ap.add_argument("--ttft-prompts", type=int, default=None, help="timed 512-token prompts per run (default 2)")
     ap.add_argument("--offline-files", default="Q4_K_M", help="files for stagewise's offline throughput ('' to skip)")
     ap.add_argument("--own-dtypes", default="auto,bfloat16",
                     help="stagewise dtypes on the bf16 checkpoint (its own path, the throughput baseline)")
@@ -73,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.offline_files, args.numerics_files = split(args.offline_files), split(args.numerics_files)
     args.threads = [int(t) for t in split(args.threads)]
     args.numerics = args.numerics or args.numerics_only
-    if args.quick:
-        args.rounds, args.llamacpp_repeats = 1, 1
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.llamacpp_repeats = args.llamacpp_repeats or (1 if args.quick else 3)
     if args.rounds < 1 or args.llamacpp_repeats < 1 or not args.threads or min(args.threads) < 1:
         ap.error("--rounds, --llamacpp-repeats and --threads must be at least 1.")
     if set(args.engines) - {"llamacpp", "stagewise"}:
@@ -95,10 +99,12 @@ def file_paths(args) -> dict[str, Path]:
     return files
 
 
-def sizes(quick: bool) -> dict:
-    if quick:
-        return {"ttft_reps": 1, "decode_n": 16, "n_req": 8, "out": 16}
-    return {"ttft_reps": 2, "decode_n": 64, "n_req": 32, "out": 64}
+def sizes(args) -> dict:
+    size = {"ttft_reps": 1, "decode_n": 16, "n_req": 8, "out": 16} if args.quick else \
+        {"ttft_reps": 2, "decode_n": 64, "n_req": 32, "out": 64}
+    size["ttft_reps"] = args.ttft_prompts or size["ttft_reps"]
+    size["decode_n"] = args.decode_tokens or size["decode_n"]
+    return size
 
 
 def workload(vocab: int, size: dict) -> dict:
@@ -170,9 +176,11 @@ def run_worker(args, run: dict, tmp: Path, tag: str) -> dict:
     return res
 
 
-def run_rounds(args, groups: list[list[dict]], tmp: Path) -> dict[str, list[dict]]:
+def run_rounds(args, groups: list[list[dict]], tmp: Path, saved: dict, save_path: Path) -> None:
+    """Every run of every round into saved["results"], saved to `save_path` after each (a long run
+    that is stopped can still be rendered with --report-from)."""
     from benchmarks import quantized_report as rep
-    results: dict[str, list[dict]] = {}
+    results = saved["results"]
     for rnd in range(args.rounds):
         for g, group in enumerate(groups):
             for run in (group if (rnd + g) % 2 == 0 else list(reversed(group))):
@@ -182,17 +190,19 @@ def run_rounds(args, groups: list[list[dict]], tmp: Path) -> dict[str, list[dict
                     res = run_worker(args, run, tmp, tag)
                     print(f"    {rep.one_line(res)}", flush=True)
                     results.setdefault(label(run), []).append(res)
-    return results
+                    save_path.write_text(json.dumps(saved))
 
 
 def main(argv=None) -> int:
     from benchmarks import quantized_report as rep
     args = parse_args(argv)
+    # NOTE: SIGTERM as SystemExit, so run_worker's `finally` kills the engine process it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.report_from:
         rep.write_outputs(json.loads(Path(args.report_from).read_text()))
         return 0
     files = file_paths(args)
-    size, t_start = sizes(args.quick), time.perf_counter()
+    size, t_start = sizes(args), time.perf_counter()
     meta = {"quick": args.quick, "rounds": args.rounds, "llamacpp_repeats": args.llamacpp_repeats, "size": size,
             "cpu": cpu_line(), "machine": machine_line(), "load_before": os.getloadavg(),
             "stagewise": rep.stagewise_line(args.stagewise_src), "notes": args.note,
@@ -201,16 +211,16 @@ def main(argv=None) -> int:
     print(f"{meta['cpu']}\n{meta['machine']}\n{meta['stagewise']}", flush=True)
     meta["bandwidth_gbps"] = {str(t): rep.read_bandwidth_gbps(t) for t in args.threads}
     saved: dict = {"meta": meta, "results": {}, "numerics": None}
-    with tempfile.TemporaryDirectory(prefix="stagewise-quantized-") as tmp:
-        if not args.numerics_only:
-            vocab = json.loads((files[CHECKPOINT] / "config.json").read_text())["vocab_size"]
-            saved["results"] = run_rounds(args, plan_runs(args, files, workload(vocab, size)), Path(tmp))
-        if args.numerics:
-            saved["numerics"] = quantized_numerics.run(args, files, Path(tmp), run_worker)
-    meta.update(load_after=os.getloadavg(), wall_min=(time.perf_counter() - t_start) / 60)
     save_dir = Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise") / "quantized"
     save_dir.mkdir(parents=True, exist_ok=True)
     path = save_dir / f"last-run{'-quick' if args.quick else ''}{'-numerics' if args.numerics_only else ''}.json"
+    with tempfile.TemporaryDirectory(prefix="stagewise-quantized-") as tmp:
+        if not args.numerics_only:
+            vocab = json.loads((files[CHECKPOINT] / "config.json").read_text())["vocab_size"]
+            run_rounds(args, plan_runs(args, files, workload(vocab, size)), Path(tmp), saved, path)
+        if args.numerics:
+            saved["numerics"] = quantized_numerics.run(args, files, Path(tmp), run_worker)
+    meta.update(load_after=os.getloadavg(), wall_min=(time.perf_counter() - t_start) / 60)
     path.write_text(json.dumps(saved))
     rep.write_outputs(saved)
     print(f"(measurements saved to {path}; --report-from it re-renders the report)")

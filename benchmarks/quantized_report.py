@@ -48,8 +48,9 @@ def read_bandwidth_gbps(threads: int) -> float:
 
 
 def stagewise_line(src: str | None) -> str:
-    repo = Path(__file__).resolve().parents[1]
-    where = Path(src).resolve() if src else repo
+    from importlib.util import find_spec
+    spec = None if src else find_spec("stagewise")
+    where = Path(src).resolve() if src else Path(spec.origin).parent if spec and spec.origin else Path.cwd()
     head = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h %s"], capture_output=True,
                           text=True).stdout.strip()[:100]
     return f"stagewise imported from `{src or 'the installed package'}` (commit there: {head or 'unknown'})"
