@@ -19,6 +19,7 @@ written under a temporary name and renamed, and a manifest (sizes, sha256) is wr
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any, Callable
 
 SCRATCH = Path("/work/scratch/peers")
 DEFAULTS = {"out": "/work/scratch/models", "llamacpp_python": str(SCRATCH / "venv-llama/bin/python"),
@@ -38,7 +40,7 @@ MODEL_1B = "llama-1b-class"
 QUANT_TYPES = ("Q4_K_M", "Q4_0", "Q8_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K_M", "Q6_K")
 SEED = 0
 # Llama-3.2-1B's shape with SmolLM2's vocabulary.
-SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+SHAPE: dict[str, Any] = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0,
              max_position_embeddings=8192)
 
@@ -95,7 +97,7 @@ def make_hf_1b(tokenizer_dir: Path, dest: Path) -> None:
     config = tf.LlamaConfig(**SHAPE, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id, dtype="bfloat16")
     with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = tf.LlamaForCausalLM(config).bfloat16()
     model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -158,11 +160,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     p = model_paths(args.out)
-    steps = [("smollm2_q4_1", lambda: fetch_smollm2(p["smollm2_q4_1"])),
+    steps: list[tuple[str, Callable[[], None]]] = [("smollm2_q4_1", lambda: fetch_smollm2(p["smollm2_q4_1"])),
              ("tokenizer", lambda: save_tokenizer(p["smollm2_q4_1"], p["tokenizer"])),
              ("hf_1b", lambda: make_hf_1b(p["tokenizer"], p["hf_1b"])),
              ("BF16", lambda: convert_bf16(args, p["hf_1b"], p["BF16"]))]
-    steps += [(t, lambda t=t: quantize(args, p["BF16"], p[t], t)) for t in args.types]
+    steps += [(t, functools.partial(quantize, args, p["BF16"], p[t], t)) for t in args.types]
     for key, step in steps:
         if p[key].exists():
             print(f"have {p[key]}", flush=True)

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 from benchmarks import peers_procs, quantized_numerics
-from benchmarks.common import cpu_line, machine_line
+from benchmarks.common import cpu_line
 from benchmarks.make_quant_models import DEFAULTS, model_paths
 from benchmarks.peers_procs import ProcTree, base_env, stagewise_env
+from benchmarks.quantized_section import cpu_record, versions_line
 
 WORKER = Path(__file__).resolve().parent / "quantized_worker.py"
 FIRST_ORDINARY_ID = 17                    # SmolLM2's ids 0..16 are special tokens
@@ -117,13 +118,13 @@ def workload(vocab: int, size: dict) -> dict:
             "throughput": (prompts(size["n_req"], 32, 256), size["out"])}
 
 
-def plan_runs(args, files: dict, work: dict) -> list[dict]:
+def plan_runs(args, files: dict, work: dict) -> list[list[dict]]:
     """Groups of runs that alternate inside a round: one group per (file, threads)."""
     no_bufts = args.llamacpp_no_extra_bufts == "yes" or (args.llamacpp_no_extra_bufts == "auto" and "amx" in cpu_line())
     latency = {k: work[k] for k in ("warmup", "ttft", "decode")}
     # KV sized for one 2048-token context in fp32 (llama.cpp holds the same context), so RSS compares weights.
     common = dict(max_model_len=2048, kv_cache="256MiB")
-    groups = []
+    groups: list[list[dict]] = []
     for key in args.files:
         for threads in args.threads:
             group = []
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     files = file_paths(args)
     size, t_start = sizes(args), time.perf_counter()
     meta = {"quick": args.quick, "rounds": args.rounds, "llamacpp_repeats": args.llamacpp_repeats, "size": size,
-            "cpu": cpu_line(), "machine": machine_line(), "load_before": os.getloadavg(),
+            "cpu": cpu_record(), "machine": versions_line(args.omp_wait_policy), "load_before": os.getloadavg(),
             "stagewise": rep.stagewise_line(args.stagewise_src), "notes": args.note,
             "omp_wait_policy": args.omp_wait_policy, "threads": args.threads,
             "files": {k: rep.file_info(v) for k, v in files.items() if k not in ("tokenizer", CHECKPOINT)}}

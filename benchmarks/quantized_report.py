@@ -10,6 +10,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from benchmarks import quantized_section
 from benchmarks.common import RESULTS_DIR, markdown_table
 
 LABELS = {"smollm2": "SmolLM2-135M Q4_1 (its own file)", "checkpoint": "1B bf16 HF checkpoint"}
@@ -81,6 +82,10 @@ def best(rounds: list[dict]) -> dict | None:
     s = {"n_ok": len(ok), "n": len(rounds), "rss_after_load": max(r["rss_after_load_mib"] for r in ok),
          "peak_rss": max(r["peak_rss_mib"] for r in ok), "load_s": min(r["load_s"] for r in ok),
          "info": ok[0].get("info")}
+    if all("rss_before_load_mib" in r for r in ok):   # what loading added to the process: weights, KV, buffers
+        s["load_delta"] = max(r["rss_after_load_mib"] - r["rss_before_load_mib"] for r in ok)
+        s["load_peak_delta"] = max(max(r["peak_after_load_mib"], r["rss_after_load_mib"]) - r["rss_before_load_mib"]
+                                   for r in ok)
     if "decode_ms" in ok[0]:
         s["decode"] = min(r["decode_ms"] for r in ok)
         s["ttft"] = min(statistics.median(r["ttft_ms"]) for r in ok)
@@ -247,6 +252,10 @@ def write_outputs(saved: dict) -> None:
         plot(saved, png)
         print(md.read_text())
         print(f"written to {md} and {png}")
+    if saved["results"] or saved.get("numerics"):
+        part = RESULTS_DIR / f"quantized{'' if saved['results'] else '-numerics'}-section{suffix}.md"
+        part.write_text(quantized_section.section(saved, best, _key).rstrip() + "\n")
+        print(f"the section for RESULTS.md: {part}")
     if saved.get("numerics"):
         md = RESULTS_DIR / f"quantized-numerics{suffix}.md"
         md.write_text(numerics_report(saved).rstrip() + "\n")

@@ -8,12 +8,14 @@ Python, so only the standard library is imported at the top.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 class Stagewise:
@@ -98,6 +100,7 @@ class HFReference:
 
 
 ENGINES = {"stagewise": Stagewise, "llamacpp": LlamaCpp, "hf": HFReference}
+MODULES = {"stagewise": "stagewise", "llamacpp": "llama_cpp", "hf": "transformers"}
 
 
 def _status_mib(pid: int | str, field: str) -> float:
@@ -171,10 +174,12 @@ def measure(engine, spec: dict) -> dict:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    importlib.import_module(MODULES[spec["engine"]])      # the baseline holds Python and the engine's libraries
+    before = tree_rss_mib()
     t0 = time.perf_counter()
     engine = ENGINES[spec["engine"]](spec)
-    res = {"load_s": time.perf_counter() - t0, "rss_after_load_mib": tree_rss_mib(),
-           "peak_after_load_mib": peak_rss_mib()}
+    res: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_before_load_mib": before,
+                           "rss_after_load_mib": tree_rss_mib(), "peak_after_load_mib": peak_rss_mib()}
     res.update(measure(engine, spec), info=getattr(engine, "info", None))
     res["self_peak_rss_mib"] = peak_rss_mib()
     tmp = out_path + ".tmp"
