@@ -54,7 +54,7 @@ def stagewise_line(src: str | None) -> str:
     where = Path(src).resolve() if src else Path(spec.origin).parent if spec and spec.origin else Path.cwd()
     head = subprocess.run(["git", "-C", str(where), "log", "-1", "--format=%h %s"], capture_output=True,
                           text=True).stdout.strip()[:100]
-    return f"stagewise imported from `{src or 'the installed package'}` (commit there: {head or 'unknown'})"
+    return f"stagewise imported from `{where}` (commit there: {head or 'unknown'})"
 
 
 def one_line(res: dict) -> str:
@@ -105,6 +105,8 @@ def _f(v, digits: int = 1) -> str:
 def _ratio(num, den, target: float | None, higher_is_better: bool = False) -> list[str]:
     if num is None or den is None:
         return [PENDING, PENDING if target else "—"]
+    if num <= 0 or den <= 0:             # a decode difference lost in noise (a loaded machine)
+        return ["invalid", "invalid"]
     r = num / den
     ok = r >= target if higher_is_better else r <= target if target else None
     return [f"{r:.2f}x", "—" if target is None else ("met" if ok else "NOT met")]
@@ -127,10 +129,10 @@ def speed_tables(saved: dict) -> list[str]:
             ttft.append([name(f), t, _f(lt, 0), _f(st, 0), *_ratio(st, lt, 0.7 if f != "BF16" else None)])
         lcm = [get("llamacpp", f, t) for t in meta["threads"] if get("llamacpp", f, t)]
         swm = [get("stagewise", f, t) for t in meta["threads"] if get("stagewise", f, t)]
-        m = lambda runs, k: max(r[k] for r in runs) if runs else None
+        m = lambda runs, k: max((r[k] for r in runs if k in r), default=None)
         mem.append([name(f), f"{info['tensor_bytes'] / 2**20:.0f}", _f(m(lcm, "rss_after_load"), 0),
                     _f(m(lcm, "peak_rss"), 0), _f(m(swm, "rss_after_load"), 0), _f(m(swm, "peak_rss"), 0),
-                    _ratio(m(swm, "peak_rss"), info["tensor_bytes"] / 2**20, None)[0]])
+                    _f(m(swm, "load_delta"), 0), _ratio(m(swm, "load_delta"), info["tensor_bytes"] / 2**20, None)[0]])
     own = [[f"stagewise {d}", t, _f(get("stagewise", "checkpoint", t, dtype=d).get("decode")),
             _f(get("stagewise", "checkpoint", t, dtype=d).get("ttft"), 0),
             _f(get("stagewise", "checkpoint", t, dtype=d).get("rss_after_load"), 0),
@@ -138,7 +140,7 @@ def speed_tables(saved: dict) -> list[str]:
            for d in ("auto", "bfloat16") for t in meta["threads"] if get("stagewise", "checkpoint", t, dtype=d)]
     offline = [(k, v) for k, v in res.items() if k.endswith("| offline") and v]
     own_tps = {k.split(" | ")[0]: v["tps"] for k, v in offline if " | checkpoint | " in k}
-    off_rows = [[k.replace(" | offline", ""), f"{v['tps']:.1f}",
+    off_rows = [[k.replace(" | offline", "").replace(" | ", ", "), f"{v['tps']:.1f}",
                  *(_ratio(v["tps"], own_tps.get("stagewise auto"), 1.2, True) if " | checkpoint | " not in k
                    else ["—", "—"])] for k, v in offline]
     bw = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in meta["bandwidth_gbps"].items())
@@ -154,10 +156,10 @@ def speed_tables(saved: dict) -> list[str]:
         "", "## Memory (MiB; the engine's whole process tree)", "",
         "RSS after load: right after the engine is constructed. Peak: the highest of the tree sampled every "
         "0.2 s and the process's own high-water mark (VmHWM). llama.cpp maps the file (mapped pages count once "
-        "touched). "
+        "touched). What loading added: RSS after load less the same process's RSS before the engine was made. "
         "stagewise's KV cache is sized for one 2048-token context, as llama.cpp's n_ctx.", "",
         markdown_table(["file", "tensor MiB", "llama.cpp after load", "llama.cpp peak", "stagewise after load",
-                        "stagewise peak", "stagewise peak / tensor bytes"], mem), "",
+                        "stagewise peak", "stagewise: RSS loading added", "÷ tensor bytes"], mem), "",
         "## stagewise on the 1B model's bf16 HF checkpoint (its own path; `auto` is fp32 on CPUs without native "
         "bf16)", "", markdown_table(["engine", "threads", "decode ms/token", "TTFT 512 ms", "RSS after load MiB",
                                      "peak RSS MiB"], own) if own else PENDING, "",
@@ -171,7 +173,7 @@ def per_run_table(saved: dict) -> str:
     rows = []
     for k, rounds in saved["results"].items():
         ok = [r for r in rounds if "error" not in r]
-        rows.append([k, " / ".join(f"{r['decode_ms']:.1f}" for r in ok if "decode_ms" in r) or "—",
+        rows.append([k.replace(" | ", ", "), " / ".join(f"{r['decode_ms']:.1f}" for r in ok if "decode_ms" in r) or "—",
                      " / ".join(f"{statistics.median(r['ttft_ms']):.0f}" for r in ok if "ttft_ms" in r) or "—",
                      " / ".join(f"{_tps(r):.1f}" for r in ok if "throughput" in r) or "—",
                      " / ".join(f"{r['load_at_start'][0]:.1f}" for r in rounds), f"{len(ok)}/{len(rounds)}"])

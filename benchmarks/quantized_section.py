@@ -47,6 +47,8 @@ def versions_line(omp_wait_policy: str | None) -> str:
 def _ratio(num: float | None, den: float | None, target: float | None, higher: bool = False) -> tuple[str, str]:
     if num is None or den is None:
         return "pending", "pending" if target else "—"
+    if num <= 0 or den <= 0:             # a decode difference lost in noise (a loaded machine)
+        return "invalid", "invalid" if target else "—"
     r = num / den
     if target is None:
         return f"{r:.2f}×", "—"
@@ -107,7 +109,7 @@ def _speed(saved: dict, best, key) -> list[str]:
         verdicts["load"].append((f, peak_r[1]))
     offline = {k: v for k, v in res.items() if k.endswith("| offline") and v}
     own = next((v["tps"] for k, v in offline.items() if k.startswith("stagewise auto | checkpoint |")), None)
-    off_rows = [[k.replace(" | offline", ""), f"{v['tps']:.1f}",
+    off_rows = [[k.replace(" | offline", "").replace(" | ", ", "), f"{v['tps']:.1f}",
                  *(_ratio(v["tps"], own, OFFLINE_TARGET, True) if "| checkpoint |" not in k else ("—", "—"))]
                 for k, v in offline.items()]
     return [
@@ -138,7 +140,7 @@ def _speed(saved: dict, best, key) -> list[str]:
 
 
 def _verdict_line(target: str, verdicts: list[tuple[str, str]]) -> str:
-    judged = [(what, v) for what, v in verdicts if v not in ("—", "pending")]
+    judged = [(what, "not met (invalid)" if v == "invalid" else v) for what, v in verdicts if v not in ("—", "pending")]
     if not judged:
         return f"- {target}: pending"
     missed = [what for what, v in judged if v != "met"]

@@ -100,7 +100,8 @@ class HFReference:
 
 
 ENGINES = {"stagewise": Stagewise, "llamacpp": LlamaCpp, "hf": HFReference}
-MODULES = {"stagewise": "stagewise", "llamacpp": "llama_cpp", "hf": "transformers"}
+# Imported before the baseline RSS is read, so that "what loading added" holds the model, not the libraries.
+MODULES = {"stagewise": ("torch", "stagewise"), "llamacpp": ("llama_cpp",), "hf": ("torch", "transformers")}
 
 
 def _status_mib(pid: int | str, field: str) -> float:
@@ -174,7 +175,8 @@ def measure(engine, spec: dict) -> dict:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    importlib.import_module(MODULES[spec["engine"]])      # the baseline holds Python and the engine's libraries
+    for module in MODULES[spec["engine"]]:
+        importlib.import_module(module)
     before = tree_rss_mib()
     t0 = time.perf_counter()
     engine = ENGINES[spec["engine"]](spec)
