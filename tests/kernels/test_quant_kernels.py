@@ -102,6 +102,24 @@ def test_batch_invariance(variant, exact):
         torch.set_num_threads(threads)
 
 
+# builds of one vector width, with and without VNNI, where this CPU runs both
+_VNNI_PAIRS = [p for p in (("avx512", "native"), ("avx2", "avx2-vnni")) if set(p) <= set(VARIANTS)]
+
+
+@pytest.mark.parametrize("plain,vnni", _VNNI_PAIRS)
+def test_vnni_gives_the_same_bits(plain, vnni):
+    """The integer sums are exact, so vpdpbusd (Q8_0 codes kept unsigned) and maddubs + madd (signed,
+    sign trick) give the same bits, for every type and the decode, direct and blocked tiles."""
+    if quant_kernels.library(plain).quant_isa() != quant_kernels.library(vnni).quant_isa():
+        pytest.skip(f"the {vnni} build is not the {plain} build's width on this CPU")
+    for qtype in TYPES:
+        w = _weight(qtype, 100, 512, 7)
+        for rows in (1, 2, 5, 13):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            a, b = (quant_kernels.run_linear(x, w.data, None, int(qtype), 100, False, True, v) for v in (plain, vnni))
+            assert torch.equal(a, b), (qtype.name, rows)
+
+
 @pytest.mark.parametrize("exact", [False, True])
 def test_dtypes_and_bias(exact):
     w = _weight(T.Q6_K, 50, 256)

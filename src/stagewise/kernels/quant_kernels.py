@@ -17,7 +17,8 @@ from .quant_formats import K_TYPES, SUPPORTED, T, row_bytes
 # name -> (extra compiler flags, CPU flags it needs to run)
 VARIANTS = {"native": ((), ()),
             "avx512": (("-mno-avx512vnni",), ("avx512bw",)),
-            "avx2": (("-mno-avx512f",), ("avx2", "fma", "f16c")),
+            "avx2": (("-mno-avx512f", "-mno-avxvnni"), ("avx2", "fma", "f16c")),
+            "avx2-vnni": (("-mno-avx512f", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
             "portable": (("-DQUANT_PORTABLE", "-O2"), ())}     # -O3 unrolls its scalar loops: 3x the build
 
 

@@ -1,7 +1,8 @@
 /* Panel vectors for the quantized kernels: 64 bytes = 16 int32/float lanes = one 16-row panel's
    columns. One implementation per instruction set, chosen when the library is compiled:
    AVX-512 (one zmm; vpdpbusd with AVX512-VNNI, maddubs + madd without), AVX2 (two ymm; maddubs +
-   madd) and portable C (GCC vector extensions, scalar dot products). The kernels use only these. */
+   madd, or vpdpbusd with AVX-VNNI) and portable C (GCC vector extensions, scalar dot products).
+   The kernels use only these. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -80,11 +81,16 @@ static inline pvi pvi_set32(int32_t c) { __m256i v = _mm256_set1_epi32(c); retur
 static inline pvi pvi_zero(void) { return (pvi){ _mm256_setzero_si256(), _mm256_setzero_si256() }; }
 static inline pvi pvi_sub32(pvi x, pvi y) { return (pvi){ _mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b) }; }
 static inline pvf pvi_float(pvi x) { return (pvf){ _mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b) }; }
+#ifdef __AVXVNNI__
+#define QUANT_VNNI 1         /* AVX-VNNI (Alder Lake, Zen 4 without AVX-512 builds): vpdpbusd on ymm */
+static inline __m256i dot4_256(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
 static inline __m256i dot4_256(__m256i acc, __m256i w, __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+#endif
 static inline pvi dot4(pvi acc, pvi w, pvi x) { return (pvi){ dot4_256(acc.a, w.a, x.a), dot4_256(acc.b, w.b, x.b) }; }
-static inline pvi dot4s(pvi acc, pvi w, pvi x) {
+static inline pvi dot4s(pvi acc, pvi w, pvi x) {      /* unused where VNNI keeps Q8_0 codes unsigned */
     return (pvi){ dot4_256(acc.a, _mm256_sign_epi8(w.a, w.a), _mm256_sign_epi8(x.a, w.a)),
                   dot4_256(acc.b, _mm256_sign_epi8(w.b, w.b), _mm256_sign_epi8(x.b, w.b)) };
 }
