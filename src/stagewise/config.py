@@ -184,10 +184,28 @@ class EngineConfig:
     # speculative decoding (README: Speculative decoding)
     speculative_config: SpeculativeConfig | None = flag(
         None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
+    # structured outputs: what a constraint may be and what compiling it may cost (docs/security.md)
+    grammar_max_bytes: int = flag(64 << 10, "largest JSON schema, regex, grammar or choice list a request may "
+                                  "constrain its output with, e.g. 256KiB; larger ones get 400", size=True)
+    grammar_max_depth: int = flag(64, "deepest nesting of a constraint (JSON schema objects and arrays, regex or "
+                                  "grammar parentheses); deeper ones get 400")
+    grammar_max_alternatives: int = flag(1024, "most alternatives in a constraint (choices, enum values, "
+                                         "anyOf/oneOf branches, '|'); more get 400")
+    grammar_compile_timeout_s: float = flag(10.0, "CPU seconds one grammar may take to compile; slower ones fail "
+                                            "their request with 408")
+    grammar_memory: int = flag(GIB, "memory the grammar compiles may use together (each of the "
+                               "--grammar-compile-workers gets its share); a compile over its share fails its "
+                               "request with 400", size=True)
+    grammar_compile_workers: int = flag(2, "grammars compiled at once (each in a process of its own)")
+    grammar_cache_entries: int = flag(256, "compiled grammars kept for reuse (least recently used out)")
+    grammar_cache_memory: int = flag(256 << 20, "memory the kept compiled grammars may use; also the largest "
+                                     "compiled grammar a request may need", size=True)
 
     def __post_init__(self):
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        for name in ("grammar_max_bytes", "grammar_memory", "grammar_cache_memory"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
         for name in ("pp_layer_partition", "prefill_graph_buckets"):
             value = getattr(self, name)
             if name == "pp_layer_partition" and isinstance(value, str) and value.strip().lower() in PARTITION_MODES:
@@ -204,7 +222,9 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("block_size", "max_num_seqs", "chunked_prefill_size", "pp_size", "nnodes", "decode_graph_max_bs")
+        positive = ("block_size", "max_num_seqs", "chunked_prefill_size", "pp_size", "nnodes", "decode_graph_max_bs",
+                    "grammar_max_depth", "grammar_max_alternatives", "grammar_compile_workers",
+                    "grammar_cache_entries")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
@@ -229,6 +249,8 @@ class EngineConfig:
         if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:
             raise ValueError(f"max_pipeline_restarts must be a non-negative integer, "
                              f"got {self.max_pipeline_restarts!r}.")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s!r}.")
         if not self.node_rejoin_timeout_s > 0:
             raise ValueError(f"node_rejoin_timeout_s must be positive, got {self.node_rejoin_timeout_s!r}.")
         if not self.heartbeat_timeout_s > 0:

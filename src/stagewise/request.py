@@ -6,6 +6,7 @@ naming the field, so the server can turn them into HTTP 400 verbatim.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -218,8 +219,8 @@ _OLD_NAMES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "
 class StructuredOutputs:
     """What the output must match: exactly one of a JSON schema (`json`, a dict or its JSON text),
     any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`) or an
-    EBNF grammar (GBNF / xgrammar syntax). Syntax is checked where the grammar is compiled
-    (engine/structured.py), so a bad one is still a one-sentence error before the request runs."""
+    EBNF grammar (GBNF / xgrammar syntax). Size and syntax are checked where the grammar is compiled
+    (engine/grammar/), so a bad one fails its request alone with one sentence, before any output."""
 
     json: Any = None
     regex: str | None = None
@@ -260,14 +261,15 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str]:
-        """(kind, spec text): what a compiled grammar is cached by."""
+        """(kind, spec text): what a compiled grammar is cached by; computed once (the choices of a
+        request share one StructuredOutputs, and it travels to the engine with the key made)."""
         import json as _json
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, str):
-            value = _json.dumps(value, sort_keys=True)
+            value = _json.dumps(value)       # NOTE: key order is the output's property order
         elif kind == "choice":
             value = _json.dumps(list(value))
         elif kind == "json_object":

@@ -68,7 +68,7 @@ class EngineInfo(EngineFacts):
 
     @classmethod
     def of(cls, tok, facts: EngineFacts) -> "EngineInfo":
-        return cls(tok=tok, **dataclasses.asdict(facts))
+        return cls(tok=tok, **{f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)})
 
 
 class Submission:

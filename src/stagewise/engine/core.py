@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from ..errors import EngineDeadError
 from ..request import CompletionOutput, RequestOutput
 from .deltas import DeltaEncoder
+from .grammar.limits import GrammarLimits
 from .messages import (
     AbortRequests,
     AddRequests,
@@ -85,7 +86,8 @@ def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
 def engine_facts(engine) -> EngineFacts:
     return EngineFacts(max_model_len=int(engine.max_model_len), kv_capacity_tokens=int(engine.kv_capacity_tokens),
                        model_dir=str(engine.model_dir), config_model=engine.config.model,
-                       vocab_size=int(engine.tok.vocab_size))
+                       vocab_size=int(engine.tok.vocab_size),
+                       grammar_limits=getattr(engine, "grammar_limits", None) or GrammarLimits())
 
 
 def _picklable(exc: BaseException) -> BaseException:

@@ -38,6 +38,8 @@ from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, w
 from ..runtime.threads import usable_cpus
 from .balance import DecodeBalancer
 from .block_manager import BlockManager
+from .grammar.limits import GrammarLimits
+from .grammar.matchers import StructuredOutputManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
 from .outputs import StepOutputs, finish_check, finish_text, make_output
 from .placement import available_bytes, fit_problem, layout_line, place_stages
@@ -46,7 +48,6 @@ from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
-from .structured import StructuredOutputManager, XGrammarBackend, check_structured
 
 log = logging.getLogger("stagewise.engine")
 NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
@@ -100,6 +101,7 @@ class Engine:
         self._node_check_at = 0.0
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
+        self.grammar_limits = GrammarLimits.of(config)
 
     # requests (any thread)
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
@@ -118,7 +120,6 @@ class Engine:
                       prompt=prompt if isinstance(prompt, str) else None,
                       input_embeds=embeds, eos_token_ids=() if params.ignore_eos else self.tok.eos_token_ids)
         check_prompt(req, self.max_model_len, self.kv_capacity_tokens, self.tok.vocab_size)
-        check_structured(params)
         self.inbox.append(("add", req))
         return req
 
@@ -264,8 +265,8 @@ class Engine:
 
     def _structured(self) -> StructuredOutputManager:
         if self._grammars is None:
-            backend = XGrammarBackend(self.tok.tokenizer, self.tok.vocab_size, self.tok.eos_token_ids)
-            self._grammars = StructuredOutputManager(backend)
+            self._grammars = StructuredOutputManager(self.tok.tokenizer, self.tok.vocab_size, self.tok.eos_token_ids,
+                                                     self.grammar_limits)
         return self._grammars
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -133,6 +133,3 @@ def check_request(tok, facts, params, prompt_token_ids=None, input_embeds=None) 
     ids, embeds = Tokenizer.encode_prompt(tok, None, prompt_token_ids, input_embeds)
     check_prompt(Request("check", ids, params, input_embeds=embeds), facts.max_model_len, facts.kv_capacity_tokens,
                  facts.vocab_size)
-    if params.grammar is not None:
-        from .structured import check_structured
-        check_structured(params)

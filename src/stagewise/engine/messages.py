@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Union
 
 from ..request import SamplingParams, TokenLogprob
+from .grammar.limits import GrammarLimits
 
 
 @dataclass
@@ -67,6 +68,7 @@ class EngineFacts:
     model_dir: str
     config_model: str | None                 # the model as configured (a path or a name), an alias
     vocab_size: int
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)   # checked before a request is sent
 
 
 @dataclass

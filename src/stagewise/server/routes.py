@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import PromptInput
-from ..engine.structured import XGrammarBackend
+from ..engine.grammar.limits import GrammarRefused, check_limits
 from ..request import SamplingParams, StructuredOutputs
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
@@ -79,7 +79,7 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
     inputs, params, fields = [], [], req.sampling_kwargs()
     grammar, source = req.structured_spec()
-    grammar = checked_grammar(grammar, source)
+    grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
     for prompt in prompts:
@@ -106,7 +106,8 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     if mode not in ("none", "auto") and grammar is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
                           "response_format or structured outputs.", "tool_choice")
-    grammar = checked_grammar(grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False), source)
+    grammar = checked_grammar(serving, grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False),
+                              source)
     if len(req.messages) >= serving.max_model_len:
         raise bad_request(f"The conversation has {len(req.messages)} messages, more than the model's context of "
                           f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
@@ -141,7 +142,8 @@ def responses_job(serving: Serving, body: bytes) -> Job:
     if mode not in ("none", "auto") and grammar is not None:
         raise bad_request("tool_choice 'required' or a named function constrains the output already; drop "
                           "text.format.", "tool_choice")
-    grammar = checked_grammar(grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False), source)
+    grammar = checked_grammar(serving, grammar or constraint_for(mode, tools, req.parallel_tool_calls is not False),
+                              source)
     prompt = chat_prompt(serving, input_messages(req), tools if mode != "none" else None)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
     fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
@@ -159,13 +161,16 @@ def chat_prompt(serving: Serving, messages: list[dict], tools: list[dict] | None
     return serving.text_input(render_chat(serving, messages, None, tools), "messages")
 
 
-def checked_grammar(spec: StructuredOutputs | None, param: str) -> StructuredOutputs | None:
-    """A grammar the backend accepts, or a 400 naming what is wrong with it."""
+def checked_grammar(serving: Serving, spec: StructuredOutputs | None, param: str) -> StructuredOutputs | None:
+    """A grammar within the server's limits (size, depth, alternatives: a linear check, once per
+    request), or a 400 naming the field. Its syntax is checked where it compiles (in the engine's
+    compile supervisor), before any output."""
     if spec is not None:
         try:
-            XGrammarBackend.check(spec)
-        except ValueError as exc:
-            raise bad_request(str(exc), param) from None
+            check_limits(*spec.key, serving.grammar_limits)
+        except (GrammarRefused, ValueError, RecursionError) as exc:
+            raise bad_request(str(exc) if isinstance(exc, ValueError) else "The JSON schema nests too deeply.",
+                              param) from None
     return spec
 
 
@@ -185,7 +190,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
                                         minimum=0 if sp.prompt_logprobs is not None else 1)
     fields = sp.sampling_kwargs()
     grammar, source = sp.grammar_spec()
-    grammar = checked_grammar(grammar, source)
+    grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
     params = [make_sampling_params(fields, max_tokens, sp.logprobs, param_prefix="sampling_params.",
@@ -196,6 +201,11 @@ def generate_job(serving: Serving, body: bytes) -> Job:
 async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
     sub = serving.submit(job.inputs, job.params)
     if job.stream:
+        if any(p.grammar is not None for p in job.params):
+            try:
+                await serving.first_output(raw, sub, job.grammar_param)
+            except ClientGone:
+                return Response(status_code=CLIENT_GONE)
         return serving.streaming_response(sub, job.shape.render, lambda finals: job.shape.tail(job.inputs, finals),
                                           job.grammar_param)
     try:

@@ -57,6 +57,7 @@ class Serving:
         self.max_model_len = engine.info.max_model_len
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.vocab_size = engine.info.vocab_size
+        self.grammar_limits = engine.info.grammar_limits
         self.body_timeout_s = body_timeout_s
         self.trust_request_chat_template = trust_request_chat_template
         self.cache_isolation = "shared"          # or "api-key": see `isolate`
@@ -205,6 +206,30 @@ class Serving:
         if failed:
             raise self.failure(failed[0], param)
         return done_outputs
+
+    async def first_output(self, raw: Request, sub: Submission, param: str | None = None) -> None:
+        """Wait for the submission's first output, left queued for the stream: a constrained stream
+        starts only once its grammar compiled, so a bad one is a 4xx rather than an error event after
+        a 200. Raises ClientGone (the client left: the requests are aborted) or the failure's APIError."""
+        getter = asyncio.ensure_future(sub.queue.get())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not getter.done():
+            getter.cancel()
+            self.engine.release(sub)
+            raise ClientGone()
+        first = getter.result()
+        held = [first]
+        while not sub.queue.empty():
+            held.append(sub.queue.get_nowait())
+        for out in held:                      # back in order: a stream keeps each request's newest
+            sub.queue.put_nowait(out)
+        if first.finished and first.outputs[0].finish_reason in ("error", "abort"):
+            self.engine.release(sub)
+            raise self.failure(first, param)
 
     def streaming_response(self, sub: Submission, render: Callable[[int, RequestOutput], list[dict]],
                            tail: Callable[[list], list[dict]], param: str | None = None) -> StreamingResponse:
