@@ -99,17 +99,36 @@ def constraint_for(choice: str, tools: list[dict], parallel: bool = True) -> Str
 
 
 def constrained_calls(choice: str, text: str) -> list[ToolCall]:
-    """The calls of a `required` or named-function output (empty if it was cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
+    """The calls of a `required` or named-function output: for `required`, every complete call of
+    the array, also when the output was cut short (max_tokens) after some; a named function's call
+    only when its arguments are complete."""
     if choice != "required":
-        return [ToolCall(choice, json.dumps(value, ensure_ascii=False))]
-    if not isinstance(value, list):
-        return []
+        try:
+            return [ToolCall(choice, json.dumps(json.loads(text), ensure_ascii=False))]
+        except ValueError:
+            return []
     return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
-            for c in value if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            for c in _complete_items(text) if isinstance(c, dict) and isinstance(c.get("name"), str)]
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete values of a JSON array, read one by one up to where the text ends or breaks."""
+    decoder, items = json.JSONDecoder(), []
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    while True:
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return items
+        items.append(item)
+        rest = text[pos:].lstrip()
+        if not rest.startswith(","):
+            return items
+        pos = len(text) - len(rest) + 1
 
 
 # parsing free text (tool_choice auto)
@@ -217,7 +236,7 @@ def final_calls(mode: str, parser: str, text: str) -> tuple[str | None, list[Too
         content, calls = PARSERS[parser](text)
         return (content if content.strip() or not calls else None), calls
     calls = constrained_calls(mode, text)
-    return (None if calls else text), calls
+    return (None if calls or mode == "required" else text), calls
 
 
 # rendering
