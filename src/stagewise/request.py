@@ -32,6 +32,7 @@ MAX_LOGIT_BIAS = 1024           # entries of logit_bias
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 MAX_BAD_WORDS = 256
 MAX_CACHE_SALT_CHARS = 1024
+MAX_TOKEN_ID_DIGITS = 19        # token ids are below 2**63
 
 
 @dataclass
@@ -105,6 +106,11 @@ class SamplingParams:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs), got 0.")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
+        choices = self.structured_outputs.choice if isinstance(self.structured_outputs, StructuredOutputs) else None
+        if choices and not self.ignore_eos and self.min_tokens > max(len(c.encode("utf-8", "replace"))
+                                                                     for c in choices):
+            raise ValueError(f"min_tokens must be at most the longest choice's length in bytes (a choice ends the "
+                             f"output, and no token is shorter than a byte), got {self.min_tokens}.")
 
     @property
     def grammar(self) -> "StructuredOutputs | None":
@@ -145,8 +151,10 @@ def _in(lo: float, hi: float, lo_open: bool = False):
 
 
 def _as_token_id(key: Any) -> Any:
-    """logit_bias keys as JSON writes them ("42") or as ints; anything else is left for the check."""
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    """logit_bias keys as JSON writes them ("42") or as ints; anything else (other digits such as
+    "²", more digits than any token id has) is left for the check, which names the field."""
+    digits = key.strip().removeprefix("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit() and len(digits) <= MAX_TOKEN_ID_DIGITS:
         return int(key)
     return key
 

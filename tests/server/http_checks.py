@@ -22,7 +22,8 @@ def assert_error(response, status: int, param: str | None = None, code: str | No
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"].rstrip().endswith((".", ")")), err
-    kinds = {400: "invalid_request_error", 401: "invalid_request_error", 413: "invalid_request_error",
+    kinds = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
              415: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
     assert err["type"] == kinds[status], err
     if param is not None:

@@ -122,7 +122,7 @@ def test_too_many_choices_is_refused_before_tokenizing(server):
 
 def test_errors_never_show_the_model_path(server, llama_dir):
     r = httpx.post(server.url + C, json={"model": "nope", "prompt": "hi"}, timeout=30)
-    err = assert_error(r, 400, "model", "model_not_found")
+    err = assert_error(r, 404, "model", "model_not_found")
     assert str(llama_dir) not in r.text and llama_dir.name in err["message"]
     ok = httpx.post(server.url + C, json={**NORMAL, "model": llama_dir.name}, timeout=30)
     assert ok.status_code == 200 and ok.json()["model"] == llama_dir.name

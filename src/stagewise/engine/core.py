@@ -61,11 +61,22 @@ def engine_main(config, engine_factory, log_level: int, inbox: Connection, outbo
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    _thread_lock_for_progress_bars()
     code = 1
     try:
         code = serve(config, engine_factory, inbox, outbox)
     finally:
         exit_now(code)        # skips interpreter teardown (seconds with torch loaded)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing RLock, which a spawned process registers with the
+    resource tracker; this process ends with os._exit (no finalizers), so the tracker would warn of a
+    leaked semaphore at every shutdown. Its bars are drawn by one process: a thread lock does."""
+    import threading
+
+    import tqdm
+    tqdm.tqdm.set_lock(threading.RLock())
 
 
 def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:

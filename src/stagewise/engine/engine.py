@@ -34,6 +34,7 @@ from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from ..runtime.memory import format_memory_table
+from ..runtime.sampler import NO_TOKEN_LEFT
 from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, with_resolved_partition
 from ..runtime.threads import usable_cpus
 from .balance import DecodeBalancer
@@ -41,7 +42,7 @@ from .block_manager import BlockManager
 from .grammar.limits import GrammarLimits
 from .grammar.matchers import StructuredOutputManager
 from .inputs import Tokenizer, bad_words_token_ids, check_prompt, truncate_prompt
-from .outputs import StepOutputs, finish_check, finish_text, make_output
+from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .placement import available_bytes, fit_problem, layout_line, place_stages
 from .profile import fitted_chunker
 from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
@@ -216,7 +217,7 @@ class Engine:
     def _verdict(self, plan: StepPlan):
         decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
         verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
-        self.stats_.record_verdict(verdict, plan.num_tokens)
+        self.stats_.record_verdict(verdict, plan.num_tokens, decode_only)
         return verdict
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
@@ -226,6 +227,8 @@ class Engine:
             self.recovery.token_applied()
         if self._grammars is not None:
             self._grammars.settle(plan, result)
+        if result.failed:
+            mark_request_faults(result.failed, self.scheduler.requests, (NO_TOKEN_LEFT,))
         changed = self.scheduler.update(plan, result)
         failed = [r for r in changed if r.finish_reason is FinishReason.ERROR]
         if failed:

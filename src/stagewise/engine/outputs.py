@@ -116,3 +116,13 @@ def make_output(req: Request) -> RequestOutput:
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
                          finished=req.is_finished, num_cached_tokens=req.num_cached_tokens, metrics=metrics,
                          prompt_logprobs=prompt_logprobs)
+
+
+
+def mark_request_faults(failed: dict[str, str], requests: dict[str, Request], faults: tuple[str, ...]) -> None:
+    """Give the requests that failed by their own parameters (`failed`: id -> why, one of `faults`)
+    a 400 status: a 4xx for the client, not a server error."""
+    for rid, why in failed.items():
+        req = requests.get(rid)
+        if req is not None and req.error_status is None and why in faults:
+            req.error_status = 400

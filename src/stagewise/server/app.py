@@ -35,11 +35,12 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     name = options.served_model_name or served_name_for(model_path)
     # requests may still name the model by its path (the old default name); responses never show it
     aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
-    metrics = ServerMetrics(lambda: engine.snapshot, name, engine.info.max_model_len)
+    metrics = ServerMetrics(lambda: engine.snapshot, name, engine.info.max_model_len, lambda: engine.dead is None)
     engine.metrics = metrics
     serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template,
                       options.tool_call_parser)
     serving.cache_isolation = options.cache_isolation
+    serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
     created = int(time.time())
 
     @asynccontextmanager

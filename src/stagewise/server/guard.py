@@ -19,7 +19,9 @@ from .errors import APIError, BodyTooLarge
 
 OPEN_PATHS = ("/health", "/metrics")
 BODY_METHODS = ("POST", "PUT", "PATCH")
-BODILESS_PATHS = ("/ping",)          # POST /ping (vLLM's, for SageMaker) reads no body and does nothing
+# POST /ping (vLLM's, for SageMaker) reads no body and does nothing; the others take no POST at all
+# (405 from the router, not 415 here)
+BODILESS_PATHS = ("/ping", "/health", "/metrics", "/version", "/v1/models")
 
 
 class RequestGuard:
@@ -60,7 +62,8 @@ class RequestGuard:
         if self.api_key is not None and _needs_key(scope["path"]) and not self._authorized(headers):
             return APIError("Missing or incorrect API key; send it as the header 'Authorization: Bearer <key>'.",
                             401, None, "invalid_api_key")
-        if scope["method"] not in BODY_METHODS or scope["path"] in BODILESS_PATHS:
+        if scope["method"] not in BODY_METHODS or scope["path"] in BODILESS_PATHS \
+                or scope["path"].startswith("/v1/models/"):
             return None
         if not _is_json(headers.get("content-type")):
             return APIError(f"Unsupported content type {headers.get('content-type', '(none)')[:100]!r}; send the "
@@ -110,12 +113,22 @@ def _needs_key(path: str) -> bool:
 
 
 def host_name(host: str) -> str:
-    """The name part of a Host header ('[::1]:8000' -> '::1', 'Example.com.:80' -> 'example.com')."""
+    """The name part of a Host header ('[::1]:8000' -> '::1', 'Example.com.:80' -> 'example.com'); a
+    header that is not a name with an optional numeric port ('[::1]evil.com') is returned whole, so it
+    never passes for a loopback name."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    return name.rstrip(".")
+        end = host.find("]")
+        return host[1:end] if end > 0 and _is_port_suffix(host[end + 1:]) else host
+    if host.count(":") == 1:
+        name, port = host.split(":")
+        return name.rstrip(".") if _is_port_suffix(":" + port) else host
+    return host.rstrip(".")
+
+
+def _is_port_suffix(text: str) -> bool:
+    """'' or ':' and digits (RFC 9110 allows none)."""
+    return text == "" or (text[:1] == ":" and text[1:].isascii() and (text[1:].isdigit() or not text[1:]))
 
 
 def is_loopback_name(name: str) -> bool:

@@ -7,6 +7,7 @@ the engine published.
 """
 from __future__ import annotations
 
+from collections import Counter as _Tally
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -16,10 +17,16 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# snapshot keys of gauges (state now, not totals since start)
+DEAD_ZEROED = ("running", "waiting", "kv_usage", "stage_busy_fraction", "stage_bubble_fraction")
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict], model_name: str, max_model_len: int = 1 << 17):
+    """`snapshot()`: the engine's latest stats; `up()`: whether the engine still runs (a dead one's
+    gauges read 0, its counters keep their totals)."""
+
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, max_model_len: int = 1 << 17,
+                 up: Callable[[], bool] = lambda: True):
         disable_created_metrics()      # `*_created` series double the scrape and nobody graphs them
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -52,7 +59,7 @@ class ServerMetrics:
         self.phase_time = {phase: self._histogram(f"stagewise_request_{phase}_time_seconds", doc, PHASE_BUCKETS_S,
                                                   labels) for phase, doc in phases.items()}
         self.model_name = model_name
-        r.register(_EngineCollector(snapshot, model_name))
+        r.register(_EngineCollector(snapshot, model_name, up))
 
     def _histogram(self, name: str, doc: str, buckets, labels: dict):
         return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
@@ -101,14 +108,20 @@ class ServerMetrics:
 class _EngineCollector:
     """Turns the engine's stats snapshot into metric families at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str, max_model_len: int = 1 << 17):
-        self.snapshot, self.model_name = snapshot, model_name
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, up: Callable[[], bool] = lambda: True):
+        self.snapshot, self.model_name, self.up = snapshot, model_name, up
 
     def describe(self):
         return []          # families vary with the snapshot; nothing to pre-register
 
     def collect(self):
-        s, m = self.snapshot() or {}, self.model_name
+        up, m = self.up(), self.model_name
+        s = self.snapshot() or {}
+        if not up:         # a dead engine's last state is not its state: its gauges read 0
+            s = {k: v for k, v in s.items() if k not in DEAD_ZEROED}
+            s["recovery"] = {**(s.get("recovery") or {}), "recovering": None, "spares_ready": 0}
+        yield _gauge("stagewise_engine_up", "1 while the engine runs; 0 once it died (restart the server).", m,
+                     1.0 if up else 0.0)
         yield _gauge("stagewise_num_requests_running", "Requests scheduled in the running batch.", m,
                      s.get("running", 0))
         yield _gauge("stagewise_num_requests_waiting", "Requests waiting to be scheduled.", m, s.get("waiting", 0))
@@ -207,17 +220,21 @@ def _iteration_tokens(s: dict, m: str) -> HistogramMetricFamily:
 
 def _graph_families(s: dict, m: str):
     replays = CounterMetricFamily("stagewise_graph_replays", "Steps that replayed a captured graph, by phase "
-                                  "and bucket (padded token count).", labels=["model_name", "phase", "bucket"])
+                                  "(of the step) and bucket class (the padded token count rounded up to a power "
+                                  "of two).", labels=["model_name", "phase", "bucket"])
     eager = CounterMetricFamily("stagewise_graph_eager_steps", "Steps run eagerly, by phase and reason.",
                                 labels=["model_name", "phase", "reason"])
     padded = GaugeMetricFamily("stagewise_graph_padded_token_ratio", "Padding tokens / tokens computed in graph "
                                "replays.", labels=["model_name", "phase"])
     for phase in ("prefill", "decode"):
         g = s.get(f"{phase}_graph") or {}
-        replayed_tokens = 0
+        replayed_tokens, by_class = 0, _Tally[int]()
         for bucket, n in (g.get("replays") or {}).items():
-            replays.add_metric([m, phase, str(bucket)], float(n))
+            by_class[1 << (int(bucket) - 1).bit_length()] += int(n)
             replayed_tokens += int(bucket) * int(n)
+        # NOTE: classes, not buckets: with dynamic rows every token count is a bucket (hundreds of series)
+        for bucket_class, n in sorted(by_class.items()):
+            replays.add_metric([m, phase, str(bucket_class)], float(n))
         for reason, n in (g.get("eager") or {}).items():
             eager.add_metric([m, phase, str(reason)], float(n))
         # replays are counted per padded bucket, so bucket x count is every token a replay computed

@@ -39,6 +39,11 @@ class ServerOptions:
                                 "subdivides it), for multi-tenant servers")
     trust_request_chat_template: bool = flag(False, "accept a chat_template in requests (vLLM's flag; templates "
                                              "run sandboxed, but can be slow)")
+    default_max_tokens: int | None = flag(None, "max_tokens of a request that sets none (default: 16 on "
+                                          "/v1/completions and /generate, the rest of the context on chat and "
+                                          "responses), capped at this")
+    max_tokens_limit: int | None = flag(None, "the largest max_tokens a request may ask for; more gets 400 "
+                                        "(default: what the context holds)")
     tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes or "
                                         "llama3_json (default: the model family's)")
 
@@ -50,6 +55,10 @@ class ServerOptions:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}.")
         if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):

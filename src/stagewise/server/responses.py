@@ -92,6 +92,8 @@ def _text_of(content: Any, where: str) -> str:
 def input_messages(req: ResponsesRequest) -> list[dict]:
     """`instructions` + `input` as chat-template messages."""
     msgs: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if not req.input:
+        raise bad_request("input is empty; give the text or at least one input item.", "input")
     if isinstance(req.input, str):
         return msgs + [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
@@ -107,6 +109,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise bad_request(f"{where} is a function_call item without a name; give the name of the function "
+                                  f"it called.", f"input.{i}.name")
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": _arguments(item.get("arguments"))}}
             if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls") is not None:

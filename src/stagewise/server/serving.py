@@ -61,6 +61,8 @@ class Serving:
         self.body_timeout_s = body_timeout_s
         self.trust_request_chat_template = trust_request_chat_template
         self.cache_isolation = "shared"          # or "api-key": see `isolate`
+        self.default_max_tokens: int | None = None    # ServerOptions': the server's default and largest max_tokens
+        self.max_tokens_limit: int | None = None
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -85,8 +87,8 @@ class Serving:
     # checks (intake threads)
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
-            raise bad_request(f"The model {name[:200]!r} does not exist on this server; use {self.model_name!r} "
-                              f"(see GET /v1/models).", "model", "model_not_found")
+            raise APIError(f"The model {name[:200]!r} does not exist on this server; use {self.model_name!r} "
+                           f"(see GET /v1/models).", 404, "model", "model_not_found")
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > MAX_CHOICES:
@@ -138,9 +140,13 @@ class Serving:
                               f"{self.kv_capacity_tokens}; shorten the prompt or start the server with a larger "
                               f"--kv-cache-memory.", "prompt", "context_length_exceeded")
         if requested is None:
-            return room if default is None else min(default, room)
+            default = self.default_max_tokens or default
+            return min(room, default or room, self.max_tokens_limit or room)
         if requested < minimum:
             raise bad_request(f"max_tokens must be an integer >= {minimum}, got {requested!r}.", param)
+        if self.max_tokens_limit is not None and requested > self.max_tokens_limit:
+            raise bad_request(f"{param.rsplit('.', 1)[-1]} asks for {requested} tokens, more than this server allows "
+                              f"a request ({self.max_tokens_limit}, --max-tokens-limit); lower it.", param)
         if requested > room:
             limit = ("context is" if room == self.max_model_len - prompt_len else "KV cache holds")
             total = min(self.max_model_len, self.kv_capacity_tokens)

@@ -113,7 +113,7 @@ def constrained_calls(choice: str, text: str) -> list[ToolCall]:
 
 def _complete_items(text: str) -> list[Any]:
     """The complete values of a JSON array, read one by one up to where the text ends or breaks."""
-    decoder, items = json.JSONDecoder(), []
+    decoder, items = json.JSONDecoder(), list[Any]()
     pos = len(text) - len(text.lstrip())
     if not text.startswith("[", pos):
         return []

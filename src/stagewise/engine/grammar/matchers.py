@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from ...plan import StepPlan, TokenBitmask
 from ...request import Request
-from ...runtime.sampler import NO_ALLOWED_TOKEN
+from ...runtime.sampler import NO_ALLOWED_TOKEN, NO_TOKEN_LEFT
 from .limits import GrammarLimits, GrammarRefused
 from .service import CompileService, Ticket
 from .supervisor import first_line
@@ -40,18 +40,27 @@ class XGrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
         self.vocab_size = vocab_size
-        self.json_tokens = self._json_tokens()
+        self.json_tokens = self._packed(self._json_keep())
+        import torch
+        keep = torch.ones(vocab_size, dtype=torch.bool)
+        keep[list(self.info.stop_token_ids)] = False
+        self.non_stop = self._packed(keep)             # every token but the stop tokens
 
-    def _json_tokens(self) -> Any:
-        """int32 `[ceil(V/32)]`: the tokens a JSON output may hold. NOTE: xgrammar's JSON string rule
-        lets raw control characters (U+0000-U+001F) through, which JSON forbids and strict parsers
-        (pydantic, json.loads) reject; compact JSON needs none outside strings either."""
+    def _json_keep(self) -> Any:
+        """bool `[V]`: the tokens a JSON output may hold. NOTE: xgrammar's JSON string rule lets raw
+        control characters (U+0000-U+001F) through, which JSON forbids and strict parsers (pydantic,
+        json.loads) reject; compact JSON needs none outside strings either."""
         import torch
         keep = torch.ones(self.vocab_size, dtype=torch.bool)
         for i, piece in enumerate(self.info.decoded_vocab[:self.vocab_size]):
             if any(b < 0x20 for b in piece):
                 keep[i] = False
         keep[list(self.info.stop_token_ids)] = True
+        return keep
+
+    def _packed(self, keep: Any) -> Any:
+        """bool `[V]` as int32 `[ceil(V/32)]` words, xgrammar's bitmask layout."""
+        import torch
         bits = torch.zeros(-(-self.vocab_size // 32) * 32, dtype=torch.int64)
         bits[:self.vocab_size] = keep.to(torch.int64)
         words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)                  # little-endian bit order
@@ -149,10 +158,22 @@ class StructuredOutputManager:
                 continue
             if rid in self.json_rows:
                 bits[i] &= self.backend.json_tokens
+            if self._ends_too_soon(rid, bits[i]):
+                continue
             ok.append(i)
         if not ok:
             return None
         return TokenBitmask([rids[i] for i in ok], bits if len(ok) == len(rids) else bits[ok])
+
+    def _ends_too_soon(self, rid: str, row: Any) -> bool:
+        """A grammar that allows only a stop token while min_tokens bans it: the request fails (400)."""
+        req = self.requests[rid]
+        p = req.params
+        if p.ignore_eos or len(req.output_token_ids) >= p.min_tokens or bool((row & self.backend.non_stop).any()):
+            return False
+        self.failures[rid] = (f"The request's grammar is complete after {len(req.output_token_ids)} tokens, before "
+                              f"min_tokens ({p.min_tokens}); lower min_tokens.")
+        return True
 
     def settle(self, plan: StepPlan, result) -> None:
         """Advance the matchers of the plan's constrained rows by their sampled tokens; a matcher
@@ -161,7 +182,7 @@ class StructuredOutputManager:
         failed = {s.request_id: self.failures.pop(s.request_id) for s in plan.seqs if s.request_id in self.failures}
         for rid in plan.token_bitmask.request_ids if plan.token_bitmask is not None else ():
             token = result.sampled.get(rid)
-            if result.failed.get(rid) == NO_ALLOWED_TOKEN:
+            if result.failed.get(rid) in (NO_ALLOWED_TOKEN, NO_TOKEN_LEFT):
                 failed[rid] = ("The request's constraints allow no token here (its grammar together with "
                                "allowed_token_ids, bad_words or min_tokens); loosen them.")
             elif token is not None and not self._accept(rid, token):
