@@ -1,7 +1,8 @@
 """Structured outputs' cost on the default model (SmolLM2-135M, 49,152-token vocabulary), side by
 side in one process:
 
-- first-request compile latency of a nested JSON schema (cold, then a cache hit), off the step loop;
+- first-request compile latency of a nested JSON schema (cold, then a cache hit), in the compile
+  supervisor's process (engine/grammar/), off the step loop;
 - the per-step work the driver and the sampling stage add: bitmask fill (driver) + apply (last
   stage) for batch 1 and 32, every row constrained;
 - end to end: decode ms/step of `LLM.generate` at batch 1 and 32, every row constrained (a regex
@@ -29,36 +30,47 @@ SCHEMA = {"type": "object", "properties": {
 REGEX = "[a-z ,.]+"          # never complete: every row runs its full length
 
 
-def compile_latency(llm) -> dict:
-    from stagewise.engine.structured import XGrammarBackend
-    from stagewise.request import StructuredOutputs
+def compile_latency(llm) -> tuple[dict, object]:
+    import json
+
+    from stagewise.engine.grammar.limits import GrammarLimits
+    from stagewise.engine.grammar.matchers import XGrammarBackend
+    from stagewise.engine.grammar.service import CompileService
     tok = llm.engine.tok
     t0 = time.perf_counter()
     backend = XGrammarBackend(tok.tokenizer, tok.vocab_size, tok.eos_token_ids)
     setup = time.perf_counter() - t0
-    spec = StructuredOutputs(json=SCHEMA)
+    service = CompileService(lambda: backend, GrammarLimits())
     t0 = time.perf_counter()
-    backend.compile(spec)
-    cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    backend.compile(spec)
-    warm = time.perf_counter() - t0
-    return {"tokenizer set-up (once per engine)": setup, "nested schema, first request": cold,
-            "same schema again (cache)": warm}, backend
+    service.submit("", "regex", "[a-z]").future.result()
+    start = time.perf_counter() - t0
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        service.submit("", "json", json.dumps(SCHEMA)).future.result()
+        times.append(time.perf_counter() - t0)
+    service.shutdown()
+    return {"tokenizer set-up (once per engine)": setup, "compile supervisor start (once per engine)": start,
+            "nested schema, first request": times[0], "same schema again (cache)": times[1]}, backend
 
 
 def fill_apply(backend, batch: int, reps: int = 30) -> tuple[float, float]:
     """ms per step: bitmask fill of `batch` matchers (advanced into the JSON), and its apply."""
+    import json
+
     import torch
 
-    from stagewise.engine.structured import StructuredOutputManager
+    from stagewise.engine.grammar.limits import GrammarLimits
+    from stagewise.engine.grammar.matchers import StructuredOutputManager
     from stagewise.plan import ScheduledSeq, StepPlan
-    from stagewise.request import StructuredOutputs
+    from stagewise.request import Request, SamplingParams
     from stagewise.runtime.sampler import apply_token_bitmask
-    mgr = StructuredOutputManager(backend)
-    compiled = backend.compile(StructuredOutputs(json=SCHEMA))
+    mgr = StructuredOutputManager(None, backend.vocab_size, (), GrammarLimits())
+    mgr.service.backend = backend
+    compiled = mgr.service.submit("", "json", json.dumps(SCHEMA)).future.result()
     for i in range(batch):
         mgr.matchers[f"r{i}"] = backend.matcher(compiled)
+        mgr.requests[f"r{i}"] = Request(f"r{i}", [1], SamplingParams())
         mgr.json_rows.add(f"r{i}")
     plan = StepPlan(0, [ScheduledSeq(f"r{i}", 10, 1, True) for i in range(batch)])
     logits = torch.randn(batch, backend.vocab_size)
