@@ -91,18 +91,19 @@ def test_gauges_read_zero_once_the_engine_died():
         assert series in dead, series
 
 
-def test_graph_replays_are_labelled_by_the_step_s_phase_with_few_bucket_series():
+def test_graph_replays_have_few_bucket_series_labelled_by_the_graph():
     policy = type("Policy", (), {"backend": "compiled", "buckets": (8,), "decode_backend": "off",
                                  "decode_buckets": ()})()
     stats = EngineStats(policy, [1.0], [])
     for n in range(1, 513):                        # dynamic rows: every token count is its own bucket
-        stats.record_verdict(GraphVerdict("prefill", n, None), n, decode_only=False)
-    stats.record_verdict(GraphVerdict("prefill", 4, None), 4, decode_only=True)   # a decode step, prefill graph
+        stats.record_verdict(GraphVerdict("prefill", n, None), n)
+    stats.record_verdict(GraphVerdict("decode", 3, None), 3)
     snapshot = {"prefill_graph": stats.prefill.snapshot(), "decode_graph": stats.decode.snapshot()}
     lines = [line for line in ServerMetrics(lambda: snapshot, "m", 64).render().decode().splitlines()
              if line.startswith("stagewise_graph_replays_total")]
     assert len(lines) <= 12, lines
     assert sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'phase="prefill"' in line) == 512
+    assert 'stagewise_graph_replays_total{bucket="512",model_name="m",phase="prefill"} 256.0' in lines
     assert [line for line in lines if 'phase="decode"' in line] == [
         'stagewise_graph_replays_total{bucket="4",model_name="m",phase="decode"} 1.0']
 

@@ -217,7 +217,7 @@ class Engine:
     def _verdict(self, plan: StepPlan):
         decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
         verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
-        self.stats_.record_verdict(verdict, plan.num_tokens, decode_only)
+        self.stats_.record_verdict(verdict, plan.num_tokens)
         return verdict
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:

@@ -71,9 +71,8 @@ class EngineStats:
             "measured_stage_busy_s": busy,
         }
 
-    def record_verdict(self, verdict, num_tokens: int, decode_only: bool) -> None:
-        """Counted by the step's phase (a decode-only step is a decode step whichever graph it replays)."""
-        (self.decode if decode_only else self.prefill).record(verdict, num_tokens)
+    def record_verdict(self, verdict, num_tokens: int) -> None:
+        (self.decode if verdict.kind == "decode" else self.prefill).record(verdict, num_tokens)
         self.iteration_counts[bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
         self.iteration_tokens += num_tokens
 

@@ -219,8 +219,9 @@ def _iteration_tokens(s: dict, m: str) -> HistogramMetricFamily:
 
 
 def _graph_families(s: dict, m: str):
-    replays = CounterMetricFamily("stagewise_graph_replays", "Steps that replayed a captured graph, by phase "
-                                  "(of the step) and bucket class (the padded token count rounded up to a power "
+    replays = CounterMetricFamily("stagewise_graph_replays", "Steps that replayed a captured graph, by the "
+                                  "graph (phase: the prefill or the decode graph; a decode step may replay the "
+                                  "prefill graph) and bucket class (the padded token count rounded up to a power "
                                   "of two).", labels=["model_name", "phase", "bucket"])
     eager = CounterMetricFamily("stagewise_graph_eager_steps", "Steps run eagerly, by phase and reason.",
                                 labels=["model_name", "phase", "reason"])
