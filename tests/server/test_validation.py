@@ -116,7 +116,7 @@ def test_openai_client_sees_bad_request_and_server_keeps_serving(server, client)
     rejected = server.metric("stagewise_requests_total", status="rejected")
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=model, prompt="hi", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):      # 404 model_not_found
         client.chat.completions.create(model="gpt-4o", messages=MSG)
     assert server.metric("stagewise_requests_total", status="rejected") == rejected + 2
     ok = client.completions.create(model=model, prompt="still there?", max_tokens=3, temperature=0)
