@@ -147,6 +147,21 @@ def test_dequantize_rows_kernel(variant, qtype):
         quant_kernels.run_dequant_rows(w.data, int(qtype), 40, 256, torch.tensor([40]), torch.float32, variant)
 
 
+@pytest.mark.parametrize("problem,args", [
+    ("contiguous uint8", dict(k=512)), ("contiguous uint8", dict(n=80)), ("contiguous uint8", dict(n=8)),
+    ("contiguous uint8", dict(data="strided")), ("contiguous uint8", dict(data="meta")),
+    ("multiple of 256", dict(k=200)), ("no quantized kernel", dict(qtype=int(T.F16))), ("N >= 0", dict(n=-1)),
+    ("integers", dict(ids=torch.tensor([1.0])))])
+def test_dequantize_rows_refuses(problem, args):
+    """A matrix whose sizes do not match its bytes is refused before the C reads it (a K or N larger
+    than the data would read past it)."""
+    w = _weight(T.Q4_K, 40, 256)
+    data = {"strided": w.data.T.contiguous().T, "meta": w.data.to("meta")}.get(args.pop("data", ""), w.data)
+    call = dict(data=data, qtype=int(T.Q4_K), n=40, k=256, ids=torch.tensor([0, 39]), dtype=torch.float32) | args
+    with pytest.raises(ValueError, match=problem):
+        quant_kernels.run_dequant_rows(**call)
+
+
 def test_layout_sizes_agree():
     lib = quant_kernels.library()
     for qtype in TYPES:
@@ -194,18 +209,19 @@ _CALLERS = {"python": lambda x, data, bias, qtype, n: quant_kernels.run_linear(x
 def test_boundary_checks(caller):
     """The Python checks and the op's (registered from C++ where it built) refuse the same calls."""
     w = _weight(T.Q4_0, 40, 256)
-    x = torch.randn(3, 256)
+    x, b = torch.randn(3, 256), torch.randn(40)
     run = _CALLERS[caller]
     call = lambda x=x, data=w.data, bias=None, n=40, qtype=int(T.Q4_0): run(x, data, bias, qtype, n)
-    for problem, args in [("float32 or bfloat16", dict(x=x.double())), ("float32 or bfloat16", dict(x=x[0])),
-                          ("must match the weight", dict(x=torch.randn(3, 512))),
-                          ("multiple of 32", dict(x=torch.randn(3, 250))),
-                          ("unit column stride", dict(x=torch.randn(256, 3).T)),
-                          ("contiguous uint8", dict(data=w.data[:, :-1])),
-                          ("contiguous uint8", dict(data=w.data.T.contiguous().T)),
-                          ("contiguous uint8", dict(data=w.data.view(torch.int8))),
-                          ("contiguous uint8", dict(n=70)), ("bias", dict(bias=torch.randn(39))),
-                          ("no quantized kernel", dict(qtype=int(T.IQ4_NL)))]:
+    cases = [("float32 or bfloat16", dict(x=x.double())), ("float32 or bfloat16", dict(x=x[0])),
+             ("must match the weight", dict(x=torch.randn(3, 512))), ("multiple of 32", dict(x=torch.randn(3, 250))),
+             ("unit column stride", dict(x=torch.randn(256, 3).T)), ("contiguous uint8", dict(data=w.data[:, :-1])),
+             ("contiguous uint8", dict(data=w.data.T.contiguous().T)),
+             ("contiguous uint8", dict(data=w.data.view(torch.int8))), ("contiguous uint8", dict(n=70)),
+             ("bias", dict(bias=torch.randn(39))), ("N >= 0", dict(n=-5)),
+             ("no quantized kernel", dict(qtype=int(T.IQ4_NL)))]
+    if caller == "python":      # the dispatcher sends an op call with a meta tensor to its fake: no read
+        cases += [("contiguous uint8", dict(data=w.data.to("meta"))), ("bias", dict(bias=b.to("meta")))]
+    for problem, args in cases:
         with pytest.raises(ValueError, match=problem):
             call(**args)
     assert torch.equal(call(), quant_kernels.run_linear(x, w.data, None, int(T.Q4_0), 40, False, False))

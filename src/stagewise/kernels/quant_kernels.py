@@ -67,7 +67,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def _expected(qtype: int, n: int, k: int, packed: bool) -> tuple[int, int] | str:
     """The weight's `data` shape, or why a call with these sizes cannot work."""
     if qtype not in _SUPPORTED_IDS:
-        return f"GGUF type {T(qtype).name} has no quantized kernel."
+        return f"GGUF type {_type_name(qtype)} has no quantized kernel."
+    if n < 0:
+        return f"A quantized weight has N >= 0 rows; got N={n}."
     step = 256 if T(qtype) in K_TYPES else 32
     if k % step or k == 0:
         return f"Quantized linear needs K a multiple of {step}; got K={k}."
@@ -77,6 +79,13 @@ def _expected(qtype: int, n: int, k: int, packed: bool) -> tuple[int, int] | str
 
 
 _SUPPORTED_IDS = frozenset(int(t) for t in SUPPORTED)
+
+
+def _type_name(qtype: int) -> str:
+    try:
+        return T(qtype).name
+    except ValueError:
+        return f"type {qtype}"
 
 
 def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int,
@@ -91,20 +100,25 @@ def check_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _check_weight(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, packed: bool) -> None:
-    expected = _expected(qtype, n, x.shape[1], packed)
-    if isinstance(expected, str):
-        raise ValueError(expected)
     if x.stride(1) != 1:
         raise ValueError(f"Quantized linear needs rows with unit column stride; got strides {x.stride()}.")
-    if data.dtype != torch.uint8 or data.shape != expected or not data.is_contiguous():
-        raise ValueError(f"A{' packed' if packed else ''} {n}x{x.shape[1]} {T(qtype).name} weight is contiguous "
-                         f"uint8 {expected}; got {data.dtype} {tuple(data.shape)} (K of the activations must match "
-                         f"the weight's, and N its rows).")
+    _check_data(data, qtype, n, x.shape[1], packed)
+
+
+def _check_data(data: torch.Tensor, qtype: int, n: int, k: int, packed: bool) -> None:
+    """`data` holds exactly an `n x k` matrix of type `qtype`: the C reads no byte past it."""
+    expected = _expected(qtype, n, k, packed)
+    if isinstance(expected, str):
+        raise ValueError(expected)
+    if data.dtype != torch.uint8 or data.shape != expected or not data.is_contiguous() or data.device.type != "cpu":
+        raise ValueError(f"A{' packed' if packed else ''} {n}x{k} {T(qtype).name} weight is contiguous uint8 "
+                         f"{expected} on the CPU; got {data.dtype} {tuple(data.shape)} on {data.device} (K of the "
+                         f"activations must match the weight's, and N its rows).")
 
 
 def _check_bias(bias: torch.Tensor | None, n: int) -> None:
-    if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES):
-        raise ValueError(f"The bias must be float [{n}], not {bias.dtype} {tuple(bias.shape)}.")
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or bias.device.type != "cpu"):
+        raise ValueError(f"The bias must be a CPU float [{n}], not {bias.dtype} {tuple(bias.shape)} on {bias.device}.")
 
 
 def run_linear(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None, qtype: int, n: int, exact: bool,
@@ -149,6 +163,9 @@ _MAX_SEGMENTS = 8      # csrc/quant.h's QUANT_MAX_SEGMENTS
 def run_dequant_rows(data: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor, dtype: torch.dtype,
                      variant: str = "native") -> torch.Tensor:
     """Rows `ids` (int64, checked in range) of a packed matrix, `[len(ids), K]` float32 or bfloat16."""
+    _check_data(data, qtype, n, k, True)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"Row ids are integers, not {ids.dtype}.")
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
         raise IndexError(f"Row ids must lie in [0, {n}); got {int(flat.min())} .. {int(flat.max())}.")
@@ -156,5 +173,6 @@ def run_dequant_rows(data: torch.Tensor, qtype: int, n: int, k: int, ids: torch.
     f32 = out.dtype == torch.float32
     status = library(variant).quant_dequant_rows(qtype, data.data_ptr(), k, flat.data_ptr(), flat.numel(),
                                                  out.data_ptr() if f32 else None, None if f32 else out.data_ptr())
-    assert status == 0
+    if status:
+        raise RuntimeError(f"The quantized row kernel refused a {T(qtype).name} matrix (status {status}).")
     return out.to(dtype)

@@ -28,6 +28,8 @@ inline const char* dtype_name(ScalarType t) {
         case ScalarType::Double: return "torch.float64";
         case ScalarType::Long: return "torch.int64";
         case ScalarType::Int: return "torch.int32";
+        case ScalarType::Byte: return "torch.uint8";
+        case ScalarType::Char: return "torch.int8";
         default: return "another dtype";
     }
 }

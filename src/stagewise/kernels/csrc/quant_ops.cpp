@@ -42,6 +42,7 @@ void check_rows(const Tensor& x) {
 void check_weight(const Tensor& x, const Tensor& data, int64_t qt, int64_t n) {
     int64_t k = x.size(1);
     if (!quant_supported((int)qt)) throw std::invalid_argument("GGUF " + type_name(qt) + " has no quantized kernel.");
+    if (n < 0) throw std::invalid_argument("A quantized weight has N >= 0 rows; got N=" + std::to_string(n) + ".");
     int64_t step = qt >= 12 ? 256 : 32;
     if (k % step || k == 0)
         throw std::invalid_argument("Quantized linear needs K a multiple of " + std::to_string(step) + "; got K="
@@ -49,13 +50,14 @@ void check_weight(const Tensor& x, const Tensor& data, int64_t qt, int64_t n) {
     if (x.stride(1) != 1)
         throw std::invalid_argument("Quantized linear needs rows with unit column stride; got strides " + strides(x)
                                     + ".");
-    int64_t panels = n < 0 ? -1 : (n + 31) / 32 * 2, bytes = quant_panel_bytes((int)qt, k);
+    int64_t panels = (n / 32 + (n % 32 != 0)) * 2, bytes = quant_panel_bytes((int)qt, k);
     if (data.scalar_type() != ScalarType::Byte || data.dim() != 2 || data.size(0) != panels || data.size(1) != bytes
-        || !data.is_contiguous())
+        || !data.is_contiguous() || !data.is_cpu())
         throw std::invalid_argument("A packed " + std::to_string(n) + "x" + std::to_string(k) + " " + type_name(qt)
                                     + " weight is contiguous uint8 (" + std::to_string(panels) + ", "
-                                    + std::to_string(bytes) + "); got " + dtype_name(data.scalar_type()) + " "
-                                    + shape(data) + " (K of the activations must match the weight's, and N its rows).");
+                                    + std::to_string(bytes) + ") on the CPU; got " + dtype_name(data.scalar_type())
+                                    + " " + shape(data) + (data.is_cpu() ? "" : " on another device")
+                                    + " (K of the activations must match the weight's, and N its rows).");
 }
 
 Tensor run(const Tensor& x, const std::vector<Tensor>& data, std::optional<Tensor> bias,
