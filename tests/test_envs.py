@@ -73,3 +73,17 @@ def test_kernel_switch(monkeypatch):
         envs.STAGEWISE_KERNELS  # noqa: B018
     monkeypatch.setenv("STAGEWISE_CPU_KERNELS", "0")                   # the older spelling wins
     assert envs.STAGEWISE_KERNELS == "off"
+
+
+def test_thread_switches_and_the_http_nice(monkeypatch):
+    for name in ("STAGEWISE_PIN_THREADS", "STAGEWISE_KEEP_AWAKE", "STAGEWISE_HTTP_NICE"):
+        monkeypatch.delenv(name, raising=False)
+    assert (envs.STAGEWISE_PIN_THREADS, envs.STAGEWISE_KEEP_AWAKE, envs.STAGEWISE_HTTP_NICE) == (False, True, 5)
+    monkeypatch.setenv("STAGEWISE_PIN_THREADS", "1")
+    monkeypatch.setenv("STAGEWISE_KEEP_AWAKE", "0")
+    monkeypatch.setenv("STAGEWISE_HTTP_NICE", " 0 ")
+    assert (envs.STAGEWISE_PIN_THREADS, envs.STAGEWISE_KEEP_AWAKE, envs.STAGEWISE_HTTP_NICE) == (True, False, 0)
+    for bad in ("high", "-3", "20"):
+        monkeypatch.setenv("STAGEWISE_HTTP_NICE", bad)
+        with pytest.raises(ValueError, match="STAGEWISE_HTTP_NICE must be a whole number from 0 to 19"):
+            envs.STAGEWISE_HTTP_NICE  # noqa: B018

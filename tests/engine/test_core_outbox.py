@@ -70,22 +70,39 @@ def test_a_client_that_does_not_read_holds_up_no_step():
     assert codes == [0] and engine.shut_down
 
 
-def test_the_client_side_yields_the_cpu_to_the_engine_core():
-    """The client's thread (and threads it starts later) run nicer than a core spawned before."""
+# a client process: it starts a spawned core (as `stagewise serve` does), then reports its own
+# priority, a later thread's and the core's, relative to where it began
+NICE_PROBE = """
+import os, sys, threading
+sys.path.insert(0, {tests!r})
+from test_core_outbox import ChattyEngine
+from stagewise.engine.core_runner import kill_core, start_core, yield_cpu_to_core
+base = os.getpriority(os.PRIO_PROCESS, 0)
+pipes = start_core(12, ChattyEngine)
+yield_cpu_to_core()
+later = []
+t = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, 0)))
+t.start(); t.join()
+core = os.getpriority(os.PRIO_PROCESS, pipes.runner.pid)
+print(os.getpriority(os.PRIO_PROCESS, 0) - base, later[0] - base, core - base)
+kill_core(pipes)
+"""
+
+
+def _nice_probe(nice: str | None) -> list[str]:
     import subprocess
     import sys
-    code = ("import os, subprocess, sys, threading\n"
-            "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-            "from stagewise.engine.core_runner import yield_cpu_to_core\n"
-            "base = os.getpriority(os.PRIO_PROCESS, 0)\n"
-            "yield_cpu_to_core(); yield_cpu_to_core()\n"
-            "later = []\n"
-            "t = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, 0)))\n"
-            "t.start(); t.join()\n"
-            "print(os.getpriority(os.PRIO_PROCESS, 0) - base, later[0] - base, "
-            "os.getpriority(os.PRIO_PROCESS, core.pid) - base)\n"
-            "core.kill()\n")
     env = {k: v for k, v in os.environ.items() if k != "STAGEWISE_HTTP_NICE"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    if nice is not None:
+        env["STAGEWISE_HTTP_NICE"] = nice
+    code = NICE_PROBE.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["5", "5", "0"]      # once (not twice), inherited, the core untouched
+    return out.stdout.split()
+
+
+def test_the_client_side_yields_the_cpu_to_the_engine_core():
+    """Starting a core lowers the client's priority (threads it starts later inherit it), once;
+    the core, spawned before, keeps its own. STAGEWISE_HTTP_NICE sets how much, 0 turns it off."""
+    assert _nice_probe(None) == ["5", "5", "0"]
+    assert _nice_probe("0") == ["0", "0", "0"]

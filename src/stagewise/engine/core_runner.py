@@ -77,27 +77,28 @@ def start_core(config, engine_factory: Callable, in_process: bool = False) -> Co
         runner = CoreThread(config, engine_factory, core_in, core_out)
         runner.start()
         return CorePipes(runner, to_core, from_core)
+    nice = envs.STAGEWISE_HTTP_NICE          # a bad value fails here, before anything is spawned
     # NOTE: not a daemon: at PP > 1 the engine process spawns the stage processes itself
     proc = ctx.Process(target=engine_main, name="stagewise-engine", daemon=False,
                        args=(config, engine_factory, logging.getLogger().getEffectiveLevel(), core_in, core_out))
     proc.start()
     core_in.close()
     core_out.close()
-    yield_cpu_to_core()
+    yield_cpu_to_core(nice)
     return CorePipes(proc, to_core, from_core)
 
 
 _yielded = [False]
 
 
-def yield_cpu_to_core() -> None:
+def yield_cpu_to_core(nice: int | None = None) -> None:
     """Lower the calling thread's priority below the engine core's, once per process (threads it
     starts later inherit it): where the engine's threads fill every core, the HTTP side's bursts
     (JSON, SSE writes) then take a CPU when one is idle instead of preempting an engine thread in
     the middle of a step, which every other thread of that step would wait for.
 
     NOTE: on Linux a nice value belongs to a thread; the engine process, spawned before, keeps its own."""
-    nice = envs.STAGEWISE_HTTP_NICE
+    nice = envs.STAGEWISE_HTTP_NICE if nice is None else nice
     if _yielded[0] or nice <= 0 or not hasattr(os, "setpriority"):
         return
     _yielded[0] = True
