@@ -19,6 +19,7 @@ def test_help_lists_commands():
         assert cmd in out.stdout
 
 
+@pytest.mark.slow
 def test_generate_on_demo_model_streams_text(tmp_path):
     demo = run("demo-model", "--out", str(tmp_path / "demo"))
     assert demo.returncode == 0, demo.stderr
@@ -30,6 +31,7 @@ def test_generate_on_demo_model_streams_text(tmp_path):
     assert re.fullmatch(r"12 tokens in \d+\.\d\d s \(\d+\.\d tok/s\), \d+\.\d s in all with start-up", summary), summary
 
 
+@pytest.mark.slow
 def test_generate_uses_the_chat_template_when_the_model_has_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path))   # "demo" builds the demo model here
     args = ["--log-level", "WARNING", "generate", "--model", "demo", "--max-tokens", "6", "--ignore-eos"]

@@ -36,7 +36,7 @@ def run(llm, prompts):
     return llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("pp_size", [1, 2])
+@pytest.mark.parametrize("pp_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_one_request_fails_alone_and_its_blocks_are_reusable(faulty_dir, reference, pp_size):
     from faulty_model import NAN_TOKEN, RAISE_TOKEN
     # a small cache (32 blocks of 16 tokens, 8 KiB each) so later requests reuse the failed request's blocks

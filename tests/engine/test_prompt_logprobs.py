@@ -45,6 +45,7 @@ def test_one_stage_chunked_and_after_a_prefix_hit(llama_dir, hf_lp):
                          use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_two_stages_with_graphs(llama_dir, hf_lp):
     with LLM(model=str(llama_dir), pp_size=2, chunked_prefill_size=24, prefill_graph="breakable",
              prefill_graph_buckets=[8, 24]) as llm:

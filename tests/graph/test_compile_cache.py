@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from stagewise.graph import compile_cache
 
 VAR = compile_cache.VAR
@@ -20,17 +22,20 @@ def _inductor_dir(code: str, **env) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_inductor_imported_first_still_uses_the_stagewise_cache(tmp_path):
     # the order that broke: torch._inductor fills the variable with its temp-dir default first
     got = _inductor_dir("import torch._inductor.config\nimport stagewise\n" + CLAIM, STAGEWISE_CACHE=str(tmp_path))
     assert got == str(tmp_path / "inductor")
 
 
+@pytest.mark.slow
 def test_stagewise_imported_first_uses_the_stagewise_cache(tmp_path):
     got = _inductor_dir("import stagewise\n" + CLAIM + "import torch._inductor.config\n", STAGEWISE_CACHE=str(tmp_path))
     assert got == str(tmp_path / "inductor")
 
 
+@pytest.mark.slow
 def test_the_users_inductor_dir_wins(tmp_path):
     mine = str(tmp_path / "mine")
     got = _inductor_dir("import torch._inductor.config\nimport stagewise\n" + CLAIM, STAGEWISE_CACHE=str(tmp_path),

@@ -84,6 +84,7 @@ def test_dispatch(monkeypatch):
     assert calls == [1, cpu_gemm.MAX_ROWS]
 
 
+@pytest.mark.slow
 def test_the_compiled_op_picks_by_rows_at_run_time():
     """Under torch.compile with a dynamic row dimension the call is the opaque op, and it matches
     F.linear on both sides of the crossover from one compiled graph."""

@@ -103,6 +103,7 @@ print("native", native.loaded("gemm"))
 """
 
 
+@pytest.mark.slow
 def test_without_a_cxx_compiler_the_python_registration_serves(tmp_path):
     env = {**os.environ, "CXX": "/nonexistent/g++", "STAGEWISE_CACHE": str(tmp_path), "STAGEWISE_KERNELS": "auto"}
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)

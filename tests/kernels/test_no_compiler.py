@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from stagewise.graph.policy import resolve_graph_policy
 
 ARGS = ("generate", "--prompt", "Once upon a time", "--max-tokens", "6", "--ignore-eos", "--no-chat")
@@ -24,6 +26,7 @@ def _generate(model_dir, env: dict, *flags: str) -> subprocess.CompletedProcess:
                            str(model_dir), *flags], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_generate_without_any_compiler(llama_dir, tmp_path):
     base = {**os.environ, "STAGEWISE_CACHE": str(tmp_path / "cache")}
     base.pop("CC", None), base.pop("CXX", None)

@@ -9,6 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from stagewise.executor import multiproc
 from stagewise.executor.layout import default_layout, stages_of
 from stagewise.executor.multiproc import MultiprocExecutor
@@ -44,6 +46,7 @@ def test_a_stage_killed_by_a_signal_names_it():
     assert why.startswith("stage 1 (node 0) (pid ") and "was killed by SIGKILL" in why and "None" not in why, why
 
 
+@pytest.mark.slow
 def test_a_stage_stopped_by_a_remote_peer_is_not_blamed(monkeypatch):
     monkeypatch.setattr(multiproc, "MONITOR_GRACE_S", 0.0)
     ctx = mp.get_context("spawn")

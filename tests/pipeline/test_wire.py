@@ -142,6 +142,7 @@ results = st.builds(
     st.none() | st.text(max_size=20), st.lists(st.floats(0, 100), max_size=3))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plans(), st.dictionaries(st.sampled_from(["hidden_states", "residual"]), tensors(torch.float32, 3, 2)))
 def test_a_plan_comes_back_exactly(plan, proxy):

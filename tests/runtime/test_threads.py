@@ -101,6 +101,7 @@ def test_configure_threads_at_pp1_obeys_a_quota(tmp_path, monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(AFFINITY < 2, reason="needs two CPUs to narrow the affinity mask")
 def test_threads_follow_the_affinity_mask():
     cpu = min(os.sched_getaffinity(0))
@@ -181,6 +182,7 @@ def test_the_command_line_sets_the_default_before_torch_and_keeps_user_values():
     assert _run(CLI_START, _clean_env(OMP_WAIT_POLICY="ACTIVE")) == "ACTIVE None False"
 
 
+@pytest.mark.slow
 def test_importing_stagewise_changes_no_environment_variable():
     code = ("import os\nbefore = dict(os.environ)\nimport stagewise\nfrom stagewise import LLM, SamplingParams\n"
             "print(dict(os.environ) == before)")

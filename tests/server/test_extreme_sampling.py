@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from http_checks import EXTREME_SAMPLING, assert_extreme_sampling_is_safe, httpx
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("case,means_greedy", EXTREME_SAMPLING, ids=[c for c, _ in EXTREME_SAMPLING])
 def test_extreme_sampling_values(scratch_server, case, means_greedy):

@@ -18,6 +18,8 @@ from pydantic import BaseModel
 
 from stagewise.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
+pytestmark = pytest.mark.slow
+
 C, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 SCHEMAS = {C: CompletionRequest, CHAT: ChatCompletionRequest, GEN: GenerateRequest}
 # NOTE: small max_tokens in every base, so a fuzzed body that happens to be valid finishes fast.

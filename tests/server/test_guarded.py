@@ -35,6 +35,7 @@ def test_api_key_flag_defaults_to_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve"]).api_key is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"},
                                      {"authorization": KEY}, {"authorization": f"Bearer {KEY}x"}],
                          ids=["none", "wrong", "basic", "bare", "longer"])
@@ -52,6 +53,7 @@ def test_routes_need_the_key(guarded, headers):
     assert_serving(guarded.url, AUTH)
 
 
+@pytest.mark.slow
 def test_openai_client_with_the_key(guarded):
     import openai
     from openai import OpenAI
@@ -67,6 +69,7 @@ def test_openai_client_with_the_key(guarded):
             client.models.retrieve(NAME)
 
 
+@pytest.mark.slow
 def test_served_name_everywhere_and_no_path(guarded, llama_dir):
     card = httpx.get(guarded.url + "/v1/models", headers=AUTH).json()["data"][0]
     assert card["id"] == card["root"] == NAME
@@ -75,6 +78,7 @@ def test_served_name_everywhere_and_no_path(guarded, llama_dir):
     assert str(llama_dir) not in r.text and str(llama_dir) not in httpx.get(guarded.url + "/metrics").text
 
 
+@pytest.mark.slow
 def test_sse_events_survive_line_splitters(guarded):
     """The model name in every chunk holds U+2028, U+2029 and U+0085: escaped, each event stays one line."""
     body = {**NORMAL, "stream": True, "stream_options": {"include_usage": True}}
@@ -89,6 +93,7 @@ def test_sse_events_survive_line_splitters(guarded):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow
 def test_10mb_prompt_is_refused_without_tokenizing_while_health_stays_fast(guarded):
     big = json.dumps({"prompt": "a" * 10_000_000}).encode()          # under the 12 MiB limit
     url = guarded.url + "/v1/completions"
@@ -107,6 +112,7 @@ def test_10mb_prompt_is_refused_without_tokenizing_while_health_stays_fast(guard
     assert_serving(guarded.url, AUTH)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_cuts_open_requests_with_an_error(guarded):
     """Keep this last in the module: it stops the server."""
     long = {"prompt": "A long answer", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "n": 8}

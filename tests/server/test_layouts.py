@@ -5,9 +5,12 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
 from launcher import wait_gone
 
 from stagewise import SamplingParams
+
+pytestmark = pytest.mark.slow
 
 try:
     import httpx2 as httpx

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 WORDS = "the cat dog sun moon river tree house star field road bird fish cloud stone".split()
 LL_TOLERANCE = 1e-3
 RUN_TIMEOUT_S = 240
