@@ -156,7 +156,9 @@ def speed_tables(saved: dict) -> list[str]:
         "", "## Memory (MiB; the engine's whole process tree)", "",
         "RSS after load: right after the engine is constructed. Peak: the highest of the tree sampled every "
         "0.2 s and the process's own high-water mark (VmHWM). llama.cpp maps the file (mapped pages count once "
-        "touched). What loading added: RSS after load less the same process's RSS before the engine was made. "
+        "touched). What loading added: RSS after load less the same process's RSS before the engine was made "
+        "(Python, torch and its compiler imported): the weights as held, the KV pages touched, static graph buffers "
+        "and compiled code. "
         "stagewise's KV cache is sized for one 2048-token context, as llama.cpp's n_ctx.", "",
         markdown_table(["file", "tensor MiB", "llama.cpp after load", "llama.cpp peak", "stagewise after load",
                         "stagewise peak", "stagewise: RSS loading added", "÷ tensor bytes"], mem), "",

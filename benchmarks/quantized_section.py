@@ -120,8 +120,9 @@ def _speed(saved: dict, best, key) -> list[str]:
         markdown_table(["file", "threads", "decode ms/token llama.cpp", "stagewise", "ratio", f"≤ {DECODE_TARGET}×",
                         "TTFT 512 ms llama.cpp", "stagewise", "ratio", f"≤ {TTFT_TARGET}×"], speed), "",
         "Memory (MiB). Peak: the whole process tree. Resident / load peak: stagewise's RSS after load and its "
-        "high-water mark during load, less the same process's RSS before the engine was made (Python, torch), "
-        "against the file's tensor bytes (one stage holds them all).", "",
+        "high-water mark during load, less the same process's RSS before the engine was made (Python, torch and "
+        "its compiler imported), against the file's tensor bytes (one stage holds them all): the weights as held "
+        "plus the KV pages touched, static graph buffers and compiled code.", "",
         markdown_table(["file", "tensor MiB", "llama.cpp peak", "stagewise peak", "stagewise resident", "÷ tensors",
                         "stagewise load peak", "÷ tensors"], mem), "",
         f"Offline throughput, stagewise only ({meta['size']['n_req']} requests, {meta['size']['out']} output tokens "

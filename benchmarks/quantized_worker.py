@@ -101,7 +101,8 @@ class HFReference:
 
 ENGINES = {"stagewise": Stagewise, "llamacpp": LlamaCpp, "hf": HFReference}
 # Imported before the baseline RSS is read, so that "what loading added" holds the model, not the libraries.
-MODULES = {"stagewise": ("torch", "stagewise"), "llamacpp": ("llama_cpp",), "hf": ("torch", "transformers")}
+MODULES = {"stagewise": ("torch", "torch._inductor.compile_fx", "stagewise"), "llamacpp": ("llama_cpp",),
+           "hf": ("torch", "transformers")}
 
 
 def _status_mib(pid: int | str, field: str) -> float:
