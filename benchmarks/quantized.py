@@ -159,6 +159,7 @@ def run_worker(args, run: dict, tmp: Path, tag: str) -> dict:
     env = stagewise_env(args.stagewise_src) if run["engine"] == "stagewise" else base_env()
     spec_path, out_path = tmp / f"{tag}.spec.json", tmp / f"{tag}.out.json"
     spec_path.write_text(json.dumps(run))
+    out_path.unlink(missing_ok=True)            # never read another run's answer
     t0, load = time.monotonic(), os.getloadavg()
     tree = ProcTree([python, str(WORKER), str(spec_path), str(out_path)], env, tmp / f"{tag}.log", tmp)
     try:
@@ -184,9 +185,10 @@ def run_rounds(args, groups: list[list[dict]], tmp: Path, saved: dict, save_path
     results = saved["results"]
     for rnd in range(args.rounds):
         for g, group in enumerate(groups):
-            for run in (group if (rnd + g) % 2 == 0 else list(reversed(group))):
+            order = list(enumerate(group))
+            for i, run in (order if (rnd + g) % 2 == 0 else order[::-1]):
                 for rep_i in range(run.get("repeats", 1)):
-                    tag = f"r{rnd}-g{g}-{run['engine']}-{run.get('dtype', '')}-{rep_i}"
+                    tag = f"r{rnd}-g{g}-{i}-{run['engine']}-{run.get('dtype', '')}-{rep_i}"     # unique per run
                     print(f"[round {rnd + 1}/{args.rounds}] {label(run)} ...", flush=True)
                     res = run_worker(args, run, tmp, tag)
                     print(f"    {rep.one_line(res)}", flush=True)
