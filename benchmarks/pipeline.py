@@ -37,14 +37,14 @@ from common import (  # noqa: E402
     write_result,
 )
 
-SHORT = {"PP=2 micro-batched (depth 2)": "PP=2 micro", "PP=2 synchronous (pp_sync)": "PP=2 sync",
+SHORT = {"PP=2 micro-batched (depth 2)": "PP=2 micro", "PP=2 synchronous (pp_depth 1)": "PP=2 sync",
          "PP=1, 2 threads": "PP=1"}
 SYNC_TARGET = 1.6        # PP=2 micro-batched >= 1.6x PP=2 synchronous
 PP1_TARGET = 0.9         # PP=2 micro-batched >= 0.9x PP=1 with 2 threads
 VOCAB = 8192
 CONFIGS = {              # label -> engine options
     "PP=2 micro-batched (depth 2)": dict(pp_size=2, threads_per_stage=1),
-    "PP=2 synchronous (pp_sync)": dict(pp_size=2, threads_per_stage=1, pp_sync=True),
+    "PP=2 synchronous (pp_depth 1)": dict(pp_size=2, threads_per_stage=1, pp_depth=1),
     "PP=1, 2 threads": dict(pp_size=1, threads_per_stage=2),
 }
 

@@ -143,10 +143,7 @@ class EngineConfig:
     enable_dynamic_chunking: bool | None = flag(
         None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
         "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")
-    balance_micro_batches: bool = flag(True, "split the decode batch evenly over the plans in flight "
-                                       "(about running / depth requests each)")
-    pp_sync: bool = flag(False, "keep one plan in flight (no micro-batching; for comparison)")
-    pp_depth: int | None = flag(None, "plans in flight (default: pp_size)")
+    pp_depth: int | None = flag(None, "plans in flight (default: pp_size; 1: no micro-batching)")
     nnodes: int = flag(1, "nodes of the pipeline")
     node_rank: int = flag(0, "this node's rank in [0, nnodes)")
     master_addr: str = flag("127.0.0.1", "address of node 0 (the rendezvous)")
@@ -270,8 +267,6 @@ class EngineConfig:
     @property
     def depth(self) -> int:
         """Plans the driver keeps in flight."""
-        if self.pp_sync:
-            return 1
         return self.pp_depth or self.pp_size
 
     @property

@@ -81,6 +81,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("STAGEWISE_KEEP_AWAKE", "`0`", "unset (kept awake)",
              "`0` starts no keeper threads: a CPU stage's idle CPUs may then halt within a step, and each parallel "
              "region pays their wake-up ([Performance](performance.md))", _on_unless_zero),
+    Variable("STAGEWISE_BALANCE_MICRO_BATCHES", "`0`", "unset (balanced)",
+             "benchmark lever: `0` fills the plans in flight first come first served instead of splitting the "
+             "decode batch evenly over them ([Pipelines](pipelines.md))", _on_unless_zero),
     Variable("STAGEWISE_HTTP_NICE", "0-19", "`5`",
              "how much lower than the engine the server's HTTP threads run (`nice`), so their bursts wait for an "
              "idle CPU instead of preempting the engine mid-step; `0`: the same priority", _nice),
@@ -105,6 +108,7 @@ if TYPE_CHECKING:
     STAGEWISE_PACKED_WEIGHTS: bool
     STAGEWISE_PIN_THREADS: bool
     STAGEWISE_KEEP_AWAKE: bool
+    STAGEWISE_BALANCE_MICRO_BATCHES: bool
     STAGEWISE_HTTP_NICE: int
     STAGEWISE_API_KEY: str | None
     STAGEWISE_CLUSTER_TOKEN: str | None

@@ -211,6 +211,16 @@ def test_a_burst_of_decodes_splits_over_the_plans_in_flight():
         assert not ids
 
 
+def test_the_benchmark_lever_turns_balancing_off(llama_dir, monkeypatch):
+    from stagewise import LLM
+    monkeypatch.delenv("STAGEWISE_BALANCE_MICRO_BATCHES", raising=False)
+    for value, depth in ((None, 2), ("0", 1)):
+        if value is not None:
+            monkeypatch.setenv("STAGEWISE_BALANCE_MICRO_BATCHES", value)
+        with LLM(model=str(llama_dir), pp_depth=2) as llm:
+            assert llm.engine.scheduler.balancer.depth == depth
+
+
 def test_balanced_decodes_do_not_starve_prefills():
     s = Scheduler(BlockManager(256, 4), max_num_seqs=16, token_budget=16)
     s.balancer = DecodeBalancer(2)

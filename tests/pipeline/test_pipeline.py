@@ -35,7 +35,7 @@ def llama_ref(llama_dir):
 @pytest.mark.parametrize("options", [
     dict(pp_size=2),
     dict(pp_size=3, pp_layer_partition="1,1,2", chunked_prefill_size=16, block_size=4),
-    dict(pp_size=2, pp_sync=True, max_num_seqs=3),
+    dict(pp_size=2, pp_depth=1, max_num_seqs=3),
     dict(pp_size=2, pp_depth=3, kv_cache_memory=26 * 2 * 2 * 4 * 2 * 16 * 4, block_size=4),   # preemption
 ])
 def test_pp_matches_one_stage(llama_dir, llama_ref, options):

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from typing import Iterator, NoReturn
 
+from .. import envs
 from ..checkpoint import max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..errors import EngineDeadError
@@ -199,7 +200,7 @@ class Engine:
         """Micro-batch balancing and, when enabled, dynamic chunk sizing: its start-up profile runs
         here, before any request, and leaves the prefix-cache counters as they were. Returns the
         stages' busy clocks after it (empty: nothing ran)."""
-        self.scheduler.balancer = DecodeBalancer(config.depth if config.balance_micro_batches else 1)
+        self.scheduler.balancer = DecodeBalancer(config.depth if envs.STAGEWISE_BALANCE_MICRO_BATCHES else 1)
         if not config.dynamic_chunking:
             return []
         counters = blocks.num_queried_tokens, blocks.num_hit_tokens
