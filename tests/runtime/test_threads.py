@@ -197,9 +197,11 @@ def test_stage_cpus_are_the_stages_slice_of_the_affinity_mask():
     assert stage_cpus({0}, 1, 1, 2) == []                      # no CPU of its own: none
 
 
+# torch loads first where its OpenMP team is pinned (our library then shares torch's libgomp, as in
+# a stage); the unpinned probe needs no torch (keepers are our own threads)
 POOL_PROBE = """
-import os, torch
-torch.set_num_threads(2)
+import os
+{torch}
 from stagewise.config import EngineConfig
 from stagewise.runtime import cpu_pool
 pool = cpu_pool.for_stage(EngineConfig(model="x"), 0, 2)
@@ -215,10 +217,11 @@ print(sorted(os.sched_getaffinity(0)), idle, pool.pinned, pool.keepers, sorted(m
 def test_pinning_and_keepers_follow_the_affinity_mask():
     cpus = sorted(os.sched_getaffinity(0))[-2:]
     narrowed = (lambda: os.sched_setaffinity(0, set(cpus)))
-    out = _run(POOL_PROBE, _clean_env(STAGEWISE_PIN_THREADS="1"), preexec_fn=narrowed)
+    with_torch = POOL_PROBE.format(torch="import torch; torch.set_num_threads(2)")
+    out = _run(with_torch, _clean_env(STAGEWISE_PIN_THREADS="1"), preexec_fn=narrowed)
     assert out.startswith(f"[{cpus[0]}] [[{cpus[0]}], [{cpus[1]}]] True 2 "), out   # thread 0 here, keepers on both
     assert f"({cpus[1]},)" in out.split(" 2 ", 1)[1]                                # OpenMP's thread 1 there
-    out = _run(POOL_PROBE, _clean_env(), preexec_fn=narrowed)                       # the default: no pinning
+    out = _run(POOL_PROBE.format(torch=""), _clean_env(), preexec_fn=narrowed)     # the default: no pinning
     assert out.startswith(f"[{cpus[0]}, {cpus[1]}] [[{cpus[0]}], [{cpus[1]}]] False 2 "), out
 
 
