@@ -116,15 +116,21 @@ class EngineConfig:
                              "(default: SmolLM2-135M-Instruct, downloaded once)")
     tokenizer: str | None = flag(None, "tokenizer directory (default: the model's)")
     dtype: str = flag("auto", "auto | float32 | bfloat16 | float16; auto: bf16 on CPUs with native bf16 for models of "
-                      "hidden >= 256, else fp32; on CUDA the checkpoint's")
+                      "hidden >= 256, else fp32; on CUDA the checkpoint's. Quantized weights: float32 named here "
+                      "runs them exactly (float32 activations), anything else in the kernels' fast mode")
+    quantization: str | None = flag(None, "int8 | int4: quantize a float HF checkpoint's weights at load "
+                                    "(weight-only, per 32 values: int8 as Q8_0; int4 as Q4_1, embeddings and LM "
+                                    "head at 8 bits); GGUF files keep their own types (default: off)")
     device: str = flag("auto", "auto | cpu | cuda; auto: cuda when available")
     seed: int = flag(0, "seed of the engine's random state")
     # KV cache and scheduling
     block_size: int = flag(16, "tokens per KV cache block")
     kv_cache_memory: int | None = flag(None, "KV cache bytes per stage, e.g. 2GiB (default: what is left of the "
-                                       "stage's budget after weights, graphs and activations: 2GiB per stage on CPU, "
-                                       "capped at what max_num_seqs full-length sequences use; 90%% of the GPU, shared "
-                                       "by its stages, on CUDA)", size=True)
+                                       "memory this process may use — MemAvailable and the cgroup limit, less a margin "
+                                       "of 10%% (at least 512MiB), shared by the node's stages — after weights and "
+                                       "activations, at most what max_num_seqs full-length sequences need)", size=True)
+    node_memory_bytes: int | None = flag(None, "bytes the engine may use on each node (measured once before any "
+                                         "stage loads)", cli=False)
     max_num_seqs: int = flag(64, "requests in the running batch, at most")
     max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
     chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
@@ -230,6 +236,8 @@ class EngineConfig:
                              f"got {self.prefill_graph!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
         if self.pp_size % self.nnodes:

@@ -78,10 +78,10 @@ def test_tokenizer_and_chat_template_from_metadata(tiny_gguf, llama_dir):
     assert any(p.name.startswith("tiny-llama.F32-") and (p / "tokenizer.json").exists() for p in cached)
 
 
-def test_each_stage_dequantizes_only_its_tensors(tiny_gguf, monkeypatch):
+def test_each_stage_reads_only_its_tensors(tiny_gguf, monkeypatch):
     path, read = tiny_gguf("llama", "Q8_0"), []
-    real = gguf_loader.read_tensor
-    monkeypatch.setattr(gguf_loader, "read_tensor", lambda t, p: read.append(t.name) or real(t, p))
+    real = gguf_loader.read_raw
+    monkeypatch.setattr(gguf_loader, "read_raw", lambda t, f: read.append(t.name) or real(t, f))
     per_stage = []
     for info in stage_infos(4, 2):
         read.clear()
@@ -172,7 +172,7 @@ def test_plan_reads_gguf_metadata(tiny_gguf, capsys):
     out = capsys.readouterr().out
     types = [t.tensor_type.name for t in gguf.GGUFReader(path).tensors]
     listed = f"{types.count('Q8_0')} Q8_0, {types.count('F32')} F32 tensors"
-    assert f"GGUF {path.name}: {listed}" in out and "dequantized to torch.float32" in out
+    assert f"GGUF {path.name}: {listed}" in out and f"{types.count('Q8_0')} kept quantized (fast mode)" in out
     assert "[0,2)" in out and "[2,4)" in out and "KV capacity" in out.splitlines()[-1]
 
 

@@ -35,6 +35,7 @@ from ..parallel.partition import stage_infos
 from ..plan import StepPlan, StepResult
 from ..request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from ..runtime.memory import format_memory_table
+from ..runtime.plan_report import fit_to_memory
 from ..runtime.sampler import NO_TOKEN_LEFT
 from ..runtime.stage_cost import cost_model_for, partition_lines, stage_rates, with_resolved_partition
 from ..runtime.threads import usable_cpus
@@ -74,6 +75,9 @@ class Engine:
         self.policy = policy_for(config, config.resolved_device)
         for line in self.policy.log_lines:
             log.info(line)
+        # NOTE: a model this node cannot hold is refused here, before any stage loads; stages (and
+        # rebuilt ones) share the node memory measured now.
+        config = self.config = fit_to_memory(config, self.tok.hf_config)
         self.executor = make_executor(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
         blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -11,6 +11,7 @@ import logging
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
+from ..runtime.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
@@ -82,6 +83,7 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     heals = config.max_pipeline_restarts > 0
     token = cluster_token(config.cluster_token)
     warn_if_open(token, master_ip(addr), True)
+    config = config.replace(node_memory_bytes=measured_node_bytes())    # before this node loads anything
     prepare_stage_env(config, addr)
     start_spares(k, model_dir)
     wait_s = max(config.dist_timeout_s, 300.0)

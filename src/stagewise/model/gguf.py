@@ -2,13 +2,15 @@
 
 Owns the tensor side of GGUF: llama.cpp tensor names -> the HF names the stage models load,
 undoing the converter's layout changes (Llama/Mistral Q/K rows permuted for llama.cpp's rotary
-layout, GPT-2 projections transposed), and dequantizing every quant type `gguf.quants` reads
-into the engine dtype. A stage dequantizes only the tensors it owns. Metadata -> config lives
-in `stagewise.checkpoint`.
+layout, GPT-2 projections transposed). Tensors of a type with a quantized kernel stay in their own
+bytes (`model.quantized`; `gguf_scheme` says which); F32/F16/BF16 and other quant types are
+dequantized into the engine dtype. A stage reads only its own tensors, one at a time, with pread
+(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint`.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections import Counter
@@ -20,7 +22,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from stagewise.gguf_meta import gguf_facts, gguf_reader
+from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
+from stagewise.model.quantized import Scheme
 
 log = logging.getLogger("stagewise.model")
 
@@ -39,6 +43,7 @@ _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
 _GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
@@ -52,57 +57,101 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     return f"{top[base]}.{suffix}" if base in top else None
 
 
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's rotate-half halves."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+def _unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order (pairs interleaved) back to HF's rotate-half halves:
+    HF row i is file row index[i]."""
+    return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def _to_hf_layout(tensor: torch.Tensor, gguf_name: str, arch: str, hf_config) -> torch.Tensor:
+def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
+    """A float tensor or a QuantizedWeight in the layout the HF checkpoint has (quantized GPT-2
+    projections stay [out, in]: a quantized layer holds rows)."""
     kind = gguf_name.split(".")[-2]
     if arch == "llama" and kind in ("attn_q", "attn_k"):
         heads = hf_config.num_attention_heads if kind == "attn_q" else hf_config.num_key_value_heads
-        return _unpermute_rows(tensor, heads)
-    if arch == "gpt2" and kind in _GPT2_TRANSPOSED and tensor.dim() == 2:
+        index = _unpermute_index(tensor.shape[0], heads)
+        return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]
+    if arch == "gpt2" and kind in _GPT2_TRANSPOSED and not isinstance(tensor, QuantizedWeight) and tensor.dim() == 2:
         return tensor.t()
     return tensor
 
 
-def read_tensor(reader_tensor, path: Path) -> torch.Tensor:
-    """One GGUF tensor as float32, in torch dim order (GGUF lists dims reversed)."""
-    qtype = GGMLQuantizationType(reader_tensor.tensor_type)
+def gguf_scheme(path: Path) -> Scheme:
+    """Which checkpoint tensors (by HF name) a GGUF file holds in a type with a quantized kernel."""
+    facts = gguf_facts(path)
+    arch = facts.meta["general.architecture"]
+    types = {hf_tensor_name(name, arch): T[kind] for name, kind in facts.types.items()}
+    return lambda hf_name, shape: types[hf_name] if types.get(hf_name) in SUPPORTED else None
+
+
+def read_raw(reader_tensor, file) -> torch.Tensor:
+    """A tensor's bytes, read with pread into a new uint8 tensor (the file is never mapped)."""
+    out = torch.empty(int(reader_tensor.n_bytes), dtype=torch.uint8)
+    view, done = memoryview(out.numpy()), 0
+    while done < len(view):
+        got = os.preadv(file.fileno(), [view[done:]], int(reader_tensor.data_offset) + done)
+        if got <= 0:
+            raise ValueError(f"{file.name} ends inside tensor {reader_tensor.name}; the GGUF file is truncated.")
+        done += got
+    return out
+
+
+def _shape(reader_tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(reader_tensor.shape))    # torch order: GGUF lists dims reversed
+
+
+def dequantize_raw(raw: torch.Tensor, reader_tensor, path: Path) -> torch.Tensor:
+    """One GGUF tensor's bytes as float32, in torch dim order."""
+    qtype, shape = GGMLQuantizationType(reader_tensor.tensor_type), _shape(reader_tensor)
+    rows = raw.numpy().reshape(-1, raw.numel() // max(1, int(np.prod(shape[:-1]))))
     try:
-        # A plain ndarray view of the memmap: numpy's memmap subclass hooks cost more than the dequantization.
-        array = dequantize(np.asarray(reader_tensor.data), qtype)
+        array = dequantize(rows, qtype)
     except NotImplementedError:
         raise ValueError(f"Tensor {reader_tensor.name} in {path} is stored as {qtype.name}, which stagewise cannot "
                          f"dequantize; re-quantize the model to a supported type such as Q8_0, Q4_K or F16.") from None
-    shape = tuple(int(d) for d in reversed(reader_tensor.shape))
-    array = array.reshape(shape).astype(np.float32, copy=False)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 is a read-only memmap view
+    return torch.from_numpy(np.ascontiguousarray(array.reshape(shape), dtype=np.float32))
 
 
 def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
-    """Dequantize this stage's tensors (`model.is_stage_weight`) from `path` into `model`, in the model's dtype."""
-    started, types = time.perf_counter(), Counter[str]()
+    """Load this stage's tensors (`model.is_stage_weight`) from `path` into `model`: into its quantized
+    layers as stored, the rest dequantized into the model's dtype."""
+    started, kept, converted = time.perf_counter(), Counter[str](), Counter[str]()
     arch = gguf_facts(path).meta["general.architecture"]
-    table, dtype = model.weight_table(), next(model.parameters()).dtype
+    table, dtype = model.weight_table(), model.dtype
     named = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
     mine = [(t, name) for t, name in named if name is not None and model.is_stage_weight(name)]
     _check_complete(model, table, [name for _, name in mine], path)
 
-    def dequantized():  # one tensor at a time, so at most one float32 copy is alive
+    def tensors(file):  # one tensor at a time: at most one tensor's bytes and float copy are alive
         for tensor, name in mine:
-            value = _to_hf_layout(read_tensor(tensor, path), tensor.name, arch, hf_config)
-            expected = table[model.canonical_name(name)].shape
+            slot = table[model.canonical_name(name)]
+            qtype, held = T(tensor.tensor_type), model.held_module(slot)
+            expected = slot.shape
+            if qtype in SUPPORTED and held is not None:
+                value = QuantizedWeight.from_gguf(read_raw(tensor, file), qtype, _shape(tensor))
+                expected = expected[::-1] if held.in_out_layout else expected
+                kept[qtype.name] += 1
+            else:
+                value = dequantize_raw(read_raw(tensor, file), tensor, path).to(dtype)
+                converted[qtype.name] += 1
+            value = _to_hf_layout(value, tensor.name, arch, hf_config)
             if tuple(value.shape) != expected:
                 raise ValueError(f"Tensor {tensor.name} in {path} has shape {tuple(value.shape)}, but the file's "
                                  f"metadata implies {expected}; the GGUF file is inconsistent.")
-            types[tensor.tensor_type.name] += 1
-            yield name, value.to(dtype)
-    model.load_weights(dequantized())
-    log.info("Stage %d: dequantized %d GGUF tensors (%s) to %s in %.2f s", model.stage.rank, len(mine),
-             ", ".join(f"{n} {t}" for t, n in types.most_common()), dtype, time.perf_counter() - started)
+            yield name, value
+    with open(path, "rb", buffering=0) as file:
+        model.load_weights(tensors(file))
+    _log_load(model, kept, converted, dtype, time.perf_counter() - started)
+
+
+def _log_load(model, kept: Counter, converted: Counter, dtype: torch.dtype, seconds: float) -> None:
+    listed = lambda types: ", ".join(f"{n} {t}" for t, n in types.most_common()) or "none"
+    log.info("Stage %d: GGUF tensors kept quantized: %s; converted to %s: %s (%.2f s)", model.stage.rank,
+             listed(kept), dtype, listed(converted), seconds)
+    no_kernel = sorted(t for t in converted if t not in _FLOAT_TYPES)
+    if no_kernel:
+        log.warning("Stage %d: GGUF type(s) %s have no quantized kernel in stagewise; those tensors were "
+                    "dequantized to %s.", model.stage.rank, ", ".join(no_kernel), dtype)
 
 
 def _check_complete(model, table: dict, names: list[str], path: Path) -> None:

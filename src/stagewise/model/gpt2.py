@@ -18,6 +18,8 @@ from stagewise.parallel.proxy import HIDDEN_ONLY_CONTRACT, ProxyTensors
 class Conv1D(nn.Module):
     """HF's GPT-2 projection: `x @ weight + bias` with weight `[in, out]`, so checkpoints load as-is."""
 
+    in_out_layout = True      # a quantized replacement (model.quantized) holds it as [out, in] rows
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype))
@@ -143,6 +145,8 @@ class GPT2LMHeadModel(StageModel):
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.wte
         assert head is not None   # the last stage has a head or (tied, also first) the embedding
+        if hasattr(head, "as_head"):      # held quantized (model.quantized)
+            return head.as_head(hidden)
         return linear(hidden, head.weight).float()
 
     def kv_cache_spec(self) -> tuple[int, int]:

@@ -225,21 +225,23 @@ class StageModel(nn.Module):
         if table is None:
             table = {}
             for mod_name, module in self.named_modules():
-                for p_name, param in module.named_parameters(recurse=False):
-                    table.update(self._slots(mod_name, module, p_name, param))
+                shapes = {p_name: tuple(p.shape) for p_name, p in module.named_parameters(recurse=False)}
+                shapes.update(getattr(module, "held_weights", dict)())    # quantized layers: weights in buffers
+                for p_name, shape in shapes.items():
+                    table.update(self._slots(mod_name, module, p_name, shape))
             self.__dict__["_weight_table"] = table
         return table
 
-    def _slots(self, mod_name: str, module: nn.Module, p_name: str, param: torch.Tensor) -> dict[str, WeightSlot]:
+    def _slots(self, mod_name: str, module: nn.Module, p_name: str, shape: tuple[int, ...]) -> dict[str, WeightSlot]:
         full = f"{mod_name}.{p_name}" if mod_name else p_name
         parts = getattr(module, "hf_parts", None)
         if parts is None:
-            return dict([self._slot(full, full, 0, None, tuple(param.shape))])
+            return dict([self._slot(full, full, 0, None, shape)])
         parent = mod_name.rsplit(".", 1)[0]
         slots: dict[str, WeightSlot] = {}
         start = 0
         for part, rows in parts:
-            slots.update([self._slot(f"{parent}.{part}.{p_name}", full, start, rows, (rows, *param.shape[1:]))])
+            slots.update([self._slot(f"{parent}.{part}.{p_name}", full, start, rows, (rows, *shape[1:]))])
             start += rows
         return slots
 
@@ -249,16 +251,28 @@ class StageModel(nn.Module):
         piece = self.__dict__.get("tp_slices", {}).get(hf)      # set by parallel.tp.shard
         return hf, WeightSlot(param, start, rows, shape if piece is None else piece.full_shape(shape), piece)
 
+    def held_module(self, slot: WeightSlot) -> nn.Module | None:
+        """The quantized layer (`model.quantized`) that holds `slot`'s weight in buffers, if any."""
+        owner, _, leaf = slot.param.rpartition(".")
+        module = self.get_submodule(owner)
+        return module if leaf in getattr(module, "held_weights", dict)() else None
+
     def is_stage_weight(self, hf_name: str) -> bool:
         return self.canonical_name(hf_name) in self.weight_table()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy this stage's tensors in (others are skipped); returns the canonical names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy this stage's tensors in (others are skipped); returns the canonical names loaded.
+        A quantized layer's weight may come as float rows or as a `kernels.quant.QuantizedWeight`."""
         table, params, loaded = self.weight_table(), dict(self.named_parameters()), set()
         for hf_name, tensor in weights:
             name = self.canonical_name(hf_name)
             slot = table.get(name)
             if slot is None:
+                continue
+            held = self.held_module(slot)
+            if held is not None:      # checks the shape itself: a QuantizedWeight or float rows
+                cast(Any, held).load_rows(hf_name, slot.start, tensor)
+                loaded.add(name)
                 continue
             if tuple(tensor.shape) != slot.shape:
                 raise ValueError(f"Checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, but this model "

@@ -166,8 +166,11 @@ class LlamaForCausalLM(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
-        if self.lm_head is not None:
-            return logits(hidden, self.lm_head.weight, self.lm_head.packed)
+        head = self.lm_head
+        if head is not None:
+            if hasattr(head, "as_head"):      # held quantized (model.quantized)
+                return head.as_head(hidden)
+            return logits(hidden, head.weight, head.packed)
         assert self.embed_tokens is not None   # the last stage has a head or (tied, also first) the embedding
         return self.embed_tokens.as_head(hidden)
 

@@ -1,8 +1,9 @@
 """Load one pipeline stage of a Hugging Face checkpoint directory or a GGUF file.
 
-Owns checkpoint validation, dtype resolution and stage-only safetensors reads: the module is
-built on the meta device (no random init), then only this stage's tensors are read from disk
-(GGUF tensors are read and dequantized by `model.gguf`).
+Owns checkpoint validation, dtype resolution, the quantization mode and stage-only safetensors
+reads: the module is built on the meta device (no random init) with its quantized layers in place
+(`stage_skeleton`, which `stagewise plan` sizes too), then only this stage's tensors are read from
+disk (GGUF tensors by `model.gguf`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from stagewise.checkpoint import require as _require
 from stagewise.errors import CheckpointNotFoundError
 from stagewise.kernels import build as kernel_build
 from stagewise.model import cpu_gemm
+from stagewise.model.gguf import gguf_scheme, load_gguf_stage
+from stagewise.model.quantized import QuantEmbedding, QuantLinear, Scheme, kind_scheme, quantize_modules, weight_bytes
 from stagewise.model.registry import get_model_class
 from stagewise.parallel import tp as tensor_parallel
 from stagewise.parallel.partition import StageInfo
@@ -73,36 +76,83 @@ def tensor_locations(model_dir: str | Path) -> dict[str, Path]:
                                   f"a checkpoint directory must contain {_CONTENTS}.")
 
 
-def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype,
-               device: str | torch.device = "cpu", tp: tuple[int, int] | None = None) -> nn.Module:
-    """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad.
-    `tp` (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
-    hf_config = load_hf_config(model_dir)
+def exact_mode(dtype: str | torch.dtype) -> bool:
+    """Quantized weights run exact (float32 activations, never quantized: the numbers of the same
+    weights dequantized to float32) when float32 was asked for by name (`--dtype float32`,
+    `torch.float32`); `auto` (even where it resolves to float32), bfloat16 and float16 run the
+    kernels' fast mode (activations quantized to 8 bits per block)."""
+    return dtype in (torch.float32, "float32", "fp32")
+
+
+def quantization_scheme(model_dir: str | Path, quantization: str | None) -> Scheme | None:
+    """Which checkpoint tensors are held quantized: a GGUF file's own quantized types, or every
+    matrix of a float checkpoint under `--quantization int8|int4`; None: none."""
     gguf_path = gguf_file_of(model_dir)
-    locations = tensor_locations(model_dir) if gguf_path is None else None
+    if gguf_path is not None:
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} quantizes float checkpoints at load, but {gguf_path.name} "
+                             f"is a GGUF file whose tensors keep the types they are stored in; drop --quantization.")
+        return gguf_scheme(gguf_path)
+    return kind_scheme(quantization) if quantization is not None else None
+
+
+def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, *, quantization: str | None = None,
+                   exact: bool = True, tp: tuple[int, int] | None = None) -> nn.Module:
+    """This stage's model on the meta device, its quantized layers in place (sizes as stored); `tp`
+    (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
+    hf_config = load_hf_config(model_dir)
     cls = get_model_class(_architecture(hf_config, model_dir))
     if stage.num_layers != hf_config.num_hidden_layers:
         raise ValueError(f"Stage {stage.rank} was planned for {stage.num_layers} layers, but {model_dir} has "
                          f"{hf_config.num_hidden_layers}.")
+    scheme = quantization_scheme(model_dir, quantization)
     with torch.device("meta"):
-        model = cls(hf_config, stage, resolve_dtype(dtype, hf_config, device))
+        model = cls(hf_config, stage, dtype)
     if tp is not None and tp[1] > 1:
+        if scheme is not None:
+            raise ValueError("Tensor parallelism shards float weights only; quantized layers (a quantized GGUF "
+                             "file or --quantization) run with one tensor-parallel rank per stage.")
         tensor_parallel.shard(model, *tp)
+    if scheme is not None:
+        quantize_modules(model, scheme, exact)
+    return model
+
+
+def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype,
+               device: str | torch.device = "cpu", tp: tuple[int, int] | None = None, *,
+               quantization: str | None = None, exact: bool | None = None) -> nn.Module:
+    """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad.
+    `tp` (rank, size): only that tensor-parallel rank's slices (parallel/tp.py); `quantization`: int8 |
+    int4 for a float checkpoint; `exact` (default: `exact_mode(dtype)`) for quantized layers."""
+    hf_config = load_hf_config(model_dir)
+    gguf_path = gguf_file_of(model_dir)
+    locations = tensor_locations(model_dir) if gguf_path is None else None
+    resolved = resolve_dtype(dtype, hf_config, device)
+    model = stage_skeleton(model_dir, stage, resolved, quantization=quantization,
+                           exact=exact_mode(dtype) if exact is None else exact, tp=tp)
     model.to_empty(device=device)
     model.reset_buffers()
     if gguf_path is not None:
-        from stagewise.model.gguf import load_gguf_stage
         load_gguf_stage(model, gguf_path, hf_config)
     else:
         assert locations is not None   # read above for every checkpoint that is not a GGUF file
         _load_stage_tensors(model, locations, stage, Path(model_dir))
     model.eval()
     model.requires_grad_(False)
+    _log_quantized(model, stage, quantization)
     packed = cpu_gemm.pack_linears(model)
     if packed:
         log.info("stage %d: %d %s linear weights prepacked for the CPU kernels (STAGEWISE_PACKED_WEIGHTS=0: off)",
                  stage.rank, packed, str(model.dtype).removeprefix("torch."))
     return model
+
+
+def _log_quantized(model, stage: StageInfo, quantization: str | None) -> None:
+    held = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if held:
+        mode = "exact (float32 activations)" if held[0].exact else "fast (8-bit activations)"
+        log.info("stage %d: %d layers held quantized%s, %.1f MiB of weights; kernels in %s mode", stage.rank,
+                 len(held), f" ({quantization} at load)" if quantization else "", weight_bytes(model) / 2**20, mode)
 
 
 def _architecture(hf_config, model_dir) -> str:

@@ -1,16 +1,121 @@
-"""Per-stage memory plan: weights, static graph buffers, graph pools and the
-activation peak are accounted first; the KV pool gets the rest of the budget.
+"""Per-stage memory plan: weights (as stored), static graph buffers, graph pools and the activation
+peak come first; the KV pool gets the rest of the stage's budget.
 
-An explicit `kv_cache_memory` sizes the KV pool directly. Otherwise the budget is 90% of
-the device's memory (shared evenly by the stages on it) on CUDA, 2 GiB per stage on CPU,
-and on CPU the pool is capped at what `max_num_seqs` full-length sequences can use.
+An explicit `kv_cache_memory` sizes the KV pool directly. Otherwise the budget is 90% of the device
+(shared evenly by the stages on it) on CUDA; on CPU it is the memory this process may use
+(`available_bytes`: MemAvailable and the cgroup v1/v2 limit), less a margin, measured once per node
+before any stage loads and shared evenly by the node's stages, and the pool is capped at what
+`max_num_seqs` full-length sequences can use. A budget that cannot hold the weights and KV for
+`min_kv_tokens` tokens is refused.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
-CPU_STAGE_BUDGET = 2 << 30
 CUDA_UTILIZATION = 0.9
+MARGIN_FRACTION = 0.1              # of the available memory: the driver, tokenizer, allocator slack
+MIN_MARGIN_BYTES = 512 << 20
+FALLBACK_CPU_BYTES = 2 << 30       # per stage, where the OS says nothing (not Linux)
+MIN_KV_TOKENS = 4096               # a stage must hold KV for this many tokens (or max_model_len)
+_NO_LIMIT_BYTES = 1 << 60          # cgroup v1 writes "no limit" as a huge page-rounded number
+GIB = float(1 << 30)
+
+Reader = Callable[[str], "str | None"]
+
+
+def read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def meminfo_available(read: Reader = read_text) -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes."""
+    for line in (read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _cgroup_dirs(read: Reader) -> list[tuple[str, str]]:
+    """(directory, version) of this process's memory cgroup and its ancestors (each may set a limit)."""
+    found = []
+    for line in (read("/proc/self/cgroup") or "").splitlines():
+        num, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if num == "0" and controllers == "":
+            found.append(("/sys/fs/cgroup", "v2", path))
+        elif "memory" in controllers.split(","):
+            found.append(("/sys/fs/cgroup/memory", "v1", path))
+    dirs = []
+    for mount, version, path in found:
+        parts = [p for p in path.split("/") if p]
+        dirs += [("/".join([mount, *parts[:n]]), version) for n in range(len(parts), -1, -1)]
+    return dirs
+
+
+def _int(text: str | None) -> int | None:
+    text = (text or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _stat(text: str | None, key: str) -> int:
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def cgroup_available(read: Reader = read_text) -> int | None:
+    """What the memory cgroup limits (v2 memory.max, v1 memory.limit_in_bytes, at any level) still
+    allow: limit - (usage - inactive file pages, which the kernel reclaims first). None: no limit."""
+    room = None
+    for path, version in _cgroup_dirs(read):
+        names = (("memory.max", "memory.current", "inactive_file") if version == "v2"
+                 else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        limit, usage = _int(read(f"{path}/{names[0]}")), _int(read(f"{path}/{names[1]}"))
+        if limit is None or usage is None or limit >= _NO_LIMIT_BYTES:
+            continue
+        left = limit - max(0, usage - _stat(read(f"{path}/memory.stat"), names[2]))
+        room = left if room is None else min(room, left)
+    return room
+
+
+def available_bytes(read: Reader = read_text) -> int | None:
+    """Memory this process may still use: the smaller of MemAvailable and the cgroup's room; None
+    where the OS says neither (then planning falls back to FALLBACK_CPU_BYTES per stage)."""
+    known = [b for b in (meminfo_available(read), cgroup_available(read)) if b is not None]
+    return max(0, min(known)) if known else None
+
+
+def node_budget_bytes(available: int) -> int:
+    """The engine's share of `available`: less a margin of 10% (at least MIN_MARGIN_BYTES)."""
+    return max(0, available - max(int(available * MARGIN_FRACTION), MIN_MARGIN_BYTES))
+
+
+def measured_node_bytes() -> int | None:
+    """This node's budget measured now (None where the OS says nothing)."""
+    available = available_bytes()
+    return None if available is None else node_budget_bytes(available)
+
+
+def min_kv_blocks(max_len: int, block_size: int) -> int:
+    """The smallest KV pool a planned stage accepts: MIN_KV_TOKENS (at most max_len) plus reserved block 0."""
+    return -(-min(max_len, MIN_KV_TOKENS) // block_size) + 1
+
+
+def stage_budget_bytes(*, node_bytes: int | None, stages_on_node: int, device_total: int | None = None,
+                       stages_on_device: int = 1) -> int:
+    """One stage's budget: its share of the CUDA device, or of the node's CPU budget."""
+    if device_total is not None:
+        return int(device_total * CUDA_UTILIZATION) // stages_on_device
+    if node_bytes is None:
+        return FALLBACK_CPU_BYTES
+    return node_bytes // stages_on_node
 
 
 @dataclass
@@ -26,11 +131,27 @@ class MemoryPlan:
     num_blocks: int
     block_bytes: int
 
+    @property
+    def fixed_bytes(self) -> int:
+        return self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes + self.activation_bytes
+
     def row(self) -> list[str]:
         mib = lambda b: f"{b / (1 << 20):.1f}"
         return [str(self.stage), f"[{self.layers[0]},{self.layers[1]})", mib(self.weights_bytes),
                 mib(self.graph_buffer_bytes), mib(self.graph_pool_bytes), mib(self.activation_bytes),
                 mib(self.kv_bytes), str(self.num_blocks)]
+
+
+class NotEnoughMemory(ValueError):
+    """A stage's budget cannot hold its weights, activations and the smallest KV pool."""
+
+    def __init__(self, plan: MemoryPlan, min_kv_bytes: int):
+        self.plan, self.missing_bytes = plan, plan.fixed_bytes + min_kv_bytes - plan.budget_bytes
+        super().__init__(f"Stage {plan.stage} needs {(plan.fixed_bytes + min_kv_bytes) / GIB:.2f} GiB (weights "
+                         f"{plan.weights_bytes / GIB:.2f}, activations and graphs "
+                         f"{(plan.fixed_bytes - plan.weights_bytes) / GIB:.2f}, the smallest KV pool "
+                         f"{min_kv_bytes / GIB:.2f}) but its memory budget is {plan.budget_bytes / GIB:.2f} GiB: "
+                         f"{self.missing_bytes / GIB:.2f} GiB missing.")
 
 
 def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, vocab: int,
@@ -40,22 +161,33 @@ def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, v
 
 
 def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers: int, graph_pools: int,
-            activation: int, block_bytes: int, explicit_kv: int | None, device_total: int | None,
-            stages_on_device: int, cap_blocks: int) -> MemoryPlan:
+            activation: int, block_bytes: int, explicit_kv: int | None, budget: int, cap_blocks: int,
+            min_blocks: int, refuse: bool = True) -> MemoryPlan:
+    """The stage's plan: an explicit KV size as given, else the budget's rest up to `cap_blocks`.
+    Raises NotEnoughMemory (with `refuse`) when the rest holds fewer than `min_blocks` blocks."""
+    fixed = weights + graph_buffers + graph_pools + activation
     if explicit_kv is not None:
-        budget, kv = explicit_kv, explicit_kv
-    elif device_total is not None:
-        budget = int(device_total * CUDA_UTILIZATION) // stages_on_device
-        kv = budget - weights - graph_buffers - graph_pools - activation
+        kv = explicit_kv
+        budget = fixed + kv
     else:
-        budget = CPU_STAGE_BUDGET
-        kv = min(budget - weights - graph_buffers - graph_pools - activation, cap_blocks * block_bytes)
-    if kv < 2 * block_bytes:
-        raise ValueError(f"Stage {stage} has no memory left for the KV cache ({kv / (1 << 20):.1f} MiB after "
-                         f"weights and graphs); raise kv_cache_memory or use more pipeline stages.")
-    num_blocks = kv // block_bytes
-    return MemoryPlan(stage, layers, budget, weights, graph_buffers, graph_pools, activation,
+        kv = min(budget - fixed, cap_blocks * block_bytes)
+    num_blocks = max(0, kv // block_bytes)
+    plan = MemoryPlan(stage, layers, budget, weights, graph_buffers, graph_pools, activation,
                       num_blocks * block_bytes, num_blocks, block_bytes)
+    problem = shortfall(plan, explicit_kv, min(min_blocks, cap_blocks))
+    if problem is not None and refuse:
+        raise problem
+    if num_blocks < 2 and refuse:
+        raise ValueError(f"Stage {stage}'s KV cache of {kv / (1 << 20):.2f} MiB holds {num_blocks} blocks of "
+                         f"{block_bytes / (1 << 20):.2f} MiB; it needs at least 2 — raise kv_cache_memory.")
+    return plan
+
+
+def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> NotEnoughMemory | None:
+    """The refusal of a plan whose KV pool is below `min_blocks` (an explicit size is the user's call)."""
+    if explicit_kv is None and plan.num_blocks < min_blocks:
+        return NotEnoughMemory(plan, min_blocks * plan.block_bytes)
+    return None
 
 
 def format_memory_table(plans: list[MemoryPlan]) -> str:

@@ -1,20 +1,164 @@
-"""`stagewise plan`: each stage's layers, weight bytes and KV capacity, computed on the meta
-device from config.json (or a GGUF file's metadata) alone — nothing is loaded or launched."""
+"""Memory plans from metadata: each stage's layers, weight bytes as stored (quantized layers at their
+own size) and KV capacity, computed on the meta device from config.json (or a GGUF file's metadata)
+alone. `stagewise plan` prints them; `fit_to_memory` refuses, before anything loads, a model this
+node cannot hold, with what is missing and the fewest machines (or the quantization) that would.
+"""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import gguf_file_of, load_hf_config, max_model_len
+from ..checkpoint import gguf_file_of, load_hf_config, max_model_len, num_layers_of
 from ..config import EngineConfig
 from ..gguf_meta import gguf_facts
-from ..model.loader import _architecture, resolve_dtype
-from ..model.registry import get_model_class
-from ..parallel.partition import stage_infos
+from ..kernels.quant import SUPPORTED, T
+from ..model.loader import exact_mode, resolve_dtype, stage_skeleton
+from ..model.quantized import weight_bytes
+from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
 from .kv_cache import kv_bytes_per_block
-from .memory import estimate_activation_bytes, format_memory_table, plan_kv
+from .memory import (
+    GIB,
+    MemoryPlan,
+    NotEnoughMemory,
+    estimate_activation_bytes,
+    format_memory_table,
+    measured_node_bytes,
+    min_kv_blocks,
+    plan_kv,
+    shortfall,
+    stage_budget_bytes,
+)
 from .stage_cost import partition_lines, resolve_partition
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Weight bytes as held: per layer, and what the first / last stage hold besides their layers."""
+    layers: tuple[int, ...]
+    first_extra: int
+    last_extra: int
+    single: int          # one stage holding everything (a tied head shares the embedding)
+
+    @classmethod
+    def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool) -> ModelBytes:
+        num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
+        build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact)
+        whole = build(StageInfo.single(num_layers))
+        layers = tuple(weight_bytes(whole.layers[i]) for i in range(num_layers))
+        total = weight_bytes(whole)
+        if num_layers == 1:
+            return cls(layers, total - layers[0], 0, total)
+        first, last = (weight_bytes(build(s)) for s in stage_infos(num_layers, 2, (1, num_layers - 1)))
+        return cls(layers, first - layers[0], last - sum(layers[1:]), total)
+
+    def stage_bytes(self, sizes: tuple[int, ...]) -> list[int]:
+        if len(sizes) == 1:
+            return [self.single]
+        out, start = [], 0
+        for s in sizes:
+            out.append(sum(self.layers[start:start + s]))
+            start += s
+        out[0] += self.first_extra
+        out[-1] += self.last_extra
+        return out
+
+
+def _plans(config: EngineConfig, hf, weights: ModelBytes, sizes: tuple[int, ...], stages_on_node: int,
+           node_bytes: int | None, refuse: bool) -> list[MemoryPlan]:
+    dtype = resolve_dtype(config.dtype, hf, "cpu")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    hidden = int(getattr(hf, "hidden_size", 0) or hf.n_embd)
+    act = estimate_activation_bytes(config.chunked_prefill_size, hidden,
+                                    getattr(hf, "intermediate_size", None) or 4 * hidden, hf.vocab_size,
+                                    config.max_num_seqs, itemsize)
+    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hidden // hf.num_attention_heads
+    max_len = max_model_len(config, hf)
+    budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
+    plans = []
+    for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
+        plans.append(plan_kv(stage.rank, (stage.start, stage.end), weights=held, graph_buffers=0, graph_pools=0,
+                             activation=act, block_bytes=kv_bytes_per_block(stage, heads, head_dim, config.block_size,
+                                                                            dtype),
+                             explicit_kv=config.kv_cache_memory, budget=budget,
+                             cap_blocks=config.max_num_seqs * -(-max_len // config.block_size) + 1,
+                             min_blocks=min_kv_blocks(max_len, config.block_size), refuse=refuse))
+    return plans
+
+
+def _problem(config: EngineConfig, hf, plans: list[MemoryPlan]) -> NotEnoughMemory | None:
+    min_blocks = min_kv_blocks(max_model_len(config, hf), config.block_size)
+    found = [p for p in (shortfall(plan, config.kv_cache_memory, min_blocks) for plan in plans) if p is not None]
+    return max(found, key=lambda p: p.missing_bytes) if found else None
+
+
+def _weights_of(config: EngineConfig, hf, quantization: str | None = None) -> ModelBytes:
+    assert config.model is not None, "plans need the resolved model path"
+    dtype = resolve_dtype(config.dtype, hf, "cpu")
+    return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype))
+
+
+def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
+    """The partition over the fewest machines like this one (one stage each) whose every stage fits:
+    the smallest stage count whose memory-balanced split fits (bisection), or None."""
+    single = _plans(config, hf, weights, (len(weights.layers),), 1, node_bytes, refuse=False)[0]
+    room = single.budget_bytes - single.activation_bytes
+    kv_per_layer = min_kv_blocks(max_model_len(config, hf), config.block_size) * single.block_bytes // len(
+        weights.layers)
+    costs = [float(b + kv_per_layer) for b in weights.layers]
+
+    def split(pp: int) -> tuple[int, ...] | None:
+        sizes = balanced_partition(costs, pp, weights.first_extra, weights.last_extra)
+        fixed = stage_costs(sizes, costs, weights.first_extra, weights.last_extra)
+        return sizes if max(fixed) <= room else None
+    low, high = 2, len(costs)
+    if high < low or split(high) is None:
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if split(mid) is not None else (mid + 1, high)
+    return split(low)
+
+
+def _remedy(config: EngineConfig, hf, node_bytes: int | None) -> str:
+    """What would hold the model: the fewest machines like this one, and/or a quantization."""
+    weights, options = _weights_of(config, hf), []
+    sizes = _fewest_stages(config, hf, weights, node_bytes)
+    if sizes is not None:
+        pp = len(sizes)
+        auto = resolve_partition(config.replace(pp_size=pp, nnodes=1, node_rank=0, pp_node_rates=None,
+                                                pp_layer_partition="auto"), hf)
+        fits = _problem(config, hf, _plans(config, hf, weights, auto, 1, node_bytes, refuse=False)) is None
+        flags = f"--pp-size {pp}" + ("" if fits else f" --pp-layer-partition {','.join(map(str, sizes))}")
+        options.append(f"with {flags} over {pp} machines like this one (--nnodes {pp})")
+    if gguf_file_of(config.model or "") is None and config.quantization != "int4":
+        for kind in ("int8", "int4")[1 if config.quantization == "int8" else 0:]:
+            held = _weights_of(config, hf, kind)
+            if _problem(config, hf, _plans(config, hf, held, resolve_partition(config, hf), config.stages_per_node,
+                                           node_bytes, refuse=False)) is None:
+                options.append(f"as it is placed now with --quantization {kind}")
+                break
+    if not options:
+        return "No split over machines like this one holds it: use a machine with more memory or a smaller model."
+    return f"It fits {', or '.join(options)}."
+
+
+def fit_to_memory(config: EngineConfig, hf) -> EngineConfig:
+    """`config` with this node's memory budget measured (CPU), after checking, before anything loads,
+    that the planned stages fit it; refuses one that does not (one sentence)."""
+    if config.resolved_device != "cpu":
+        return config
+    node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
+    config = config.replace(node_memory_bytes=node_bytes)
+    sizes = resolve_partition(config, hf)
+    problem = _problem(config, hf, _plans(config, hf, _weights_of(config, hf), sizes, config.stages_per_node,
+                                          node_bytes, refuse=False))
+    if problem is not None:
+        raise ValueError(f"{config.model} does not fit this machine's memory: {problem} "
+                         f"{_remedy(config, hf, node_bytes)}")
+    return config
 
 
 def plan_report(config: EngineConfig) -> str:
@@ -23,39 +167,31 @@ def plan_report(config: EngineConfig) -> str:
     hf = load_hf_config(model_dir)
     device = config.resolved_device
     dtype = resolve_dtype(config.dtype, hf, device)
-    cls = get_model_class(_architecture(hf, model_dir))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_seq_blocks = -(-max_model_len(config, hf) // config.block_size)
-    plans = []
-    for stage in stage_infos(hf.num_hidden_layers, config.pp_size, resolve_partition(config, hf)):
-        with torch.device("meta"):
-            model = cls(hf, stage, dtype)
-        weights = sum(p.numel() for p in model.parameters()) * itemsize
-        heads, head_dim = model.kv_cache_spec()
-        block = kv_bytes_per_block(stage, heads, head_dim, config.block_size, dtype)
-        act = estimate_activation_bytes(config.chunked_prefill_size, model.hidden_size,
-                                        getattr(hf, "intermediate_size", None) or 4 * model.hidden_size,
-                                        hf.vocab_size, config.max_num_seqs, itemsize)
-        total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
-        plans.append(plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=0, graph_pools=0,
-                             activation=act, block_bytes=block, explicit_kv=config.kv_cache_memory,
-                             device_total=total, stages_on_device=1,
-                             cap_blocks=config.max_num_seqs * per_seq_blocks + 1))
-    tokens = min(p.num_blocks for p in plans) * config.block_size
+    node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
+    plans = _plans(config, hf, _weights_of(config, hf), resolve_partition(config, hf), config.stages_per_node,
+                   node_bytes, refuse=False)
+    problem = _problem(config, hf, plans) if device == "cpu" else None
+    tokens = max(0, min(p.num_blocks for p in plans) - 1) * config.block_size
+    budget = "unknown (2 GiB per stage)" if node_bytes is None else f"{node_bytes / GIB:.2f} GiB"
+    verdict = (f"does not fit: {problem} {_remedy(config, hf, node_bytes)}" if problem is not None
+               else f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
-            f"{_gguf_line(model_dir, dtype)}{_partition_text(config, hf)}{format_memory_table(plans)}\n"
-            f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
+            f"{_weights_line(config, model_dir, dtype)}{_partition_text(config, hf)}"
+            f"memory budget per node: {budget} (what this process may use, less a margin)\n"
+            f"{format_memory_table(plans)}\n{verdict}")
 
 
-def _gguf_line(model_dir: str, dtype: torch.dtype) -> str:
-    """For a GGUF file: its tensor types and size on disk; weights above are the dequantized bytes."""
+def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> str:
+    """How weights are held: a GGUF file's types (kept quantized or converted), or --quantization."""
     path = gguf_file_of(model_dir)
     if path is None:
-        return ""
+        return f"weights quantized at load: {config.quantization}\n" if config.quantization else ""
     types = Counter(gguf_facts(path).types.values())
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
-    return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk, "
-            f"dequantized to {dtype} at load\n")
+    kept = sum(n for t, n in types.items() if T[t] in SUPPORTED)
+    mode = "exact" if exact_mode(config.dtype) else "fast"
+    return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; {kept} kept "
+            f"quantized ({mode} mode), the rest held as {dtype}; weights below are as held\n")
 
 
 def _partition_text(config: EngineConfig, hf) -> str:

@@ -15,12 +15,20 @@ from ..checkpoint import load_hf_config, max_model_len
 from ..config import EngineConfig
 from ..graph.policy import policy_for
 from ..model.attention import ForwardBatch
-from ..model.loader import load_model, resolve_dtype
+from ..model.loader import exact_mode, load_model, resolve_dtype
+from ..model.quantized import weight_bytes
 from ..parallel.partition import StageInfo
 from . import cpu_pool
 from .allocator import keep_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
-from .memory import MemoryPlan, estimate_activation_bytes, plan_kv
+from .memory import (
+    MemoryPlan,
+    estimate_activation_bytes,
+    measured_node_bytes,
+    min_kv_blocks,
+    plan_kv,
+    stage_budget_bytes,
+)
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
 log = logging.getLogger("stagewise.runtime")
@@ -57,7 +65,10 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
-    model = load_model(model_dir, stage, dtype, device)
+    if device.type == "cpu" and config.node_memory_bytes is None:   # torchrun: no driver measured it
+        config = config.replace(node_memory_bytes=measured_node_bytes())
+    model = load_model(model_dir, stage, dtype, device, quantization=config.quantization,
+                       exact=exact_mode(config.dtype))
     policy = policy_for(config, device.type)
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
@@ -73,16 +84,20 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> Stage
 
 
 def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     itemsize = torch.empty((), dtype=dtype).element_size()
     hidden = model.hidden_size
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
     activation = estimate_activation_bytes(config.chunked_prefill_size, hidden, intermediate,
                                            hf_config.vocab_size, config.max_num_seqs, itemsize)
-    device_total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    on_device = max(1, -(-config.stages_per_node // max(torch.cuda.device_count(), 1))) if device_total else 1
-    per_seq_blocks = -(-max_model_len(config, hf_config) // config.block_size)
-    return plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=runner.static_bytes(),
-                   graph_pools=0, activation=activation, block_bytes=block_bytes,
-                   explicit_kv=config.kv_cache_memory, device_total=device_total, stages_on_device=on_device,
-                   cap_blocks=config.max_num_seqs * per_seq_blocks + 1)
+    if device.type == "cuda":
+        budget = stage_budget_bytes(node_bytes=None, stages_on_node=1,
+                                    device_total=torch.cuda.get_device_properties(device).total_memory,
+                                    stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
+    else:
+        budget = stage_budget_bytes(node_bytes=config.node_memory_bytes, stages_on_node=config.stages_per_node)
+    max_len = max_model_len(config, hf_config)
+    return plan_kv(stage.rank, (stage.start, stage.end), weights=weight_bytes(model),
+                   graph_buffers=runner.static_bytes(), graph_pools=0, activation=activation, block_bytes=block_bytes,
+                   explicit_kv=config.kv_cache_memory, budget=budget,
+                   cap_blocks=config.max_num_seqs * -(-max_len // config.block_size) + 1,
+                   min_blocks=min_kv_blocks(max_len, config.block_size))
