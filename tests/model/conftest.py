@@ -116,7 +116,8 @@ def _write_tokenizer(writer, hf_dir: Path) -> None:
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool = True,
                tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write `hf_dir` as a GGUF file; `qtype` other than F32 stores every 2-D tensor in that type (norms stay F32)."""
+    """Write `hf_dir` as a GGUF file; `qtype` other than F32 stores every 2-D tensor in that type (norms stay F32).
+    `tensors` replaces the checkpoint's; a `(raw bytes, GGMLQuantizationType)` value is written as is."""
     import gguf
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
@@ -128,7 +129,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool =
         _write_tokenizer(writer, hf_dir)
     quant = gguf.GGMLQuantizationType[qtype]
     for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
-        if quant == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
+        if isinstance(array, tuple):
+            writer.add_tensor(name, array[0], raw_dtype=array[1])
+        elif quant == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
             writer.add_tensor(name, array)
         elif quant == gguf.GGMLQuantizationType.F16:   # a plain float16 array: the writer infers F16
             writer.add_tensor(name, array.astype(np.float16))

@@ -15,6 +15,7 @@ import re
 import time
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -80,14 +81,14 @@ def gguf_scheme(path: Path) -> Scheme:
     """Which checkpoint tensors (by HF name) a GGUF file holds in a type with a quantized kernel."""
     facts = gguf_facts(path)
     arch = facts.meta["general.architecture"]
-    types = {hf_tensor_name(name, arch): T[kind] for name, kind in facts.types.items()}
+    types = {hf_tensor_name(name, arch): T.__members__[kind] for name, kind in facts.types.items()}
     return lambda hf_name, shape: types[hf_name] if types.get(hf_name) in SUPPORTED else None
 
 
 def read_raw(reader_tensor, file) -> torch.Tensor:
     """A tensor's bytes, read with pread into a new uint8 tensor (the file is never mapped)."""
     out = torch.empty(int(reader_tensor.n_bytes), dtype=torch.uint8)
-    view, done = memoryview(out.numpy()), 0
+    view, done = out.numpy().data, 0
     while done < len(view):
         got = os.preadv(file.fileno(), [view[done:]], int(reader_tensor.data_offset) + done)
         if got <= 0:
@@ -117,7 +118,7 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     layers as stored, the rest dequantized into the model's dtype."""
     started, kept, converted = time.perf_counter(), Counter[str](), Counter[str]()
     arch = gguf_facts(path).meta["general.architecture"]
-    table, dtype = model.weight_table(), model.dtype
+    table, dtype = model.weight_table(), cast(torch.dtype, model.dtype)
     named = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
     mine = [(t, name) for t, name in named if name is not None and model.is_stage_weight(name)]
     _check_complete(model, table, [name for _, name in mine], path)

@@ -11,6 +11,7 @@ from torch import nn
 from stagewise.model.attention import ForwardBatch
 from stagewise.model.cpu_gemm import linear
 from stagewise.model.layers import StageModel, activation, build_layers
+from stagewise.model.quantized import QuantEmbedding, QuantLinear
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import HIDDEN_ONLY_CONTRACT, ProxyTensors
 
@@ -145,7 +146,7 @@ class GPT2LMHeadModel(StageModel):
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.wte
         assert head is not None   # the last stage has a head or (tied, also first) the embedding
-        if hasattr(head, "as_head"):      # held quantized (model.quantized)
+        if isinstance(head, (QuantLinear, QuantEmbedding)):
             return head.as_head(hidden)
         return linear(hidden, head.weight).float()
 

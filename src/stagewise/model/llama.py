@@ -22,6 +22,7 @@ from stagewise.model.layers import (
     build_layers,
     rope_parameters,
 )
+from stagewise.model.quantized import QuantLinear
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
@@ -168,7 +169,7 @@ class LlamaForCausalLM(StageModel):
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
         head = self.lm_head
         if head is not None:
-            if hasattr(head, "as_head"):      # held quantized (model.quantized)
+            if isinstance(head, QuantLinear):
                 return head.as_head(hidden)
             return logits(hidden, head.weight, head.packed)
         assert self.embed_tokens is not None   # the last stage has a head or (tied, also first) the embedding

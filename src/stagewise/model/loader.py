@@ -11,6 +11,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,7 @@ from stagewise.errors import CheckpointNotFoundError
 from stagewise.kernels import build as kernel_build
 from stagewise.model import cpu_gemm
 from stagewise.model.gguf import gguf_scheme, load_gguf_stage
+from stagewise.model.layers import StageModel
 from stagewise.model.quantized import QuantEmbedding, QuantLinear, Scheme, kind_scheme, quantize_modules, weight_bytes
 from stagewise.model.registry import get_model_class
 from stagewise.parallel import tp as tensor_parallel
@@ -97,7 +99,7 @@ def quantization_scheme(model_dir: str | Path, quantization: str | None) -> Sche
 
 
 def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, *, quantization: str | None = None,
-                   exact: bool = True, tp: tuple[int, int] | None = None) -> nn.Module:
+                   exact: bool = True, tp: tuple[int, int] | None = None) -> StageModel:
     """This stage's model on the meta device, its quantized layers in place (sizes as stored); `tp`
     (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
     hf_config = load_hf_config(model_dir)
@@ -107,7 +109,7 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
                          f"{hf_config.num_hidden_layers}.")
     scheme = quantization_scheme(model_dir, quantization)
     with torch.device("meta"):
-        model = cls(hf_config, stage, dtype)
+        model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
         if scheme is not None:
             raise ValueError("Tensor parallelism shards float weights only; quantized layers (a quantized GGUF "

@@ -121,7 +121,7 @@ class QuantLinear(_Held):
         self._store(index, seg, start, self._as_quantized(tensor, seg.qtype))
 
     def _segment_out(self, x: torch.Tensor, i: int, seg: Segment, f32_out: bool) -> torch.Tensor:
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and len(self.segments) > 1:
             bias = bias[seg.start:seg.start + seg.rows]
         data = getattr(self, f"segment{i}")
@@ -159,6 +159,7 @@ class QuantEmbedding(_Held):
     also the (tied) LM head, `as_head` multiplies the quantized matrix."""
 
     serves_head = False
+    segment0: torch.Tensor       # registered in __init__
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: T, dtype: torch.dtype, exact: bool):
         super().__init__()
@@ -223,7 +224,7 @@ def _replacement(model, name: str, module: nn.Module, scheme: Scheme, exact: boo
     in_out = bool(getattr(module, "in_out_layout", False))
     dtype = weight.dtype
     if isinstance(module, nn.Embedding):
-        qtype = scheme(model.hf_name(f"{name}.weight"), tuple(weight.shape))
+        qtype = scheme(model.hf_name(f"{name}.weight"), (int(weight.shape[0]), int(weight.shape[1])))
         if qtype is None:
             return None
         with torch.device(weight.device):

@@ -147,11 +147,15 @@ class NotEnoughMemory(ValueError):
 
     def __init__(self, plan: MemoryPlan, min_kv_bytes: int):
         self.plan, self.missing_bytes = plan, plan.fixed_bytes + min_kv_bytes - plan.budget_bytes
-        super().__init__(f"Stage {plan.stage} needs {(plan.fixed_bytes + min_kv_bytes) / GIB:.2f} GiB (weights "
-                         f"{plan.weights_bytes / GIB:.2f}, activations and graphs "
-                         f"{(plan.fixed_bytes - plan.weights_bytes) / GIB:.2f}, the smallest KV pool "
-                         f"{min_kv_bytes / GIB:.2f}) but its memory budget is {plan.budget_bytes / GIB:.2f} GiB: "
-                         f"{self.missing_bytes / GIB:.2f} GiB missing.")
+        super().__init__(f"Stage {plan.stage} needs {size_text(plan.fixed_bytes + min_kv_bytes)} (weights "
+                         f"{size_text(plan.weights_bytes)}, activations and graphs "
+                         f"{size_text(plan.fixed_bytes - plan.weights_bytes)}, the smallest KV pool "
+                         f"{size_text(min_kv_bytes)}) but its memory budget is {size_text(plan.budget_bytes)}: "
+                         f"{size_text(self.missing_bytes)} missing.")
+
+
+def size_text(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, vocab: int,

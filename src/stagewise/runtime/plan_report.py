@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch import nn
 
 from ..checkpoint import gguf_file_of, load_hf_config, max_model_len, num_layers_of
 from ..config import EngineConfig
@@ -19,7 +21,6 @@ from ..model.quantized import weight_bytes
 from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
 from .kv_cache import kv_bytes_per_block
 from .memory import (
-    GIB,
     MemoryPlan,
     NotEnoughMemory,
     estimate_activation_bytes,
@@ -28,6 +29,7 @@ from .memory import (
     min_kv_blocks,
     plan_kv,
     shortfall,
+    size_text,
     stage_budget_bytes,
 )
 from .stage_cost import partition_lines, resolve_partition
@@ -46,7 +48,7 @@ class ModelBytes:
         num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
         build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact)
         whole = build(StageInfo.single(num_layers))
-        layers = tuple(weight_bytes(whole.layers[i]) for i in range(num_layers))
+        layers = tuple(weight_bytes(cast(nn.ModuleList, whole.layers)[i]) for i in range(num_layers))
         total = weight_bytes(whole)
         if num_layers == 1:
             return cls(layers, total - layers[0], 0, total)
@@ -138,7 +140,8 @@ def _remedy(config: EngineConfig, hf, node_bytes: int | None) -> str:
             held = _weights_of(config, hf, kind)
             if _problem(config, hf, _plans(config, hf, held, resolve_partition(config, hf), config.stages_per_node,
                                            node_bytes, refuse=False)) is None:
-                options.append(f"as it is placed now with --quantization {kind}")
+                where = "on this machine" if config.pp_size == 1 else "with the same stages"
+                options.append(f"{where} with --quantization {kind}")
                 break
     if not options:
         return "No split over machines like this one holds it: use a machine with more memory or a smaller model."
@@ -172,7 +175,7 @@ def plan_report(config: EngineConfig) -> str:
                    node_bytes, refuse=False)
     problem = _problem(config, hf, plans) if device == "cpu" else None
     tokens = max(0, min(p.num_blocks for p in plans) - 1) * config.block_size
-    budget = "unknown (2 GiB per stage)" if node_bytes is None else f"{node_bytes / GIB:.2f} GiB"
+    budget = "unknown (2 GiB per stage)" if node_bytes is None else size_text(node_bytes)
     verdict = (f"does not fit: {problem} {_remedy(config, hf, node_bytes)}" if problem is not None
                else f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
@@ -188,7 +191,7 @@ def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> s
         return f"weights quantized at load: {config.quantization}\n" if config.quantization else ""
     types = Counter(gguf_facts(path).types.values())
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
-    kept = sum(n for t, n in types.items() if T[t] in SUPPORTED)
+    kept = sum(n for t, n in types.items() if T.__members__[t] in SUPPORTED)
     mode = "exact" if exact_mode(config.dtype) else "fast"
     return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; {kept} kept "
             f"quantized ({mode} mode), the rest held as {dtype}; weights below are as held\n")
