@@ -33,6 +33,12 @@ MIXES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch, tmp_path_factory):
+    """Tokenizers converted from these throwaway files go to a temp cache."""
+    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path_factory.getbasetemp() / "stagewise-cache"))
+
+
 @pytest.fixture(scope="session")
 def wide_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """A llama checkpoint with K a multiple of 256 (K-quant blocks): hidden 256, 2 layers, GQA."""

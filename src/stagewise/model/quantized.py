@@ -22,6 +22,7 @@ from stagewise.model.cpu_gemm import linear as float_linear
 Scheme = Callable[[str, tuple[int, int]], "T | None"]
 QUANTIZATION_KINDS = ("int8", "int4")
 _LINEAR_TYPE = {"int8": T.Q8_0, "int4": T.Q4_1}     # weight-only: per-32 scale (and minimum for int4)
+_PACK_ELEMENTS = 1 << 21       # weights packed per step: bounds the load's temporaries to a few MiB
 _EMBEDDING_TYPE = T.Q8_0     # embeddings and LM heads keep 8 bits under int4 too (llama.cpp's mixes keep them high)
 
 
@@ -35,6 +36,21 @@ class Segment:
 
 def _packed_shape(qtype: T, rows: int, k: int) -> tuple[int, int]:
     return quant_pack.num_panels(rows), quant_pack.panel_bytes(qtype, k)
+
+
+def _pack_into(out: torch.Tensor, weight: QuantizedWeight) -> None:
+    """Pack `weight` into `out` (its packed shape) a few rows at a time: panel p holds rows 16p..16p+15,
+    so packed row slices are slices of the panels, and the unpacking temporaries stay small."""
+    n, k = weight.shape
+    step = max(quant_pack.ROW_ALIGN, _PACK_ELEMENTS // k // quant_pack.ROW_ALIGN * quant_pack.ROW_ALIGN)
+    for start in range(0, n, step):
+        panels = weight.take_rows(slice(start, start + step)).pack().data
+        first = start // quant_pack.PANEL
+        if first + panels.shape[0] > out.shape[0] or panels.shape[1] != out.shape[1]:
+            raise ValueError(f"Packed {weight.qtype.name} rows do not fit the planned {tuple(out.shape)} panels; "
+                             f"the kernels' layout and this layer disagree.")
+        with torch.no_grad():
+            out[first:first + panels.shape[0]].copy_(panels)
 
 
 class _Held(nn.Module):
@@ -63,16 +79,17 @@ class _Held(nn.Module):
                              f"expects {rows}x{self.in_features}; the checkpoint does not match its config.")
 
     def _store(self, index: int, seg: Segment, start: int, weight: QuantizedWeight) -> None:
+        """Keep file rows until the segment is whole, then pack them into its buffer."""
+        assert seg.qtype is not None, "float segments are copied, not packed"
         pending = self._pending.setdefault(index, {})
         pending[start] = weight
         if sum(w.shape[0] for w in pending.values()) < seg.rows:
             return
         parts = [pending[s] for s in sorted(pending)]
+        del self._pending[index], pending
         data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-        packed = QuantizedWeight(seg.qtype, (seg.rows, self.in_features), data).pack()   # type: ignore[arg-type]
-        with torch.no_grad():
-            getattr(self, f"segment{index}").copy_(packed.data)
-        del self._pending[index]
+        del parts
+        _pack_into(getattr(self, f"segment{index}"), QuantizedWeight(seg.qtype, (seg.rows, self.in_features), data))
 
     def stored_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
