@@ -235,6 +235,8 @@ def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2):
 
 @pytest.mark.slow
 def test_generate_with_no_model_answers_with_smollm2(smollm2, capsys):
-    assert main(["--log-level", "WARNING", "generate", "--max-tokens", "12"]) == 0
+    # NOTE: float32 runs the quantized layers exactly; the default fast mode (8-bit activations, as
+    # llama.cpp) answers this near-tie as llama.cpp does, with "L'Étoile" (docs/quantization.md).
+    assert main(["--log-level", "WARNING", "generate", "--max-tokens", "12", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("What is the capital of France?\n") and "Paris" in out
