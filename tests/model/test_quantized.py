@@ -35,8 +35,16 @@ MIXES = {
 
 @pytest.fixture(autouse=True)
 def _private_cache(monkeypatch, tmp_path_factory):
-    """Tokenizers converted from these throwaway files go to a temp cache."""
-    monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path_factory.getbasetemp() / "stagewise-cache"))
+    """Tokenizers converted from these throwaway files go to a temp cache; built kernels and compiled
+    graphs are shared with the real cache (building them again costs a minute on 2 cores)."""
+    from stagewise import envs
+    private = tmp_path_factory.getbasetemp() / "stagewise-cache"
+    for shared in ("kernels", "inductor"):
+        (envs.STAGEWISE_CACHE / shared).mkdir(parents=True, exist_ok=True)
+        if not (private / shared).exists():
+            private.mkdir(exist_ok=True)
+            (private / shared).symlink_to(envs.STAGEWISE_CACHE / shared, target_is_directory=True)
+    monkeypatch.setenv("STAGEWISE_CACHE", str(private))
 
 
 @pytest.fixture(scope="session")
