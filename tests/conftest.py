@@ -230,3 +230,9 @@ class EagerPipeline:
 def eager_pipeline():
     """Factory: `eager_pipeline(model_dir, pp_size=1, partition=None)` -> EagerPipeline."""
     return EagerPipeline
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="the release run of tests/battery/ (16 clients for minutes, every attack, the "
+                          "default grammar budgets) instead of CI's short one")

@@ -61,11 +61,11 @@ def test_every_stagewise_variable_in_the_source_is_in_envs_py():
             assert name in declared, f"{path.relative_to(ROOT)} names {name}, which src/stagewise/envs.py lacks"
 
 
-# flags of other programs that the pages show (pip, torchrun, lm_eval, docker, mkdocs, llama.cpp)
+# flags of other programs that the pages show (pip, torchrun, lm_eval, docker, mkdocs, llama.cpp, our pytest)
 FOREIGN_FLAGS = {"--index-url", "--no-deps", "--nproc-per-node", "--tasks", "--apply", "--cpus", "--cpuset-cpus",
-                 "--strict", "--site-dir", "--merge"}
+                 "--strict", "--site-dir", "--merge", "--long"}
 # pages written with features that may land later (kernels.md names --quantization before it exists)
-OTHER_HELPERS_PAGES = {"kernels.md", "security.md", "quantization.md", "performance.md"}
+OTHER_HELPERS_PAGES = {"kernels.md", "quantization.md", "performance.md"}
 
 
 def test_every_flag_the_docs_name_exists():

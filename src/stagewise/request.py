@@ -301,7 +301,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
-    error_status: int | None = None        # 4xx: the request itself was at fault (its grammar, ...); None: the server
+    error_status: int | None = None        # 4xx: the request itself was at fault (its grammar, ...); 503: retry;
+                                           # None: the server
 
 
 

@@ -247,14 +247,15 @@ class Serving:
 
     def failure(self, out: RequestOutput, param: str | None = None) -> APIError:
         """The error a failed output answers with: 4xx when the request itself was at fault (`param`
-        names its field), 503 when aborted or the engine is down, else 500 (details in the log)."""
+        names its field), 503 when aborted, when the engine is down or its grammar compiler stopped
+        (`error_status` 503), else 500 (details in the log)."""
         completion = out.outputs[0]
         status = completion.error_status
         if completion.finish_reason == "error" and status is not None and 400 <= status < 500:
             log.info("request %s failed: %s", out.request_id, completion.error)
             return APIError(completion.error or "The request failed.", status, param,
                             "timeout" if status == 408 else None)
-        if completion.finish_reason == "abort" or not self.engine.is_healthy:
+        if completion.finish_reason == "abort" or status == 503 or not self.engine.is_healthy:
             return APIError(completion.error or "The request was aborted; retry later.", 503, None, None,
                             "service_unavailable")
         log.error("request %s failed in the engine: %s", out.request_id, completion.error or "no message")

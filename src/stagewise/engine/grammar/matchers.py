@@ -108,7 +108,7 @@ class StructuredOutputManager:
             try:
                 self.matchers[rid] = self.backend.matcher(ticket.future.result())
             except GrammarRefused as exc:
-                req.error_status = exc.status if exc.status < 500 else None
+                req.error_status = exc.status if exc.status != 500 else None     # 503: retry
                 failed.append((req, str(exc)))
                 continue
             except Exception as exc:        # noqa: BLE001  (a matcher that cannot be made fails its request)
