@@ -95,16 +95,20 @@ def distinct_schema(rng: random.Random) -> dict:
 
 
 def send(client, url: str, attack: Attack) -> tuple[int, float]:
-    """(status, seconds) of one request; a stream that sends an error event counts as 500."""
+    """(status, seconds) of one request; a stream that sends an error event counts as 500, a request
+    that got no answer (a dropped connection, a client timeout) as -1."""
     t0 = time.perf_counter()
-    if attack.body.get("stream"):
+    try:
+        if not attack.body.get("stream"):
+            return client.post(url + attack.path, json=attack.body).status_code, time.perf_counter() - t0
         with client.stream("POST", url + attack.path, json=attack.body) as r:
             status = r.status_code
             for line in r.iter_lines():
                 if status == 200 and line.startswith('data: {"error"'):
                     status = 500
         return status, time.perf_counter() - t0
-    return client.post(url + attack.path, json=attack.body).status_code, time.perf_counter() - t0
+    except httpx.HTTPError:
+        return -1, time.perf_counter() - t0
 
 
 @dataclass
