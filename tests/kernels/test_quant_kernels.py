@@ -71,8 +71,11 @@ def test_native_kernel_every_row_count(qtype, rows):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k,rows", [(1, 256, 1), (37, 768, 5), (64, 256, 13), (100, 256, 200)])
+@pytest.mark.parametrize("n,k,rows", [(1, 256, 1), (300, 256, 1), (200, 256, 2), (37, 768, 5), (64, 256, 13),
+                                      (100, 256, 200)])
 def test_every_build_odd_shapes(variant, qtype, n, k, rows):
+    """300 outputs at one row and 200 at two: the decode tiles (8 and 4 panels on AVX-512 and AVX2)
+    and a narrower rest"""
     _check(qtype, n, k, rows, variant, seed=n + k)
 
 

@@ -71,15 +71,14 @@ static void block_##QT##_##MB(const act_t* x, int64_t m0, int64_t c0, int64_t co
 #define EACH_MB(T, QT, ...) T(QT, 1, ##__VA_ARGS__) T(QT, 2, ##__VA_ARGS__) T(QT, 3, ##__VA_ARGS__) \
                             T(QT, 4, ##__VA_ARGS__) T(QT, 5, ##__VA_ARGS__) T(QT, 6, ##__VA_ARGS__)
 #define MB_TABLE(P, S) {0, P##1##S, P##2##S, P##3##S, P##4##S, P##5##S, P##6##S}
-#define WIDE(QT) DIRECT(QT, 1, 8) DIRECT(QT, 2, 4)
-#define WIDE_TABLE(QT) direct_##QT##_1x8, direct_##QT##_2x4
 #else
 #define EACH_MB(T, QT, ...) T(QT, 1, ##__VA_ARGS__) T(QT, 2, ##__VA_ARGS__) T(QT, 3, ##__VA_ARGS__) \
                             T(QT, 4, ##__VA_ARGS__)
 #define MB_TABLE(P, S) {0, P##1##S, P##2##S, P##3##S, P##4##S}
-#define WIDE(QT) DIRECT(QT, 1, 2) DIRECT(QT, 2, 2)
-#define WIDE_TABLE(QT) direct_##QT##_1x2, direct_##QT##_2x2
 #endif
+/* the decode tiles (their names spell NV1 and NV2 as such: ## does not expand them) */
+#define WIDE(QT) DIRECT(QT, 1, NV1) DIRECT(QT, 2, NV2)
+#define WIDE_TABLE(QT) direct_##QT##_1xNV1, direct_##QT##_2xNV2
 #if NV == 2
 #define DIRECT_NV(QT, MB) DIRECT(QT, MB, 2)
 #define NV_SUFFIX x2

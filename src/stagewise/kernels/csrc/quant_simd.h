@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #define QUANT_ISA "avx512"
 #define QUANT_WIDE 1
+#define QUANT_YMM 0
 typedef __m512i pvi;        /* 64 bytes / 32 int16 / 16 int32 */
 typedef __m512 pvf;         /* 16 floats */
 static inline pvi pvi_load(const void* p) { return _mm512_loadu_si512(p); }
@@ -67,6 +68,7 @@ static inline int32_t pvf_round_i8(pvf v, int8_t* out) {
 #include <immintrin.h>
 #define QUANT_ISA "avx2"
 #define QUANT_WIDE 0
+#define QUANT_YMM 1
 typedef struct { __m256i a, b; } pvi;
 typedef struct { __m256 a, b; } pvf;
 static inline pvi pvi_load(const void* p) { return (pvi){ _mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1) }; }
@@ -138,6 +140,7 @@ static inline int32_t pvf_round_i8(pvf x, int8_t* out) {
 #define QUANT_ISA "portable"
 #pragma GCC diagnostic ignored "-Wpsabi"     /* 64-byte vectors between inlined helpers only */
 #define QUANT_WIDE 0
+#define QUANT_YMM 0
 typedef uint8_t pvi __attribute__((vector_size(64)));
 typedef float pvf __attribute__((vector_size(64)));
 typedef int32_t pv32 __attribute__((vector_size(64)));

@@ -14,16 +14,21 @@
 #define INLINE static inline __attribute__((always_inline))
 /* MB <= MBMAX rows x NV panels; panels come in pairs (quant_pack pads N to a multiple of 32).
    AVX-512 holds 6 x 2 float accumulators plus as many int32 sums in its 32 registers; AVX2
-   needs two registers per panel vector. Decode tiles: 1 row x NV1 and 2 rows x NV2 panels (one
-   thread, M=1: 4 panels read 1.15-1.2x the GB/s of 2, 8 panels another 1.05x). */
+   needs two registers per panel vector. Decode tiles: 1 row x NV1 and 2 rows x NV2 panels, more
+   weight streams in flight (one thread, M=1, AVX-512: 4 panels read 1.15-1.2x the GB/s of 2, 8
+   panels another 1.05x; AVX2: 8 panels 1.2-1.5x the GB/s of 2, and 2 rows x 4 panels 1.2-1.35x
+   2 x 2; their accumulators spill to L1 and still win). */
 #if QUANT_WIDE
 #define MBMAX 6
 #define NV 2
-#define NV1 8
-#define NV2 4
 #else
 #define MBMAX 4
 #define NV 1
+#endif
+#if QUANT_WIDE || QUANT_YMM
+#define NV1 8
+#define NV2 4
+#else                     /* portable C: its speed is not the point, its build time is */
 #define NV1 2
 #define NV2 2
 #endif
