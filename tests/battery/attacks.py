@@ -34,6 +34,7 @@ class Attack:
     body: dict
     allowed: set[int]
     long_only: bool = False               # heavy enough to be only in the release run
+    leave: bool = False                   # a stream the client leaves after its first event
 
 
 def catalogue(salt: str = "") -> list[Attack]:
@@ -74,6 +75,12 @@ def catalogue(salt: str = "") -> list[Attack]:
             "choice": [s + "ab" * 30000]}}, BOUNDED | OK, long_only=True),
         Attack("1000 alternatives", C, {"prompt": "hi", "max_tokens": 8, "structured_outputs": {
             "grammar": "root ::= " + " | ".join(f'"{s}w{i}"' for i in range(1000))}}, BOUNDED | OK, long_only=True),
+        # clients that leave mid-stream: their requests end, their blocks are freed
+        Attack("leaves mid-stream", C, {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True},
+               OK, leave=True),
+        Attack("leaves a constrained stream", CHAT, {"messages": MSG, "max_tokens": 200, "ignore_eos": True,
+                                                     "stream": True, "structured_outputs": {"regex": s + "[a-z]+"}},
+               OK, leave=True),
         # malformed fields: a 4xx naming them, never a 500
         Attack("negative minLength", C, {"prompt": "hi", "structured_outputs": {
             "json": {"type": "string", "minLength": -1}}}, REFUSED),
@@ -106,6 +113,8 @@ def send(client, url: str, attack: Attack) -> tuple[int, float]:
             for line in r.iter_lines():
                 if status == 200 and line.startswith('data: {"error"'):
                     status = 500
+                if attack.leave and line.startswith("data: "):
+                    break                                 # closing the stream leaves
         return status, time.perf_counter() - t0
     except httpx.HTTPError:
         return -1, time.perf_counter() - t0

@@ -4,7 +4,8 @@ request fails, the engine process is the one that started, and its memory and th
 stay within the budgets. CI sends each attack once with a 2 s compile budget (seconds in all);
 `pytest tests/battery --long -s` is the release run: 16 clients for minutes, the heavy attacks
 too, distinct schemas against the cache, the default budgets, and the latency targets (/health p99
-under 100 ms, plain p99 within 2x of the quiet run's)."""
+under 100 ms, plain p99 within 2x of the quiet run's). (A stage killed under load is
+tests/server/test_serve_recovery.py.)"""
 from __future__ import annotations
 
 import json
@@ -108,6 +109,7 @@ def test_no_request_kills_stalls_or_bloats_the_others(battery_server, long_run):
     assert not probe.failures, probe.failures[:5]
     assert processes(server_pid)[0] == engine                    # the engine never died (nor was replaced)
     assert_serving(url)
+    _assert_all_requests_ended(url)
     health_p50, health_p99, health_max = (quantile(probe.health_s, q) for q in (0.5, 0.99, 1.0))
     plain_p50, plain_p99 = quantile(probe.plain_s, 0.5), quantile(probe.plain_s, 0.99)
     quiet_p99 = quantile(quiet, 0.99)
@@ -125,6 +127,20 @@ def test_no_request_kills_stalls_or_bloats_the_others(battery_server, long_run):
     else:
         # NOTE: CI shares its cores: a stall (the old failure: /health 13-33 s) is what this catches
         assert health_p50 < 0.1 and health_max < 2.0 and max(probe.plain_s) < 10.0
+
+
+def _assert_all_requests_ended(url: str, timeout_s: float = 10.0) -> None:
+    """Nothing runs or waits once every client is done (those that left included)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        busy = [line for line in text.splitlines() if line.startswith(("stagewise_num_requests_running",
+                                                                        "stagewise_num_requests_waiting"))
+                and not line.endswith(" 0.0")]
+        if not busy:
+            return
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.2)
 
 
 def test_a_client_that_leaves_has_its_compile_killed(battery_server):
