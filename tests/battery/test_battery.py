@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import launcher
+import pytest
 from attacks import (
     MIB,
     PLAIN,
@@ -34,6 +35,8 @@ from attacks import (
     tree_pss_bytes,
 )
 from http_checks import assert_serving, httpx
+
+pytestmark = pytest.mark.slow          # a server of its own
 
 LONG_S = 180.0                   # the release run's attack time (then the clients finish what they sent)
 LONG_CLIENTS = 16

@@ -124,6 +124,7 @@ def test_server_default_and_largest_max_tokens():
     assert serving.max_tokens_for(12, None, None) == 100                 # no default above the limit
 
 
+@pytest.mark.slow
 def test_an_engine_process_leaves_no_semaphore_behind(tmp_path):
     """tqdm's process lock in a spawned engine process (which exits without finalizers) made the resource
     tracker warn of a leaked semaphore at every shutdown."""
