@@ -35,8 +35,12 @@ def _family_config(family: str, vocab: int):
     if family == "mistral":  # explicit head_dim larger than hidden / heads
         return tf.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, sliding_window=None,
                                 **common)
+    if family == "llama_mqa":  # one KV head: fewer than tensor-parallel ranks (not in FAMILIES)
+        return tf.LlamaConfig(num_hidden_layers=4, num_key_value_heads=1, **common)
     if family == "qwen2":
         return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **common)
+    if family == "qwen2_tied":  # tied head, as Qwen2.5's small models (not in FAMILIES)
+        return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **common)
     if family == "gpt2":
@@ -92,6 +96,8 @@ mistral_dir = _family_fixture("mistral")
 qwen2_dir = _family_fixture("qwen2")
 qwen3_dir = _family_fixture("qwen3")
 gpt2_dir = _family_fixture("gpt2")
+llama_mqa_dir = _family_fixture("llama_mqa")
+qwen2_tied_dir = _family_fixture("qwen2_tied")
 
 
 @pytest.fixture(scope="session")

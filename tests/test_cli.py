@@ -48,15 +48,29 @@ def test_plan_prints_stage_table(llama_dir, capsys):
     out = capsys.readouterr().out
     assert "[0,1)" in out and "[1,2)" in out and "[2,4)" in out and "partition: even: 1,1,2" in out
     assert "KV capacity" in out.splitlines()[-1]
+    # each of 2 ranks holds half the weights (llama: 4 layers, vocabulary-parallel embedding and head)
+    assert main(["plan", "--model", str(llama_dir), "--tp-size", "2", "--pp-size", "2", "--dtype", "float32",
+                 "--pp-layer-partition", "even"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stage(s) x 2 tensor-parallel ranks" in out
+    assert main(["plan", "--model", str(llama_dir), "--pp-size", "2", "--dtype", "float32",
+                 "--pp-layer-partition", "even"]) == 0
+    whole = capsys.readouterr().out
+
+    def weights_mib(text):
+        return [float(line.split()[2]) for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [2 * w for w in weights_mib(out)] == pytest.approx(weights_mib(whole), abs=0.11)
 
 
 @pytest.mark.parametrize("args,message", [
     (["plan", "--pp-size", "3", "--pp-layer-partition", "3,3"], "pp_layer_partition"),
     (["generate", "--prefill-graph", "sometimes"], "prefill_graph must be one of"),
     (["generate", "--model", "/nonexistent/dir"], "/nonexistent/dir"),
+    (["plan", "--tp-size", "3"], "tp_size 3 does not divide the model's 4 attention heads"),
+    (["generate", "--tp-size", "3"], "tp_size 3 does not divide the model's 4 attention heads"),
 ])
 def test_bad_flags_get_one_clear_sentence(llama_dir, capsys, args, message):
-    if args[0] == "plan":
+    if args[0] == "plan" or "--tp-size" in args:
         args = args + ["--model", str(llama_dir)]
     assert main(args) == 2
     err = capsys.readouterr().err

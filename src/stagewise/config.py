@@ -137,6 +137,9 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
     # pipeline
     pp_size: int = flag(1, "pipeline stages (processes)", aliases=("--pipeline-parallel-size",))
+    tp_size: int = flag(1, "tensor-parallel ranks (processes) per stage, on the stage's node; they split every "
+                        "layer's heads, MLP columns and vocabulary (docs/tensor-parallel.md)",
+                        aliases=("--tensor-parallel-size",))
     pp_layer_partition: tuple[int, ...] | str | None = flag(
         "auto", "layers per stage: auto (balanced by a per-stage cost model: layers, embedding on the first "
         "stage, final norm + LM head + sampling on the last; `stagewise plan` shows it), even, or counts such "
@@ -225,8 +228,8 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("block_size", "max_num_seqs", "chunked_prefill_size", "pp_size", "nnodes", "decode_graph_max_bs",
-                    "grammar_max_depth", "grammar_max_alternatives", "grammar_compile_workers",
+        positive = ("block_size", "max_num_seqs", "chunked_prefill_size", "pp_size", "tp_size", "nnodes",
+                    "decode_graph_max_bs", "grammar_max_depth", "grammar_max_alternatives", "grammar_compile_workers",
                     "grammar_cache_entries")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -240,6 +243,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+        if self.tp_size > 1 and (self.prefill_graph not in ("auto", "off") or self.decode_graph):
+            raise ValueError(f"tp_size {self.tp_size} runs its stages eager for now; leave --prefill-graph auto "
+                             f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")
         if self.pp_size % self.nnodes:
             raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} "
                              f"(equal stages per node).")
@@ -285,6 +291,11 @@ class EngineConfig:
     @property
     def stages_per_node(self) -> int:
         return self.pp_size // self.nnodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Stage processes on one node: its stages times the tensor-parallel ranks of each."""
+        return self.stages_per_node * self.tp_size
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

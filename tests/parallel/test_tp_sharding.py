@@ -106,6 +106,19 @@ def test_each_rank_holds_its_heads_and_vocabulary(llama_dir, llama_tied_dir, mon
             assert torch.equal(layer.get_parameter(name), full if rank == 0 else torch.zeros_like(full))
 
 
+def test_shared_memory_and_gloo_groups_agree(tmp_path):
+    """The engine's two groups (parallel/groups.py) on the same inputs: the same sums and gathers."""
+    from stagewise.parallel.groups import GlooGroup
+    xs = [torch.randn(300, 129, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    shm = groups(2)
+    gloo = on_ranks(2, lambda r: GlooGroup(str(tmp_path / "store"), r, 2, timeout_s=30.0))
+    for pair in (shm, gloo):
+        sums = on_ranks(2, lambda r, pair=pair: pair[r].all_reduce(xs[r]))
+        gathered = on_ranks(2, lambda r, pair=pair: pair[r].all_gather(xs[r]))
+        assert all(torch.equal(s, xs[0] + xs[1]) for s in sums)
+        assert all(torch.equal(g, torch.cat(xs, 1)) for g in gathered)
+
+
 @pytest.mark.parametrize("heads,kv,vocab,inter,size,problem", [
     (4, 2, 1000, 128, 3, "4 attention heads"), (4, 2, 1001, 128, 2, "1001 vocabulary entries"),
     (4, 2, 1000, 130, 4, "130 MLP columns"), (12, 3, 1000, 128, 4, "3 KV heads")])

@@ -2,7 +2,7 @@
 schedule → submit (up to `depth` plans in flight) → collect the oldest → apply. Request state
 changes only through the scheduler (`update`, `finish`), whatever the number of stages.
 
-A pipeline (pp_size > 1, not torchrun) heals: when a stage process dies, hangs or loses a link,
+A pipeline (pp_size or tp_size > 1, not torchrun) heals: when a stage process dies, hangs or loses a link,
 `step` tears the pipeline down, starts it again (new processes and links; across
 nodes, the remote nodes rejoin, or their stages move to node 0: engine/placement.py) and
 recomputes every live request from its tokens, as preemption does (engine/recovery.py has the
@@ -98,7 +98,7 @@ class Engine:
         self.dead: str | None = None
         # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
         # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
-        self.heals = config.pp_size > 1 and torchrun_env() is None
+        self.heals = (config.pp_size > 1 or config.tp_size > 1) and torchrun_env() is None
         self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
         self.suspects = Suspects()
         self.scheduler.gate = self.suspects.may_admit
@@ -399,7 +399,7 @@ class Engine:
     def _start_spares(self) -> None:
         self._spares_due = None
         if self.heals and self.config.pipeline_spares and self.config.max_pipeline_restarts:
-            start_spares(self.config.stages_per_node, self.model_dir)
+            start_spares(self.config.ranks_per_node, self.model_dir)
 
     def _start_spares_when_due(self) -> None:
         if self._spares_due is not None and time.monotonic() >= self._spares_due:

@@ -79,7 +79,7 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     When this node's stages fail, or the driver starts a new pipeline, the old stages are
     killed and new ones join the new pipeline. The first stage processes start (import) at once,
     while the driver may still be starting."""
-    addr, port, k = config.master_addr, config.master_port, config.stages_per_node
+    addr, port, k = config.master_addr, config.master_port, config.ranks_per_node
     heals = config.max_pipeline_restarts > 0
     token = cluster_token(config.cluster_token)
     warn_if_open(token, master_ip(addr), True)

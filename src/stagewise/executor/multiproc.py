@@ -179,7 +179,10 @@ class MultiprocExecutor:
     def _death_message(self, p) -> str:
         """Why a local stage process ended. Exit code 1 is a stage that stopped because a link to a
         neighbour failed: the cause is that neighbour (on another node, when there are several)."""
-        where = self._where(self.local_stages[self.procs.index(p)])
+        index = self.procs.index(p)
+        where = self._where(self.local_stages[index // self.config.tp_size])
+        if self.config.tp_size > 1:
+            where += f" tensor-parallel rank {index % self.config.tp_size}"
         if p.exitcode == 1:
             return (f"{where} stopped because its link to a neighbouring stage failed; a stage "
                     f"{'on another node ' if self.config.nnodes > 1 else ''}died or became unreachable{self._hint()}.")

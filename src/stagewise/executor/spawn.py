@@ -15,6 +15,7 @@ from .hygiene import track
 from .layout import default_layout, stages_of
 from .netif import use_interface
 from .stage_proc import stage_main, standby_main
+from .tp_ranks import new_directory
 
 _spares: list = []             # [process, duplex pipe, warm]: started stage processes waiting for a stage to run
 
@@ -22,25 +23,26 @@ _spares: list = []             # [process, duplex pipe, warm]: started stage pro
 def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, eos_token_ids,
                  models: dict | None = None, startup_timeout_s: float = 300.0, generation: int | None = None,
                  stages: list[int] | None = None) -> list:
-    """Start this node's stage processes (`stages`, default: the command line's layout) and wait
-    until each has started running stage code, so a process that dies while bootstrapping is
-    reported at once, not after a rendezvous timeout."""
+    """Start this node's stage processes (`stages`, default: the command line's layout; with tensor
+    parallelism `tp_size` per stage, rank by rank) and wait until each has started running stage
+    code, so a process that dies while bootstrapping is reported at once, not after a rendezvous timeout."""
     prepare_stage_env(config, addr)
     ctx = mp.get_context("spawn")
     procs: list = []
     readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
     if stages is None:
         stages = stages_of(default_layout(config.pp_size, config.nnodes), node_rank)
-    for s in stages:
-        args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation)
+    for s, tp in ((s, tp) for s in stages for tp in _tp_ranks(config.tp_size)):
+        args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation, tp)
+        name = f"stagewise-stage-{s}" + (f"-rank-{tp[0]}" if tp else "")
         spare = _take_spare()
         if spare is not None:                 # a warm process: it runs the stage at once
             p, reader = spare
-            p.name = f"stagewise-stage-{s}"
+            p.name = name
             reader.send(args)
         else:
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=stage_main, name=f"stagewise-stage-{s}", daemon=True, args=(*args, writer))
+            p = ctx.Process(target=stage_main, name=name, daemon=True, args=(*args, writer))
             p.start()
             track(p)
             writer.close()
@@ -48,6 +50,14 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
         readers.append(reader)
     _await_started(procs, readers, startup_timeout_s)
     return procs
+
+
+def _tp_ranks(tp_size: int) -> list:
+    """Each rank's (rank, meeting directory) of one stage's tensor-parallel group; [None] without TP."""
+    if tp_size == 1:
+        return [None]
+    directory = new_directory()
+    return [(rank, directory) for rank in range(tp_size)]
 
 
 def _await_started(procs: list, readers: list[Connection], startup_timeout_s: float) -> None:

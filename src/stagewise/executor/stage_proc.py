@@ -42,14 +42,17 @@ CRASH_HOOK_ENV = "STAGEWISE_TEST_CRASH_TOKEN"
 
 
 def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
-               models: dict | None = None, generation: int | None = None, started=None) -> None:
+               models: dict | None = None, generation: int | None = None, tp: tuple[int, str] | None = None,
+               started=None) -> None:
     """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
     `models` re-registers the driver's model table (user-registered architectures); `generation`
-    is the driver's pipeline number across nodes (executor/generations.py)."""
+    is the driver's pipeline number across nodes (executor/generations.py); `tp` (rank, directory)
+    this process's tensor-parallel rank of the stage and where its ranks meet (executor/tp_ranks.py)."""
     if spawned:
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
-    name_process(f"stagewise-st{stage_idx}")
+    tp_rank = tp[0] if tp else 0
+    name_process(f"stagewise-st{stage_idx}" + (f"r{tp_rank}" if config.tp_size > 1 else ""))
     if started is not None:
         started.send(True)
         started.close()
@@ -58,16 +61,22 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
         from ..model.registry import register_model
         for arch, cls in models.items():
             register_model(arch, cls)
-    logging.basicConfig(level=logging.WARNING, format=f"[stage {stage_idx}] %(message)s")
+    where = f"stage {stage_idx}" + (f" rank {tp_rank}" if tp_rank else "")
+    logging.basicConfig(level=logging.WARNING, format=f"[{where}] %(message)s")
     code, links = 0, None
     try:
-        # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
-        links = join_pipeline(stage_rank(stage_idx), config.pp_size + 1, addr, port,
-                              max(config.dist_timeout_s, 300.0), key_of(cluster_token(config.cluster_token)),
-                              generation, dist_ifname=config.dist_ifname)
-        _serve(config, model_dir, stage_idx, eos_ids, links)
+        if tp and tp_rank:       # a follower: it hears plans from its stage's rank 0, not from the ring
+            from .tp_ranks import serve_follower
+            serve_follower(config, model_dir, _stage_of(config, model_dir, stage_idx), eos_ids, tp[1], tp_rank,
+                           _handle)
+        else:
+            # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
+            links = join_pipeline(stage_rank(stage_idx), config.pp_size + 1, addr, port,
+                                  max(config.dist_timeout_s, 300.0), key_of(cluster_token(config.cluster_token)),
+                                  generation, dist_ifname=config.dist_ifname)
+            _serve(config, model_dir, stage_idx, eos_ids, links, tp[1] if tp else None)
     except Exception as exc:  # noqa: BLE001 (a peer died or timed out: exit and let the cascade reach the driver)
-        log.error("stage %d stopped: %s", stage_idx, exc)
+        log.error("%s stopped: %s", where, exc)
         code = 1
     finally:
         if links is not None:
@@ -95,24 +104,36 @@ def standby_main(conn, model_dir: str) -> None:
         args = conn.recv()
     except (EOFError, OSError):
         exit_now(0)
-    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation = args
+    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp = args
     # NOTE: the same pipe says when the stage runs (`started`)
-    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, started=conn)
+    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp, started=conn)
 
 
-def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks) -> None:
+def _stage_of(config, model_dir: str, stage_idx: int):
     from ..checkpoint import load_hf_config, num_layers_of
     from ..runtime.stage_cost import with_resolved_partition
-    from ..runtime.worker import Worker
     hf = load_hf_config(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
-    stage = stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    return stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+
+
+def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:
+    from ..runtime.worker import Worker
+    stage = _stage_of(config, model_dir, stage_idx)
     assert links.control is not None, "a stage dials the driver's control link"
     t0 = time.monotonic()
+    leader = None
     try:
-        worker = Worker(config, model_dir, stage, eos_ids)
+        if tp_dir is not None:
+            from .tp_ranks import Leader
+            leader = Leader(tp_dir, config.tp_size, config.dist_timeout_s)
+        worker = Worker(config, model_dir, stage, eos_ids, tp_group=leader.group if leader else None)
+        if leader is not None:
+            leader.await_ready(worker.memory_plan)
     except Exception as exc:
         send_message(links.control, ReadyMsg(error=f"stage {stage_idx}: {exc}")).wait()
+        if leader is not None:
+            leader.close()
         raise
     send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
     start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
@@ -124,7 +145,11 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
         wait_s = config.dist_timeout_s
         if crash_token is not None and isinstance(msg, PlanMsg):
             _crash_if_asked(msg.plan, crash_token)
+        if leader is not None:
+            leader.forward(msg, config.dist_timeout_s)
         out = _handle(worker, stage, msg)
+        if leader is not None:
+            leader.check_in_step(msg, out)
         for p in pending:        # sends of two messages ago must be done before we reuse anything
             p.wait(config.dist_timeout_s)
         pending = pending[-1:] + [send_message(links.next, out)]

@@ -8,9 +8,11 @@ all-reduce sums in rank order, so every rank gets the same bits; the ops are opa
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -132,6 +134,19 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
+@contextlib.contextmanager
+def _collective_errors() -> Iterator[None]:
+    """The C++ op's failures arrive as RuntimeError: a peer that timed out or gave up is a CollectiveError."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        if "tensor-parallel" not in str(exc):
+            raise
+        raise CollectiveError(str(exc).splitlines()[0]) from None
+
+
 class ShmGroup:
     """One rank's view of a group file: sum and gather across the ranks of one node's stage.
 
@@ -151,16 +166,20 @@ class ShmGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (a new tensor, the same bits on every rank)."""
-        if _traced() or native.loaded("comm"):
+        if _traced():
             return torch.ops.stagewise.all_reduce(x, self.handle)
-        return _all_reduce(x, self.handle)
+        with _collective_errors():
+            return torch.ops.stagewise.all_reduce(x, self.handle) if native.loaded("comm") else _all_reduce(
+                x, self.handle)
 
     def all_gather(self, x: torch.Tensor, dst: int = -1) -> torch.Tensor:
         """`[R, C]` per rank -> `[R, size * C]`, rank r's columns at `r * C`; only rank `dst`
         receives them (-1: every rank; elsewhere the result is uninitialised)."""
-        if _traced() or native.loaded("comm"):
+        if _traced():
             return torch.ops.stagewise.all_gather(x, self.handle, self.size, dst)
-        return _all_gather(x, self.handle, self.size, dst)
+        with _collective_errors():
+            return torch.ops.stagewise.all_gather(x, self.handle, self.size, dst) if native.loaded("comm") \
+                else _all_gather(x, self.handle, self.size, dst)
 
     def abort(self) -> None:
         """Make every rank's waits end with CollectiveError (this rank cannot go on)."""

@@ -108,6 +108,15 @@ def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int
                          f"multiple of {num_kv_heads}.")
 
 
+def check_model(hf_config: Any, model_cls: type, size: int) -> None:
+    """`check_sizes` for a checkpoint's transformers config and its model class."""
+    heads = hf_config.num_attention_heads
+    intermediate = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
+                    or 4 * hf_config.hidden_size)
+    check_sizes(family_of(model_cls), model_cls.__name__, heads, getattr(hf_config, "num_key_value_heads", None)
+                or heads, hf_config.vocab_size, intermediate, size)
+
+
 def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
     """Narrow `model`'s parameters to `rank`'s slices (meta or real tensors, before any packing) and
     record each checkpoint tensor's Slice in `model.tp_slices` (by checkpoint name) for the loader."""

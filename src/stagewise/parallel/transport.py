@@ -54,7 +54,8 @@ class Link:
     """A connected, authenticated socket to one peer. One thread receives; any thread may send."""
 
     def __init__(self, sock: socket.socket, peer: str):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:         # a stage's tensor-parallel ranks talk over a local socket
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         self.sock, self.peer = sock, peer
         self.queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -16,8 +16,10 @@ from ..checkpoint import gguf_file_of, load_hf_config, max_model_len, num_layers
 from ..config import EngineConfig
 from ..gguf_meta import gguf_facts
 from ..kernels.quant import SUPPORTED, T
-from ..model.loader import exact_mode, resolve_dtype, stage_skeleton
+from ..model.loader import _architecture, exact_mode, resolve_dtype, stage_skeleton
 from ..model.quantized import weight_bytes
+from ..model.registry import get_model_class
+from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
 from .kv_cache import kv_bytes_per_block
 from .memory import (
@@ -44,9 +46,12 @@ class ModelBytes:
     single: int          # one stage holding everything (a tied head shares the embedding)
 
     @classmethod
-    def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool) -> ModelBytes:
+    def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool,
+                tp_size: int = 1) -> ModelBytes:
+        """With `tp_size` ranks per stage: one rank's bytes (every rank of a stage holds as much as rank 0)."""
         num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
-        build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact)
+        tp = (0, tp_size) if tp_size > 1 else None
+        build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact, tp=tp)
         whole = build(StageInfo.single(num_layers))
         layers = tuple(weight_bytes(cast(nn.ModuleList, whole.layers)[i]) for i in range(num_layers))
         total = weight_bytes(whole)
@@ -77,6 +82,7 @@ def _plans(config: EngineConfig, hf, weights: ModelBytes, sizes: tuple[int, ...]
                                     config.max_num_seqs, itemsize)
     heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hidden // hf.num_attention_heads
+    heads = tensor_parallel.head_ranges(hf.num_attention_heads, heads, 0, config.tp_size)[1][1]   # one rank's
     max_len = max_model_len(config, hf)
     budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
     plans = []
@@ -99,7 +105,8 @@ def _problem(config: EngineConfig, hf, plans: list[MemoryPlan]) -> NotEnoughMemo
 def _weights_of(config: EngineConfig, hf, quantization: str | None = None) -> ModelBytes:
     assert config.model is not None, "plans need the resolved model path"
     dtype = resolve_dtype(config.dtype, hf, "cpu")
-    return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype))
+    return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype),
+                              config.tp_size)
 
 
 def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
@@ -156,7 +163,7 @@ def fit_to_memory(config: EngineConfig, hf) -> EngineConfig:
     node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
     config = config.replace(node_memory_bytes=node_bytes)
     sizes = resolve_partition(config, hf)
-    problem = _problem(config, hf, _plans(config, hf, _weights_of(config, hf), sizes, config.stages_per_node,
+    problem = _problem(config, hf, _plans(config, hf, _weights_of(config, hf), sizes, config.ranks_per_node,
                                           node_bytes, refuse=False))
     if problem is not None:
         raise ValueError(f"{config.model} does not fit this machine's memory: {problem} "
@@ -170,15 +177,18 @@ def plan_report(config: EngineConfig) -> str:
     hf = load_hf_config(model_dir)
     device = config.resolved_device
     dtype = resolve_dtype(config.dtype, hf, device)
+    tensor_parallel.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.tp_size)
     node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
-    plans = _plans(config, hf, _weights_of(config, hf), resolve_partition(config, hf), config.stages_per_node,
+    plans = _plans(config, hf, _weights_of(config, hf), resolve_partition(config, hf), config.ranks_per_node,
                    node_bytes, refuse=False)
     problem = _problem(config, hf, plans) if device == "cpu" else None
     tokens = max(0, min(p.num_blocks for p in plans) - 1) * config.block_size
     budget = "unknown (2 GiB per stage)" if node_bytes is None else size_text(node_bytes)
     verdict = (f"does not fit: {problem} {_remedy(config, hf, node_bytes)}" if problem is not None
                else f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
-    return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s), {dtype}, {device}\n"
+    ranks = (f" x {config.tp_size} tensor-parallel ranks (each row: one rank of the stage; its ranks hold "
+             f"alike)") if config.tp_size > 1 else ""
+    return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s){ranks}, {dtype}, {device}\n"
             f"{_weights_line(config, model_dir, dtype)}{_partition_text(config, hf)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
             f"{format_memory_table(plans)}\n{verdict}")

@@ -17,6 +17,7 @@ from ..graph.policy import policy_for
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
 from ..model.quantized import weight_bytes
+from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
 from . import cpu_pool
 from .allocator import keep_freed_memory
@@ -56,19 +57,23 @@ def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo) -> StageParts:
+def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group: Any = None) -> StageParts:
+    """The stage's parts; with `tp_group`, its rank's shard of the model, joined by the group's collectives."""
     from ..graph.runner import StageGraphRunner
     device = stage_device(config, stage)
     pool = None
     if device.type == "cpu":
-        pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config))
+        pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config), tp_group.rank if tp_group else 0)
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.dtype, hf_config, device.type)
     if device.type == "cpu" and config.node_memory_bytes is None:   # torchrun: no driver measured it
         config = config.replace(node_memory_bytes=measured_node_bytes())
-    model = load_model(model_dir, stage, dtype, device, quantization=config.quantization,
-                       exact=exact_mode(config.dtype))
+    model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
+                       quantization=config.quantization, exact=exact_mode(config.dtype))
+    if tp_group is not None:
+        # NOTE: every rank gathers the logits, so every rank's sampler draws the same tokens
+        tensor_parallel.connect(model, tp_group, logits_to=-1)
     policy = policy_for(config, device.type)
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
@@ -94,7 +99,7 @@ def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
-        budget = stage_budget_bytes(node_bytes=config.node_memory_bytes, stages_on_node=config.stages_per_node)
+        budget = stage_budget_bytes(node_bytes=config.node_memory_bytes, stages_on_node=config.ranks_per_node)
     max_len = max_model_len(config, hf_config)
     return plan_kv(stage.rank, (stage.start, stage.end), weights=weight_bytes(model),
                    graph_buffers=runner.static_bytes(), graph_pools=0, activation=activation, block_bytes=block_bytes,

@@ -103,7 +103,7 @@ def intra_op_threads(config, budget: CpuBudget | None = None) -> int | None:
     """Threads for one stage process: `threads_per_stage`, else under PP the usable CPUs shared evenly by
     the node's stages (one stage per core on a 2-core box). None at PP=1: the stage runs in the caller's
     process, whose own setting stands, only capped to the usable CPUs (see `configure_threads`)."""
-    if config.pp_size == 1 and not config.threads_per_stage:
+    if config.pp_size == 1 and config.tp_size == 1 and not config.threads_per_stage:
         return None
     return thread_choice(config, budget)[0]
 
@@ -113,10 +113,11 @@ def thread_choice(config, budget: CpuBudget | None = None, current: int | None =
     budget = budget or usable_cpus()
     if config.threads_per_stage:
         return config.threads_per_stage, "--threads-per-stage"
-    if config.pp_size > 1:
-        k = config.stages_per_node
+    if config.pp_size > 1 or config.tp_size > 1:
+        k = config.ranks_per_node
         threads = max(1, budget.cpus // k)
-        return threads, f"{budget.why} / {k} stage{'s' * (k != 1)} on this node"
+        what = "stage" if config.tp_size == 1 else "stage rank"
+        return threads, f"{budget.why} / {k} {what}{'s' * (k != 1)} on this node"
     if current is not None and current < budget.cpus:
         return current, f"the caller's torch setting ({budget.why})"
     return budget.cpus, f"{budget.why}, 1 stage"

@@ -41,9 +41,11 @@ class _ReqState:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: str, stage: StageInfo, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: EngineConfig, model_dir: str, stage: StageInfo, eos_token_ids: tuple[int, ...] = (),
+                 tp_group: Any = None):
+        """`tp_group`: this rank's tensor-parallel group (parallel/groups.py); None: the whole stage here."""
         self.config, self.stage, self.eos_token_ids = config, stage, tuple(eos_token_ids)
-        parts = build_stage(config, model_dir, stage)
+        parts = build_stage(config, model_dir, stage, tp_group)
         self.model: Any = parts.model     # the model contract (README): duck-typed
         self.runner, self.memory_plan = parts.runner, parts.memory_plan
         self.device, self.batch = parts.device, parts.batch

@@ -1,0 +1,43 @@
+"""Tensor parallelism with real rank processes: every stage a group of two ranks gives the greedy
+tokens of one process in fp32 (one KV head replicated over two ranks, chunked prefill, a prefix hit,
+and a killed rank that rebuilds the pipeline with nothing lost; a tied head with TP x PP)."""
+import os
+import signal
+
+import pytest
+
+from stagewise import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(10, 15)), [(7 * i) % 900 + 3 for i in range(37)], [5, 9, 11] * 6, list(range(400, 430))]
+pytestmark = pytest.mark.slow
+
+
+def tokens(llm, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY,
+                                                         use_tqdm=False)]
+
+
+def one_process(model_dir):
+    with LLM(model=str(model_dir), dtype="float32") as llm:
+        return tokens(llm)
+
+
+def test_tp2_one_kv_head_chunks_prefix_hits_and_a_killed_rank(llama_mqa_dir):
+    expected = one_process(llama_mqa_dir)
+    with LLM(model=str(llama_mqa_dir), dtype="float32", tp_size=2, chunked_prefill_size=16, block_size=4,
+             max_pipeline_restarts=1, pipeline_spares=False) as llm:
+        assert len(llm.engine.executor.procs) == 2
+        assert tokens(llm) == expected
+        assert tokens(llm, PROMPTS[1:2]) == expected[1:2]
+        assert llm.stats()["prefix_cache_hit_rate"] > 0
+        os.kill(llm.engine.executor.procs[1].pid, signal.SIGKILL)        # the stage's second rank
+        assert tokens(llm) == expected
+        assert llm.stats()["recovery"]["rebuilds"] == {"stage_died": 1}
+
+
+def test_tp2_pp2_tied_head(qwen2_tied_dir):
+    expected = one_process(qwen2_tied_dir)
+    with LLM(model=str(qwen2_tied_dir), dtype="float32", tp_size=2, pp_size=2) as llm:
+        assert len(llm.engine.executor.procs) == 4
+        assert tokens(llm) == expected
