@@ -140,6 +140,7 @@ def test_the_cpp_op_is_registered():
     assert comm.available() and native.loaded("comm")
 
 
+@pytest.mark.slow
 def test_one_opaque_op_under_compile():
     group = open_groups(1)[0]
     weight = torch.randn(8, 8)
