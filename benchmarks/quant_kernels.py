@@ -12,9 +12,11 @@ decode step streams a model's weights from memory: the table gives GB/s of the w
 stored by each method. At 32 and 512 rows it gives GFLOP/s. Activations are bf16 (the engine's
 dtype) except for the float32 baseline.
 
-    python benchmarks/quant_kernels.py [--threads 2] [--rounds 3] [--clock cpu] [--quick]
+    python benchmarks/quant_kernels.py [--threads 2] [--rounds 3] [--clock cpu] [--quick] [--variant avx2]
 
 `--clock cpu` times a one-thread run by its CPU time, which a busy shared machine disturbs less.
+`--variant` runs our kernels from another instruction-set build (`avx512` without VNNI, `avx2`,
+`portable`: what an AVX2-only machine or a machine without either runs) instead of the native one.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from gguf import GGML_QUANT_SIZES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_line, load_line, markdown_table, write_result  # noqa: E402
 
-from stagewise.kernels import quant  # noqa: E402
+from stagewise.kernels import quant, quant_kernels  # noqa: E402
 from stagewise.kernels.quant import QuantizedWeight, T  # noqa: E402
 
 SHAPES = {"attn q/o 2048x2048": (2048, 2048), "mlp gate/up 8192x2048": (8192, 2048),
@@ -71,15 +73,23 @@ def _copies(make, nbytes: int, rows: int) -> list:
     return [make() for _ in range(max(1, int(STREAM_BYTES // nbytes)) if rows <= 4 else 1)]
 
 
-def _methods(n: int, k: int, gen: torch.Generator):
+def _ours(variant: str, exact: bool):
+    """Our kernel: the op (as the engine calls it), or the library of another build."""
+    if variant == "native":
+        return lambda x, w: quant.linear(x, w, exact=exact)
+    return lambda x, w: quant_kernels.run_linear(x, w.data, None, int(w.qtype), w.shape[0], exact, False, variant)
+
+
+def _methods(n: int, k: int, gen: torch.Generator, variant: str = "native"):
     """(name, bytes of one weight, factory of one weight, fn(x_bf16, weight))."""
     out = []
+    tag = "" if variant == "native" else f" [{variant}]"
     for qtype in TYPES:
         w = _random_blocks(qtype, n, k, gen).pack()
         copy = lambda w=w: QuantizedWeight(w.qtype, w.shape, w.data.clone(), True)
-        out.append((f"ours {qtype.name}", w.nbytes, copy, lambda x, w: quant.linear(x, w)))
+        out.append((f"ours {qtype.name}{tag}", w.nbytes, copy, _ours(variant, False)))
         if qtype in (T.Q4_0, T.Q8_0):
-            out.append((f"ours {qtype.name} exact", w.nbytes, copy, lambda x, w: quant.linear(x, w, exact=True)))
+            out.append((f"ours {qtype.name} exact{tag}", w.nbytes, copy, _ours(variant, True)))
     out.append(("F.linear bf16", n * k * 2, lambda: torch.randn(n, k, generator=gen).bfloat16(),
                 lambda x, w: F.linear(x, w)))
     out.append(("F.linear fp32", n * k * 4, lambda: torch.randn(n, k, generator=gen),
@@ -95,10 +105,10 @@ def _methods(n: int, k: int, gen: torch.Generator):
     return out
 
 
-def shape_table(n: int, k: int, clock: Clock, rows: tuple[int, ...]) -> list[list]:
+def shape_table(n: int, k: int, clock: Clock, rows: tuple[int, ...], variant: str = "native") -> list[list]:
     gen = torch.Generator().manual_seed(0)
     table = []
-    for name, nbytes, make, fn in _methods(n, k, gen):
+    for name, nbytes, make, fn in _methods(n, k, gen, variant):
         row: list = [name, f"{nbytes / 1e6:.1f}"]
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
@@ -115,22 +125,28 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--quick", action="store_true", help="the 2048x2048 shape only, one round")
+    ap.add_argument("--variant", choices=tuple(quant_kernels.VARIANTS), default="native",
+                    help="the instruction-set build of our kernels")
     args = ap.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread")
+    if not quant_kernels.variant_runs_here(args.variant):
+        ap.error(f"this CPU cannot run the {args.variant} build")
     torch.set_num_threads(args.threads)
     clock = Clock(args.clock, 1 if args.quick else args.rounds)
     shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     parts = [f"# Quantized linear kernels, {args.threads} thread(s), {args.clock} clock\n",
-             f"CPU: {cpu_line()}; torch {torch.__version__}; {load_line()} at the start.\n"]
+             f"CPU: {cpu_line()}; torch {torch.__version__}; our kernels: the {args.variant} build "
+             f"({quant_kernels.library(args.variant).quant_isa().decode()}); {load_line()} at the start.\n"]
     for title, (n, k) in shapes.items():
         parts.append(f"## {title} (ms per call; 1-4 rows: GB/s of the stored weight, 32-512: GFLOP/s)\n")
         parts.append(markdown_table(["method", "weight MB", *[f"{m} rows" for m in ROWS]],
-                                    shape_table(n, k, clock, ROWS)) + "\n")
+                                    shape_table(n, k, clock, ROWS, args.variant)) + "\n")
         print(parts[-1], flush=True)
     parts.append(f"{load_line()} at the end.\n")
     text = "\n".join(parts)
-    print(f"written to {write_result(f'quant-kernels-{args.threads}thread', text, quick=args.quick)}")
+    name = f"quant-kernels-{args.threads}thread" + ("" if args.variant == "native" else f"-{args.variant}")
+    print(f"written to {write_result(name, text, quick=args.quick)}")
     return 0
 
 
