@@ -66,6 +66,7 @@ class StepPlan:
     zero_block_ids: list[int] = field(default_factory=list)   # KV blocks stages zero before this step
     verdict: Any = None                 # graph.policy.GraphVerdict, decided once by the driver
     stage_busy_s: list[float] = field(default_factory=list)   # filled in by stages on the way
+    stage_comm_s: list[float] = field(default_factory=list)   # likewise: tensor-parallel collective seconds
     token_bitmask: TokenBitmask | None = None     # constrained rows (structured outputs); the sampling stage reads it
 
     @property
@@ -103,3 +104,4 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     error: str | None = None                                       # a stage failed the whole plan
     stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage
+    stage_comm_s: list[float] = field(default_factory=list)        # of which in tensor-parallel collectives

@@ -14,7 +14,7 @@ class GraphMemoryWorker:
 
     def __init__(self):
         self.buffer = torch.zeros(8, 4)   # [max_tokens, H]
-        self.busy_s, self.device = 0.0, torch.device("cpu")
+        self.busy_s, self.comm_s, self.device = 0.0, 0.0, torch.device("cpu")
 
     def execute(self, plan, proxy):
         self.buffer[:3] = float(plan.plan_id + 1)

@@ -30,7 +30,9 @@ def test_tp2_one_kv_head_chunks_prefix_hits_and_a_killed_rank(llama_mqa_dir):
         assert len(llm.engine.executor.procs) == 2
         assert tokens(llm) == expected
         assert tokens(llm, PROMPTS[1:2]) == expected[1:2]
-        assert llm.stats()["prefix_cache_hit_rate"] > 0
+        stats = llm.stats()
+        assert stats["prefix_cache_hit_rate"] > 0
+        assert 0 < stats["stage_tp_comm_s"][0] < stats["stage_busy_s"][0]
         os.kill(llm.engine.executor.procs[1].pid, signal.SIGKILL)        # the stage's second rank
         assert tokens(llm) == expected
         assert llm.stats()["recovery"]["rebuilds"] == {"stage_died": 1}

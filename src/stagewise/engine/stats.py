@@ -36,6 +36,7 @@ class EngineStats:
         self.decode = _GraphCounter(policy.decode_backend, policy.decode_buckets)
         self.finished: Counter = Counter()
         self.stage_busy_s: list[float] = []
+        self.stage_comm_s: list[float] = []           # of which tensor-parallel collectives (rank 0 of each stage)
         self.busy_base = list(busy_base or [])        # busy clocks before the first request (start-up profile)
         self.predicted_shares = list(predicted_shares or [])
         self.num_steps = 0
@@ -45,6 +46,7 @@ class EngineStats:
         self.active_s = 0.0                           # wall time with at least one plan in flight
         self.active_since: float | None = None
         self.busy_offset: list[float] = []            # busy seconds of stage processes that were replaced
+        self.comm_offset: list[float] = []
 
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
@@ -81,10 +83,14 @@ class EngineStats:
         if result.stage_busy_s:
             offset = self.busy_offset or [0.0] * len(result.stage_busy_s)
             self.stage_busy_s = [o + b for o, b in zip(offset, result.stage_busy_s)]
+        if result.stage_comm_s:
+            offset = self.comm_offset or [0.0] * len(result.stage_comm_s)
+            self.stage_comm_s = [o + c for o, c in zip(offset, result.stage_comm_s)]
 
     def pipeline_rebuilt(self) -> None:
         """New stage processes count busy time from 0; keep the counters growing."""
         self.busy_offset = list(self.stage_busy_s)
+        self.comm_offset = list(self.stage_comm_s)
 
     def record_finish(self, req) -> None:
         self.finished[req.finish_reason.value] += 1
@@ -105,6 +111,7 @@ class EngineStats:
             "prefix_cache_queries": scheduler.blocks.num_queried_tokens,
             "prefix_cache_hits": scheduler.blocks.num_hit_tokens,
             "stage_busy_s": list(self.stage_busy_s),
+            "stage_tp_comm_s": list(self.stage_comm_s),
             "iteration_tokens": {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.iteration_counts),
                                  "sum": self.iteration_tokens},
             "stage_busy_fraction": [b / wall if wall > 0 else 0.0 for b in self.stage_busy_s],

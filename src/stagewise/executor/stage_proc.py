@@ -186,12 +186,12 @@ def _handle(worker, stage, msg: Message) -> Message:
         return msg                       # pass along
     else:
         raise TypeError(f"a stage does not take {type(msg).__name__} on the ring")
-    busy = plan.stage_busy_s + [worker.busy_s]
+    busy, comm = plan.stage_busy_s + [worker.busy_s], plan.stage_comm_s + [worker.comm_s]
     if isinstance(out, StepResult):
-        out.stage_busy_s = busy
+        out.stage_busy_s, out.stage_comm_s = busy, comm
         return ResultMsg(out)
     fwd = plan.without_embeds()
-    fwd.stage_busy_s = busy
+    fwd.stage_busy_s, fwd.stage_comm_s = busy, comm
     if isinstance(out, PlanFailed):
         return PlanFailedMsg(fwd, out.why)
     return PlanMsg(fwd, {k: t.clone() for k, t in out.items()})

@@ -13,6 +13,7 @@ for the loader; `connect` adds the collectives.
 from __future__ import annotations
 
 import fnmatch
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -222,6 +223,7 @@ def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
     `logits_to` (the rank that samples; -1: every rank; elsewhere the logits are not meaningful)."""
     family = family_of(model)
     assert family is not None and model.__dict__.get("tp_size") == group.size, "connect a model sharded for the group"
+    group = model.__dict__["tp_clock"] = Clocked(group)
     for path, module in model.named_modules():
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
         if style == ROW:
@@ -231,6 +233,25 @@ def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
     base = model.compute_logits
     model.__dict__["compute_logits"] = lambda hidden: group.all_gather(base(hidden), logits_to)
     return model
+
+
+class Clocked:
+    """A group whose calls add up their seconds (waiting for the slowest rank included): `seconds`."""
+
+    def __init__(self, group: Group):
+        self.group, self.rank, self.size, self.seconds = group, group.rank, group.size, 0.0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.group.all_reduce(x)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def all_gather(self, x: torch.Tensor, dst: int = -1) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.group.all_gather(x, dst)
+        self.seconds += time.perf_counter() - t0
+        return out
 
 
 def _vocab_lookup(module: Any, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:

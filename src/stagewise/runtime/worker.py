@@ -56,6 +56,12 @@ class Worker:
         self.busy_s = 0.0
 
     @property
+    def comm_s(self) -> float:
+        """Seconds this rank spent in its tensor-parallel collectives (0 without TP)."""
+        clock = self.model.__dict__.get("tp_clock")
+        return clock.seconds if clock is not None else 0.0
+
+    @property
     def num_blocks(self) -> int:
         return self.memory_plan.num_blocks
 

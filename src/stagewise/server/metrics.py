@@ -150,6 +150,12 @@ class _EngineCollector:
         for i, seconds in enumerate(s.get("stage_busy_s", [])):
             busy_s.add_metric([m, str(i)], float(seconds))
         yield busy_s
+        comm_s = CounterMetricFamily("stagewise_stage_tp_comm_seconds", "Seconds of each stage's busy time its "
+                                     "tensor-parallel rank 0 spent in all-reduces and gathers (waits for the other "
+                                     "ranks included; absent without --tp-size).", labels=["model_name", "stage"])
+        for i, seconds in enumerate(s.get("stage_tp_comm_s", [])):
+            comm_s.add_metric([m, str(i)], float(seconds))
+        yield comm_s
         yield from _balance_families(s, m)
         yield from _recovery_families(s.get("recovery") or {}, m)
 
