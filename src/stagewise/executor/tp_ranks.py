@@ -69,7 +69,7 @@ class Leader:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def forward(self, msg: Message, timeout_s: float) -> None:
-        """Send `msg` to every follower (sends of two messages ago are done first: bounded memory)."""
+        """Send `msg` to every follower (once the previous message is sent: bounded memory)."""
         for p in self.pending:
             p.wait(timeout_s)
         self.pending = [send_message(link, msg) for link in self.links]
