@@ -7,7 +7,7 @@ and the memory plan see plain tensors), and compute through opaque ops (`stagewi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -149,6 +149,11 @@ class QuantLinear(_Held):
         return quant.linear(x, weight, bias, exact=self.exact, f32_out=f32_out)
 
     def forward(self, x: torch.Tensor, f32_out: bool = False) -> torch.Tensor:
+        if len(self.segments) > 1 and all(seg.qtype is not None for seg in self.segments):
+            # NOTE: one call for every part (e.g. Q4_K q/k with Q6_K v): activations quantized once
+            weights = [QuantizedWeight(cast(T, seg.qtype), (seg.rows, self.in_features), getattr(self, f"segment{i}"),
+                                       packed=True) for i, seg in enumerate(self.segments)]
+            return quant.linear_cat(x, weights, self.bias, exact=self.exact, f32_out=f32_out)
         outs = [self._segment_out(x, i, seg, f32_out) for i, seg in enumerate(self.segments)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
