@@ -237,6 +237,10 @@ def test_quantization_is_refused_for_a_gguf_file(mixed_gguf, capsys):
     assert main(["--log-level", "ERROR", "generate", "--model", str(path), "--quantization", "int4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --quantization int4") and len(err.strip().splitlines()) == 1
+    # tensor parallelism shards float weights only: refused while planning, before anything loads
+    assert main(["--log-level", "ERROR", "plan", "--model", str(path), "--tp-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Tensor parallelism shards float weights only") and len(err.strip().splitlines()) == 1
 
 
 def _features(path: Path, spec: dict | None) -> tuple:
