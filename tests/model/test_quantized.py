@@ -16,7 +16,7 @@ import torch
 from stagewise import LLM, SamplingParams
 from stagewise.cli import main
 from stagewise.kernels import quant
-from stagewise.model.loader import load_model
+from stagewise.model.loader import load_model, stage_skeleton
 from stagewise.model.quantized import QuantEmbedding, QuantLinear, weight_bytes
 from stagewise.parallel.partition import StageInfo, stage_infos
 
@@ -241,6 +241,16 @@ def test_quantization_is_refused_for_a_gguf_file(mixed_gguf, capsys):
     assert main(["--log-level", "ERROR", "plan", "--model", str(path), "--tp-size", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: Tensor parallelism shards float weights only") and len(err.strip().splitlines()) == 1
+
+
+def test_off_the_cpu_a_gguf_file_is_dequantized_and_quantization_refused(mixed_gguf, llama_dir):
+    """The quantized kernels are CPU kernels: on CUDA every layer is float (the skeleton is on meta)."""
+    path, stage = mixed_gguf("legacy_mix")[0], StageInfo.single(2)
+    held = lambda device: [m for m in stage_skeleton(path, stage, torch.bfloat16, exact=False, device=device).modules()
+                           if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert held("cpu") and not held("cuda")
+    with pytest.raises(ValueError, match="--quantization int8 runs on the CPU"):
+        stage_skeleton(llama_dir, StageInfo.single(4), torch.bfloat16, quantization="int8", device="cuda")
 
 
 def _features(path: Path, spec: dict | None) -> tuple:

@@ -87,10 +87,17 @@ def exact_mode(dtype: str | torch.dtype) -> bool:
     return dtype in (torch.float32, "float32", "fp32")
 
 
-def quantization_scheme(model_dir: str | Path, quantization: str | None) -> Scheme | None:
+def quantization_scheme(model_dir: str | Path, quantization: str | None,
+                        device: str | torch.device = "cpu") -> Scheme | None:
     """Which checkpoint tensors are held quantized: a GGUF file's own quantized types, or every
-    matrix of a float checkpoint under `--quantization int8|int4`; None: none."""
+    matrix of a float checkpoint under `--quantization int8|int4`; None: none. The quantized kernels
+    are CPU kernels: on another device a GGUF file is dequantized into the engine dtype."""
     gguf_path = gguf_file_of(model_dir)
+    if torch.device(device).type != "cpu":
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} runs on the CPU (stagewise's quantized kernels are CPU "
+                             f"kernels); on {torch.device(device).type} drop it or pass --device cpu.")
+        return None
     if gguf_path is not None:
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} quantizes float checkpoints at load, but {gguf_path.name} "
@@ -100,7 +107,8 @@ def quantization_scheme(model_dir: str | Path, quantization: str | None) -> Sche
 
 
 def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, *, quantization: str | None = None,
-                   exact: bool = True, tp: tuple[int, int] | None = None) -> StageModel:
+                   exact: bool = True, tp: tuple[int, int] | None = None,
+                   device: str | torch.device = "cpu") -> StageModel:
     """This stage's model on the meta device, its quantized layers in place (sizes as stored); `tp`
     (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
     hf_config = load_hf_config(model_dir)
@@ -108,7 +116,7 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
     if stage.num_layers != hf_config.num_hidden_layers:
         raise ValueError(f"Stage {stage.rank} was planned for {stage.num_layers} layers, but {model_dir} has "
                          f"{hf_config.num_hidden_layers}.")
-    scheme = quantization_scheme(model_dir, quantization)
+    scheme = quantization_scheme(model_dir, quantization, device)
     with torch.device("meta"):
         model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
@@ -132,7 +140,7 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     locations = tensor_locations(model_dir) if gguf_path is None else None
     resolved = resolve_dtype(dtype, hf_config, device)
     model = stage_skeleton(model_dir, stage, resolved, quantization=quantization,
-                           exact=exact_mode(dtype) if exact is None else exact, tp=tp)
+                           exact=exact_mode(dtype) if exact is None else exact, tp=tp, device=device)
     model.to_empty(device=device)
     model.reset_buffers()
     with _one_thread():

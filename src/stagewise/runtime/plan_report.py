@@ -47,11 +47,12 @@ class ModelBytes:
 
     @classmethod
     def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool,
-                tp_size: int = 1) -> ModelBytes:
+                tp_size: int = 1, device: str = "cpu") -> ModelBytes:
         """With `tp_size` ranks per stage: one rank's bytes (every rank of a stage holds as much as rank 0)."""
         num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
         tp = (0, tp_size) if tp_size > 1 else None
-        build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact, tp=tp)
+        build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact, tp=tp,
+                                              device=device)
         whole = build(StageInfo.single(num_layers))
         layers = tuple(weight_bytes(cast(nn.ModuleList, whole.layers)[i]) for i in range(num_layers))
         total = weight_bytes(whole)
@@ -104,9 +105,10 @@ def _problem(config: EngineConfig, hf, plans: list[MemoryPlan]) -> NotEnoughMemo
 
 def _weights_of(config: EngineConfig, hf, quantization: str | None = None) -> ModelBytes:
     assert config.model is not None, "plans need the resolved model path"
-    dtype = resolve_dtype(config.dtype, hf, "cpu")
+    device = config.resolved_device
+    dtype = resolve_dtype(config.dtype, hf, device)
     return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype),
-                              config.tp_size)
+                              config.tp_size, device)
 
 
 def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
@@ -201,6 +203,9 @@ def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> s
         return f"weights quantized at load: {config.quantization}\n" if config.quantization else ""
     types = Counter(gguf_facts(path).types.values())
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
+    if config.resolved_device != "cpu":       # the quantized kernels are CPU kernels
+        return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; all held "
+                f"as {dtype} on {config.resolved_device}; weights below are as held\n")
     kept = sum(n for t, n in types.items() if T.__members__[t] in SUPPORTED)
     mode = "exact" if exact_mode(config.dtype) else "fast"
     return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; {kept} kept "
