@@ -10,7 +10,7 @@ limit to 0 (every linear layer is `F.linear`), "KV gather" rounds make the atten
 SDPA path. The same greedy token-id workload runs in every configuration. `--busy` repeats the
 rounds with another process keeping core 0 busy.
 
-    python benchmarks/compiled_steps.py [--rounds 3] [--busy] [--model PATH]
+    python -m benchmarks.compiled_steps [--rounds 3] [--busy] [--model PATH]
 """
 from __future__ import annotations
 
@@ -23,12 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result  # noqa: E402
+from benchmarks.common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result
 
 VOCAB = 49152
 CONFIGS = ("compiled", "compiled one graph", "compiled, MKL GEMMs", "eager", "eager, MKL GEMMs",

@@ -9,7 +9,7 @@ round (best of the rounds kept), weights streamed from memory as in a real step:
 - decode attention at batch 32 over contexts of 150-320 tokens, 30 layers;
 - causal prefill attention (bf16 kernel against SDPA) at 64, 200 and 512 tokens.
 
-    python benchmarks/cpu_kernels.py [--threads 1] [--rounds 3]
+    python -m benchmarks.cpu_kernels [--threads 1] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, markdown_table, write_result  # noqa: E402
+from benchmarks.common import cpu_line, markdown_table, write_result
 
 HIDDEN, INTER, HQ, HKV, D, LAYERS = 576, 1536, 9, 3, 64, 30
 SHAPES = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]

@@ -8,7 +8,7 @@ decode ms/token at batch 1 and ms/step at batch 32, offline throughput (32 reque
 work); the rest import the working tree. The parent measures memory read bandwidth (roofline)
 and, for the dtype `auto` rule, fp32 vs bf16 on narrower models.
 
-    python benchmarks/cpu_speed.py [--quick] [--rounds 2] [--before-rev REV]
+    python -m benchmarks.cpu_speed [--quick] [--rounds 2] [--before-rev REV]
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS_DIR,
     build_llama_checkpoint,
     cpu_line,
@@ -128,7 +127,7 @@ def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -
         busy = (subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
                 if patch == "busy_core" else None)   # another process keeping one core busy
         try:
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_speed", "--worker", json.dumps(spec)], env=env,
                                   capture_output=True, text=True, timeout=1800)
         finally:
             if busy is not None:

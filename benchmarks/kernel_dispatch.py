@@ -11,7 +11,7 @@ destroyed), so the load of a shared machine falls on both alike.
 - batch-1 decode of the default model with `--prefill-graph compiled`, ms per token, wall and
   process CPU time (the latter less sensitive to a busy machine).
 
-    python benchmarks/kernel_dispatch.py [--rounds 5] [--threads 1] [--no-decode]
+    python -m benchmarks.kernel_dispatch [--rounds 5] [--threads 1] [--no-decode]
 """
 from __future__ import annotations
 
@@ -21,12 +21,10 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, load_line, markdown_table, random_workload, write_result  # noqa: E402
+from benchmarks.common import cpu_line, load_line, markdown_table, random_workload, write_result
 
 HIDDEN, INTER, HQ, HKV, D = 576, 1536, 9, 3, 64
 SHAPES = {"qkv 960x576": (HQ * D + 2 * HKV * D, HIDDEN), "o 576x576": (HIDDEN, HQ * D),

@@ -9,18 +9,15 @@ threads for both, greedy, lengths fixed by the request (ignore_eos / min_new_tok
 2. Prefill latency: one request with max_tokens=1 through a warm engine (the whole
    `generate` call: an upper bound of time-to-first-token) vs one HF forward of the prompt.
 
-    python benchmarks/offline_throughput.py [--quick] [--num-requests 64] [--repeats 1]
+    python -m benchmarks.offline_throughput [--quick] [--num-requests 64] [--repeats 1]
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     load_line,
     machine_line,
     markdown_table,

@@ -4,7 +4,7 @@ every step) and after (incremental decode of a small window, stop strings search
 tail only). No model runs: the step's sampled tokens are replayed from real text, so the table
 isolates the per-step driver work that grows with output length.
 
-    python benchmarks/output_overhead.py [--requests 64] [--tokens 1024]
+    python -m benchmarks.output_overhead [--requests 64] [--tokens 1024]
 """
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import random
 import tempfile
 import time
 
-from common import load_line, markdown_table, write_result
-
+from benchmarks.common import load_line, markdown_table, write_result
 from stagewise.engine.inputs import Tokenizer
 from stagewise.engine.outputs import finish_check
 from stagewise.model.demo import _corpus, build_demo_model

@@ -8,7 +8,7 @@ peak memory of the engine's process tree, greedy agreement with HF fp32, the mac
 bandwidth and torch.mm FLOP rate (for roofline statements), and serving (`vllm bench serve`
 against `stagewise serve` and `vllm serve`). Writes results/peers.md and results/peers.png.
 
-    python benchmarks/peers.py [--quick] [--rounds 2] [--vllm-python PATH] [--llamacpp-python PATH]
+    python -m benchmarks.peers [--quick] [--rounds 2] [--vllm-python PATH] [--llamacpp-python PATH]
 
 The model is prepared on first run under $STAGEWISE_CACHE (or ~/.cache/stagewise)/peers/ (needs the
 `bench` extra). The peers are never dependencies of stagewise: each lives in its own virtual
@@ -32,13 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers_model  # noqa: E402
-import peers_procs  # noqa: E402
-import peers_report  # noqa: E402
-from common import RESULTS_DIR, load_line, machine_line  # noqa: E402
-from peers_procs import base_env, run_worker, stagewise_env, vllm_env  # noqa: E402
-from peers_serving import serving  # noqa: E402
+from benchmarks import peers_model, peers_procs, peers_report
+from benchmarks.common import RESULTS_DIR, load_line, machine_line
+from benchmarks.peers_procs import base_env, run_worker, stagewise_env, vllm_env
+from benchmarks.peers_serving import serving
 
 DEFAULT_VLLM = "/opt/peers/vllm/bin/python"
 DEFAULT_LLAMACPP = "/opt/peers/llamacpp/bin/python"

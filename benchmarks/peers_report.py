@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from common import markdown_table
-from peers_model import weight_bytes_per_token
+from benchmarks.common import markdown_table
+from benchmarks.peers_model import weight_bytes_per_token
 
 REFERENCE = "HF fp32"
 # bytes per weight as stored: Q4_1 = 4 bits + an fp16 scale and min per 32 weights; its Q8_0

@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peers_procs import VLLM_CLI, ProcTree, stagewise_env, vllm_env
+from benchmarks.peers_procs import VLLM_CLI, ProcTree, stagewise_env, vllm_env
 
 HOST = "127.0.0.1"             # loopback only
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 64, 16
@@ -23,7 +23,7 @@ SERVED_NAME = "smollm2-135m-instruct"
 
 
 def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
-    from stagewise.executor.rendezvous import free_port
+    from benchmarks.server_process import free_port
     have_vllm = bool(args.vllm_python) and Path(args.vllm_python).exists()
     if not have_vllm:
         notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "

@@ -11,10 +11,10 @@ really got, since other jobs on a shared machine cap any pipeline speed-up.
 Busy time per stage comes from `llm.stats()["stage_busy_s"]` (cumulative) over the generate
 wall time; idle = 1 - busy is the pipeline bubble plus transport and driver time.
 
-    python benchmarks/pipeline.py [--quick] [--num-requests 64] [--rounds 2] [--partition 5,3]
+    python -m benchmarks.pipeline [--quick] [--num-requests 64] [--rounds 2] [--partition 5,3]
         [--prompt-len 16,64] [--output-len 16,64] [--tag NAME]
 
-`--levers` runs the balanced-pipeline suite instead (pipeline_levers.py: the default model, each
+`--levers` runs the balanced-pipeline suite instead (`python -m benchmarks.pipeline_levers`: the default model, each
 lever of issue 23 on and off, PP=2 vs PP=1, TTFT of long prompts).
 """
 from __future__ import annotations
@@ -23,8 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from .common import (
     RESULTS_DIR,
     load_line,
     machine_line,
@@ -33,9 +32,9 @@ from common import (  # noqa: E402
     parallel_capacity,
     random_workload,
     temp_checkpoint,
-    timed,
     write_result,
 )
+from .engine_process import EngineProcess
 
 SHORT = {"PP=2 micro-batched (depth 2)": "PP=2 micro", "PP=2 synchronous (pp_depth 1)": "PP=2 sync",
          "PP=1, 2 threads": "PP=1"}
@@ -47,91 +46,6 @@ CONFIGS = {              # label -> engine options
     "PP=2 synchronous (pp_depth 1)": dict(pp_size=2, threads_per_stage=1, pp_depth=1),
     "PP=1, 2 threads": dict(pp_size=1, threads_per_stage=2),
 }
-
-
-def run(llm, prompts, out_lens) -> tuple[float, list[float]]:
-    """Generate the batch; returns wall seconds and the busy seconds each stage spent on it."""
-    from stagewise import SamplingParams
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
-    before = llm.stats()["stage_busy_s"]
-    wall, outs = timed(llm.generate, prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    after = llm.stats()["stage_busy_s"]
-    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(out_lens)
-    before = before or [0.0] * len(after)
-    return wall, [a - b for a, b in zip(after, before)], [o.outputs[0].token_ids for o in outs]
-
-
-class _EngineProcess:
-    """One engine in its own process: a process holds one torch.distributed group, so two PP
-    engines cannot share one; separate processes also let the rounds interleave the engines."""
-
-    def __init__(self, model_dir, opts: dict):
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_engine, args=(child, str(model_dir), opts), daemon=False)
-        self.proc.start()
-
-    def _answer(self):
-        reply = self.conn.recv()
-        if isinstance(reply, str):
-            raise RuntimeError(reply)
-        return reply
-
-    def ready(self) -> None:
-        self._answer()
-
-    def run(self, prompts, out_lens, levers: dict | None = None):
-        """`levers` (pipeline_levers.py) switches balanced micro-batches / dynamic chunks in the engine first."""
-        self.conn.send((prompts, out_lens, levers or {}))
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.proc.join(timeout=60)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-def _serve_engine(conn, model_dir: str, opts: dict) -> None:
-    import traceback
-
-    from stagewise import LLM
-    try:
-        # no prefix caching: every round replays the same prompts
-        defaults = dict(dtype="float32", device="cpu", max_num_seqs=64, kv_cache_memory="256MiB",
-                        enable_prefix_caching=False)
-        llm = LLM(model=model_dir, **{**defaults, **opts})
-    except Exception:   # noqa: BLE001  (any start-up failure goes back to the parent as its traceback)
-        conn.send(traceback.format_exc())
-        return
-    try:
-        run(llm, *random_workload(4, (8, 16), (2, 4), VOCAB, seed=99))   # warm-up
-        conn.send("ready".encode())
-        fitted = llm.engine.scheduler.chunker
-        while (job := conn.recv()) is not None:
-            try:
-                _set_levers(llm, fitted, job[2])
-                conn.send(run(llm, *job[:2]))
-            except Exception:   # noqa: BLE001  (as at start-up: the parent raises it)
-                conn.send(traceback.format_exc())
-    finally:
-        llm.shutdown()
-
-
-def _set_levers(llm, fitted, levers: dict) -> None:
-    """Balanced micro-batches on/off (the decode cap's depth) and dynamic chunks on/off (the chunker
-    fitted at start-up, or fixed chunks), switched between runs of one engine."""
-    from stagewise.engine.balance import FixedChunks
-    sched = llm.engine.scheduler
-    if "balance" in levers:
-        sched.balancer.depth = llm.engine.config.depth if levers["balance"] else 1
-    if "dynamic" in levers:
-        sched.chunker = fitted if levers["dynamic"] else FixedChunks()
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -146,7 +60,7 @@ def _with_partition(opts: dict, partition: str | None) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--levers" in argv:
-        import pipeline_levers
+        from . import pipeline_levers
         return pipeline_levers.main([a for a in argv if a != "--levers"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model and workload, one round")
@@ -171,7 +85,7 @@ def main(argv=None) -> int:
     args.load_before = load_line()
     args.capacity = [parallel_capacity()]
     with temp_checkpoint(**model) as model_dir:
-        engines = {label: _EngineProcess(model_dir, _with_partition(opts, args.partition))
+        engines = {label: EngineProcess(model_dir, _with_partition(opts, args.partition))
                    for label, opts in CONFIGS.items()}
         try:
             for engine in engines.values():

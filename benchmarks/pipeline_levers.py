@@ -1,12 +1,13 @@
 """Balanced pipelines on the default model: each lever on and off, PP=2 vs PP=1 on the same cores.
 
-Run through `python benchmarks/pipeline.py --levers` (or this file directly). The default model
+Run with `python -m benchmarks.pipeline_levers` (or `python -m benchmarks.pipeline --levers`). The default model
 (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized; dtype auto, which is fp32 on CPUs without
 native bf16), the machine's 2 cores: PP=1 runs 2 intra-op threads in one process, PP=2 one thread
-per stage process. Levers: the layer partition (`even` vs `auto`, the cost model: one engine each), balanced
-micro-batches and dynamic chunking (switched inside an engine between runs). Three engines live in
-their own processes and stay up (prefix caching off); runs interleave them so load drift on the
-shared machine hits each alike, and the load is printed with every run.
+per stage process. Levers: the layer partition (`even` vs `auto`, the cost model), balanced
+micro-batches (`STAGEWISE_BALANCE_MICRO_BATCHES=0` turns them off) and dynamic chunking
+(`enable_dynamic_chunking`). Each configuration is an engine in its own process, all up at once
+(prefix caching off); runs interleave them so load drift on the shared machine hits each alike,
+and the load is printed with every run.
 
 Measured, in phases (the report is rewritten after each, raw numbers in the .json beside it):
 offline throughput of a decode-heavy mix (32 requests, prompts 32–256, 64 out), TTFT of one
@@ -14,16 +15,13 @@ offline throughput of a decode-heavy mix (32 requests, prompts 32–256, 64 out)
 8,191-token prompt (the longest that leaves room for one output token in the model's 8,192
 positions); per-stage busy share (compute seconds / wall) over each generate call.
 
-    python benchmarks/pipeline.py --levers [--quick] [--rounds 2] [--skip PHASE]
+    python -m benchmarks.pipeline_levers [--quick] [--rounds 2] [--skip PHASE]
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from .common import (
     RESULTS_DIR,
     cpu_line,
     load_line,
@@ -34,26 +32,21 @@ from common import (  # noqa: E402
     random_workload,
     write_result,
 )
-from pipeline import _EngineProcess  # noqa: E402
+from .engine_process import EngineProcess
 
 PP1 = "PP=1, 2 threads"
-ENGINES = {              # name -> engine options; the levers below switch inside one engine between runs
-    "PP=1": dict(pp_size=1, threads_per_stage=2, kv_cache_memory="512MiB"),
-    "even": dict(pp_size=2, threads_per_stage=1, pp_layer_partition="even", kv_cache_memory="320MiB"),
-    "auto": dict(pp_size=2, threads_per_stage=1, pp_layer_partition="auto", kv_cache_memory="320MiB",
-                 enable_dynamic_chunking=True),
-}
+PP2 = dict(pp_size=2, threads_per_stage=1, kv_cache_memory="320MiB")
+FCFS = {"STAGEWISE_BALANCE_MICRO_BATCHES": "0"}       # the benchmark lever: micro-batches not balanced
 OLD = "PP=2 even, FCFS"
 NEW = "PP=2 auto, balanced"
 DYN = "PP=2 auto, balanced, dynamic chunks"
-FIXED = dict(dynamic=False)
-CONFIGS = {              # label -> (engine, levers)
-    PP1: ("PP=1", {}),
-    OLD: ("even", dict(balance=False, **FIXED)),
-    "PP=2 even, balanced": ("even", dict(balance=True, **FIXED)),
-    "PP=2 auto, FCFS": ("auto", dict(balance=False, **FIXED)),
-    NEW: ("auto", dict(balance=True, **FIXED)),
-    DYN: ("auto", dict(balance=True, dynamic=True)),
+CONFIGS = {              # label -> (engine options, environment of its process); one engine each
+    PP1: (dict(pp_size=1, threads_per_stage=2, kv_cache_memory="512MiB"), {}),
+    OLD: (dict(PP2, pp_layer_partition="even"), FCFS),
+    "PP=2 even, balanced": (dict(PP2, pp_layer_partition="even"), {}),
+    "PP=2 auto, FCFS": (dict(PP2, pp_layer_partition="auto"), FCFS),
+    NEW: (dict(PP2, pp_layer_partition="auto"), {}),
+    DYN: (dict(PP2, pp_layer_partition="auto", enable_dynamic_chunking=True), {}),
 }
 PHASES = [               # (phase, workload, configurations), in order of importance
     ("decode-heavy", (32, (32, 256), (64, 64)), [PP1, OLD, "PP=2 even, balanced", "PP=2 auto, FCFS", NEW]),
@@ -67,10 +60,13 @@ VOCAB = 49152
 TPUT_TARGET, TTFT_TARGET, BUBBLE_TARGET, STAGE_SPREAD = 1.15, 0.7, 0.10, 0.10
 
 
-def run_phases(model: str, args, on_phase) -> dict:
+def run_phases(model: str | None, args, on_phase) -> dict:
     """phase -> label -> best (wall, busy per stage, tokens) over the rounds; interleaved per round.
     `on_phase(results)` runs after each phase (the report is rewritten as results come in)."""
-    engines = {name: _EngineProcess(model, {"dtype": "auto", **opts}) for name, opts in ENGINES.items()}
+    phases = [labels for phase, _, labels in PHASES if phase not in args.skip]
+    wanted = [label for label in CONFIGS if any(label in labels for labels in phases)]
+    engines = {label: EngineProcess(model, {"dtype": "auto", **CONFIGS[label][0]}, CONFIGS[label][1])
+               for label in wanted}
     results: dict = {}
     try:
         for engine in engines.values():
@@ -84,8 +80,7 @@ def run_phases(model: str, args, on_phase) -> dict:
             for r in range(args.rounds):
                 prompts, out_lens = random_workload(n, plen, olen, VOCAB, seed=10 + r)
                 for label in (labels if r % 2 == 0 else labels[::-1]):
-                    name, levers = CONFIGS[label]
-                    wall, busy, outs[label] = engines[name].run(prompts, out_lens, levers)
+                    wall, busy, outs[label] = engines[label].run(prompts, out_lens)
                     results[phase][label].append((wall, busy, sum(out_lens)))
                     print(f"round {r} {phase}: {label}: {wall:.2f} s, busy {[round(b, 2) for b in busy]}, "
                           f"{load_line()}", flush=True)
@@ -107,8 +102,8 @@ def report(args, results: dict) -> str:
              f"bf16); {cpu_line()}; {machine_line()}. Load: {args.load_before} at the start, {load_line()} at "
              f"the end; two single-thread processes got {args.capacity:.2f} of 2 cores (common.parallel_capacity) "
              f"before the runs. {args.rounds} interleaved round(s), best per configuration; greedy, ignore_eos, "
-             "prefix caching off, chunks of 512. Three engines stay up (PP=1; PP=2 even; PP=2 auto); balanced "
-             "micro-batches and dynamic chunks are switched inside an engine between runs.", ""]
+             "prefix caching off, chunks of 512. One engine per configuration, all up at once; unbalanced "
+             "micro-batches are STAGEWISE_BALANCE_MICRO_BATCHES=0 in that engine's process.", ""]
     for phase, by_label in results.items():
         lines += _phase_lines(phase, by_label)
     lines += _targets(results)
@@ -172,8 +167,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 1
-    from stagewise.model.source import resolve_model
-    model = resolve_model(None)
+    model = None                 # the default model (what `LLM()` loads)
     args.load_before, args.capacity = load_line(), parallel_capacity()
     name = "pipeline-levers" + (f"-{args.tag}" if args.tag else "")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import common  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 import torch
-from common import machine_line, markdown_table, median, met, temp_checkpoint, write_result
 
+from benchmarks import common  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from benchmarks.common import machine_line, markdown_table, median, met, temp_checkpoint, write_result
 from stagewise import LLM, SamplingParams
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner

@@ -12,7 +12,7 @@ decode step streams a model's weights from memory: the table gives GB/s of the w
 stored by each method. At 32 and 512 rows it gives GFLOP/s. Activations are bf16 (the engine's
 dtype) except for the float32 baseline.
 
-    python benchmarks/quant_kernels.py [--threads 2] [--rounds 3] [--clock cpu] [--quick] [--variant avx2]
+    python -m benchmarks.quant_kernels [--threads 2] [--rounds 3] [--clock cpu] [--quick] [--variant avx2]
 
 `--clock cpu` times a one-thread run by its CPU time, which a busy shared machine disturbs less.
 `--variant` runs our kernels from another instruction-set build (`avx512` without VNNI, `avx2`,
@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, load_line, markdown_table, write_result  # noqa: E402
-
-from stagewise.kernels import quant, quant_kernels  # noqa: E402
-from stagewise.kernels.quant import QuantizedWeight, T  # noqa: E402
+from benchmarks.common import cpu_line, load_line, markdown_table, write_result
+from stagewise.kernels import quant, quant_kernels
+from stagewise.kernels.quant import QuantizedWeight, T
 
 SHAPES = {"attn q/o 2048x2048": (2048, 2048), "mlp gate/up 8192x2048": (8192, 2048),
           "mlp down 2048x8192": (2048, 8192), "head 49152x2048": (49152, 2048)}

@@ -5,7 +5,7 @@ start (processes + rendezvous), weight load and recompute (rebuilt -> first toke
 every live request recomputed from its tokens). Rows with warm spare stage processes (the
 default) and without (--no-pipeline-spares: fresh processes import torch and transformers).
 
-    nice -n 19 python benchmarks/recovery.py [--live 1,8,32] [--prompt-len 64] [--out NAME]
+    nice -n 19 python -m benchmarks.recovery [--live 1,8,32] [--prompt-len 64] [--out NAME]
 
 Writes benchmarks/results/recovery.md. The numbers depend on the load of the machine (printed).
 """
@@ -16,8 +16,7 @@ import os
 import signal
 import time
 
-from common import RESULTS_DIR
-
+from benchmarks.common import RESULTS_DIR
 from stagewise import LLM, SamplingParams
 
 COLUMNS = ("spares", "live requests", "tokens to recompute", "detect s", "teardown s", "start s", "weights s",

@@ -5,7 +5,7 @@ difference between a 1-token and a (1 + N)-token generation, divided by N. Each 
 stage's other threads once (more with barriers inside), so the count is what a wait policy pays
 for. Needs gdb; timing-free, so a busy machine gives the same answer.
 
-    python benchmarks/regions.py [--tokens 16] [--graph auto|off] [--decode-graph off]
+    python -m benchmarks.regions [--tokens 16] [--graph auto|off] [--decode-graph off]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tokens hold ~99% of the mass, as in a real model's peaked rows), for the samplin
 send: greedy, temperature 1 (`vllm bench serve`'s default), top-k, top-p, seeded. Each code version
 runs in its own process; rounds alternate the order; the figure is the median ms per `sample` call.
 
-    python benchmarks/sampler.py [--before-rev REV] [--rounds 3]
+    python -m benchmarks.sampler [--before-rev REV] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import export_src, load_line, machine_line, markdown_table, write_result  # noqa: E402
+from benchmarks.common import export_src, load_line, machine_line, markdown_table, write_result
 
 VOCAB = 49152
 BATCHES = (1, 16, 64)
@@ -77,8 +76,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for code in (("before", "now") if r % 2 == 0 else ("now", "before")):
                 env = dict(os.environ, PYTHONPATH=str(srcs[code]))
-                proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
-                                      text=True, check=True)
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.sampler", "--worker"], env=env,
+                                      capture_output=True, text=True, check=True)
                 runs[code].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     rows = []
     for key in runs["now"][0]:
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
         rows.append([name, batch, f"{before:.2f}", f"{now:.2f}", f"{before / now:.1f}x"])
     text = "\n".join([
         "# Sampler cost per decode step", "",
-        f"`python benchmarks/sampler.py --before-rev {args.before_rev} --rounds {args.rounds}`; {machine_line()}; "
+        f"`python -m benchmarks.sampler --before-rev {args.before_rev} --rounds {args.rounds}`; {machine_line()}; "
         f"{load0} at the start. Logits `[batch, {VOCAB}]` = 4 * randn; median ms per `Sampler.sample` call "
         "(median over rounds), 2 threads.", "",
         markdown_table(["setting", "batch", "before (ms)", "now (ms)", "speed-up"], rows)])

@@ -5,7 +5,7 @@ token p50/p99, prints a markdown table and appends it to --out.
 Closed loop: each client sends its next request when the previous one ends. Seeded token-id
 prompts, fixed output lengths (ignore_eos), /v1/completions with stream + include_usage.
 
-    python benchmarks/serving.py [--model DIR] [--pp-sizes 1,2] [--num-clients 16] [--num-requests 64]
+    python -m benchmarks.serving [--model DIR] [--pp-sizes 1,2] [--num-clients 16] [--num-requests 64]
 """
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-# NOTE: the server tests' launcher (a `python -m stagewise serve` child process): one launcher for both.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
-from launcher import ServerProcess  # noqa: E402
+from benchmarks.server_process import ServerProcess
 
 try:
     import httpx2 as httpx

@@ -12,7 +12,7 @@ defines them), per engine step the wall ms and the worker's busy ms (prepare, fo
 so time a step spends outside the model shows, and /health latency. The machine is shared: every
 row carries the 1-minute load average at its start.
 
-    python benchmarks/serving_overhead.py [--model PATH] [--rounds 2] [--heavy-mb 4]
+    python -m benchmarks.serving_overhead [--model PATH] [--rounds 2] [--heavy-mb 4]
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
-from launcher import ServerProcess  # noqa: E402
+from benchmarks.server_process import ServerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serving_overhead.md"
 WARMUP = [[100 + i] * 40 for i in range(2)]

@@ -5,7 +5,7 @@ llama.cpp's prompt-lookup decoding (llama-cpp-python's `LlamaPromptLookupDecodin
 the same token ids. Configurations are interleaved round by round in one run (the machine is
 shared); greedy outputs with and without speculation are compared token for token.
 
-    python benchmarks/speculative.py [--rounds 2] [--prompts 8] [--max-tokens 160] [--quick] [--spec JSON]
+    python -m benchmarks.speculative [--rounds 2] [--prompts 8] [--max-tokens 160] [--quick] [--spec JSON]
                                      [--llamacpp-python PATH]
 
 tok/s is output tokens / wall seconds of the whole request (prefill included); "decode tok/s"
@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import cpu_line, load_line, machine_line, markdown_table, met, write_result
+from benchmarks.common import cpu_line, load_line, machine_line, markdown_table, met, write_result
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -152,8 +151,9 @@ def main() -> None:
         opts["threads_per_stage"] = args.threads
     base = LLM(**opts)
     fast = LLM(speculative_config=spec, **opts)
-    tok = base.engine.tok
-    workloads = {name: [tok.encode(tok.chat_prompt([{"role": "user", "content": t}])) for t in tasks]
+    tok = base.tokenizer           # the model's HF tokenizer: chat template, then ids
+    workloads = {name: [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                           add_generation_prompt=True)) for t in tasks]
                  for name, tasks in (("copy-heavy", COPY_TASKS), ("fresh", FRESH_TASKS))}
     workloads = {k: v[:2 if args.quick else args.prompts] for k, v in workloads.items()}
     import torch
@@ -161,8 +161,7 @@ def main() -> None:
 
     peer, notes = None, []
     if args.llamacpp_python and _has_llama_cpp(args.llamacpp_python):
-        sys.path.insert(0, str(HERE))
-        from peers_model import prepare
+        from benchmarks.peers_model import prepare
         gguf = str(prepare()["float32"])
         ctx = max(len(p) for ps in workloads.values() for p in ps) + n + 16
         peer = LlamaCpp(args.llamacpp_python, gguf, threads, ctx)

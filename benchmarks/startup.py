@@ -7,7 +7,7 @@ run's wall time, cold and warm. Kernel libraries and the model file are cached b
 untimed run), as for a user's second command; Inductor's cache is the only thing that is cold.
 Writes benchmarks/results/startup.md.
 
-    python benchmarks/startup.py [--rounds 2]
+    python -m benchmarks.startup [--rounds 2]
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, load_line, markdown_table, met, write_result  # noqa: E402
+from benchmarks.common import cpu_line, load_line, markdown_table, met, write_result
 
 CONFIGS = {"--prefill-graph off": "off", "the default (auto)": "auto",
            "--prefill-graph compiled, cold Inductor cache": "compiled",

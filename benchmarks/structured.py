@@ -8,18 +8,15 @@ side in one process:
 - end to end: decode ms/step of `LLM.generate` at batch 1 and 32, every row constrained (a regex
   that never ends, 64 tokens each) vs no row constrained, interleaved rounds.
 
-    python benchmarks/structured.py [--rounds 3] [--tokens 64]
+    python -m benchmarks.structured [--rounds 3] [--tokens 64]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, load_line, markdown_table, met, write_result  # noqa: E402
+from benchmarks.common import cpu_line, load_line, markdown_table, met, write_result
 
 SCHEMA = {"type": "object", "properties": {
     "owner": {"type": "string"},

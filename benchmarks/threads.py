@@ -9,7 +9,7 @@ background load on a shared machine falls on every policy alike; every cell is t
 The load is `python -c 'while True: pass'` pinned to
 core 0 with taskset, started and killed here. Writes benchmarks/results/threads.md.
 
-    python benchmarks/threads.py [--rounds 2] [--num-requests 16] [--only LABEL,...]
+    python -m benchmarks.threads [--rounds 2] [--num-requests 16] [--only LABEL,...]
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
   fp32, made here): one process with 2 threads against `--tp-size 2` with 1 thread per rank (the
   issue's target: TP at least 0.9x), output tok/s, best of the rounds.
 
-    python benchmarks/tp.py [--rounds 5] [--quick]
+    python -m benchmarks.tp [--rounds 5] [--quick]
 """
 from __future__ import annotations
 
@@ -16,15 +16,12 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, load_line, machine_line, markdown_table, temp_checkpoint, write_result  # noqa: E402
+from benchmarks.common import cpu_line, load_line, machine_line, markdown_table, temp_checkpoint, write_result
 
 HIDDEN, ROWS = 576, (1, 32, 512)
 

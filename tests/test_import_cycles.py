@@ -1,17 +1,22 @@
-"""No import cycles in the package: every `import`/`from ... import` of a stagewise module, at
-module level or inside a function (where a cycle hides from Python's own checks), is an edge;
-the graph of modules must have no cycle. A name imported from a package counts as its submodule
-when one has that name, else as the package's `__init__`."""
+"""No import cycles in the package or in benchmarks/: every `import`/`from ... import` of one of
+its modules, at module level or inside a function (where a cycle hides from Python's own checks),
+is an edge; the graph of modules must have no cycle. A name imported from a package counts as its
+submodule when one has that name, else as the package's `__init__`. The benchmarks are a package
+run with `python -m benchmarks.<name>`: no `sys.path` edits, nothing from tests/, and no private
+name of another benchmark module."""
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = SRC) -> dict[str, Path]:
     mods = {}
-    for path in SRC.rglob("*.py"):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        if "results" in path.relative_to(root).parts:
+            continue
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
@@ -64,3 +69,21 @@ def test_the_check_finds_a_cycle_hidden_in_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_benchmarks_are_a_package_without_cycles_or_path_edits():
+    mods = _modules(BENCHMARKS)
+    assert "benchmarks" in mods and len(mods) > 20
+    graph = {name: _targets(name, path, mods) for name, path in mods.items()}
+    assert sum(map(len, graph.values())) > 20          # the walk sees `from benchmarks.common import ...`
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    for path in mods.values():
+        text = path.read_text()
+        assert "sys.path" not in text, f"{path.name} edits sys.path; import through the benchmarks package"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[0] not in ("tests", "launcher", "conftest"), f"{path.name} imports tests"
+                if node.module.startswith("benchmarks"):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    assert not private, f"{path.name} imports {private} from {node.module}"

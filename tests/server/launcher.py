@@ -1,6 +1,6 @@
 """ServerProcess: `python -m stagewise serve` as a child process on 127.0.0.1 and a free port,
 waited for through /health and stopped gracefully (a signal, then SIGKILL). Used by the server
-tests and the serving benchmark."""
+tests (the benchmarks have their own, benchmarks/server_process.py)."""
 from __future__ import annotations
 
 import os
