@@ -175,7 +175,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         raise ValueError(f"Activations have {x.shape[-1]} features but the {n}x{k} {w.qtype.name} weight takes {k}.")
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
-    if w.packed and (quant_kernels.native_ops() or torch.compiler.is_compiling()
+    if w.packed and (torch.compiler.is_compiling() or quant_kernels.native_ops()
                      or _get_current_dispatch_mode() is not None):
         y = torch.ops.stagewise.qlinear(rows, w.data, bias, w.qtype, n, True, exact, f32_out)
     else:               # file rows run the reference here (the C++ op takes packed weights only)
@@ -210,7 +210,7 @@ def linear_cat(x: torch.Tensor, weights: list[QuantizedWeight], bias: torch.Tens
     rows = x.reshape(-1, k)
     args = (rows, [w.data for w in weights], bias, [int(w.qtype) for w in weights], [w.shape[0] for w in weights],
             exact, f32_out)
-    if quant_kernels.native_ops() or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if torch.compiler.is_compiling() or quant_kernels.native_ops() or _get_current_dispatch_mode() is not None:
         y = torch.ops.stagewise.qlinear_cat(*args)
     else:
         y = _qlinear_cat(*args)
