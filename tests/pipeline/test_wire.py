@@ -99,6 +99,9 @@ def sampling(draw):
         truncate_prompt_tokens=draw(st.none() | st.just(-1) | st.integers(1, 99)),
         cache_salt=draw(st.none() | st.text(min_size=1, max_size=4)),
         structured_outputs=draw(st.none() | structured()))
+    choices = getattr(kwargs["structured_outputs"], "choice", None)
+    if choices and not kwargs["ignore_eos"]:    # a choice ends the output: min_tokens must fit the longest
+        kwargs["min_tokens"] = min(kwargs["min_tokens"], max(len(c.encode("utf-8", "replace")) for c in choices))
     params = SamplingParams(**kwargs)
     if params.bad_words:        # derived by the engine on the driver; must reach the sampling stage
         params.bad_words_token_ids = draw(st.lists(ids.filter(bool), min_size=1, max_size=2))
@@ -128,7 +131,7 @@ def plans(draw):
         draw(st.lists(rid, max_size=3)), draw(ids),
         draw(st.none() | st.builds(GraphVerdict, st.sampled_from(["prefill", "decode"]),
                                    st.none() | st.integers(1, 512), st.none() | st.text(max_size=8))),
-        draw(st.lists(st.floats(0, 100), max_size=3)), mask)
+        draw(st.lists(st.floats(0, 100), max_size=3)), draw(st.lists(st.floats(0, 100), max_size=3)), mask)
 
 
 logprob = st.builds(TokenLogprob, st.integers(0, 5000), floats | st.just(-math.inf),
@@ -139,7 +142,7 @@ results = st.builds(
     st.dictionaries(rid, ids, max_size=3), st.dictionaries(rid, st.lists(logprob, max_size=2), max_size=2),
     st.dictionaries(rid, logprob, max_size=3), st.dictionaries(rid, st.text(max_size=20), max_size=2),
     st.dictionaries(rid, st.tuples(st.integers(0, 99), st.lists(logprob, max_size=2)), max_size=2),
-    st.none() | st.text(max_size=20), st.lists(st.floats(0, 100), max_size=3))
+    st.none() | st.text(max_size=20), st.lists(st.floats(0, 100), max_size=3), st.lists(st.floats(0, 100), max_size=3))
 
 
 @pytest.mark.slow
@@ -188,7 +191,7 @@ def test_a_field_of_the_wrong_type_is_refused_naming_it():
         CODEC.decode(wire, [], RING)
     wire, ts = CODEC.encode(PlanMsg(plan))
     wire[1][0].append(None)                         # a field too many
-    with pytest.raises(WireError, match="expected StepPlan as a list of 9 values"):
+    with pytest.raises(WireError, match="expected StepPlan as a list of 10 values"):
         CODEC.decode(wire, ts, RING)
     bad = CODEC.encode(PlanMsg(StepPlan(0, [], [NewRequestData("a", [1], 1, SamplingParams(), [])])))[0]
     bad[1][0][2][0][3][2] = 2.0                     # SamplingParams.top_p
