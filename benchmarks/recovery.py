@@ -56,7 +56,7 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
 
 
 def _recovered_since(engine, t: float) -> bool:
-    last = engine.recovery.last
+    last = engine.supervisor.recovery.last
     return last.get("detected_at", 0.0) > t and "recompute_s" in last
 
 

@@ -7,6 +7,7 @@ import pytest
 from stagewise.cli import build_parser, main
 from stagewise.config import EngineConfig
 from stagewise.engine import engine as engine_mod
+from stagewise.engine import supervisor as supervisor_mod
 from stagewise.graph.policy import resolve_graph_policy
 
 
@@ -37,7 +38,7 @@ def _no_executor(*args, **kwargs):
 @pytest.mark.parametrize("partition, logged", [("auto", "partition: auto"), ("even", "partition: even"),
                                                ("1,3", "partition: explicit: 1,3")])
 def test_a_pipeline_logs_how_its_partition_was_chosen(llama_dir, monkeypatch, caplog, partition, logged):
-    monkeypatch.setattr(engine_mod, "make_executor", _no_executor)     # everything before the stages start
+    monkeypatch.setattr(supervisor_mod, "make_executor", _no_executor)     # everything before the stages start
     config = EngineConfig(model=str(llama_dir), pp_size=2, pp_layer_partition=partition, prefill_graph="off")
     with caplog.at_level(logging.INFO, logger="stagewise"), pytest.raises(_Stop):
         engine_mod.Engine(config)

@@ -77,7 +77,7 @@ def _kill_after(llm, steps: int, stage: int, signum: int = signal.SIGKILL, sent:
 
 def test_a_stage_killed_during_generate_loses_no_request(healing_llm, reference):
     llm = healing_llm
-    llm.engine.restarts.times.clear()
+    llm.engine.supervisor.restarts.times.clear()
     old_pids = [p.pid for p in llm.engine.executor.procs]
     killer = _kill_after(llm, 12, stage=1)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
@@ -98,13 +98,13 @@ def test_a_stage_that_stops_answering_is_found_by_its_heartbeats(healing_llm, re
     """SIGSTOP: no heartbeat for --heartbeat-timeout-s (5 s), far below --dist-timeout-s; then healed as a
     dead stage is, nothing lost."""
     llm = healing_llm
-    llm.engine.restarts.times.clear()
+    llm.engine.supervisor.restarts.times.clear()
     sent: dict = {}
     stopper = _kill_after(llm, 12, stage=1, signum=signal.SIGSTOP, sent=sent)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     stopper.join(5)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    last = llm.engine.recovery.last
+    last = llm.engine.supervisor.recovery.last
     assert last["cause"] == "timeout" and "stage 1 (node 0) stopped answering: no heartbeat for" in last["why"], last
     assert last["detected_at"] - sent["at"] < HANG_FOUND_S < DIST_TIMEOUT_S
     assert llm.engine.fault() is None
@@ -114,7 +114,7 @@ def test_a_crash_loop_fails_after_the_restart_limit(healing_llm):
     """A request that kills stage 1 whenever it runs: one rebuild (the limit here), and the second
     failure ends the engine as a failure without recovery does (the spares may still be starting)."""
     llm = healing_llm
-    llm.engine.restarts.times.clear()
+    llm.engine.supervisor.restarts.times.clear()
     t0 = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
         llm.generate(prompt_token_ids=[[3, 4, CRASH_TOKEN, 5], *PROMPTS[:3]], sampling_params=GREEDY,

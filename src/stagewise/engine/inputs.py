@@ -1,6 +1,8 @@
 """Prompt intake: the tokenizer wrapper and the checks every request passes before it is queued."""
 from __future__ import annotations
 
+from typing import Callable
+
 from ..errors import PromptTooLongError
 from ..request import Request, SamplingParams
 
@@ -72,6 +74,21 @@ def _check_embeds(embeds, hidden_size: int):
     if not torch.isfinite(embeds).all():
         raise ValueError("input_embeds holds NaN or infinite values.")
     return embeds.detach().cpu()
+
+
+def make_request(tok: Tokenizer, new_id: Callable[[], str], prompt, params: SamplingParams, prompt_token_ids,
+                 input_embeds, max_model_len: int, kv_capacity_tokens: int) -> Request:
+    """A checked request, named by `new_id()`; ValueError with one sentence on bad input."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}.")
+    ids, embeds = tok.encode_prompt(prompt, prompt_token_ids, input_embeds)
+    ids, embeds = truncate_prompt(ids, embeds, params, max_model_len)
+    if params.bad_words and params.bad_words_token_ids is None:
+        params.bad_words_token_ids = bad_words_token_ids(tok, params.bad_words)
+    req = Request(new_id(), ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                  input_embeds=embeds, eos_token_ids=() if params.ignore_eos else tok.eos_token_ids)
+    check_prompt(req, max_model_len, kv_capacity_tokens, tok.vocab_size)
+    return req
 
 
 def check_prompt(req: Request, max_model_len: int, kv_capacity_tokens: int, vocab_size: int) -> None:

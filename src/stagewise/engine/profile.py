@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import random
 
+from .. import envs
 from ..graph.policy import decide_verdict
 from ..request import Request, SamplingParams
-from .balance import DynamicChunkSizer, FixedChunks, fit_chunk_costs
+from .balance import DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
 
 log = logging.getLogger("stagewise.engine")
 PROFILE_CHUNKS = 3        # chunks of the full budget per synthetic prompt
@@ -68,3 +69,18 @@ def fitted_chunker(scheduler, executor, policy, vocab_size: int, max_len: int):
     chunker = DynamicChunkSizer(fit_chunk_costs(samples), base)
     log.info("%s (profile: %d synthetic chunks)", chunker.describe(), len(samples))
     return chunker, clocks
+
+
+def balance_scheduler(scheduler, executor, policy, depth: int, dynamic: bool, vocab_size: int,
+                      max_len: int) -> list[float]:
+    """Micro-batch balancing over `depth` plans in flight (STAGEWISE_BALANCE_MICRO_BATCHES=0: off) and,
+    when `dynamic`, dynamic chunk sizing: its profile runs here, before any request, and leaves the
+    prefix-cache counters as they were. Returns the stages' busy clocks after it (empty: nothing ran)."""
+    scheduler.balancer = DecodeBalancer(depth if envs.STAGEWISE_BALANCE_MICRO_BATCHES else 1)
+    if not dynamic:
+        return []
+    blocks = scheduler.blocks
+    counters = blocks.num_queried_tokens, blocks.num_hit_tokens
+    scheduler.chunker, clocks = fitted_chunker(scheduler, executor, policy, vocab_size, max_len)
+    blocks.num_queried_tokens, blocks.num_hit_tokens = counters
+    return clocks

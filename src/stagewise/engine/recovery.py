@@ -1,8 +1,8 @@
-"""Pipeline recovery bookkeeping for the engine (engine.py does the rebuild itself).
+"""Pipeline recovery bookkeeping for the supervisor (supervisor.py does the rebuild itself).
 
-When a stage process dies, hangs past --dist-timeout-s or loses a link, the engine tears the
+When a stage process dies, hangs past --dist-timeout-s or loses a link, the supervisor tears the
 pipeline down, starts it again and recomputes every live request from its tokens. This module
-holds what that needs beside the engine: the sliding-window restart budget, the poison-plan
+holds what that needs beside it: the sliding-window restart budget, the poison-plan
 rule (`Suspects`) and the counters `stats()` and /metrics report.
 """
 from __future__ import annotations

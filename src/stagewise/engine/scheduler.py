@@ -8,7 +8,9 @@ applied and stop rules checked, or the plan or one of its rows failed), `abort` 
 Every finish (stop, length, abort, error) goes through `_finish`; a request's blocks are freed
 at once, or when its last in-flight plan returns. Preemption (recompute) only picks idle requests.
 
-Each request has one `InFlight` record from `add` until its blocks are released.
+Each request has one `InFlight` record from `add` until its blocks are released. A waiting
+request starts only when every admission rule lets it (its grammar is compiled; after a pipeline
+rebuild, no earlier suspect is unconfirmed).
 
 With a speculator, a running request's step may carry drafts (booked as extra rows against the
 token budget, counted as computed only once accepted); `_apply_tokens` applies the accepted ones
@@ -66,7 +68,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.chunker = FixedChunks()                # a prompt's next chunk length (engine.balance)
         self.balancer = DecodeBalancer()            # decode rows per plan (engine.balance)
-        self.gate: Callable[[Request], bool] | None = None   # may this waiting request start now? (recovery)
+        # may this waiting request start now? (its grammar is compiled; no earlier suspect is unconfirmed)
+        self.admission_rules: list[Callable[[Request], bool]] = []
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -168,7 +171,7 @@ class Scheduler:
                 self._book(plan, req, n, drafts)
                 budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if self.gate is not None and not self._gate_front():
+            if self.admission_rules and not self._admissible_first():
                 break
             n = self._admit(plan, self.waiting[0], budget)
             if n == 0:
@@ -180,11 +183,10 @@ class Scheduler:
         plan.finished_req_ids, self.to_forget = self.to_forget, []
         return plan
 
-    def _gate_front(self) -> bool:
-        """Bring the first waiting request the gate lets start to the front; False if none may."""
-        assert self.gate is not None
+    def _admissible_first(self) -> bool:
+        """Bring the first waiting request every admission rule lets start to the front; False if none may."""
         for i, req in enumerate(self.waiting):
-            if self.gate(req):
+            if all(rule(req) for rule in self.admission_rules):
                 if i:
                     del self.waiting[i]
                     self.waiting.appendleft(req)

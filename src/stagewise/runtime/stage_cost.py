@@ -21,7 +21,7 @@ from ..checkpoint import load_hf_config, num_layers_of
 from ..config import EngineConfig
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
-from ..parallel.partition import StageInfo, balanced_partition, partition_layers, stage_costs
+from ..parallel.partition import StageInfo, balanced_partition, partition_layers, stage_costs, stage_infos
 
 log = logging.getLogger("stagewise.partition")
 DECODE_CONTEXT = 512          # tokens a decode row attends to (at most half the model's positions)
@@ -97,6 +97,27 @@ def resolve_partition(config: EngineConfig, hf_config=None) -> tuple[int, ...]:
         return cost_model_for(config, hf).partition(config.pp_size, stage_rates(config))
     ranges = partition_layers(num_layers, config.pp_size, None if choice == "auto" else choice)
     return tuple(b - a for a, b in ranges)
+
+
+def predicted_shares(config: EngineConfig, hf_config=None) -> list[float]:
+    """Each stage's predicted share of a step (the cost model of the resolved partition)."""
+    if config.pp_size == 1:
+        return [1.0]
+    assert isinstance(config.pp_layer_partition, tuple), "resolved first (with_resolved_partition)"
+    return cost_model_for(config, hf_config).shares(config.pp_layer_partition, stage_rates(config))
+
+
+def resolved_for_stages(config: EngineConfig, hf_config) -> EngineConfig:
+    """`config` with its layer partition resolved (how it was chosen is logged). A bad partition is a
+    clear error here, before any stage process starts; stages get the counts (`auto` runs once)."""
+    model = config.model
+    assert model is not None, "resolve the model path first"
+    if config.pp_size > 1:
+        for line in partition_lines(config, hf_config):
+            logging.getLogger("stagewise.engine").info(line)      # the engine's start-up lines
+        config = with_resolved_partition(config, hf_config)
+    stage_infos(num_layers_of(hf_config, model), config.pp_size, config.pp_layer_partition)
+    return config
 
 
 def with_resolved_partition(config: EngineConfig, hf_config=None) -> EngineConfig:

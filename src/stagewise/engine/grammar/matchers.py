@@ -82,7 +82,7 @@ class StructuredOutputManager:
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], limits: GrammarLimits):
         self.service = CompileService(lambda: XGrammarBackend(hf_tokenizer, vocab_size, stop_token_ids), limits)
-        self.pending: dict[str, tuple[Request, Ticket]] = {}     # compiling, not yet scheduled
+        self.pending: dict[str, tuple[Request, Ticket]] = {}     # compiling (waiting in the scheduler)
         self.matchers: dict[str, Matcher] = {}
         self.requests: dict[str, Request] = {}                  # the constrained requests with a matcher
         self.failures: dict[str, str] = {}                       # matchers that failed in `fill`
@@ -97,10 +97,14 @@ class StructuredOutputManager:
         assert spec is not None
         self.pending[req.request_id] = (req, self.service.submit(req.params.cache_salt or "", *spec.key))
 
-    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Requests whose grammar is ready (matcher made), and (request, why) whose compile failed;
-        a failed one carries its status (`error_status`)."""
-        ready, failed = [], []
+    def admits(self, req: Request) -> bool:
+        """The scheduler's admission rule: a constrained request starts once its matcher is made."""
+        return req.params.grammar is None or req.request_id in self.matchers
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """Make the matchers of the grammars that are ready; returns (request, why) for each whose
+        compile failed, carrying its status (`error_status`)."""
+        failed = []
         for rid, (req, ticket) in list(self.pending.items()):
             if not ticket.future.done():
                 continue
@@ -119,8 +123,7 @@ class StructuredOutputManager:
             spec = req.params.grammar
             if spec is not None and spec.kind in ("json", "json_object"):
                 self.json_rows.add(rid)
-            ready.append(req)
-        return ready, failed
+        return failed
 
     def wait(self, timeout_s: float) -> None:
         """Block until some pending compile finishes (or `timeout_s`): an offline loop with nothing
@@ -130,13 +133,11 @@ class StructuredOutputManager:
         if self.pending:
             wait_futures([t.future for _, t in self.pending.values()], timeout_s, FIRST_COMPLETED)
 
-    def drop_pending(self, request_id: str) -> Request | None:
+    def drop_pending(self, request_id: str) -> None:
         """A compiling request ended (aborted): its compile is cancelled unless others wait for it."""
         entry = self.pending.pop(request_id, None)
-        if entry is None:
-            return None
-        self.service.cancel(entry[1])
-        return entry[0]
+        if entry is not None:
+            self.service.cancel(entry[1])
 
     def fill(self, plan: StepPlan) -> TokenBitmask | None:
         """The bitmask of the plan's constrained sampling rows; None (no cost) when there are none.

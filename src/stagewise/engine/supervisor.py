@@ -1,0 +1,216 @@
+"""The pipeline supervisor: everything that keeps the stages alive, so the engine only drives.
+
+It owns the executor's lifetime: the first start, teardown and rebuild after a stage dies, hangs
+or loses a link (new processes and links; across nodes, a new generation on the nodes that rejoin
+in time, the stages of the others on node 0: engine/placement.py), spare stage processes, and
+nodes that come back. Beside it (engine/recovery.py): the restart budget, the poison-plan rule
+(an admission rule of the scheduler) and the recovery counters. The engine calls `tend` before
+each step and `lost` when the executor failed, and reports applied plans and finished requests
+(they clear suspects); requests change only through the scheduler.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Callable, NoReturn
+
+from ..config import EngineConfig
+from ..errors import EngineDeadError
+from ..executor import Executor, make_executor
+from ..executor.generations import await_nodes, end_generations, next_generation, ready_nodes
+from ..executor.layout import default_layout, stages_of
+from ..executor.multiproc import MultiprocExecutor
+from ..executor.rendezvous import torchrun_env
+from ..executor.spawn import spares_ready, start_spares, stop_spares
+from ..plan import StepPlan, StepResult
+from ..request import Request
+from ..runtime.threads import usable_cpus
+from .block_manager import BlockManager
+from .placement import available_bytes, fit_problem, layout_line, place_stages
+from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+log = logging.getLogger("stagewise.engine")
+NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
+NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
+
+
+class Supervisor:
+    """Starts the executor and heals it. `die(why)` is the engine's: fail everything, raise."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...],
+                 die: Callable[[str], NoReturn]):
+        self.config, self.model_dir, self.eos_token_ids, self.die = config, model_dir, eos_token_ids, die
+        self.executor: Executor = make_executor(config, model_dir, eos_token_ids)
+        # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
+        # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
+        self.heals = (config.pp_size > 1 or config.tp_size > 1) and torchrun_env() is None
+        self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
+        self.suspects = Suspects()
+        self.recovery = RecoveryStats()
+        self.scheduler: Scheduler | None = None
+        self.engine_stats: EngineStats | None = None
+        self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
+        self._node_check_at = 0.0
+        self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
+        self._no_room = False          # node 0 could not take a lost node's stages (fatal)
+
+    def watch(self, scheduler: Scheduler, stats: EngineStats) -> None:
+        """The scheduler whose requests a rebuild requeues (suspects wait their turn in it), and the
+        statistics that count across rebuilds."""
+        self.scheduler, self.engine_stats = scheduler, stats
+        scheduler.admission_rules.append(self.suspects.may_admit)
+
+    @property
+    def recovering(self) -> str | None:
+        """Why the pipeline is being rebuilt, while it is (the next `tend` rebuilds it)."""
+        return self.recovery.recovering
+
+    def tend(self) -> None:
+        """Before a step: rebuild a lost pipeline, start spares when due, make room for a node
+        that came back."""
+        if self.recovering:
+            self._rebuild()
+        self.poll()
+
+    def poll(self) -> None:
+        """Start spares when due; across nodes, make room for a node that came back."""
+        self._start_spares_when_due()
+        self._welcome_returned_nodes()
+
+    def lost(self, why: str, inflight: Iterable[StepPlan]) -> list[Request]:
+        """The pipeline failed with `inflight` plans in flight: die unless it can be rebuilt; else
+        fail the poisoned requests alone and mark it recovering. Returns the failed requests."""
+        assert self.scheduler is not None, "watch() first"
+        cause = getattr(self.executor, "cause", None) or "unknown"
+        planned = cause == NODE_RETURNED           # not a failure: no restart used, no suspects
+        if not self.heals or self.config.max_pipeline_restarts == 0:
+            self.die(why)
+        if not planned and not self.restarts.take():
+            self.die(self.restarts.refusal(why))
+        unfinished = self.scheduler.requests
+        in_flight = [] if planned else [unfinished[rid] for rid in
+                                        dict.fromkeys(s.request_id for p in inflight for s in p.seqs)
+                                        if rid in unfinished]
+        poisoned = []
+        for rid, strikes in self.suspects.crash(in_flight).items():
+            poisoned += self.scheduler.fail([rid], poison_message(strikes))
+        live = len(self.scheduler.requests)
+        self.recovery.lost(cause, why, live, len(poisoned))
+        log.log(logging.WARNING if planned else logging.ERROR, "pipeline %s: %s Rebuilding it; %d live request(s) "
+                "will be recomputed%s.", "stopped" if planned else "failed", why, live,
+                f", {len(poisoned)} that crashed it again fails" if poisoned else "")
+        return poisoned
+
+    def applied(self, plan: StepPlan, result: StepResult) -> None:
+        """A plan came back: its requests are no longer suspects; a token ends a recovery."""
+        self.suspects.cleared(s.request_id for s in plan.seqs)
+        if result.sampled:
+            self.recovery.token_applied()
+
+    def finished(self, request_id: str) -> None:
+        self.suspects.cleared([request_id])
+
+    def _rebuild(self) -> None:
+        """Tear the failed pipeline down, start a new one and requeue every live request for
+        recompute. A start that fails uses the restart budget too."""
+        assert self.scheduler is not None, "watch() first"
+        t0 = time.monotonic()
+        self.executor.shutdown()
+        teardown_s = time.monotonic() - t0
+        while True:
+            try:
+                self.executor = self._new_executor()
+                break
+            except EngineDeadError as exc:
+                if self._no_room:             # the engine died: no room for a lost node's stages
+                    raise
+                if not self.restarts.take():
+                    self.recovery.recovering = None
+                    self.die(self.restarts.refusal(str(exc)))
+                log.error("%s Trying again.", exc)
+        old = self.scheduler.blocks
+        blocks = BlockManager(min(self.executor.num_blocks, old.num_blocks), old.block_size,
+                              old.enable_prefix_caching)
+        blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
+        self._start_spares()
+        self.suspects.regroup([*self.scheduler.running, *self.scheduler.waiting])
+        requeued = self.scheduler.restart(blocks)
+        if self.engine_stats is not None:
+            self.engine_stats.pipeline_rebuilt()
+        startup = {**getattr(self.executor, "startup", {}), "rejoin_s": self._rejoin_s}
+        self.recovery.rebuilt(teardown_s, startup, requeued)
+        log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, %sstart %.1f s, weights %.1f s); recomputing "
+                    "%d request(s)", time.monotonic() - t0, teardown_s,
+                    f"waiting for nodes {self._rejoin_s:.1f} s, " if self.config.nnodes > 1 else "",
+                    startup.get("spawn_s", 0.0), startup.get("load_s", 0.0), requeued)
+
+    def _new_executor(self) -> Executor:
+        """A new pipeline. One node: on a fresh port (the old group's store and links may linger a
+        while). Several: a new generation in the same store (executor/generations.py), on the nodes that
+        are ready for it within --node-rejoin-timeout-s; the stages of the others run on node 0."""
+        c = self.config
+        if c.nnodes == 1:
+            return make_executor(c.replace(master_port=None), self.model_dir, self.eos_token_ids)
+        addr, port = c.master_addr, c.master_port
+        assert port is not None and isinstance(c.pp_layer_partition, tuple), "validated, resolved by the engine"
+        generation = next_generation(addr, port)        # the first pipeline serves the store
+        t0 = time.monotonic()
+        present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
+        self._rejoin_s = time.monotonic() - t0
+        placement = place_stages(default_layout(c.pp_size, c.nnodes), present)
+        if placement.moved:
+            self._check_fits(placement)
+            log.warning("node %s did not rejoin within %.0f s; the pipeline runs on the nodes left: %s",
+                        ", ".join(map(str, placement.gone)), c.node_rejoin_timeout_s,
+                        layout_line(placement.layout, c.pp_layer_partition))
+            local = len(stages_of(placement.layout, 0))
+            c = c.replace(threads_per_stage=c.threads_per_stage or max(1, usable_cpus().cpus // local))
+        return make_executor(c, self.model_dir, self.eos_token_ids, generation=generation, layout=placement.layout)
+
+    def _welcome_returned_nodes(self) -> None:
+        """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time)
+        that is ready again stops the pipeline, and the rebuild gives it its stages back."""
+        ex, c = self.executor, self.config
+        generation = getattr(ex, "generation", None)
+        if not isinstance(ex, MultiprocExecutor) or generation is None or not self.heals or self.recovering \
+                or ex.dead or time.monotonic() < self._node_check_at:
+            return
+        self._node_check_at = time.monotonic() + NODE_CHECK_S
+        left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout))
+        back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out and c.master_port else []
+        if back:
+            ex.stop(f"node {', '.join(map(str, back))} is back.", NODE_RETURNED)
+
+    def _check_fits(self, placement) -> None:
+        """Die (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""
+        assert self.scheduler is not None, "watch() first"
+        live = list(self.scheduler.requests.values())
+        blocks = sum(-(-r.num_tokens // self.config.block_size) for r in live) + 1
+        available = available_bytes() if self.config.resolved_device == "cpu" else None
+        why = fit_problem(placement, self.executor.memory_plans, blocks, len(live), available,
+                          self.config.node_rejoin_timeout_s)
+        if why is not None:
+            self.recovery.recovering, self._no_room = None, True
+            self.die(why)
+
+    def _start_spares(self) -> None:
+        self._spares_due = None
+        if self.heals and self.config.pipeline_spares and self.config.max_pipeline_restarts:
+            start_spares(self.config.ranks_per_node, self.model_dir)
+
+    def _start_spares_when_due(self) -> None:
+        if self._spares_due is not None and time.monotonic() >= self._spares_due:
+            self._start_spares()
+
+    def stats(self) -> dict:
+        return {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        if self.config.nnodes > 1:
+            end_generations()
+        if self.heals:
+            stop_spares()
