@@ -196,7 +196,8 @@ def test_agents_sdk_agent_calls_a_function_tool(default_server, oai, api):
     client = AsyncOpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0)
     model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(oai.model_name, client)
     agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=60, temperature=0),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=60, temperature=0,
+                                               parallel_tool_calls=False),     # one call: the grammar allows no second
                   tool_use_behavior="stop_on_first_tool")
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     assert len(cities) == 1 and result.final_output == f"It is 21 C and sunny in {cities[0]}."
