@@ -69,7 +69,7 @@ def _serve_engine(conn, model_dir: str | None, opts: dict, env: dict) -> None:
     try:
         # no prefix caching: every round replays the same prompts
         defaults = dict(dtype="float32", device="cpu", max_num_seqs=64, kv_cache_memory="256MiB",
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, compile_in_background=False)
         llm = LLM(model=model_dir, **{**defaults, **opts})
     except Exception:   # noqa: BLE001  (any start-up failure goes back to the parent as its traceback)
         conn.send(traceback.format_exc())

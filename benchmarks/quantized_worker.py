@@ -23,7 +23,8 @@ class Stagewise:
         from stagewise import LLM, SamplingParams
         self.SamplingParams = SamplingParams
         self.llm = LLM(model=spec["model"], dtype=spec["dtype"], device="cpu", threads_per_stage=spec["threads"],
-                       kv_cache_memory=spec["kv_cache"], max_model_len=spec["max_model_len"], max_num_seqs=64)
+                       kv_cache_memory=spec["kv_cache"], max_model_len=spec["max_model_len"], max_num_seqs=64,
+                       compile_in_background=False)      # steady state: load includes the compile
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         params = self.SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)

@@ -213,7 +213,7 @@ import json, sys, time
 from stagewise import LLM, SamplingParams
 spec = json.loads(sys.stdin.read())
 llm = LLM(model=spec["model"], dtype=spec["dtype"], kv_cache_memory="2GiB", max_model_len=2048,
-          threads_per_stage=spec["threads"])
+          threads_per_stage=spec["threads"], compile_in_background=False)
 params = SamplingParams(max_tokens=spec["output_len"], temperature=0, ignore_eos=True)
 llm.generate(prompt_token_ids=spec["warmup"], sampling_params=SamplingParams(max_tokens=8), use_tqdm=False)
 prompts, eng, ttft, tpot = spec["prompts"], llm.engine, [], []

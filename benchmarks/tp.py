@@ -70,7 +70,8 @@ def decode_tok_s(model_dir: str, options: dict, num_requests: int, max_tokens: i
     from stagewise import LLM, SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + j) % 900 + 3 for j in range(16)] for i in range(num_requests)]
-    with LLM(model=model_dir, dtype="float32", max_num_seqs=num_requests, **options) as llm:
+    with LLM(model=model_dir, dtype="float32", max_num_seqs=num_requests,
+             compile_in_background=False, **options) as llm:
         llm.generate(prompt_token_ids=prompts[:2], sampling_params=params, use_tqdm=False)      # warm
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -114,7 +114,10 @@ def test_background_compile_gives_the_eager_tokens(llama_dir, cache_dir, eager_t
         runner = llm.engine.executor.worker.runner
         early, _ = _run(llm, llama_dir)                # whatever mix of eager and compiled steps this was
         assert runner.wait_compiled(600)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         late, _ = _run(llm, llama_dir)                 # every step compiled now
         prefill, decode = runner.stats(), runner.stats("decode")
+        # the steps run what the background compiled: nothing compiles again on the serving thread
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert early == late == eager_tokens
     assert prefill["replays"] and decode["replays"]

@@ -6,6 +6,7 @@ the byte counts the memory planner needs. It never decides graph vs eager: the v
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from ..model.attention import AttentionMetadata, ForwardBatch
 from ..parallel.partition import StageInfo
 from ..parallel.proxy import ProxyTensors
 from .backend import GraphBackend, GraphBatch, RerunBackend
-from .background import compile_in_background
+from .background import CompileGate, compile_in_background
 from .bind import bind_forward
 from .buffers import StaticInputs
 from .dummy import DummyMetadata
@@ -76,6 +77,7 @@ class StageGraphRunner:
         self.inputs = self._make_inputs() if policy.enabled else None
         self._cuda: Any = None               # the CudaContext, made by the first CUDA backend
         self._compile_thread: threading.Thread | None = None
+        self._gate = CompileGate()           # holds the background compile while a step runs
         self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
                        "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
         self.capture_seconds = 0.0
@@ -142,7 +144,7 @@ class StageGraphRunner:
             later = [k for k in kinds if k.dynamic_rows][::-1]      # decode, then prefill
             kinds = [k for k in kinds if not k.dynamic_rows]
             if later:
-                self._compile_thread = compile_in_background(self, later)
+                self._compile_thread = compile_in_background(self, later, self._gate)
         if not kinds:
             return
         dummy = DummyMetadata(self._block_size(), self.device)
@@ -161,6 +163,11 @@ class StageGraphRunner:
                  ", ".join(f"{k.kind} {k.name} x{len(k.buckets) * len(self._kind_variants(k))}" for k in kinds),
                  self.capture_seconds, self._pool_bytes / 2**20)
 
+    def step_scope(self) -> contextlib.AbstractContextManager:
+        """Scope one step: a background compile waits until it ends (see graph/background.py)."""
+        thread = self._compile_thread
+        return self._gate.step() if thread is not None and thread.is_alive() else contextlib.nullcontext()
+
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
         """Wait for a background compile; True when every kind is ready (or failed and runs eager)."""
         if self._compile_thread is not None:
@@ -171,7 +178,12 @@ class StageGraphRunner:
         """Capture `kind`; `background` (compiled kinds): on scratch inputs and the dummy metadata
         passed down, so the steps the main thread runs meanwhile keep the shared buffers."""
         backend = kind.backend
-        inputs = self._make_inputs(max(kind.buckets)) if background else self.inputs
+        inputs = self.inputs
+        if background:
+            # NOTE: made like self.inputs (outside inference mode: a normal tensor's dispatch keys),
+            # else the compiled code's guards fail on the step's own buffers and it compiles again
+            with torch.inference_mode(False):
+                inputs = self._make_inputs(max(kind.buckets))
         assert backend is not None and inputs is not None, "capture runs only enabled kinds"
         if backend.static_attention:
             largest = max(kind.buckets)

@@ -72,7 +72,7 @@ class Worker:
         self.apply_deltas(plan)
         result: ProxyTensors | StepResult | PlanFailed
         try:
-            with self.cpu_pool.step() if self.cpu_pool is not None else nullcontext():
+            with self.runner.step_scope(), self.cpu_pool.step() if self.cpu_pool is not None else nullcontext():
                 result = self._run(plan, proxy)
         except Exception as exc:  # noqa: BLE001 (this plan fails; the engine and the other plans go on)
             log.error("plan %d failed on stage %d:\n%s", plan.plan_id, self.stage.rank, traceback.format_exc())
