@@ -1,6 +1,7 @@
 """Inductor's on-disk cache lives under `$STAGEWISE_CACHE/inductor` once an engine (or the command
 line) claims it, whichever of torch's inductor and stagewise is imported first, and a
-`TORCHINDUCTOR_CACHE_DIR` the user set wins. Importing stagewise alone claims nothing."""
+`TORCHINDUCTOR_CACHE_DIR` the user set wins. Importing stagewise alone claims nothing. A broken
+library left in it (a compile killed mid-write) is recognised from the loader's error."""
 import os
 import subprocess
 import sys
@@ -52,3 +53,32 @@ def test_claim_follows_a_moved_stagewise_cache(tmp_path, monkeypatch):
     assert compile_cache.claim(env) == str(tmp_path / "b" / "inductor")
     env[VAR] = str(tmp_path / "user")                               # the user's: it stays
     assert compile_cache.claim(env) == str(tmp_path / "user")
+
+
+def _load_error(path) -> BaseException:
+    """What loading `path` raises, as Inductor's loader would pass it on (the dynamic loader's own words)."""
+    import ctypes
+    try:
+        try:
+            ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise ImportError(str(exc)) from exc
+    except ImportError as exc:
+        try:
+            raise RuntimeError("InductorError: the compile failed") from exc
+        except RuntimeError as outer:
+            return outer
+    raise AssertionError(f"{path} loaded")
+
+
+def test_a_broken_cached_library_is_found_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setenv(VAR, str(tmp_path / "inductor"))
+    broken = tmp_path / "inductor" / "ab" / "cabc.main.so"
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"")                                   # what a compile killed mid-write leaves
+    assert compile_cache.broken_library(_load_error(broken)) == broken.resolve()
+    elsewhere = tmp_path / "other" / "cabc.main.so"           # not ours to delete
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"")
+    assert compile_cache.broken_library(_load_error(elsewhere)) is None
+    assert compile_cache.broken_library(RuntimeError("some other compile failure")) is None

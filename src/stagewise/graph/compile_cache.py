@@ -8,7 +8,9 @@ which a later `setdefault` could no longer tell it from a user's choice.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 
 from ..config import cache_root
 
@@ -39,3 +41,25 @@ def claim(environ=os.environ) -> str:
     if current is None or current == _ours[0] or current == _torch_default_dir():
         environ[VAR] = _ours[0] = compile_cache_dir()
     return environ[VAR]
+
+
+# the loader's complaint about a shared library that is not one (a compile killed mid-write leaves
+# an empty or cut `.so` that Inductor's cache then finds and loads on every start)
+_BROKEN = re.compile(r"(/\S+\.so): (?:file too short|invalid ELF header|ELF load command|no section header)")
+
+
+def broken_library(exc: BaseException) -> Path | None:
+    """The cached library under the Inductor cache that `exc` (or an exception it came from) failed
+    to load because the file is broken, or None (then it is some other failure)."""
+    root = Path(os.environ.get(VAR) or compile_cache_dir()).resolve()
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        found = _BROKEN.search(str(cur))
+        if found:
+            path = Path(found.group(1)).resolve()
+            if path.is_relative_to(root) and path.is_file():
+                return path
+        cur = cur.__cause__ or cur.__context__
+    return None

@@ -114,7 +114,16 @@ class CompiledBackend(GraphBackend):
         meta = meta if meta is not None else self._batch.meta
         assert meta is not None, "capture runs on the dummy metadata"
         with live_metadata(meta):
-            body()      # compile (the row dimension is dynamic)
+            try:
+                body()      # compile (the row dimension is dynamic)
+            except Exception as exc:
+                broken = compile_cache.broken_library(exc)
+                if broken is None:
+                    raise
+                log.warning("Inductor's cache held a broken library (%s: a compile killed while writing it); "
+                            "removed it and compiling again", broken)
+                broken.unlink()
+                body()
             body()      # and check the guards hold on a second call (no recompile at replay)
         log.info("compiled %s in %.1f s", what, time.perf_counter() - t0)
         self._graphs[key] = body
