@@ -141,7 +141,7 @@ def speed_tables(saved: dict) -> list[str]:
     offline = [(k, v) for k, v in res.items() if k.endswith("| offline") and v]
     own_tps = {k.split(" | ")[0]: v["tps"] for k, v in offline if " | checkpoint | " in k}
     off_rows = [[k.replace(" | offline", "").replace(" | ", ", "), f"{v['tps']:.1f}",
-                 *(_ratio(v["tps"], own_tps.get("stagewise auto"), 1.2, True) if " | checkpoint | " not in k
+                 *(_ratio(v["tps"], own_tps.get("stagewise auto") or own_tps.get("stagewise bfloat16"), 1.2, True) if " | checkpoint | " not in k
                    else ["—", "—"])] for k, v in offline]
     bw = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in meta["bandwidth_gbps"].items())
     return [

@@ -108,7 +108,8 @@ def _speed(saved: dict, best, key) -> list[str]:
         verdicts["resident"].append((f, res_r[1]))
         verdicts["load"].append((f, peak_r[1]))
     offline = {k: v for k, v in res.items() if k.endswith("| offline") and v}
-    own = next((v["tps"] for k, v in offline.items() if k.startswith("stagewise auto | checkpoint |")), None)
+    own = next((v["tps"] for d in ("auto", "bfloat16") for k, v in offline.items()
+                if k.startswith(f"stagewise {d} | checkpoint |")), None)       # auto where it ran, else bf16
     off_rows = [[k.replace(" | offline", "").replace(" | ", ", "), f"{v['tps']:.1f}",
                  *(_ratio(v["tps"], own, OFFLINE_TARGET, True) if "| checkpoint |" not in k else ("—", "—"))]
                 for k, v in offline.items()]
