@@ -37,12 +37,21 @@ def _family_config(family: str, vocab: int):
                                 **common)
     if family == "llama_mqa":  # one KV head: fewer than tensor-parallel ranks (not in FAMILIES)
         return tf.LlamaConfig(num_hidden_layers=4, num_key_value_heads=1, **common)
+    if family == "llama_uneven":  # 9 q heads in 3 KV groups, tied head (the default model's shape): uneven TP
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True,
+                              **{**common, "num_attention_heads": 9})
+    if family == "llama_uneven_mqa":  # 3 q heads, 1 KV head: over 2 ranks the KV head is replicated, 1 + 2 q heads
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
+                              **{**common, "num_attention_heads": 3})
     if family == "qwen2":
         return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **common)
     if family == "qwen2_tied":  # tied head, as Qwen2.5's small models (not in FAMILIES)
         return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **common)
+    if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
+        return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
+                             bos_token_id=0, eos_token_id=1)
     if family == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=4, n_head=4, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -64,7 +73,7 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
-    cls = (tf.GPT2LMHeadModel if family == "gpt2"
+    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2")
            else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
@@ -97,6 +106,9 @@ qwen2_dir = _family_fixture("qwen2")
 qwen3_dir = _family_fixture("qwen3")
 gpt2_dir = _family_fixture("gpt2")
 llama_mqa_dir = _family_fixture("llama_mqa")
+llama_uneven_dir = _family_fixture("llama_uneven")
+llama_uneven_mqa_dir = _family_fixture("llama_uneven_mqa")
+gpt2_3h_dir = _family_fixture("gpt2_3h")
 qwen2_tied_dir = _family_fixture("qwen2_tied")
 
 
@@ -236,6 +248,61 @@ class EagerPipeline:
 def eager_pipeline():
     """Factory: `eager_pipeline(model_dir, pp_size=1, partition=None)` -> EagerPipeline."""
     return EagerPipeline
+
+
+class TensorParallelThreads:
+    """Tensor-parallel ranks as threads of this process, joined by the shared-memory collectives."""
+
+    @staticmethod
+    def groups(size: int) -> list:
+        import os
+        import uuid
+
+        from stagewise.kernels import comm
+        path = os.path.join(comm.shm_dir(), f"stagewise-test-{uuid.uuid4().hex}")
+        comm.create(path, size, 1 << 20)
+        try:
+            return [comm.ShmGroup(path, r, size, timeout_s=30.0) for r in range(size)]
+        finally:
+            os.unlink(path)
+
+    @staticmethod
+    def on_ranks(size: int, fn) -> list:
+        """fn(rank) on `size` threads at once (the ranks); their results in rank order."""
+        import threading
+        out: list = [None] * size
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                with torch.inference_mode():
+                    out[rank] = fn(rank)
+            except BaseException as exc:  # noqa: BLE001  (re-raised below)
+                errors.append(exc)
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    @classmethod
+    def sharded(cls, model_dir, size: int, pp_size: int = 1) -> list[EagerPipeline]:
+        """Each rank's EagerPipeline, every stage connected to its group (every rank gathers the logits)."""
+        from stagewise.parallel import tp
+        pipes = [EagerPipeline(model_dir, pp_size=pp_size, tp=(r, size)) for r in range(size)]
+        for stage in range(pp_size):
+            for pipe, group in zip(pipes, cls.groups(size)):
+                tp.connect(pipe.stages[stage], group, logits_to=-1)
+        return pipes
+
+
+@pytest.fixture(scope="session")
+def tp_threads():
+    """`TensorParallelThreads`: groups(size), on_ranks(size, fn), sharded(model_dir, size, pp_size=1)."""
+    return TensorParallelThreads
 
 
 def pytest_addoption(parser):

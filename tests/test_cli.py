@@ -42,7 +42,7 @@ def test_generate_uses_the_chat_template_when_the_model_has_one(tmp_path, monkey
     assert capsys.readouterr().out.startswith("Hi") and (tmp_path / "demo-model" / "model.safetensors").exists()
 
 
-def test_plan_prints_stage_table(llama_dir, capsys):
+def test_plan_prints_stage_table(llama_dir, llama_uneven_dir, capsys):
     assert main(["plan", "--model", str(llama_dir), "--pp-size", "3", "--pp-layer-partition", "even",
                  "--kv-cache-memory", "64MiB"]) == 0
     out = capsys.readouterr().out
@@ -57,17 +57,24 @@ def test_plan_prints_stage_table(llama_dir, capsys):
                  "--pp-layer-partition", "even"]) == 0
     whole = capsys.readouterr().out
 
-    def weights_mib(text):
-        return [float(line.split()[2]) for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
-    assert [2 * w for w in weights_mib(out)] == pytest.approx(weights_mib(whole), abs=0.11)
+    def column(text, index):       # a column of the table's rows (stage, or stage/rank)
+        rows = [line.split() for line in text.splitlines() if line.strip()[:2] in ("0 ", "1 ", "0/", "1/")]
+        return [float(row[index]) for row in rows]
+    tp = column(out, 2)
+    assert tp[0] == tp[1] and [tp[0] + tp[1], tp[2] + tp[3]] == pytest.approx(column(whole, 2), abs=0.11)
+    # 9 q heads in 3 KV groups: rank 1 holds twice rank 0's KV heads (and more weights); one block count
+    assert main(["plan", "--model", str(llama_uneven_dir), "--tp-size", "2", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    weights, kv, blocks = column(out, 2), column(out, 6), column(out, 7)
+    assert weights[1] >= weights[0] and kv[1] == pytest.approx(2 * kv[0], rel=0.01) and blocks[0] == blocks[1]
 
 
 @pytest.mark.parametrize("args,message", [
     (["plan", "--pp-size", "3", "--pp-layer-partition", "3,3"], "pp_layer_partition"),
     (["generate", "--prefill-graph", "sometimes"], "prefill_graph must be one of"),
     (["generate", "--model", "/nonexistent/dir"], "/nonexistent/dir"),
-    (["plan", "--tp-size", "3"], "tp_size 3 does not divide the model's 4 attention heads"),
-    (["generate", "--tp-size", "3"], "tp_size 3 does not divide the model's 4 attention heads"),
+    (["plan", "--tp-size", "3"], "tp_size 3 does not divide the model's 1000 vocabulary entries"),
+    (["generate", "--tp-size", "5"], "tp_size 5 is more than the model's 4 attention heads"),
 ])
 def test_bad_flags_get_one_clear_sentence(llama_dir, capsys, args, message):
     if args[0] == "plan" or "--tp-size" in args:

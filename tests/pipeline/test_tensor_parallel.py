@@ -1,6 +1,6 @@
 """Tensor parallelism with real rank processes: every stage a group of two ranks gives the greedy
 tokens of one process in fp32 (one KV head replicated over two ranks, chunked prefill, a prefix hit,
-and a killed rank that rebuilds the pipeline with nothing lost; a tied head with TP x PP)."""
+and a killed rank that rebuilds the pipeline with nothing lost; uneven heads and a tied head with TP x PP)."""
 import os
 import signal
 
@@ -38,8 +38,9 @@ def test_tp2_one_kv_head_chunks_prefix_hits_and_a_killed_rank(llama_mqa_dir):
         assert llm.stats()["recovery"]["rebuilds"] == {"stage_died": 1}
 
 
-def test_tp2_pp2_tied_head(qwen2_tied_dir):
-    expected = one_process(qwen2_tied_dir)
-    with LLM(model=str(qwen2_tied_dir), dtype="float32", tp_size=2, pp_size=2) as llm:
+def test_tp2_pp2_uneven_heads_tied_head(llama_uneven_dir):
+    """9 q heads in 3 KV groups (the default model's shape): 3 + 6 q heads, 1 + 2 KV heads per stage."""
+    expected = one_process(llama_uneven_dir)
+    with LLM(model=str(llama_uneven_dir), dtype="float32", tp_size=2, pp_size=2) as llm:
         assert len(llm.engine.executor.procs) == 4
         assert tokens(llm) == expected

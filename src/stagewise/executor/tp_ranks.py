@@ -165,7 +165,7 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
 
 def check_tp(config, model_dir: str) -> None:
     """One sentence, before any process starts, when `config.tp_size` ranks cannot split this model here."""
-    from ..checkpoint import gguf_file_of, load_hf_config
+    from ..checkpoint import load_hf_config
     from ..model.loader import _architecture
     from ..model.registry import get_model_class
     from ..parallel import tp
@@ -174,9 +174,6 @@ def check_tp(config, model_dir: str) -> None:
     if torchrun_env():
         raise ValueError("torchrun starts one process per stage; run tensor parallelism (--tp-size) without "
                          "torchrun, with --nnodes for several machines.")
-    if gguf_file_of(model_dir) is not None or config.quantization:
-        raise ValueError(f"--tp-size {config.tp_size} shards float safetensors weights only for now; run a GGUF "
-                         f"file or --quantization with --tp-size 1.")
     hf = load_hf_config(model_dir)
     tp.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.tp_size)
     cpus = usable_cpus()

@@ -149,7 +149,8 @@ def _log_load(model, kept: Counter, converted: Counter, dtype: torch.dtype, seco
     listed = lambda types: ", ".join(f"{n} {t}" for t, n in types.most_common()) or "none"
     log.info("Stage %d: GGUF tensors kept quantized: %s; converted to %s: %s (%.2f s)", model.stage.rank,
              listed(kept), dtype, listed(converted), seconds)
-    no_kernel = sorted(t for t in converted if t not in _FLOAT_TYPES)
+    # (kernel types converted too: off the CPU, or a tensor-parallel shard not on whole blocks)
+    no_kernel = sorted(t for t in converted if t not in _FLOAT_TYPES and T.__members__[t] not in SUPPORTED)
     if no_kernel:
         log.warning("Stage %d: GGUF type(s) %s have no quantized kernel in stagewise; those tensors were "
                     "dequantized to %s.", model.stage.rank, ", ".join(no_kernel), dtype)

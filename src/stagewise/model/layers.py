@@ -270,6 +270,8 @@ class StageModel(nn.Module):
             if slot is None:
                 continue
             held = self.held_module(slot)
+            if held is not None and slot.piece is not None:      # this tensor-parallel rank's part
+                tensor = slot.piece.take(tensor)
             if held is not None:      # checks the shape itself: a QuantizedWeight or float rows
                 cast(Any, held).load_rows(hf_name, slot.start, tensor)
                 loaded.add(name)

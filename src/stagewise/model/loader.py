@@ -120,10 +120,9 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
     with torch.device("meta"):
         model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
-        if scheme is not None:
-            raise ValueError("Tensor parallelism shards float weights only; quantized layers (a quantized GGUF "
-                             "file or --quantization) run with one tensor-parallel rank per stage.")
         tensor_parallel.shard(model, *tp)
+        if scheme is not None and gguf_file_of(model_dir) is not None:   # --quantization quantizes the shards
+            scheme = tensor_parallel.aligned_scheme(model, scheme)
     if scheme is not None:
         quantize_modules(model, scheme, exact)
     return model
@@ -152,6 +151,11 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     model.eval()
     model.requires_grad_(False)
     _log_quantized(model, stage, quantization)
+    floats = model.__dict__.get("tp_floats")
+    if floats:
+        log.info("stage %d tensor-parallel rank %d: %d quantized tensors held as %s, their rank's columns not on "
+                 "whole blocks: %s", stage.rank, tp[0] if tp else 0, len(floats), str(resolved).removeprefix("torch."),
+                 ", ".join(floats))
     packed = cpu_gemm.pack_linears(model)
     if packed:
         log.info("stage %d: %d %s linear weights prepacked for the CPU kernels (STAGEWISE_PACKED_WEIGHTS=0: off)",

@@ -2,13 +2,14 @@
 collectives that join the slices (Megatron's layout, applied to a built model as gpt-fast does, so
 the model files stay as they are).
 
-Column-parallel by output rows: q/k/v (whole heads; KV heads replicated when there are fewer than
-ranks) and gate/up. Row-parallel by input columns: the attention output and down projections, one
-all-reduce after each (their bias counts once: rank 0 holds it, the others zeros). Vocabulary-
-parallel: the token embedding (each rank looks up its own rows, one all-reduce joins them) and the
-LM head (each rank's logits, gathered where sampling runs). `shard` narrows a model's parameters,
-on the meta device before loading or loaded ones, and records each checkpoint tensor's `Slice`
-for the loader; `connect` adds the collectives.
+Column-parallel by output rows: q/k/v (whole KV groups per rank, so every rank keeps the model's q
+heads per KV head; `head_ranges`) and gate/up. Row-parallel by input columns: the attention output
+(its columns follow the rank's q heads) and down projections, one all-reduce after each (their bias
+counts once: rank 0 holds it, the others zeros). Vocabulary-parallel: the token embedding (each rank
+looks up its own rows, one all-reduce joins them) and the LM head (each rank's logits, gathered
+where sampling runs). `shard` narrows a model's parameters, on the meta device before loading or
+loaded ones, and records each checkpoint tensor's `Slice` for the loader; `connect` adds the
+collectives.
 """
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-QKV, COLUMN, ROW, VOCAB = "qkv", "column", "row", "vocab"
+from ..kernels.quant_formats import block_size
+
+# OUT: row-parallel like ROW, its input columns following the rank's q heads (the attention output)
+QKV, COLUMN, ROW, OUT, VOCAB = "qkv", "column", "row", "out", "vocab"
 # module paths (fnmatch patterns) of each family -> style; families are named by their class
 RULES: dict[str, tuple[tuple[str, str], ...]] = {
-    "LlamaForCausalLM": (("layers.*.self_attn.qkv_proj", QKV), ("layers.*.self_attn.o_proj", ROW),
+    "LlamaForCausalLM": (("layers.*.self_attn.qkv_proj", QKV), ("layers.*.self_attn.o_proj", OUT),
                          ("layers.*.mlp.gate_up_proj", COLUMN), ("layers.*.mlp.down_proj", ROW),
                          ("embed_tokens", VOCAB), ("lm_head", VOCAB)),
-    "GPT2LMHeadModel": (("layers.*.attn.c_attn", QKV), ("layers.*.attn.c_proj", ROW), ("layers.*.mlp.c_fc", COLUMN),
+    "GPT2LMHeadModel": (("layers.*.attn.c_attn", QKV), ("layers.*.attn.c_proj", OUT), ("layers.*.mlp.c_fc", COLUMN),
                         ("layers.*.mlp.c_proj", ROW), ("wte", VOCAB), ("lm_head", VOCAB)),
 }
 
@@ -43,11 +47,13 @@ class Group(Protocol):
 @dataclass(frozen=True)
 class Slice:
     """This rank's part of one checkpoint tensor: the `ranges` (start, length) along `dim`,
-    concatenated, of a dimension `full` long; `zero`: the rank holds zeros of the whole tensor."""
+    concatenated, of a dimension `full` long; `zero`: the rank holds zeros of the whole tensor;
+    `k`: `dim` is the weight's input features (a row-parallel layer), else its output rows."""
     dim: int
     full: int
     ranges: tuple[tuple[int, int], ...]
     zero: bool = False
+    k: bool = False
 
     def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.full if d == self.dim else n for d, n in enumerate(local))
@@ -67,12 +73,32 @@ def _cat(t: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) -> torc
 
 
 def _take_quantized(weight: Any, piece: Slice) -> Any:
-    """Rows of a quantized matrix by index (blocks run along a row, so rows never split one); a
-    split along columns (row-parallel layers) is refused until it cuts at block boundaries."""
-    if piece.dim == 0:
+    """A quantized `[N, K]` matrix's rows by index (blocks run along a row, so rows never split one),
+    or its columns (a row-parallel layer) as whole blocks (`aligned_scheme` keeps others float)."""
+    if not piece.k:
         return weight.take_rows(torch.cat([torch.arange(s, s + n) for s, n in piece.ranges]))
-    raise ValueError("Tensor parallelism does not split quantized weights along their columns yet; run a "
-                     "quantized checkpoint with tp_size 1.")
+    ((start, count),) = piece.ranges
+    return weight.take_columns(start, count)
+
+
+def aligned_scheme(model: nn.Module, scheme: Callable[[str, tuple[int, int]], Any]) -> Callable[..., Any]:
+    """A GGUF file's quantization scheme for a sharded `model`: a tensor split along its columns stays
+    quantized only where this rank's columns start and end on its blocks (Q4_K's 256-wide blocks do
+    not fit 192 columns); otherwise it is held float, dequantized at load (named in `model.tp_floats`)."""
+    slices: dict[str, Slice] = model.__dict__.get("tp_slices", {})
+    floats: list[str] = model.__dict__.setdefault("tp_floats", [])
+
+    def sharded(hf_name: str, shape: tuple[int, int]) -> Any:
+        qtype = scheme(hf_name, shape)
+        piece = slices.get(hf_name)
+        if qtype is None or piece is None or not piece.k:
+            return qtype
+        block = block_size(qtype)
+        if all(start % block == 0 and count % block == 0 for start, count in piece.ranges):
+            return qtype
+        floats.append(f"{hf_name} ({qtype.name})")
+        return None
+    return sharded
 
 
 def family_of(model_or_class: Any) -> str | None:
@@ -82,13 +108,27 @@ def family_of(model_or_class: Any) -> str | None:
 
 
 def head_ranges(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(first q head, q heads), (first kv head, kv heads) of `rank`: q heads split evenly; KV heads
-    too, or (fewer KV heads than ranks) the one KV head its q heads attend, replicated."""
-    q = num_heads // size
+    """(first q head, q heads), (first kv head, kv heads) of `rank` of `size`. Splits follow KV groups,
+    so every rank keeps the model's q heads per KV head (what the attention kernels assume): with at
+    least as many KV heads as ranks, rank r holds KV heads [r * Hkv // size, (r + 1) * Hkv // size)
+    and their groups' q heads (uneven where size does not divide Hkv); with fewer, each KV head is
+    replicated on size / Hkv ranks, which split its group's q heads as evenly as they can."""
+    group = num_heads // num_kv_heads
     if num_kv_heads >= size:
-        kv = num_kv_heads // size
-        return (rank * q, q), (rank * kv, kv)
-    return (rank * q, q), (rank * q * num_kv_heads // num_heads, 1)
+        first, stop = rank * num_kv_heads // size, (rank + 1) * num_kv_heads // size
+        return (first * group, (stop - first) * group), (first, stop - first)
+    sharing = size // num_kv_heads                  # ranks per KV head (check_sizes: a whole number)
+    kv, sub = divmod(rank, sharing)
+    lo, hi = sub * group // sharing, (sub + 1) * group // sharing
+    return (kv * group + lo, hi - lo), (kv, 1)
+
+
+def heaviest_rank(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """The rank holding the most KV heads, then q heads (the most weights and KV per block)."""
+    def load(rank: int) -> tuple[int, int]:
+        (_, q), (_, kv) = head_ranges(num_heads, num_kv_heads, rank, size)
+        return kv, q
+    return max(range(size), key=load)
 
 
 def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int, vocab: int, intermediate: int,
@@ -99,14 +139,16 @@ def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int
     if family is None:
         raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3) and GPT-2 families; "
                          f"{arch} runs with tp_size 1.")
-    for what, count in (("attention heads", num_heads), ("vocabulary entries", vocab),
-                        ("MLP columns (intermediate size)", intermediate)):
+    if num_heads < size:
+        raise ValueError(f"tp_size {size} is more than the model's {num_heads} attention heads (each rank needs "
+                         f"one); use a tp_size of at most {num_heads}.")
+    for what, count in (("vocabulary entries", vocab), ("MLP columns (intermediate size)", intermediate)):
         if count % size:
             raise ValueError(f"tp_size {size} does not divide the model's {count} {what}; use a tp_size that does.")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(f"tp_size {size} and the model's {num_kv_heads} KV heads do not divide one another (each "
-                         f"rank holds whole KV heads, or one replicated); use a tp_size that divides or is a "
-                         f"multiple of {num_kv_heads}.")
+    if num_kv_heads < size and size % num_kv_heads:
+        raise ValueError(f"tp_size {size} is not a multiple of the model's {num_kv_heads} KV heads (with fewer KV "
+                         f"heads than ranks each KV head is replicated on the same number of ranks); use a tp_size "
+                         f"of at most {num_kv_heads} or a multiple of it.")
 
 
 def check_model(hf_config: Any, model_cls: type, size: int) -> None:
@@ -126,19 +168,22 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
         raise ValueError(f"Tensor parallelism has no rules for {type(model).__name__}.")
     heads, head_dim = model.kv_cache_spec()            # type: ignore[operator]  # the model contract
     slices: dict[str, Slice] = {}
-    kv_heads = heads
+    attentions: dict[int, Any] = {}
     for path, module in list(model.named_modules()):
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
         if style is None:
             continue
         if getattr(module, "packed", False):
             raise ValueError(f"{path} holds packed weights; shard a model before its weights are packed.")
-        attn = model.get_submodule(path.rsplit(".", 1)[0]) if style == QKV else None
+        attn = model.get_submodule(path.rsplit(".", 1)[0]) if style in (QKV, OUT) else None
         for leaf in ("bias", "weight"):          # the weight last: it rewrites hf_parts to this rank's rows
             if isinstance(getattr(module, leaf, None), torch.Tensor):
                 _shard_param(model, path, module, leaf, _Cut(style, rank, size, attn), slices)
         if attn is not None:
-            kv_heads = _localize_heads(attn, rank, size)
+            attentions[id(attn)] = attn
+    kv_heads = heads
+    for attn in attentions.values():        # after every cut: the cuts read the model's head counts
+        kv_heads = _localize_heads(attn, rank, size)
     model.__dict__["kv_cache_spec"] = lambda: (kv_heads, head_dim)
     model.__dict__["tp_slices"] = slices
     model.__dict__["tp_rank"], model.__dict__["tp_size"] = rank, size
@@ -160,16 +205,18 @@ class _Cut:
         if leaf == "bias":
             return 0 if self.style in (QKV, COLUMN) else None
         rows = 1 if in_out else 0
-        return 1 - rows if self.style == ROW else rows
+        return 1 - rows if self.style in (ROW, OUT) else rows
 
     def ranges(self, part: str, extent: int) -> tuple[tuple[int, int], ...]:
-        if self.style != QKV:
+        if self.style not in (QKV, OUT):
             n = extent // self.size
             return ((self.rank * n, n),)
         attn = self.attn
         hq, d = attn.num_heads, attn.head_dim
         hkv = getattr(attn, "num_kv_heads", hq)
         (q0, qn), (k0, kn) = head_ranges(hq, hkv, self.rank, self.size)
+        if self.style == OUT:                           # the input columns of this rank's q heads
+            return ((q0 * d, qn * d),)
         if extent == (hq + 2 * hkv) * d:                # q | k | v in one tensor (GPT-2's c_attn)
             return ((q0 * d, qn * d), ((hq + k0) * d, kn * d), ((hq + hkv + k0) * d, kn * d))
         is_kv = part.rsplit(".", 2)[-2] in ("k_proj", "v_proj")
@@ -191,7 +238,7 @@ def _shard_param(model: Any, path: str, module: Any, leaf: str, cut: _Cut, slice
         if dim is None:              # a row-parallel bias: rank 0 adds it once, the others hold zeros
             piece = Slice(0, rows, (), zero=True) if cut.rank else None
         else:
-            piece = Slice(dim, part.shape[dim], cut.ranges(name, part.shape[dim]))
+            piece = Slice(dim, part.shape[dim], cut.ranges(name, part.shape[dim]), k=cut.style in (ROW, OUT))
         if piece is not None:
             slices[model.hf_name(name)] = piece
         pieces.append(part if piece is None else piece.take(part))
@@ -226,7 +273,7 @@ def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
     group = model.__dict__["tp_clock"] = Clocked(group)
     for path, module in model.named_modules():
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
-        if style == ROW:
+        if style in (ROW, OUT):
             module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
         elif style == VOCAB and hasattr(module, "num_embeddings"):       # the token embedding
             module.forward = _vocab_lookup(module, group)

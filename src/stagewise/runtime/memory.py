@@ -194,9 +194,12 @@ def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> Not
     return None
 
 
-def format_memory_table(plans: list[MemoryPlan]) -> str:
-    head = ["stage", "layers", "weights MiB", "graph bufs MiB", "graph pools MiB", "activations MiB",
-            "KV MiB", "KV blocks"]
+def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None) -> str:
+    """One row per plan; `labels` replace the stage numbers (tensor-parallel ranks: stage/rank)."""
+    head = ["stage" if labels is None else "stage/rank", "layers", "weights MiB", "graph bufs MiB",
+            "graph pools MiB", "activations MiB", "KV MiB", "KV blocks"]
     rows = [head] + [p.row() for p in plans]
+    for row, label in zip(rows[1:], labels or []):
+        row[0] = label
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)

@@ -6,7 +6,7 @@ node cannot hold, with what is missing and the fewest machines (or the quantizat
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -39,27 +39,30 @@ from .stage_cost import partition_lines, resolve_partition
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """Weight bytes as held: per layer, and what the first / last stage hold besides their layers."""
+    """Weight bytes as held: per layer, and what the first / last stage hold besides their layers;
+    the KV heads and head size one rank's cache holds."""
     layers: tuple[int, ...]
     first_extra: int
     last_extra: int
     single: int          # one stage holding everything (a tied head shares the embedding)
+    kv_heads: int
+    head_dim: int
 
     @classmethod
     def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool,
-                tp_size: int = 1, device: str = "cpu") -> ModelBytes:
-        """With `tp_size` ranks per stage: one rank's bytes (every rank of a stage holds as much as rank 0)."""
+                tp: tuple[int, int] | None = None, device: str = "cpu") -> ModelBytes:
+        """With `tp` (rank, size): that tensor-parallel rank's bytes and heads (ranks may differ)."""
         num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
-        tp = (0, tp_size) if tp_size > 1 else None
         build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact, tp=tp,
                                               device=device)
         whole = build(StageInfo.single(num_layers))
+        kv_heads, head_dim = whole.kv_cache_spec()       # type: ignore[operator]  # the model contract
         layers = tuple(weight_bytes(cast(nn.ModuleList, whole.layers)[i]) for i in range(num_layers))
         total = weight_bytes(whole)
         if num_layers == 1:
-            return cls(layers, total - layers[0], 0, total)
+            return cls(layers, total - layers[0], 0, total, kv_heads, head_dim)
         first, last = (weight_bytes(build(s)) for s in stage_infos(num_layers, 2, (1, num_layers - 1)))
-        return cls(layers, first - layers[0], last - sum(layers[1:]), total)
+        return cls(layers, first - layers[0], last - sum(layers[1:]), total, kv_heads, head_dim)
 
     def stage_bytes(self, sizes: tuple[int, ...]) -> list[int]:
         if len(sizes) == 1:
@@ -81,9 +84,7 @@ def _plans(config: EngineConfig, hf, weights: ModelBytes, sizes: tuple[int, ...]
     act = estimate_activation_bytes(config.chunked_prefill_size, hidden,
                                     getattr(hf, "intermediate_size", None) or 4 * hidden, hf.vocab_size,
                                     config.max_num_seqs, itemsize)
-    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hidden // hf.num_attention_heads
-    heads = tensor_parallel.head_ranges(hf.num_attention_heads, heads, 0, config.tp_size)[1][1]   # one rank's
+    heads, head_dim = weights.kv_heads, weights.head_dim
     max_len = max_model_len(config, hf)
     budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
     plans = []
@@ -103,12 +104,19 @@ def _problem(config: EngineConfig, hf, plans: list[MemoryPlan]) -> NotEnoughMemo
     return max(found, key=lambda p: p.missing_bytes) if found else None
 
 
-def _weights_of(config: EngineConfig, hf, quantization: str | None = None) -> ModelBytes:
+def _weights_of(config: EngineConfig, hf, quantization: str | None = None, rank: int | None = None) -> ModelBytes:
+    """One rank's bytes: `rank` of each stage's tensor-parallel group, by default the one holding the
+    most heads (what every rank must fit)."""
     assert config.model is not None, "plans need the resolved model path"
     device = config.resolved_device
     dtype = resolve_dtype(config.dtype, hf, device)
+    tp = None
+    if config.tp_size > 1:
+        heads = hf.num_attention_heads
+        tp = (tensor_parallel.heaviest_rank(heads, getattr(hf, "num_key_value_heads", None) or heads, config.tp_size)
+              if rank is None else rank, config.tp_size)
     return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype),
-                              config.tp_size, device)
+                              tp, device)
 
 
 def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
@@ -181,19 +189,42 @@ def plan_report(config: EngineConfig) -> str:
     dtype = resolve_dtype(config.dtype, hf, device)
     tensor_parallel.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.tp_size)
     node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
-    plans = _plans(config, hf, _weights_of(config, hf), resolve_partition(config, hf), config.ranks_per_node,
-                   node_bytes, refuse=False)
+    plans, labels = _rank_plans(config, hf, node_bytes)
     problem = _problem(config, hf, plans) if device == "cpu" else None
     tokens = max(0, min(p.num_blocks for p in plans) - 1) * config.block_size
     budget = "unknown (2 GiB per stage)" if node_bytes is None else size_text(node_bytes)
     verdict = (f"does not fit: {problem} {_remedy(config, hf, node_bytes)}" if problem is not None
                else f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
-    ranks = (f" x {config.tp_size} tensor-parallel ranks (each row: one rank of the stage; its ranks hold "
-             f"alike)") if config.tp_size > 1 else ""
+    ranks = (f" x {config.tp_size} tensor-parallel ranks (a row per rank, as stage/rank; a stage's ranks "
+             f"hold the KV blocks of its smallest pool)") if config.tp_size > 1 else ""
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s){ranks}, {dtype}, {device}\n"
             f"{_weights_line(config, model_dir, dtype)}{_partition_text(config, hf)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
-            f"{format_memory_table(plans)}\n{verdict}")
+            f"{format_memory_table(plans, labels)}\n{verdict}")
+
+
+def _rank_plans(config: EngineConfig, hf, node_bytes: int | None) -> tuple[list[MemoryPlan], list[str] | None]:
+    """Every stage's plan; with tensor parallelism one per rank (ranks may hold different heads),
+    labelled stage/rank, rank by rank within a stage."""
+    sizes = resolve_partition(config, hf)
+    if config.tp_size == 1:
+        return _plans(config, hf, _weights_of(config, hf), sizes, config.ranks_per_node, node_bytes, refuse=False), None
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    measured: dict[tuple, ModelBytes] = {}       # ranks with the same head counts hold the same bytes
+    per_rank = []
+    for rank in range(config.tp_size):
+        counts = tuple(n for _, n in tensor_parallel.head_ranges(heads, kv, rank, config.tp_size))
+        if counts not in measured:
+            measured[counts] = _weights_of(config, hf, rank=rank)
+        per_rank.append(_plans(config, hf, measured[counts], sizes, config.ranks_per_node, node_bytes, refuse=False))
+    plans, labels = [], []
+    for stage in range(len(sizes)):
+        blocks = min(ranks[stage].num_blocks for ranks in per_rank)      # what the stage's ranks agree on
+        for rank, ranks in enumerate(per_rank):
+            plans.append(replace(ranks[stage], num_blocks=blocks, kv_bytes=blocks * ranks[stage].block_bytes))
+            labels.append(f"{stage}/{rank}")
+    return plans, labels
 
 
 def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> str:

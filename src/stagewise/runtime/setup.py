@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -81,11 +81,22 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
     plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
+    if tp_group is not None:
+        plan = _agreed(plan, tp_group)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
                                          head_dim, dtype, device)
     runner.capture(background=config.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
     return StageParts(model, runner, plan, device, batch, pool)
+
+
+def _agreed(plan: MemoryPlan, group: Any) -> MemoryPlan:
+    """The plan with the KV blocks every rank of the stage can hold (the fewest): ranks may hold
+    different KV heads and weights (uneven head splits), but they share the driver's block tables."""
+    mine = torch.tensor([[plan.num_blocks >> 12, plan.num_blocks & 4095]], dtype=torch.float32)   # exact in f32
+    pairs = group.all_gather(mine).view(-1, 2).long()
+    blocks = int((pairs[:, 0] * 4096 + pairs[:, 1]).min())
+    return replace(plan, num_blocks=blocks, kv_bytes=blocks * plan.block_bytes)
 
 
 def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:
