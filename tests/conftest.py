@@ -183,18 +183,19 @@ class EagerPipeline:
 
     Up to 4 sequences get disjoint block ranges of a paged KV cache (`block_size` 16, 256 tokens
     each with the default 64 blocks); `reset()` zeroes it. `tp` (rank, size): that tensor-parallel
-    rank's slices of every stage (parallel/tp.py; connect them to a group before running).
+    rank's slices of every stage (parallel/tp.py; connect them to a group before running);
+    `quantization`: int8 | int4 at load.
     """
 
     def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32,
-                 tp=None):
+                 tp=None, quantization=None):
         from stagewise.model.attention import ForwardBatch
         from stagewise.model.loader import load_hf_config, load_model
         from stagewise.parallel.partition import stage_infos
         num_layers = load_hf_config(model_dir).num_hidden_layers
         self.block_size, self.num_blocks = 16, num_blocks
         infos = stage_infos(num_layers, pp_size, partition)
-        self.stages = [load_model(model_dir, info, dtype, tp=tp) for info in infos]
+        self.stages = [load_model(model_dir, info, dtype, tp=tp, quantization=quantization) for info in infos]
         self.batches = []
         for model in self.stages:
             hkv, d = model.kv_cache_spec()
@@ -289,10 +290,11 @@ class TensorParallelThreads:
         return out
 
     @classmethod
-    def sharded(cls, model_dir, size: int, pp_size: int = 1) -> list[EagerPipeline]:
+    def sharded(cls, model_dir, size: int, pp_size: int = 1, quantization=None) -> list[EagerPipeline]:
         """Each rank's EagerPipeline, every stage connected to its group (every rank gathers the logits)."""
         from stagewise.parallel import tp
-        pipes = [EagerPipeline(model_dir, pp_size=pp_size, tp=(r, size)) for r in range(size)]
+        pipes = [EagerPipeline(model_dir, pp_size=pp_size, tp=(r, size), quantization=quantization)
+                 for r in range(size)]
         for stage in range(pp_size):
             for pipe, group in zip(pipes, cls.groups(size)):
                 tp.connect(pipe.stages[stage], group, logits_to=-1)

@@ -40,6 +40,21 @@ def test_pipeline_stages_shard_too(eager_pipeline, tp_threads, request, family):
     assert tokens == [eager_pipeline(model_dir).greedy(PROMPT, 12)] * 2
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantization_at_load_shards_as_one_process_quantizes(eager_pipeline, tp_threads, llama_dir, kind):
+    """`--quantization` with two ranks: each rank's o_proj and down_proj columns (32 of 64, 64 of 128)
+    are whole 32-blocks of the full rows, so the ranks hold the one-process blocks: the same logits
+    and tokens."""
+    from stagewise.model.quantized import QuantLinear
+    whole = eager_pipeline(llama_dir, quantization=kind)
+    pipes = tp_threads.sharded(llama_dir, 2, quantization=kind)
+    layers = [p.stages[0].layers[0] for p in pipes]
+    assert all(isinstance(m, QuantLinear) for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+    for got in tp_threads.on_ranks(2, lambda r: pipes[r].prefill_logits(PROMPT)):
+        torch.testing.assert_close(got, whole.prefill_logits(PROMPT), atol=1e-4, rtol=0)
+    assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPT, 12)) == [whole.greedy(PROMPT, 12)] * 2
+
+
 SHAPES = [(9, 3), (12, 4), (8, 8), (3, 3), (32, 8), (3, 1), (9, 1), (8, 2), (14, 2), (6, 3)]   # (q heads, KV heads)
 
 

@@ -121,7 +121,7 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
         model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
         tensor_parallel.shard(model, *tp)
-        if scheme is not None and gguf_file_of(model_dir) is not None:   # --quantization quantizes the shards
+        if scheme is not None:
             scheme = tensor_parallel.aligned_scheme(model, scheme)
     if scheme is not None:
         quantize_modules(model, scheme, exact)

@@ -82,17 +82,20 @@ def _take_quantized(weight: Any, piece: Slice) -> Any:
 
 
 def aligned_scheme(model: nn.Module, scheme: Callable[[str, tuple[int, int]], Any]) -> Callable[..., Any]:
-    """A GGUF file's quantization scheme for a sharded `model`: a tensor split along its columns stays
-    quantized only where this rank's columns start and end on its blocks (Q4_K's 256-wide blocks do
-    not fit 192 columns); otherwise it is held float, dequantized at load (named in `model.tp_floats`)."""
+    """A quantization scheme (model.quantized.Scheme) for a sharded `model`, deciding as for the whole
+    tensor: one split along its columns stays quantized only where this rank's columns start and end
+    on the whole tensor's blocks (so it holds the one-process blocks; Q4_K's 256-wide blocks do not
+    fit 192 columns); otherwise it is held float, dequantized at load (named in `model.tp_floats`)."""
     slices: dict[str, Slice] = model.__dict__.get("tp_slices", {})
     floats: list[str] = model.__dict__.setdefault("tp_floats", [])
 
     def sharded(hf_name: str, shape: tuple[int, int]) -> Any:
-        qtype = scheme(hf_name, shape)
         piece = slices.get(hf_name)
-        if qtype is None or piece is None or not piece.k:
-            return qtype
+        if piece is None or not piece.k:
+            return scheme(hf_name, shape)
+        qtype = scheme(hf_name, (shape[0], piece.full))
+        if qtype is None:
+            return None
         block = block_size(qtype)
         if all(start % block == 0 and count % block == 0 for start, count in piece.ranges):
             return qtype
