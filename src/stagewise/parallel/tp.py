@@ -196,11 +196,11 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class _Cut:
-    """How one module is split: its style, the rank, and (q/k/v) its attention module."""
+    """How one module is split: its style, the rank, and (q/k/v, attention output) its attention module."""
     style: str
     rank: int
     size: int
-    attn: Any                     # the attention module (q/k/v), else None
+    attn: Any                     # the attention module (q/k/v, attention output), else None
 
     def dim(self, module: nn.Module, leaf: str) -> int | None:
         """The dim of our parameter (= of its checkpoint tensor) that is split; None: not split."""
