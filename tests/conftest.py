@@ -38,11 +38,11 @@ def _family_config(family: str, vocab: int):
     if family == "llama_mqa":  # one KV head: fewer than tensor-parallel ranks (not in FAMILIES)
         return tf.LlamaConfig(num_hidden_layers=4, num_key_value_heads=1, **common)
     if family == "llama_uneven":  # 9 q heads in 3 KV groups, tied head (the default model's shape): uneven TP
-        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, head_dim=16, tie_word_embeddings=True,
-                              **{**common, "num_attention_heads": 9})
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=3, tie_word_embeddings=True,
+                              **{**common, "num_attention_heads": 9, "hidden_size": 144})
     if family == "llama_uneven_mqa":  # 3 q heads, 1 KV head: over 2 ranks the KV head is replicated, 1 + 2 q heads
-        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, head_dim=16,
-                              **{**common, "num_attention_heads": 3})
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1,
+                              **{**common, "num_attention_heads": 3, "hidden_size": 48})
     if family == "qwen2":
         return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, **common)
     if family == "qwen2_tied":  # tied head, as Qwen2.5's small models (not in FAMILIES)
