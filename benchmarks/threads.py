@@ -28,7 +28,9 @@ MARK = "THREADS-RESULT "
 # label -> (environment for the child, extra engine options)
 NO_KEEPERS = {"STAGEWISE_KEEP_AWAKE": "0"}
 POLICIES = {
-    "PASSIVE + keepers (the default)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+    "PASSIVE + keepers, small models decode on one thread (the default)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+    "PASSIVE + keepers, every step on all threads": ({"OMP_WAIT_POLICY": "PASSIVE", "STAGEWISE_ADAPT_THREADS": "0"},
+                                                     {}),
     "PASSIVE, no keepers": ({"OMP_WAIT_POLICY": "PASSIVE", **NO_KEEPERS}, {}),
     "PASSIVE + keepers, pinned": ({"OMP_WAIT_POLICY": "PASSIVE", "STAGEWISE_PIN_THREADS": "1"}, {}),
     "GOMP_SPINCOUNT=1000 + keepers": ({"GOMP_SPINCOUNT": "1000"}, {}),
@@ -38,7 +40,8 @@ POLICIES = {
     "OMP_WAIT_POLICY=ACTIVE, no keepers": ({"OMP_WAIT_POLICY": "ACTIVE", **NO_KEEPERS}, {}),
     "--threads-per-stage 1 (reference)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {"threads_per_stage": 1}),
 }
-OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "STAGEWISE_KEEP_AWAKE", "STAGEWISE_PIN_THREADS")
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "STAGEWISE_KEEP_AWAKE", "STAGEWISE_PIN_THREADS",
+            "STAGEWISE_ADAPT_THREADS")
 CELL_LIMIT_S = 30.0
 
 

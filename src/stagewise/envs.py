@@ -81,6 +81,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("STAGEWISE_KEEP_AWAKE", "`0`", "unset (kept awake)",
              "`0` starts no keeper threads: a CPU stage's idle CPUs may then halt within a step, and each parallel "
              "region pays their wake-up ([Performance](performance.md))", _on_unless_zero),
+    Variable("STAGEWISE_ADAPT_THREADS", "`0`", "unset (adapted)",
+             "`0` runs every step of a CPU stage on all its threads; by default a step of up to 4 tokens of a model "
+             "whose matrices are small (under 2 MiB each on average) runs on one, where waking a second thread "
+             "costs more than it saves ([Performance](performance.md))", _on_unless_zero),
     Variable("STAGEWISE_BALANCE_MICRO_BATCHES", "`0`", "unset (balanced)",
              "benchmark lever: `0` fills the plans in flight first come first served instead of splitting the "
              "decode batch evenly over them ([Pipelines](pipelines.md))", _on_unless_zero),
@@ -108,6 +112,7 @@ if TYPE_CHECKING:
     STAGEWISE_PACKED_WEIGHTS: bool
     STAGEWISE_PIN_THREADS: bool
     STAGEWISE_KEEP_AWAKE: bool
+    STAGEWISE_ADAPT_THREADS: bool
     STAGEWISE_BALANCE_MICRO_BATCHES: bool
     STAGEWISE_HTTP_NICE: int
     STAGEWISE_API_KEY: str | None

@@ -109,9 +109,12 @@ def test_compiled_pipeline_equals_one_stage_eager(llama_dir, cache_dir, eager_to
 
 @pytest.mark.slow
 def test_background_compile_gives_the_eager_tokens(llama_dir, cache_dir, eager_tokens):
-    """The default: the engine serves at once, eagerly, and switches to each graph once compiled."""
-    with LLM(model=str(llama_dir), prefill_graph="compiled", **OPTIONS) as llm:
+    """The default: the engine serves at once, eagerly, and switches to each graph once compiled. Two
+    threads: the tiny model's decode steps then run on one (runtime/team.py), so prefill and decode
+    steps alternate thread counts, which the compiled graphs are guarded on."""
+    with LLM(model=str(llama_dir), prefill_graph="compiled", threads_per_stage=2, **OPTIONS) as llm:
         runner = llm.engine.executor.worker.runner
+        assert llm.engine.executor.worker.team.decode == 1 and runner.decode_threads == 1
         early, _ = _run(llm, llama_dir)                # whatever mix of eager and compiled steps this was
         assert runner.wait_compiled(600)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -78,6 +78,7 @@ class StageGraphRunner:
         self._cuda: Any = None               # the CudaContext, made by the first CUDA backend
         self._compile_thread: threading.Thread | None = None
         self._gate = CompileGate()           # holds the background compile while a step runs
+        self.decode_threads: int | None = None    # CPU: the decode steps' thread count (runtime/team.py)
         self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
                        "decode": self._make_kind("decode", policy.decode_backend, policy.decode_buckets)}
         self.capture_seconds = 0.0
@@ -176,7 +177,19 @@ class StageGraphRunner:
 
     def _capture_kind(self, kind: _Kind, dummy: "DummyMetadata", background: bool = False) -> None:
         """Capture `kind`; `background` (compiled kinds): on scratch inputs and the dummy metadata
-        passed down, so the steps the main thread runs meanwhile keep the shared buffers."""
+        passed down, so the steps the main thread runs meanwhile keep the shared buffers. Decode is
+        captured with the thread count its steps run with (compiled code is guarded on it)."""
+        threads = self.decode_threads if kind.kind == "decode" else None
+        before = torch.get_num_threads()
+        if threads and threads != before:
+            torch.set_num_threads(threads)           # this thread's own OpenMP setting
+        try:
+            self._capture_kind_now(kind, dummy, background)
+        finally:
+            if threads and threads != before:
+                torch.set_num_threads(before)
+
+    def _capture_kind_now(self, kind: _Kind, dummy: "DummyMetadata", background: bool) -> None:
         backend = kind.backend
         inputs = self.inputs
         if background:

@@ -30,6 +30,7 @@ from .memory import (
     plan_kv,
     stage_budget_bytes,
 )
+from .team import decode_threads
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
 log = logging.getLogger("stagewise.runtime")
@@ -85,6 +86,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
         plan = _agreed(plan, tp_group)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
                                          head_dim, dtype, device)
+    if device.type == "cpu":                # decode steps' team; their graph is compiled for it
+        runner.decode_threads = decode_threads(model, plan.weights_bytes, torch.get_num_threads())
     runner.capture(background=config.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
     return StageParts(model, runner, plan, device, batch, pool)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -27,6 +27,7 @@ from .kernels import gemm_kernels
 from .sampler import Sampler, prompt_logprobs
 from .setup import build_stage
 from .speculative import accept, draft_views
+from .team import StepTeam
 
 log = logging.getLogger("stagewise.worker")
 
@@ -50,6 +51,9 @@ class Worker:
         self.runner, self.memory_plan = parts.runner, parts.memory_plan
         self.device, self.batch = parts.device, parts.batch
         self.cpu_pool = parts.cpu_pool
+        self.team: StepTeam | None = None           # CPU: the threads each step uses (runtime/team.py)
+        if self.device.type == "cpu":
+            self.team = StepTeam(torch.get_num_threads(), self.runner.decode_threads, torch.set_num_threads)
         self.dtype = next(self.model.parameters()).dtype
         self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
@@ -72,13 +76,22 @@ class Worker:
         self.apply_deltas(plan)
         result: ProxyTensors | StepResult | PlanFailed
         try:
-            with self.runner.step_scope(), self.cpu_pool.step() if self.cpu_pool is not None else nullcontext():
+            with self.runner.step_scope(), self._threads(plan.verdict, plan.num_tokens):
                 result = self._run(plan, proxy)
         except Exception as exc:  # noqa: BLE001 (this plan fails; the engine and the other plans go on)
             log.error("plan %d failed on stage %d:\n%s", plan.plan_id, self.stage.rank, traceback.format_exc())
             result = self.failed(plan, f"stage {self.stage.rank} failed: {type(exc).__name__}: {exc}")
         self.busy_s += time.perf_counter() - t0
         return result
+
+    @contextmanager
+    def _threads(self, verdict: Any, rows: int) -> Iterator[None]:
+        """The step's team (one thread for the decode steps of a small model: runtime/team.py), kept awake
+        by the stage's keepers while it runs (a one-thread step opens no parallel region)."""
+        with self.team.scope(verdict, rows) if self.team is not None else nullcontext(0) as threads:
+            awake = self.cpu_pool is not None and threads != 1
+            with self.cpu_pool.step() if awake else nullcontext():
+                yield
 
     def skip(self, plan: StepPlan, why: str) -> StepResult | PlanFailed:
         """A plan that failed upstream: keep the per-request cache in step, pass the failure on."""
