@@ -140,9 +140,9 @@ def speed_tables(saved: dict) -> list[str]:
            for d in ("auto", "bfloat16") for t in meta["threads"] if get("stagewise", "checkpoint", t, dtype=d)]
     offline = [(k, v) for k, v in res.items() if k.endswith("| offline") and v]
     own_tps = {k.split(" | ")[0]: v["tps"] for k, v in offline if " | checkpoint | " in k}
-    own = own_tps.get("stagewise auto") or own_tps.get("stagewise bfloat16")     # auto where it ran, else bf16
+    own_ref = own_tps.get("stagewise auto") or own_tps.get("stagewise bfloat16")     # auto where it ran, else bf16
     off_rows = [[k.replace(" | offline", "").replace(" | ", ", "), f"{v['tps']:.1f}",
-                 *(_ratio(v["tps"], own, 1.2, True) if " | checkpoint | " not in k
+                 *(_ratio(v["tps"], own_ref, 1.2, True) if " | checkpoint | " not in k
                    else ["—", "—"])] for k, v in offline]
     bw = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in meta["bandwidth_gbps"].items())
     return [
