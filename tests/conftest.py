@@ -252,10 +252,13 @@ def eager_pipeline():
 
 
 class TensorParallelThreads:
-    """Tensor-parallel ranks as threads of this process, joined by the shared-memory collectives."""
+    """Tensor-parallel ranks as threads of this process, joined by the shared-memory collectives.
+    One per test: `close()` detaches every group it opened (a process holds at most 64)."""
 
-    @staticmethod
-    def groups(size: int) -> list:
+    def __init__(self) -> None:
+        self.opened: list = []
+
+    def groups(self, size: int) -> list:
         import os
         import uuid
 
@@ -263,9 +266,16 @@ class TensorParallelThreads:
         path = os.path.join(comm.shm_dir(), f"stagewise-test-{uuid.uuid4().hex}")
         comm.create(path, size, 1 << 20)
         try:
-            return [comm.ShmGroup(path, r, size, timeout_s=30.0) for r in range(size)]
+            made = [comm.ShmGroup(path, r, size, timeout_s=30.0) for r in range(size)]
         finally:
             os.unlink(path)
+        self.opened += made
+        return made
+
+    def close(self) -> None:
+        for group in self.opened:
+            group.close()
+        self.opened.clear()
 
     @staticmethod
     def on_ranks(size: int, fn) -> list:
@@ -289,22 +299,24 @@ class TensorParallelThreads:
             raise errors[0]
         return out
 
-    @classmethod
-    def sharded(cls, model_dir, size: int, pp_size: int = 1, quantization=None) -> list[EagerPipeline]:
+    def sharded(self, model_dir, size: int, pp_size: int = 1, quantization=None) -> list[EagerPipeline]:
         """Each rank's EagerPipeline, every stage connected to its group (every rank gathers the logits)."""
         from stagewise.parallel import tp
         pipes = [EagerPipeline(model_dir, pp_size=pp_size, tp=(r, size), quantization=quantization)
                  for r in range(size)]
         for stage in range(pp_size):
-            for pipe, group in zip(pipes, cls.groups(size)):
+            for pipe, group in zip(pipes, self.groups(size)):
                 tp.connect(pipe.stages[stage], group, logits_to=-1)
         return pipes
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def tp_threads():
-    """`TensorParallelThreads`: groups(size), on_ranks(size, fn), sharded(model_dir, size, pp_size=1)."""
-    return TensorParallelThreads
+    """`TensorParallelThreads`: groups(size), on_ranks(size, fn), sharded(model_dir, size, pp_size=1); the
+    groups it opened are closed after the test."""
+    threads = TensorParallelThreads()
+    yield threads
+    threads.close()
 
 
 def pytest_addoption(parser):
