@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process names need Linux /proc")]
 
 CRASH_TOKEN = 997
-MAX_TOKENS = 48
+MAX_TOKENS = 96                 # long enough that no stream ends before every one has begun
 PROMPTS = [[10 + i, 20 + i % 7, 30 + i % 5, 40 + 3 * i] for i in range(32)]
 DIST_TIMEOUT_S = 60           # no fault here may wait for it: deaths close links, hangs miss heartbeats
 HANG_FOUND_S = 30             # a stopped stage is declared lost after ~5 s of silence; generous on a busy box
