@@ -60,9 +60,10 @@ class CompileGate:
             end = time.monotonic()
             with self._changed:
                 self._in_step, self._last_end = False, end
-                self._foreground = end - self._streak_start > self.FOREGROUND_AFTER_S
+                waits = not self._foreground and end - self._streak_start > self.FOREGROUND_AFTER_S
+                self._foreground = self._foreground or waits
                 self._changed.notify_all()
-            if self._foreground and self.thread is not None:
+            if waits and self.thread is not None:           # once: afterwards the compile is no longer held
                 log.info("compiling in the foreground: the engine has been busy for %.0f s, and the compiled "
                          "graphs win that time back", end - self._streak_start)
                 # NOTE: bounded, so a cold compile cannot make this stage miss --dist-timeout-s; the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -76,7 +75,6 @@ class StageGraphRunner:
         self.variants = self._variants()
         self.inputs = self._make_inputs() if policy.enabled else None
         self._cuda: Any = None               # the CudaContext, made by the first CUDA backend
-        self._compile_thread: threading.Thread | None = None
         self._gate = CompileGate()           # holds the background compile while a step runs
         self.decode_threads: int | None = None    # CPU: the decode steps' thread count (runtime/team.py)
         self._kinds = {"prefill": self._make_kind("prefill", policy.backend, policy.buckets),
@@ -145,7 +143,7 @@ class StageGraphRunner:
             later = [k for k in kinds if k.dynamic_rows][::-1]      # decode, then prefill
             kinds = [k for k in kinds if not k.dynamic_rows]
             if later:
-                self._compile_thread = compile_in_background(self, later, self._gate)
+                compile_in_background(self, later, self._gate)
         if not kinds:
             return
         dummy = DummyMetadata(self._block_size(), self.device)
@@ -166,14 +164,15 @@ class StageGraphRunner:
 
     def step_scope(self) -> contextlib.AbstractContextManager:
         """Scope one step: a background compile waits until it ends (see graph/background.py)."""
-        thread = self._compile_thread
+        thread = self._gate.thread
         return self._gate.step() if thread is not None and thread.is_alive() else contextlib.nullcontext()
 
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
         """Wait for a background compile; True when every kind is ready (or failed and runs eager)."""
-        if self._compile_thread is not None:
-            self._compile_thread.join(timeout_s)
-        return self._compile_thread is None or not self._compile_thread.is_alive()
+        thread = self._gate.thread
+        if thread is not None:
+            thread.join(timeout_s)
+        return thread is None or not thread.is_alive()
 
     def _capture_kind(self, kind: _Kind, dummy: "DummyMetadata", background: bool = False) -> None:
         """Capture `kind`; `background` (compiled kinds): on scratch inputs and the dummy metadata
