@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="precisions to run, comma-separated (llama.cpp's F32, BF16, Q4_1 files always run); serving "
                          "uses bfloat16 when listed, else float32 (on CPUs without native bf16, float32 alone)")
+    ap.add_argument("--serve-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="precision of the HF-checkpoint servers (default: bfloat16 when listed in --dtypes)")
     ap.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds per engine run, then killed")
     ap.add_argument("--report-from", default=None, metavar="JSON",
                     help="only re-render results/peers*.md and .png from a run saved by this script")
@@ -80,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     if not args.dtypes or set(args.dtypes) - {"float32", "bfloat16"}:
         ap.error("--dtypes takes float32 and/or bfloat16.")
-    args.serve_dtype = "bfloat16" if "bfloat16" in args.dtypes else "float32"
+    args.serve_dtype = args.serve_dtype or ("bfloat16" if "bfloat16" in args.dtypes else "float32")
     return args
 
 
@@ -127,6 +129,9 @@ def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
             dict(label="stagewise bf16", engine="stagewise", dtype="bfloat16", python=main_py, env=sw_env)]
     for run in runs:
         run["model_dir"] = hf
+    # what a user of the default model runs: the Q4_1 file itself, no flags (quantized kernels)
+    runs.append(dict(label="stagewise Q4_1 (default)", engine="stagewise", dtype="q4_1", python=main_py, env=sw_env,
+                     model_dir=str(paths["q4_1"])))
     notes.append(stagewise_line(args.stagewise_src))
     if args.vllm_python and Path(args.vllm_python).exists():
         venv = vllm_env(args.threads, vllm_preload_python(args))
@@ -144,7 +149,7 @@ def engine_runs(args, paths: dict, notes: list[str]) -> list[dict]:
     else:
         notes.append(f"llama.cpp skipped: no Python at `{args.llamacpp_python}` (see --llamacpp-python).")
     runs = [r for r in runs if not (args.no_hf and r["engine"] == "hf")]
-    return [r for r in runs if r["dtype"] in args.dtypes or r["engine"] == "llamacpp"]   # llama.cpp runs are short
+    return [r for r in runs if r["dtype"] in args.dtypes or r["dtype"] == "q4_1"]   # the native file always runs
 
 
 def stagewise_line(src: str | None) -> str:
@@ -166,7 +171,7 @@ def spec_for(run: dict, spec: dict, threads: int, serve_dtype: str | None) -> di
     if run.get("single_stream"):        # the llama.cpp binding has no batched multi-request API
         batches = {}
         s["decode"] = {"decode_bs1": s["decode"]["decode_bs1"]}
-    elif not (run["dtype"] == serve_dtype and run["engine"] in ("stagewise", "vllm")):
+    elif not (run["dtype"] in (serve_dtype, "q4_1") and run["engine"] in ("stagewise", "vllm")):
         # the serving workload offline, for "server delivers X% of the offline engine"
         batches.pop("serve_offline")
     s["batches"] = batches
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
         print(note, flush=True)
     with tempfile.TemporaryDirectory(prefix="stagewise-peers-") as tmp:
         results, machine = run_rounds(args, runs, spec, Path(tmp))
-        serve = None if args.no_serving else serving(args, paths["hf_dir"], size["serve_prompts"], Path(tmp), notes)
+        serve = None if args.no_serving else serving(args, paths, size["serve_prompts"], Path(tmp), notes)
     meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
             "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,

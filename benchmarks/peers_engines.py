@@ -19,7 +19,8 @@ class Stagewise:
     def __init__(self, spec: dict):
         from stagewise import LLM, SamplingParams
         self.params = lambda n: SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
-        self.llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], device="cpu", max_num_seqs=64,
+        dtype = "auto" if spec["dtype"] == "q4_1" else spec["dtype"]     # a GGUF file: its own kernels
+        self.llm = LLM(model=spec["model_dir"], dtype=dtype, device="cpu", max_num_seqs=64,
                        threads_per_stage=spec["threads"], kv_cache_memory=f"{spec['kv_cache_gib']}GiB",
                        max_model_len=spec["max_model_len"], compile_in_background=False)
 

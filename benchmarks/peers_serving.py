@@ -22,8 +22,9 @@ INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 64, 16
 SERVED_NAME = "smollm2-135m-instruct"
 
 
-def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
+def serving(args, paths: dict, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
     from benchmarks.server_process import free_port
+    hf_dir = paths["hf_dir"]
     have_vllm = bool(args.vllm_python) and Path(args.vllm_python).exists()
     if not have_vllm:
         notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "
@@ -31,7 +32,11 @@ def serving(args, hf_dir: Path, num_prompts: int, tmp: Path, notes: list[str]) -
     servers = {"stagewise serve": [sys.executable, "-m", "stagewise", "serve", "--model", str(hf_dir),
                                    "--dtype", args.serve_dtype, "--threads-per-stage", str(args.threads),
                                    "--kv-cache-memory", "2GiB", "--max-model-len", "2048",
-                                   "--served-model-name", SERVED_NAME, "--no-compile-in-background"]}
+                                   "--served-model-name", SERVED_NAME, "--no-compile-in-background"],
+               # the default model as users serve it: the Q4_1 file, no flags but the port
+               "stagewise serve (Q4_1 file, defaults)": [sys.executable, "-m", "stagewise", "serve",
+                                                         "--model", str(paths["q4_1"]),
+                                                         "--served-model-name", SERVED_NAME]}
     if have_vllm:
         servers["vllm serve"] = [args.vllm_python, "-c", VLLM_CLI, "serve", str(hf_dir), "--dtype", args.serve_dtype,
                                  "--max-model-len", "2048", "--seed", "0", "--served-model-name", SERVED_NAME]
