@@ -44,7 +44,12 @@ LIBRARIES = [("HTTP server (routes, streaming)", ("uvicorn", "starlette", "fasta
              ("messages (pickle, pipes)", ("pickle", "multiprocessing"))]
 
 
+COMPILING = ("convert_frame", "compile_fx")      # Dynamo tracing, Inductor compiling: not a step
+
+
 def part_of(stack: str) -> str:
+    if any(k in stack for k in COMPILING):
+        return "compiling graphs"
     frames = stack.split(";")
     for frame in reversed(frames):
         if "stagewise/" in frame:
@@ -69,6 +74,26 @@ def role(pid: int) -> str:
     return "HTTP process" if " serve " in f" {cmd} " else ("engine process" if "multiprocessing" in cmd else cmd[:60])
 
 
+def compiling(log: Path) -> bool:
+    """Whether the server still compiles graphs in the background (its info log says when it starts
+    and when it is done; a server that compiles at start-up says neither)."""
+    text = log.read_text(errors="replace")
+    return "in the background" in text and "background compile done" not in text
+
+
+def warm_up(url: str, log: Path, budget_s: float) -> None:
+    """Load the server until its graphs are compiled and a round of load is no faster than the one
+    before (within 10%): the profile is of the steady state, not of a fresh server's first minute."""
+    deadline, last = time.monotonic() + budget_s, 0.0
+    while time.monotonic() < deadline:
+        res = own_load(url, SERVED_NAME, 16)
+        rate = res["total_output_tokens"] / res["duration"]
+        if not compiling(log) and rate < 1.1 * last:
+            return
+        last = rate
+    print(f"(warm-up: not steady after {budget_s:.0f} s)", flush=True)
+
+
 def measure(args) -> dict:
     env = dict(os.environ)
     if args.src:
@@ -78,14 +103,15 @@ def measure(args) -> dict:
         os.environ.clear()
         os.environ.update(env)
         try:
-            server = ServerProcess(args.model, Path(tmp) / "server.log", "--served-model-name", SERVED_NAME)
+            server = ServerProcess(args.model, Path(tmp) / "server.log", "--served-model-name", SERVED_NAME,
+                                   "--log-level", "info")
         finally:
             os.environ.clear()
             os.environ.update(saved)
         try:
             server.wait_healthy(1800)
-            own_load(server.url, SERVED_NAME, 16)                      # warm-up: every step kind, not counted
             pids = [p for p in children(server.proc.pid) if "python" in Path(f"/proc/{p}/exe").resolve().name]
+            warm_up(server.url, server.log_path, args.warm_up_s)
             spies = {p: subprocess.Popen(["py-spy", "record", "--pid", str(p), "--rate", str(args.rate), "--format",
                                           "raw", "--nonblocking", "--output", f"{tmp}/{p}.txt"],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in pids}
@@ -104,7 +130,8 @@ def measure(args) -> dict:
                 raw = Path(f"{tmp}/{p}.txt")
                 for line in (raw.read_text().splitlines() if raw.exists() else []):
                     stack, _, n = line.rpartition(" ")
-                    counts[part_of(stack)] += int(n)
+                    if n.isdigit():                                   # py-spy may end with a message line
+                        counts[part_of(stack)] += int(n)
                 procs[f"{role(p)} ({p})"] = {"cpu_ms_per_token": (cpu1[p] - cpu0[p]) * 1e3 / tokens,
                                             "samples": dict(counts.most_common())}
         finally:
@@ -141,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--src", default=None, help="serve the stagewise under this src directory instead")
     ap.add_argument("--label", default="stagewise serve")
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--warm-up-s", type=float, default=600.0, help="most seconds of warm-up load")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", default=None, help="also write the measurements as JSON here")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON", help="only print saved runs side by side")
