@@ -104,7 +104,7 @@ def measure(args) -> dict:
         os.environ.update(env)
         try:
             server = ServerProcess(args.model, Path(tmp) / "server.log", "--served-model-name", SERVED_NAME,
-                                   "--log-level", "info")
+                                   log_level="info")
         finally:
             os.environ.clear()
             os.environ.update(saved)

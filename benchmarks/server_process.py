@@ -23,12 +23,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path | None, log_path: Path, *args: str):
+    def __init__(self, model_dir: str | Path | None, log_path: Path, *args: str, log_level: str = "warning"):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
         model = ["--model", str(model_dir)] if model_dir is not None else []
-        cmd = [sys.executable, "-m", "stagewise", "--log-level", "warning", "serve", *model,
+        cmd = [sys.executable, "-m", "stagewise", "--log-level", log_level, "serve", *model,
                "--host", HOST, "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
