@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import load_line, machine_line
+from benchmarks.common import cpu_line, load_line, machine_line
 from benchmarks.peers_serving import SERVED_NAME, own_load
 from benchmarks.server_process import ServerProcess
 
@@ -137,7 +137,7 @@ def measure(args) -> dict:
         finally:
             server.stop(grace_s=30)
     return {"label": args.label, "src": args.src or "this checkout", "model": args.model or "the default model",
-            "machine": machine_line(), "load": load0, "serving": res, "processes": procs}
+            "machine": f"{cpu_line()}; {machine_line()}", "load": load0, "serving": res, "processes": procs}
 
 
 def report(runs: list[dict]) -> str:
