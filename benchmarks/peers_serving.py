@@ -58,6 +58,13 @@ def serving(args, paths: dict, num_prompts: int, tmp: Path, notes: list[str]) ->
     return out
 
 
+def compiling(log: Path) -> bool:
+    """Whether a stagewise server still compiles its graphs in the background (its info log says when
+    that starts and when it is done; a server that compiles before it answers says neither)."""
+    text = log.read_text(errors="replace")
+    return "in the background" in text and "background compile done" not in text
+
+
 def _short(res: dict) -> str:
     return (f"{res['output_throughput']:.0f} output tok/s, TTFT p50 {res['median_ttft_ms']:.0f} ms, "
             f"TPOT p50 {res['median_tpot_ms']:.1f} ms")
@@ -70,6 +77,9 @@ def _drive(args, server: ProcTree, url: str, hf_dir: Path, num_prompts: int, tmp
     startup_s = time.monotonic() - t0
     for i in range(2):                                  # warm-up, not counted
         _post(url, {"model": SERVED_NAME, "prompt": list(range(100 + i, 140 + i)), "max_tokens": 8, "temperature": 0})
+    deadline = time.monotonic() + args.engine_timeout    # a stagewise server compiling in the background: load
+    while compiling(server.log_path) and time.monotonic() < deadline:   # it until done (vLLM compiles before
+        own_load(url, SERVED_NAME, CONCURRENCY)                          # it answers /health)
     if have_vllm:
         res = _vllm_bench(args, server, url, str(hf_dir), num_prompts, tmp, tag)
     else:

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.common import cpu_line, load_line, machine_line
-from benchmarks.peers_serving import SERVED_NAME, own_load
+from benchmarks.peers_serving import SERVED_NAME, compiling, own_load
 from benchmarks.server_process import ServerProcess
 
 # (part of the code, path fragments of the innermost stagewise frame): the first match decides
@@ -72,13 +72,6 @@ def cpu_seconds(pid: int) -> float:
 def role(pid: int) -> str:
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     return "HTTP process" if " serve " in f" {cmd} " else ("engine process" if "multiprocessing" in cmd else cmd[:60])
-
-
-def compiling(log: Path) -> bool:
-    """Whether the server still compiles graphs in the background (its info log says when it starts
-    and when it is done; a server that compiles at start-up says neither)."""
-    text = log.read_text(errors="replace")
-    return "in the background" in text and "background compile done" not in text
 
 
 def warm_up(url: str, log: Path, budget_s: float) -> None:
