@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks import peers_model, peers_procs, peers_report
-from benchmarks.common import RESULTS_DIR, load_line, machine_line
+from benchmarks.common import RESULTS_DIR, cpu_line, load_line, machine_line
 from benchmarks.peers_procs import base_env, run_worker, stagewise_env, vllm_env
 from benchmarks.peers_serving import serving
 
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         results, machine = run_rounds(args, runs, spec, Path(tmp))
         serve = None if args.no_serving else serving(args, paths, size["serve_prompts"], Path(tmp), notes)
     meta = {"quick": args.quick, "rounds": args.rounds, "threads": args.threads, "size": size,
-            "load_before": load_before, "load_after": load_line(), "machine_line": machine_line(),
+            "load_before": load_before, "load_after": load_line(), "machine_line": f"{cpu_line()}; {machine_line()}",
             "wall_min": (time.perf_counter() - t_start) / 60, "vllm_eager": args.vllm_eager,
             "llamacpp_repeats": args.llamacpp_repeats, "omp_wait_policy": args.omp_wait_policy,
             "hf_dir": str(paths["hf_dir"]), "user_notes": args.note, "serve_dtype": args.serve_dtype}
