@@ -2,7 +2,7 @@
 side in one process:
 
 - first-request compile latency of a nested JSON schema (cold, then a cache hit), in the compile
-  supervisor's process (engine/grammar/), off the step loop;
+  supervisor's process (grammar/), off the step loop;
 - the per-step work the driver and the sampling stage add: bitmask fill (driver) + apply (last
   stage) for batch 1 and 32, every row constrained;
 - end to end: decode ms/step of `LLM.generate` at batch 1 and 32, every row constrained (a regex
@@ -30,9 +30,9 @@ REGEX = "[a-z ,.]+"          # never complete: every row runs its full length
 def compile_latency(llm) -> tuple[dict, object]:
     import json
 
-    from stagewise.engine.grammar.limits import GrammarLimits
-    from stagewise.engine.grammar.matchers import XGrammarBackend
-    from stagewise.engine.grammar.service import CompileService
+    from stagewise.grammar.limits import GrammarLimits
+    from stagewise.grammar.matchers import XGrammarBackend
+    from stagewise.grammar.service import CompileService
     tok = llm.engine.tok
     t0 = time.perf_counter()
     backend = XGrammarBackend(tok.tokenizer, tok.vocab_size, tok.eos_token_ids)
@@ -57,8 +57,8 @@ def fill_apply(backend, batch: int, reps: int = 30) -> tuple[float, float]:
 
     import torch
 
-    from stagewise.engine.grammar.limits import GrammarLimits
-    from stagewise.engine.grammar.matchers import StructuredOutputManager
+    from stagewise.grammar.limits import GrammarLimits
+    from stagewise.grammar.matchers import StructuredOutputManager
     from stagewise.plan import ScheduledSeq, StepPlan
     from stagewise.request import Request, SamplingParams
     from stagewise.runtime.sampler import apply_token_bitmask

@@ -228,7 +228,7 @@ class StructuredOutputs:
     """What the output must match: exactly one of a JSON schema (`json`, a dict or its JSON text),
     any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`) or an
     EBNF grammar (GBNF / xgrammar syntax). Size and syntax are checked where the grammar is compiled
-    (engine/grammar/), so a bad one fails its request alone with one sentence, before any output."""
+    (grammar/), so a bad one fails its request alone with one sentence, before any output."""
 
     json: Any = None
     regex: str | None = None

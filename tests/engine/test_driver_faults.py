@@ -15,6 +15,9 @@ class SwappingExecutor:
         self.inner, self.held = inner, deque()
         self.memory_plans, self.num_blocks = inner.memory_plans, inner.num_blocks
 
+    def __getattr__(self, name):          # the rest of the executor's surface: the real one's
+        return getattr(self.inner, name)
+
     def submit(self, plan):
         self.inner.submit(plan)
 
@@ -29,7 +32,7 @@ class SwappingExecutor:
 
 def test_out_of_order_results_are_fatal_not_misapplied(llama_dir):
     llm = LLM(model=str(llama_dir), pp_depth=2, chunked_prefill_size=3)   # one prompt per plan
-    llm.engine.executor = SwappingExecutor(llm.engine.executor)
+    llm.engine.supervisor.executor = SwappingExecutor(llm.engine.executor)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     with pytest.raises(EngineDeadError, match="out of order") as info:
         llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=params, use_tqdm=False)

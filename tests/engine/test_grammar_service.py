@@ -1,4 +1,4 @@
-"""Grammar compilation off the step loop (engine/grammar/): limits refuse oversized constraints
+"""Grammar compilation off the step loop (grammar/): limits refuse oversized constraints
 with the flag that raises them; the compile service compiles once per (tenant, constraint), keeps
 a bounded cache, and a compile over its time or memory budget, or one whose requests all left,
 ends alone (killed) while the next one compiles."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.engine.grammar.limits import GrammarLimits, GrammarRefused, check_limits
-from stagewise.engine.grammar.matchers import XGrammarBackend
-from stagewise.engine.grammar.service import CompileService, GrammarCache
+from stagewise.grammar.limits import GrammarLimits, GrammarRefused, check_limits
+from stagewise.grammar.matchers import XGrammarBackend
+from stagewise.grammar.service import CompileService, GrammarCache
 
 pytestmark = pytest.mark.slow          # a supervisor process per service
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})

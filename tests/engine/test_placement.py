@@ -1,8 +1,8 @@
-"""Where a multi-node pipeline's stages go when a node does not rejoin (engine/placement.py): its
+"""Where a multi-node pipeline's stages go when a node does not rejoin (recovery/placement.py): its
 stages move to node 0, and the fit check against node 0's memory names what is missing."""
 from __future__ import annotations
 
-from stagewise.engine.placement import fit_problem, layout_line, place_stages
+from stagewise.recovery.placement import fit_problem, layout_line, place_stages
 from stagewise.runtime.memory import MemoryPlan
 
 MIB = 1 << 20

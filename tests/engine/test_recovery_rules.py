@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from stagewise.engine import recovery
+from stagewise.recovery import rules as recovery
 from stagewise.engine.block_manager import BlockManager
-from stagewise.engine.recovery import RestartBudget, Suspects
 from stagewise.engine.scheduler import Scheduler
+from stagewise.recovery.rules import RestartBudget, Suspects
 from stagewise.request import Request, RequestStatus, SamplingParams
 
 
@@ -68,9 +68,10 @@ def test_restart_requeues_every_live_request_for_recompute():
     assert plan is not None and len(plan.seqs) == 3
     reqs[0].output_token_ids.append(42)
     sched.abort("r2")                                     # finished while its plan was in flight
-    new_blocks = BlockManager(64, 4)
-    assert sched.restart(new_blocks) == 2
-    assert sched.blocks is new_blocks and not sched.running and list(sched.waiting) == reqs[:2]
+    old_blocks = sched.blocks
+    assert sched.restart(48) == 2
+    assert sched.blocks is not old_blocks and sched.blocks.num_blocks == 48
+    assert not sched.running and list(sched.waiting) == reqs[:2]
     assert all(r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and not r.block_ids
                for r in reqs[:2])
     assert "r2" not in sched.records

@@ -2,8 +2,8 @@
 schedule → submit (up to `depth` plans in flight) → collect the oldest → apply. Request state
 changes only through the scheduler (`add`, `update`, `abort`, `fail`): every request ends there;
 a constrained one waits there until its grammar is compiled (an admission rule). The engine only
-drives: its `Supervisor` (engine/supervisor.py) starts the executor, rebuilds a lost pipeline
-before a step and decides what a failed submit or collect costs. `add_request` and `abort` may be
+drives: it starts the first pipeline, and its `PipelineSupervisor` (recovery/) rebuilds a lost
+pipeline before a step and decides what a failed submit or collect costs. `add_request` and `abort` may be
 called from other threads: they only validate and post to an inbox that `step()` drains. Callers
 outside `engine/` use this class's surface only (`step`, `fault`, `kv_capacity_tokens`, `stats`).
 """
@@ -18,23 +18,23 @@ from ..checkpoint import max_model_len
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor
+from ..grammar.limits import GrammarLimits
+from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
 from ..plan import StepPlan, StepResult
+from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.memory import format_memory_table
 from ..runtime.plan_report import fit_to_memory
 from ..runtime.sampler import NO_TOKEN_LEFT
 from ..runtime.stage_cost import predicted_shares, resolved_for_stages
 from .block_manager import BlockManager
-from .grammar.limits import GrammarLimits
-from .grammar.matchers import StructuredOutputManager
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
 from .scheduler import Scheduler
 from .speculative import NgramProposer
 from .stats import EngineStats
-from .supervisor import Supervisor
 
 log = logging.getLogger("stagewise.engine")
 
@@ -53,9 +53,9 @@ class Engine:
         # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
         self.config = config = fit_to_memory(config, self.tok.hf_config)
         self.dead: str | None = None
-        self.supervisor = Supervisor(config, self.model_dir, self.tok.eos_token_ids, self._die)
-        log.info("memory plan per stage:\n%s", format_memory_table(self.executor.memory_plans))
-        blocks = BlockManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids)
+        log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
+        blocks = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
         # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
@@ -66,10 +66,10 @@ class Engine:
                                    stop_rule=self._stop_rule, speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
-        clocks = balance_scheduler(self.scheduler, self.executor, self.policy, config.depth, config.dynamic_chunking,
+        self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler)
+        clocks = balance_scheduler(self.scheduler, executor, self.policy, config.depth, config.dynamic_chunking,
                                    self.tok.vocab_size, self.max_len)
         self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.hf_config), clocks)
-        self.supervisor.watch(self.scheduler, self.stats_)
         self._ids = itertools.count()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
         self.grammar_limits = GrammarLimits.of(config)
@@ -77,10 +77,6 @@ class Engine:
     @property
     def executor(self) -> Executor:
         return self.supervisor.executor
-
-    @executor.setter
-    def executor(self, executor: Executor) -> None:
-        self.supervisor.executor = executor
 
     # requests (any thread)
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
@@ -121,7 +117,11 @@ class Engine:
     def step(self) -> StepOutputs:
         """Outputs of requests that changed; `.progressed` is False when nothing could be scheduled
         or collected (the caller should wait for new requests instead of spinning)."""
-        self.supervisor.tend()
+        try:
+            if self.supervisor.tend():
+                self.stats_.pipeline_rebuilt()        # new stage processes count busy time from 0
+        except Unrecoverable as exc:
+            self._die(str(exc))
         outputs = self._drain_inbox() + self._fail_refused_grammars()
         try:
             self._submit_plans()
@@ -180,7 +180,10 @@ class Engine:
 
     def _lost(self, why: str) -> list[RequestOutput]:
         """The executor failed: the supervisor fails its cause (or all: `_die`); the plans in flight are gone."""
-        failed = self.supervisor.lost(why, self.inflight)
+        try:
+            failed = self.supervisor.lost(why, self.inflight)
+        except Unrecoverable as exc:
+            self._die(str(exc))
         self.inflight.clear()
         self.stats_.pipeline_drained()
         return self._outputs(failed)

@@ -104,10 +104,14 @@ class Scheduler:
             self._finish(self.records[req.request_id], FinishReason.ERROR, why)
         return failed
 
-    def restart(self, blocks: BlockManager) -> int:
+    def restart(self, num_blocks: int) -> int:
         """The pipeline was rebuilt: its stages hold no state and no plan is in flight. Every
         unfinished request waits to be recomputed from its tokens (prompt + output so far), as a
-        preempted one is, running ones first; `blocks` is the new (empty) cache. Returns how many."""
+        preempted one is, running ones first, on a new empty cache of at most `num_blocks` blocks
+        (the prefix-cache counters carry on). Returns how many."""
+        old = self.blocks
+        blocks = BlockManager(min(num_blocks, old.num_blocks), old.block_size, old.enable_prefix_caching)
+        blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
         live = [*self.running, *self.waiting]
         for rid, rec in list(self.records.items()):
             rec.num_plans, rec.awaiting_token, rec.stage_known = 0, False, False

@@ -12,12 +12,18 @@ from ..plan import StepPlan, StepResult
 
 
 class Executor(Protocol):
+    """Everything the engine and the pipeline supervisor (recovery/) use of an executor."""
     num_blocks: int              # KV blocks every stage can hold (the smallest stage's pool)
     memory_plans: list           # one runtime.memory.MemoryPlan per stage
     dead: str | None             # why the executor stopped working, once it has
+    cause: str | None            # what kind of fault stopped it: stage_died, timeout, link, ... (recovery counts)
+    startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s (none for one process)
+    generation: int | None       # across nodes, the pipeline's generation in the cluster's store
+    layout: tuple[int, ...]      # the node of each stage
 
     def submit(self, plan: StepPlan) -> None: ...
     def collect(self) -> StepResult: ...          # the oldest submitted plan's result (FIFO)
+    def stop(self, why: str, cause: str) -> None: ...   # end it on purpose; the supervisor rebuilds it
     def shutdown(self) -> None: ...
 
 

@@ -18,6 +18,10 @@ class LocalExecutor:
         self.num_blocks = self.worker.num_blocks
         self.results: deque[StepResult] = deque()
         self.dead: str | None = None
+        self.cause: str | None = None
+        self.startup: dict[str, float] = {}
+        self.generation: int | None = None
+        self.layout: tuple[int, ...] = (0,)
 
     def submit(self, plan: StepPlan) -> None:
         result = self.worker.execute(plan, None)
@@ -28,6 +32,9 @@ class LocalExecutor:
         result = self.results.popleft()
         result.stage_busy_s = [self.worker.busy_s]
         return result
+
+    def stop(self, why: str, cause: str) -> None:
+        self.dead, self.cause = self.dead or why, self.cause or cause
 
     def shutdown(self) -> None:
         self.results.clear()

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
-from ..engine.client import EngineClient
+from ..serve.client import EngineClient
 from . import routes, utility
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard, host_check_for

@@ -14,9 +14,9 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.client import PromptInput
-from ..engine.grammar.limits import GrammarRefused, check_limits
+from ..grammar.limits import GrammarRefused, check_limits
 from ..request import SamplingParams, StructuredOutputs
+from ..serve.client import PromptInput
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, CompletionShape, NativeShape, Shape
 from .intake import parse_request

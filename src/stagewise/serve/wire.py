@@ -4,7 +4,7 @@ they travel (pickled, one message per `send_bytes`, over a `multiprocessing` pip
 Client → core: `AddRequests`, `AbortRequests`, `StopEngine`. Core → client: `EngineReady` or
 `EngineFailed` once at start-up, then `EngineOutputs` per published step, and `EngineDied` at
 most once. Outputs travel as `OutputDelta`s (what changed since the last one), so a step's
-message is O(new tokens), not O(whole output); `engine/deltas.py` makes and applies them.
+message is O(new tokens), not O(whole output); `serve/deltas.py` makes and applies them.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Union
 
+from ..grammar.limits import GrammarLimits
 from ..request import SamplingParams, TokenLogprob
-from .grammar.limits import GrammarLimits
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 from .. import envs
 from ..errors import EngineDeadError, describe_exit
 from .core import STOP_DRAIN_S, engine_main, serve
-from .messages import EngineFailed, EngineReady, recv
+from .wire import EngineFailed, EngineReady, recv
 
 STARTUP_POLL_S = 0.1
 EXIT_WAIT_S = 2.0             # after the core closed its pipe: time for its exit code to show

@@ -8,7 +8,7 @@ from __future__ import annotations
 from os.path import commonprefix
 
 from ..request import CompletionOutput, RequestOutput, TokenLogprob
-from .messages import OutputDelta
+from .wire import OutputDelta
 
 
 class DeltaEncoder:

@@ -2,78 +2,96 @@
 
 It owns the executor's lifetime: the first start, teardown and rebuild after a stage dies, hangs
 or loses a link (new processes and links; across nodes, a new generation on the nodes that rejoin
-in time, the stages of the others on node 0: engine/placement.py), spare stage processes, and
-nodes that come back. Beside it (engine/recovery.py): the restart budget, the poison-plan rule
-(an admission rule of the scheduler) and the recovery counters. The engine calls `tend` before
-each step and `lost` when the executor failed, and reports applied plans and finished requests
-(they clear suspects); requests change only through the scheduler.
+in time, the stages of the others on node 0: recovery/placement.py), spare stage processes, and
+nodes that come back. Beside it (rules.py): the restart budget, the poison-plan rule (an admission
+rule of the scheduler) and the recovery counters. The engine calls `tend` before each step and
+`lost` when the executor failed, and reports applied plans and finished requests (they clear
+suspects); requests change only through the scheduler, seen here as `LiveRequests`. A pipeline
+that cannot be healed raises `Unrecoverable`; the engine then fails everything.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Protocol
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor, make_executor
 from ..executor.generations import await_nodes, end_generations, next_generation, ready_nodes
 from ..executor.layout import default_layout, stages_of
-from ..executor.multiproc import MultiprocExecutor
 from ..executor.rendezvous import torchrun_env
 from ..executor.spawn import spares_ready, start_spares, stop_spares
 from ..plan import StepPlan, StepResult
 from ..request import Request
 from ..runtime.threads import usable_cpus
-from .block_manager import BlockManager
 from .placement import available_bytes, fit_problem, layout_line, place_stages
-from .recovery import RecoveryStats, RestartBudget, Suspects, poison_message
-from .scheduler import Scheduler
-from .stats import EngineStats
+from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
 log = logging.getLogger("stagewise.engine")
 NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
 NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
 
 
-class Supervisor:
-    """Starts the executor and heals it. `die(why)` is the engine's: fail everything, raise."""
+class Unrecoverable(Exception):
+    """The pipeline cannot be healed (no restarts left, no room, or healing is off): one sentence."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...],
-                 die: Callable[[str], NoReturn]):
-        self.config, self.model_dir, self.eos_token_ids, self.die = config, model_dir, eos_token_ids, die
-        self.executor: Executor = make_executor(config, model_dir, eos_token_ids)
+
+class LiveRequests(Protocol):
+    """What the supervisor needs of the scheduler."""
+    running: list[Request]
+    waiting: deque[Request]
+    admission_rules: list[Callable[[Request], bool]]
+
+    @property
+    def requests(self) -> dict[str, Request]: ...     # every unfinished request
+
+    def fail(self, request_ids: list[str], message: str) -> list[Request]: ...
+    def restart(self, num_blocks: int) -> int: ...    # requeue all for recompute on a new, empty cache
+
+
+def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...]) -> Executor:
+    """The first pipeline (the supervisor heals it from then on)."""
+    return make_executor(config, model_dir, eos_token_ids)
+
+
+class PipelineSupervisor:
+    """Heals the executor it is given: teardown, rebuild, placement, spares, returning nodes."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...], executor: Executor,
+                 requests: LiveRequests):
+        self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
+        self.executor, self.requests = executor, requests
         # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
         # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
         self.heals = (config.pp_size > 1 or config.tp_size > 1) and torchrun_env() is None
         self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
         self.suspects = Suspects()
         self.recovery = RecoveryStats()
-        self.scheduler: Scheduler | None = None
-        self.engine_stats: EngineStats | None = None
         self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
         self._node_check_at = 0.0
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._no_room = False          # node 0 could not take a lost node's stages (fatal)
+        requests.admission_rules.append(self.suspects.may_admit)     # suspects wait their turn
 
-    def watch(self, scheduler: Scheduler, stats: EngineStats) -> None:
-        """The scheduler whose requests a rebuild requeues (suspects wait their turn in it), and the
-        statistics that count across rebuilds."""
-        self.scheduler, self.engine_stats = scheduler, stats
-        scheduler.admission_rules.append(self.suspects.may_admit)
+    def die(self, why: str) -> NoReturn:
+        raise Unrecoverable(why)
 
     @property
     def recovering(self) -> str | None:
         """Why the pipeline is being rebuilt, while it is (the next `tend` rebuilds it)."""
         return self.recovery.recovering
 
-    def tend(self) -> None:
+    def tend(self) -> bool:
         """Before a step: rebuild a lost pipeline, start spares when due, make room for a node
-        that came back."""
-        if self.recovering:
+        that came back. True when it rebuilt the pipeline (its stages count from zero again)."""
+        rebuilt = bool(self.recovering)
+        if rebuilt:
             self._rebuild()
         self.poll()
+        return rebuilt
 
     def poll(self) -> None:
         """Start spares when due; across nodes, make room for a node that came back."""
@@ -83,21 +101,20 @@ class Supervisor:
     def lost(self, why: str, inflight: Iterable[StepPlan]) -> list[Request]:
         """The pipeline failed with `inflight` plans in flight: die unless it can be rebuilt; else
         fail the poisoned requests alone and mark it recovering. Returns the failed requests."""
-        assert self.scheduler is not None, "watch() first"
-        cause = getattr(self.executor, "cause", None) or "unknown"
+        cause = self.executor.cause or "unknown"
         planned = cause == NODE_RETURNED           # not a failure: no restart used, no suspects
         if not self.heals or self.config.max_pipeline_restarts == 0:
             self.die(why)
         if not planned and not self.restarts.take():
             self.die(self.restarts.refusal(why))
-        unfinished = self.scheduler.requests
+        unfinished = self.requests.requests
         in_flight = [] if planned else [unfinished[rid] for rid in
                                         dict.fromkeys(s.request_id for p in inflight for s in p.seqs)
                                         if rid in unfinished]
         poisoned = []
         for rid, strikes in self.suspects.crash(in_flight).items():
-            poisoned += self.scheduler.fail([rid], poison_message(strikes))
-        live = len(self.scheduler.requests)
+            poisoned += self.requests.fail([rid], poison_message(strikes))
+        live = len(self.requests.requests)
         self.recovery.lost(cause, why, live, len(poisoned))
         log.log(logging.WARNING if planned else logging.ERROR, "pipeline %s: %s Rebuilding it; %d live request(s) "
                 "will be recomputed%s.", "stopped" if planned else "failed", why, live,
@@ -116,7 +133,6 @@ class Supervisor:
     def _rebuild(self) -> None:
         """Tear the failed pipeline down, start a new one and requeue every live request for
         recompute. A start that fails uses the restart budget too."""
-        assert self.scheduler is not None, "watch() first"
         t0 = time.monotonic()
         self.executor.shutdown()
         teardown_s = time.monotonic() - t0
@@ -131,16 +147,10 @@ class Supervisor:
                     self.recovery.recovering = None
                     self.die(self.restarts.refusal(str(exc)))
                 log.error("%s Trying again.", exc)
-        old = self.scheduler.blocks
-        blocks = BlockManager(min(self.executor.num_blocks, old.num_blocks), old.block_size,
-                              old.enable_prefix_caching)
-        blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
         self._start_spares()
-        self.suspects.regroup([*self.scheduler.running, *self.scheduler.waiting])
-        requeued = self.scheduler.restart(blocks)
-        if self.engine_stats is not None:
-            self.engine_stats.pipeline_rebuilt()
-        startup = {**getattr(self.executor, "startup", {}), "rejoin_s": self._rejoin_s}
+        self.suspects.regroup([*self.requests.running, *self.requests.waiting])
+        requeued = self.requests.restart(self.executor.num_blocks)
+        startup = {**self.executor.startup, "rejoin_s": self._rejoin_s}
         self.recovery.rebuilt(teardown_s, startup, requeued)
         log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, %sstart %.1f s, weights %.1f s); recomputing "
                     "%d request(s)", time.monotonic() - t0, teardown_s,
@@ -174,8 +184,8 @@ class Supervisor:
         """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time)
         that is ready again stops the pipeline, and the rebuild gives it its stages back."""
         ex, c = self.executor, self.config
-        generation = getattr(ex, "generation", None)
-        if not isinstance(ex, MultiprocExecutor) or generation is None or not self.heals or self.recovering \
+        generation = ex.generation
+        if generation is None or not self.heals or self.recovering \
                 or ex.dead or time.monotonic() < self._node_check_at:
             return
         self._node_check_at = time.monotonic() + NODE_CHECK_S
@@ -186,8 +196,7 @@ class Supervisor:
 
     def _check_fits(self, placement) -> None:
         """Die (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""
-        assert self.scheduler is not None, "watch() first"
-        live = list(self.scheduler.requests.values())
+        live = list(self.requests.requests.values())
         blocks = sum(-(-r.num_tokens // self.config.block_size) for r in live) + 1
         available = available_bytes() if self.config.resolved_device == "cpu" else None
         why = fit_problem(placement, self.executor.memory_plans, blocks, len(live), available,

@@ -1,6 +1,6 @@
 """Grammar compilation for the engine, never on its step loop: `submit` answers from the cache of
 compiled grammars or queues a job and returns at once; a service thread starts the compile supervisor
-(engine/grammar/supervisor.py, a process of its own), sends it the jobs, deserializes what comes
+(grammar/compiler.py, a process of its own), sends it the jobs, deserializes what comes
 back and resolves each job's future. The step loop only polls futures.
 
 One job per (tenant, kind, text): the choices of one request, and requests alike, share it; tenants
@@ -242,7 +242,7 @@ class CompileService:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "stagewise.engine.grammar.supervisor", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "stagewise.grammar.compiler", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         finally:
             theirs.close()

@@ -19,10 +19,10 @@ import time
 from multiprocessing.connection import Connection
 
 from ..errors import EngineDeadError
+from ..grammar.limits import GrammarLimits
 from ..request import CompletionOutput, RequestOutput
 from .deltas import DeltaEncoder
-from .grammar.limits import GrammarLimits
-from .messages import (
+from .wire import (
     AbortRequests,
     AddRequests,
     ClientMessage,

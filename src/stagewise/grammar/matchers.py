@@ -1,6 +1,6 @@
 """Structured outputs on the driver: one matcher per constrained request, the packed token bitmask
 of each plan's constrained sampling rows, and the sampled tokens accepted back. Grammars come
-compiled from the compile service (engine/grammar/service.py); nothing here compiles or parses.
+compiled from the compile service (grammar/service.py); nothing here compiles or parses.
 
 A request has at most one sampling row in flight, so when the scheduler books it the driver has
 accepted every token it sampled: the matcher's state is exact, under PP, micro-batches, chunked
@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from ...plan import StepPlan, TokenBitmask
-from ...request import Request
-from ...runtime.sampler import NO_ALLOWED_TOKEN, NO_TOKEN_LEFT
+from ..plan import StepPlan, TokenBitmask
+from ..request import Request
+from ..runtime.sampler import NO_ALLOWED_TOKEN, NO_TOKEN_LEFT
+from .compiler import first_line
 from .limits import GrammarLimits, GrammarRefused
 from .service import CompileService, Ticket
-from .supervisor import first_line
 
 log = logging.getLogger("stagewise.engine")
 BAD_REQUEST = 400           # the error status of a request failed by its own grammar

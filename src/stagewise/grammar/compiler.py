@@ -1,4 +1,4 @@
-"""The grammar compile supervisor: a process of its own (started by engine/grammar/service.py) that
+"""The grammar compile supervisor: a process of its own (started by grammar/service.py) that
 checks each constraint against the limits, then compiles it in a child forked for that one compile,
 with an address-space limit (its share of --grammar-memory), a CPU-time limit and a wall-clock
 deadline, at most `workers` children at once, and answers with the compiled grammar serialized
@@ -27,7 +27,7 @@ MIB = 1 << 20
 
 
 def main(fd: int, parent_pid: int) -> None:
-    """Entry point of the supervisor process (`python -m stagewise.engine.grammar.supervisor FD PID`):
+    """Entry point of the supervisor process (`python -m stagewise.grammar.compiler FD PID`):
     its end of a socket pair, on which the first message is (tokenizer info as JSON, limits)."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -37,7 +37,7 @@ def main(fd: int, parent_pid: int) -> None:
     import xgrammar as xgr
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     conn.send(("ready",))
-    Supervisor(conn, info, limits).run()
+    CompileServer(conn, info, limits).run()
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -58,7 +58,7 @@ class _Child:
     deadline: float
 
 
-class Supervisor:
+class CompileServer:
     def __init__(self, conn: Connection, info, limits: GrammarLimits):
         self.conn, self.info, self.limits = conn, info, limits
         self.queue: deque[tuple[int, str, str]] = deque()

@@ -20,13 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator
 
+from ..engine.inputs import check_request
 from ..errors import describe_exit
 from ..request import RequestOutput, SamplingParams
 from .core import final_output
 from .core_runner import EXIT_WAIT_S, await_ready, kill_core, start_core, stop_core
 from .deltas import OutputAssembler
-from .inputs import check_request
-from .messages import (
+from .wire import (
     AbortRequests,
     AddRequests,
     ClientMessage,
@@ -97,12 +97,12 @@ class _Stream:
 
 
 def _real_engine(config):
-    from .engine import Engine
+    from ..engine.engine import Engine
     return Engine(config)
 
 
 def _tokenizer(config):
-    from .inputs import Tokenizer
+    from ..engine.inputs import Tokenizer
     return Tokenizer(config.model, config.tokenizer)
 
 

@@ -4,7 +4,7 @@ and the check of a constraint's text against them: size, nesting depth and numbe
 The check is linear in the text and needs no grammar backend, so the server runs it once per request
 on an intake thread (a 400 naming the limit and its flag) and the compile supervisor runs it again
 before compiling. What no cheap check can bound (a regex that compiles for minutes, or to gigabytes)
-the compile budgets bound (engine/grammar/supervisor.py).
+the compile budgets bound (grammar/compiler.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Pipeline healing: the supervisor that starts, rebuilds and re-places the stages, and its rules."""
