@@ -125,3 +125,41 @@ def test_generate_compiles_only_jobs_that_can_win_it_back():
     assert _small_jobs_skip_compiling(auto, 64).prefill_graph == "off"
     assert _small_jobs_skip_compiling(auto, GENERATE_COMPILE_MIN_TOKENS).prefill_graph == "auto"
     assert _small_jobs_skip_compiling(auto.replace(prefill_graph="compiled"), 64).prefill_graph == "compiled"
+
+
+def _cluster_rows(out: str) -> list[list[str]]:
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("stage  node"))
+    return [line.split() for line in lines[head + 1:] if line.strip()[:1].isdigit()]
+
+
+def test_plan_over_a_described_cluster(llama_dir, capsys):
+    # the tiny llama: a process's runtime dominates; node 2's budget holds none, node 0's the driver and a stage
+    args = ["plan", "--model", str(llama_dir), "--dtype", "float32"]
+    assert main([*args, "--cluster", "1.3GiB:1.0,1.3GiB:0.5,600MiB:0.3"]) == 0
+    out = capsys.readouterr().out
+    rows = _cluster_rows(out)
+    assert [r[1] for r in rows] == ["0", "1"] and out.startswith("cluster plan: 3 node(s), 2 stage(s)")
+    assert "node 2 (600.0 MiB, speed 0.3) is left out: its budget" in out
+    assert main([*args, "--cluster", "2GiB,2GiB", "--pp-size", "4"]) == 0
+    nodes = [r[1] for r in _cluster_rows(capsys.readouterr().out)]     # the head-heavy last stage alone
+    assert len(nodes) == 4 and nodes == sorted(nodes) and set(nodes) == {"0", "1"}
+    assert main([*args, "--cluster", "2GiB,2GiB", "--pp-size", "2", "--pp-layer-partition", "1,3"]) == 0
+    assert [r[5] for r in _cluster_rows(capsys.readouterr().out)] == ["[0,1)", "[1,4)"]
+    assert main([*args, "--cluster", "700MiB,700MiB"]) == 2
+    assert re.search(r"^error: The nodes together cannot hold the model: .* is missing", capsys.readouterr().err)
+    assert main([*args, "--cluster", "2GiB:fast"]) == 2
+    assert "error: --cluster node '2GiB:fast' has speed 'fast'" in capsys.readouterr().err
+
+
+def test_plan_over_a_cluster_on_a_gguf_file(llama_dir, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("gguf_fixtures", Path(__file__).parent / "model" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    path = fixtures.write_gguf(llama_dir, tmp_path / "tiny.Q8_0.gguf", "Q8_0")
+    assert main(["plan", "--model", str(path), "--cluster", "3GiB:1.0,2GiB:1.0"]) == 0
+    rows = _cluster_rows(capsys.readouterr().out)
+    assert [r[1] for r in rows] == ["0", "1"] and sum(float(r[6]) for r in rows) > 0

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-rate", action="store_true",
                    help="also time this machine's decode-shaped matmuls with one stage's threads (GMAC/s): run it "
                         "on every node and pass the numbers as --pp-node-rates")
+    p.add_argument("--cluster", metavar="MEM:SPEED,...",
+                   help="plan over a described cluster instead of this machine: each node's available memory and "
+                        "relative speed, node 0 (the driver's) first, e.g. 16GiB:1.0,8GiB:0.6,4GiB:0.3; prints which "
+                        "node runs each stage and the nodes left out (with --pp-size: that many stages)")
     add_engine_args(p)
     p = sub.add_parser("demo-model", help="write the built-in demo checkpoint (tiny Llama + tokenizer)")
     p.add_argument("--out", default=None, help="output directory (default: the demo cache directory)")
@@ -262,6 +266,12 @@ def cmd_bench(args) -> int:
 def cmd_plan(args) -> int:
     from .runtime.plan_report import plan_report
     config = config_from_args(args)
+    if args.cluster:
+        from .checkpoint import load_hf_config
+        from .runtime.cluster_plan import cluster_report, parse_cluster
+        assert config.model is not None, "resolved by config_from_args"
+        print(cluster_report(config, load_hf_config(config.model), parse_cluster(args.cluster)))
+        return 0
     print(plan_report(config))
     if args.measure_rate:
         import torch

@@ -17,6 +17,7 @@ GIB = 1 << 30
 # NOTE: graph/policy.py keeps a copy; it belongs here (config may not import graph/)
 PREFILL_GRAPH_CHOICES = ("auto", "breakable", "full", "compiled", "off")
 PARTITION_MODES = ("auto", "even")
+PP_NODE_FIT_CHOICES = ("memory", "speed", "off")
 MIN_SIZE_BYTES = 4096          # smaller sizes are almost surely a missing unit ("2" for 2GiB)
 _UNITS = {"tib": 1 << 40, "gib": GIB, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
           "kb": 10**3, "t": 1 << 40, "g": GIB, "m": 1 << 20, "k": 1 << 10, "b": 1}
@@ -149,6 +150,14 @@ class EngineConfig:
     pp_node_rates: tuple[float, ...] | None = flag(
         None, "relative speed of each node for the auto partition, e.g. 1,0.5 (measure each node with "
         "`stagewise plan --measure-rate`; default: all alike)")
+    pp_node_fit: str = flag(
+        "memory", "across nodes with --pp-layer-partition auto, how the driver uses what each node reports when it "
+        "joins (its available memory and a short speed probe): memory (keep the cost split where it fits every "
+        "node, else re-split the layers so each stage fits its node), speed (split by memory and each node's "
+        "measured speed), off (the command line's split)")
+    node_reports: tuple[tuple[int | None, float], ...] | None = flag(
+        None, "(available bytes, speed) of each node as it reported when it joined (the driver fills it in)",
+        cli=False)
     enable_dynamic_chunking: bool | None = flag(
         None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
         "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")
@@ -251,6 +260,8 @@ class EngineConfig:
                              f"(equal stages per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
+        if self.pp_node_fit not in PP_NODE_FIT_CHOICES:
+            raise ValueError(f"pp_node_fit must be one of {', '.join(PP_NODE_FIT_CHOICES)}, got {self.pp_node_fit!r}.")
         if self.pp_cost_mix not in ("decode", "prefill"):
             raise ValueError(f"pp_cost_mix must be decode or prefill, got {self.pp_cost_mix!r}.")
         rates = self.pp_node_rates

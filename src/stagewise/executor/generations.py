@@ -15,6 +15,7 @@ from ..runtime.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
+from .node_reports import publish_report
 from .rendezvous import Store, join_store, serve_store
 from .spawn import prepare_stage_env, spawn_stages, start_spares
 from .store import StoreServer
@@ -89,6 +90,7 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     wait_s = max(config.dist_timeout_s, 300.0)
     try:
         store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
+        publish_report(store, config.node_rank)      # what the driver plans this node's share by
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation

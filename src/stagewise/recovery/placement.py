@@ -1,14 +1,18 @@
 """Where a multi-node pipeline's stages run after a rebuild, when a node has not come back.
 
-The layer partition (the stages) never changes; a node that missed the grace period
-(--node-rejoin-timeout-s) hands its stages to node 0, the driver's node, if node 0's memory
-holds them: the same per-stage memory plan the stages report at start-up (`stagewise plan`
-computes it too: weights, graph buffers, activations) plus KV blocks for every live request.
+`plan_over_nodes` re-partitions over the nodes present, by the memory and speed each reported
+(runtime/cluster_plan.py, parallel/planner.py): a new layer split and the node of each stage.
+`place_stages` (the older rule) keeps the partition and hands a missing node's stages to node 0
+if node 0's memory holds them: the per-stage memory plan the stages report at start-up plus KV
+blocks for every live request.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+
+from ..config import EngineConfig
+from ..runtime.cluster_plan import NodeReport, model_facts, plan_cluster
 
 GIB = float(1 << 30)
 
@@ -69,3 +73,32 @@ def layout_line(layout: tuple[int, ...], partition: tuple[int, ...]) -> str:
         first, last = ends[stages[0]] - partition[stages[0]], ends[stages[-1]] - 1
         parts.append(f"node {node}: stage(s) {', '.join(map(str, stages))} (layers {first}-{last})")
     return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """A re-partition over the nodes present: layers per stage, the node (rank) of each stage."""
+    partition: tuple[int, ...]
+    layout: tuple[int, ...]
+    left_out: tuple[int, ...]      # present nodes given no stage (too small, or not needed)
+    shares: tuple[float, ...]      # each stage's predicted share of a step
+
+
+def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeReport], num_stages: int | None = None,
+                    keep_partition: bool = False) -> NodePlan:
+    """The partition and layout for the nodes in `reports` (node rank -> what it reported; node 0,
+    the driver's, must be there): `num_stages` stages (default --pp-size), each fitting its node's
+    memory, the slowest as fast as possible (by speed with --pp-node-fit speed). `keep_partition`:
+    the resolved --pp-layer-partition stays, only nodes are chosen. ValueError (one sentence, how
+    much memory is missing) when the nodes cannot hold the model."""
+    assert 0 in reports, "node 0 runs the driver: its own report is measured there"
+    ranks = sorted(reports)
+    partition = config.pp_layer_partition if keep_partition and isinstance(config.pp_layer_partition, tuple) else None
+    listed = [reports[r] for r in ranks]
+    if config.pp_node_rates is not None:        # given on the command line: they win over the probes
+        listed = [NodeReport(rep.available_bytes, config.pp_node_rates[r]) for rep, r in zip(listed, ranks)]
+    plan = plan_cluster(model_facts(config, hf_config), listed, num_stages or config.pp_size,
+                        use_speed=config.pp_node_fit == "speed" or config.pp_node_rates is not None,
+                        partition=partition, ranks=ranks)
+    return NodePlan(plan.partition, tuple(ranks[j] for j in plan.layout), tuple(ranks[j] for j in plan.left_out),
+                    plan.shares)
