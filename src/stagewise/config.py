@@ -151,10 +151,9 @@ class EngineConfig:
         None, "relative speed of each node for the auto partition, e.g. 1,0.5 (measure each node with "
         "`stagewise plan --measure-rate`; default: all alike)")
     pp_node_fit: str = flag(
-        "memory", "across nodes with --pp-layer-partition auto, how the driver uses what each node reports when it "
-        "joins (its available memory and a short speed probe): memory (keep the cost split where it fits every "
-        "node, else re-split the layers so each stage fits its node), speed (split by memory and each node's "
-        "measured speed), off (the command line's split)")
+        "memory", "across nodes, what a re-partition over the nodes present weighs of what each node reported when "
+        "it joined (its available memory and a 50 ms speed probe): memory (every stage fits its node; speeds taken "
+        "as equal, or --pp-node-rates), speed (also each node's measured speed), off (no re-partition)")
     node_reports: tuple[tuple[int | None, float], ...] | None = flag(
         None, "(available bytes, speed) of each node as it reported when it joined (the driver fills it in)",
         cli=False)
