@@ -18,6 +18,7 @@ PLAIN = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ig
 OK, REFUSED, TIMED_OUT, NOT_FOUND = {200}, {400}, {408}, {404}
 BOUNDED = {400, 408}                      # refused for its memory or its time, whichever ran out first
 MIB = 1 << 20
+IDS = [3 + (i * 37) % 900 for i in range(480)]      # a prompt of token ids near the tiny model's context
 
 
 def deep_schema(levels: int) -> dict:
@@ -55,6 +56,13 @@ def catalogue(salt: str = "") -> list[Attack]:
         # amplification: n x constrained rows
         Attack("n=16 x 200-item array", C, {"prompt": "list:", "max_tokens": 24, "n": 16, "structured_outputs": {
             "json": {"type": "array", "minItems": 200, "items": {"enum": ["x", "y" + s]}}}}, OK),
+        # amplification: a prompt's logprob entries repeated in each of n choices
+        Attack("echo+prompt_logprobs 4 prompts x n=16", C, {"prompt": [IDS, IDS[1:], IDS[2:], IDS[3:]], "n": 16,
+                                                          "echo": True, "logprobs": 20, "prompt_logprobs": 20,
+                                                          "max_tokens": 1}, REFUSED),
+        Attack("prompt_logprobs 4 prompts x n=16 (45 MB)", C, {"prompt": [IDS, IDS[1:], IDS[2:], IDS[3:]], "n": 16,
+                                                             "prompt_logprobs": 20, "max_tokens": 1}, OK,
+               long_only=True),
         # grammar work that stalled or killed the server
         Attack("schema 800 deep (as a string)", CHAT, {"messages": MSG, "max_tokens": 8, "structured_outputs": {
             "json": json.dumps(deep_schema(800))}}, REFUSED),
@@ -197,7 +205,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _is_supervisor(pid: int) -> bool:
-    return "grammar.supervisor" in _cmdline(pid)
+    return "stagewise.grammar.compiler" in _cmdline(pid)
 
 
 def pss_bytes(pid: int | None) -> int:

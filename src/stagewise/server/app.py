@@ -41,6 +41,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
                       options.tool_call_parser)
     serving.cache_isolation = options.cache_isolation
     serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
+    serving.max_logprob_entries = options.max_logprob_entries
     created = int(time.time())
 
     @asynccontextmanager

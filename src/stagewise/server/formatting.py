@@ -8,16 +8,13 @@ import logging
 import time
 import uuid
 
-from ..request import RequestOutput, TokenLogprob
+from ..request import RequestOutput
 from .logprobs import (
     TokenIdNames,
     TokenSpans,
     chat_entries,
-    completion_entries,
-    join_entries,
     native_entries,
     shown_count,
-    sorted_top,
     vllm_prompt_logprobs,
 )
 from .tools import ToolStream, final_calls
@@ -75,6 +72,7 @@ class Shape:
         self.lp_tok = TokenIdNames() if getattr(req, "return_tokens_as_token_ids", None) else serving.tok
         self.prompt_logprobs = getattr(req, "prompt_logprobs", None) is not None
         self.sent_prompt_logprobs: set[int] = set()
+        self.prompt_outs: dict[int, RequestOutput] = {}   # a prompt's first choice -> its output with the entries
         self.skip_special = getattr(req, "skip_special_tokens", None) is not False
         self.states: dict[int, StreamState] = {}
 
@@ -110,12 +108,21 @@ class Shape:
                 chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return chunks
 
+    def leader(self, i: int) -> int:
+        """The first choice of choice i's prompt (choices come n per prompt): the one that scores it."""
+        return i - i % self.n
+
+    def prompt_out(self, i: int, out: RequestOutput) -> RequestOutput:
+        """The output that carries choice i's prompt entries: its prompt's first choice's, once known."""
+        return self.prompt_outs.get(self.leader(i), out)
+
     def vllm_prompt_logprobs(self, i: int, out: RequestOutput, stream: bool = False) -> list[dict | None] | None:
         """The request's vLLM `prompt_logprobs` (once per choice in a stream), or None."""
-        if not self.prompt_logprobs or (stream and i in self.sent_prompt_logprobs) or out.prompt_logprobs is None:
+        lps = self.prompt_out(i, out).prompt_logprobs
+        if not self.prompt_logprobs or (stream and i in self.sent_prompt_logprobs) or lps is None:
             return None
         self.sent_prompt_logprobs.add(i)
-        return vllm_prompt_logprobs(self.lp_tok, out.prompt_logprobs)
+        return vllm_prompt_logprobs(self.lp_tok, lps)
 
     def tail(self, inputs, finals) -> list[dict]:
         if not self.include_usage:
@@ -127,72 +134,6 @@ class Shape:
         if self.include_usage:
             chunk["usage"] = None
         return chunk
-
-
-class CompletionShape(Shape):
-    chunk_object = "text_completion"
-    keep_stop_token = True        # the generated token comes last: evaluation harnesses drop that entry
-
-    def __init__(self, serving, req, inputs):
-        super().__init__(serving, req, "cmpl", req.logprobs is not None)
-        self.echo, self.inputs = req.echo, inputs
-        self.top_n = req.logprobs or 0
-
-    def body(self, inputs, finals: list[RequestOutput]) -> dict:
-        choices = []
-        for i, f in enumerate(finals):
-            c = f.outputs[0]
-            prompt_text, prompt_lps = self.prompt(i, f) if self.echo else ("", None)
-            logprobs = None
-            if self.logprobs:
-                spans, n = self.shown(f)
-                logprobs = self.entries(f, spans, 0, n, len(prompt_text))
-                logprobs = join_entries(prompt_lps, logprobs) if prompt_lps else logprobs
-            choice = {"index": i, "text": prompt_text + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
-            if self.prompt_logprobs:
-                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(i, f)
-            choices.append(choice)
-        return dict(self.head("text_completion"), choices=choices, usage=self.serving.usage(inputs, finals, self.n))
-
-    def prompt(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
-        """The echoed prompt: its text as given (token ids: decoded) and, with logprobs, its entries
-        (the first token's logprob and top_logprobs null: nothing predicts it)."""
-        ids, given = self.inputs[i].prompt_token_ids, self.inputs[i].text
-        if not self.logprobs:
-            return (given if given is not None else self.tok.decode(ids, self.skip_special)), None
-        spans = self.spans().extend(ids)
-        text = given if given is not None else spans.flushed_text()
-        lps = out.prompt_logprobs or [None] * len(ids)
-        # NOTE: with vLLM's prompt_logprobs too, the engine scored the prompt for the larger top-n
-        lps = [lp if lp is None or len(lp.top) <= self.top_n else
-               TokenLogprob(lp.token_id, lp.logprob, dict(sorted_top(lp)[:self.top_n]), lp.rank) for lp in lps]
-        # NOTE: a text prompt that does not decode back to itself (a normalizing tokenizer) keeps offsets inside it
-        return text, completion_entries(self.lp_tok, ids, lps, [min(s, len(text)) for s in spans.starts])
-
-    def entries(self, out: RequestOutput, spans: TokenSpans, begin: int, end: int, base_offset: int) -> dict:
-        c = out.outputs[0]
-        return completion_entries(self.lp_tok, c.token_ids[begin:end], list(c.logprobs or [])[begin:end],
-                                  [base_offset + s for s in spans.starts[begin:end]])
-
-    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
-        st, chunks = self.state(i), []
-        if self.echo and not st.started:
-            st.started = True
-            text, lps = self.prompt(i, out)
-            st.prompt_chars = len(text)
-            chunks.append(self.chunk({"index": i, "text": text, "logprobs": lps, "finish_reason": None}))
-        text = st.advance(out)
-        lp, begin, end = None, 0, 0
-        if self.logprobs:
-            begin, end = st.new_shown(out, self.keep_stop_token)
-            lp = self.entries(out, st.spans or self.spans(), begin, end, st.prompt_chars)
-        prompt_lps = self.vllm_prompt_logprobs(i, out, stream=True)
-        if text or end > begin or out.finished or prompt_lps is not None:
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.outputs[0].finish_reason}
-            if prompt_lps is not None:
-                choice["prompt_logprobs"] = prompt_lps
-            chunks.append(self.chunk(choice))
-        return chunks
 
 
 class ChatShape(Shape):

@@ -74,10 +74,6 @@ def completion_entries(tok, token_ids: list[int], lps: Sequence[TokenLogprob | N
             "text_offset": list(offsets)}
 
 
-def join_entries(first: dict, second: dict) -> dict:
-    return {key: first[key] + second[key] for key in first}
-
-
 def chat_entries(tok, lps: list[TokenLogprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(tok, token_id)

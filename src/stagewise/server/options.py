@@ -12,6 +12,8 @@ from ..config import flag, parse_size
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20     # a 128K-token prompt fits twice as token ids, four times as text
 DEFAULT_GRACEFUL_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 20.0
+# about 70 bytes of JSON each: 1Mi entries answer a 128K-token prompt scored with top-5 logprobs
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 API_KEY_ENV = "STAGEWISE_API_KEY"
 CACHE_ISOLATION_CHOICES = ("shared", "api-key")
 
@@ -44,6 +46,9 @@ class ServerOptions:
                                           "responses), capped at this")
     max_tokens_limit: int | None = flag(None, "the largest max_tokens a request may ask for; more gets 400 "
                                         "(default: what the context holds)")
+    max_logprob_entries: int = flag(DEFAULT_MAX_LOGPROB_ENTRIES, "the most prompt logprob entries one response "
+                                    "may carry (prompt tokens x (1 + top-n), for every choice that shows them); "
+                                    "more gets 400")
     tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes or "
                                         "llama3_json (default: the model family's)")
 
@@ -55,7 +60,7 @@ class ServerOptions:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
-        for name in ("default_max_tokens", "max_tokens_limit"):
+        for name in ("default_max_tokens", "max_tokens_limit", "max_logprob_entries"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

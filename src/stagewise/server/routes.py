@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..grammar.limits import GrammarRefused, check_limits
 from ..request import SamplingParams, StructuredOutputs
 from ..serve.client import PromptInput
+from .completions import CompletionShape
 from .errors import ClientGone, bad_request
-from .formatting import ChatShape, CompletionShape, NativeShape, Shape
+from .formatting import ChatShape, NativeShape, Shape
 from .intake import parse_request
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -82,6 +83,7 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
+    entries = 0
     for prompt in prompts:
         # echo with max_tokens 0 scores the prompt only; the engine computes prompt logprobs for echo
         # with logprobs, and for vLLM's prompt_logprobs
@@ -89,10 +91,26 @@ def completion_job(serving: Serving, body: bytes) -> Job:
                                             minimum=0 if req.echo or req.prompt_logprobs is not None else 1)
         scored = req.echo and (req.logprobs is not None or max_tokens == 0)
         prompt_lps = _max_or_none((req.logprobs or 0) if scored else None, req.prompt_logprobs)
+        entries += req.n * prompt.num_tokens * (_entries_per_token(req.logprobs if req.echo else None)
+                                                + _entries_per_token(req.prompt_logprobs))
         for j in range(req.n):
             inputs.append(prompt)
-            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j, prompt_logprobs=prompt_lps))
+            params.append(make_sampling_params(fields, max_tokens, req.logprobs, j,
+                                               prompt_logprobs=_choice_prompt_logprobs(j, prompt_lps, max_tokens)))
+    serving.check_logprob_entries(entries, "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs")
     return Job(inputs, params, CompletionShape(serving, req, inputs), req.stream, source)
+
+
+def _entries_per_token(top_n: int | None) -> int:
+    return 0 if top_n is None else 1 + top_n
+
+
+def _choice_prompt_logprobs(j: int, prompt_lps: int | None, max_tokens: int) -> int | None:
+    """The prompt's first choice scores it for all n (the shapes share its entries); the others
+    score nothing, unless max_tokens 0 leaves scoring as the only thing a request may do."""
+    if j == 0 or prompt_lps is None:
+        return prompt_lps
+    return 0 if max_tokens == 0 else None
 
 
 def chat_job(serving: Serving, body: bytes) -> Job:
@@ -124,7 +142,9 @@ def chat_job(serving: Serving, body: bytes) -> Job:
                                         minimum=0 if req.prompt_logprobs is not None else 1)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
-    params = [make_sampling_params(fields, max_tokens, logprobs, j, prompt_logprobs=req.prompt_logprobs)
+    serving.check_logprob_entries(prompt.num_tokens * _entries_per_token(req.prompt_logprobs), "prompt_logprobs")
+    params = [make_sampling_params(fields, max_tokens, logprobs, j,
+                                   prompt_logprobs=_choice_prompt_logprobs(j, req.prompt_logprobs, max_tokens))
               for j in range(req.n)]
     return Job([prompt] * req.n, params, ChatShape(serving, req, messages, mode), req.stream, source)
 
@@ -193,6 +213,8 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:
         fields["structured_outputs"] = grammar
+    serving.check_logprob_entries(prompt.num_tokens * _entries_per_token(sp.prompt_logprobs),
+                                  "sampling_params.prompt_logprobs")
     params = [make_sampling_params(fields, max_tokens, sp.logprobs, param_prefix="sampling_params.",
                                    prompt_logprobs=sp.prompt_logprobs)]
     return Job([prompt], params, NativeShape(serving), req.stream, source)
@@ -212,6 +234,9 @@ async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
         finals = await serving.run(raw, sub, job.grammar_param)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
+    if isinstance(job.shape, CompletionShape):
+        # NOTE: sent in pieces, shaped on worker threads: the body may carry a million logprob entries
+        return StreamingResponse(job.shape.body_pieces(job.inputs, finals), media_type="application/json")
     # NOTE: a long echoed prompt with logprobs takes a decode per token: shape it off the event loop
     return JSONResponse(await serving.off_loop(job.shape.body, job.inputs, finals))
 

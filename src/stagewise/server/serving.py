@@ -28,7 +28,7 @@ from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from ..serve.client import EngineClient, PromptInput, ServerUnavailable, Submission
 from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error
-from .options import DEFAULT_BODY_TIMEOUT_S
+from .options import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_LOGPROB_ENTRIES
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
@@ -63,6 +63,7 @@ class Serving:
         self.cache_isolation = "shared"          # or "api-key": see `isolate`
         self.default_max_tokens: int | None = None    # ServerOptions': the server's default and largest max_tokens
         self.max_tokens_limit: int | None = None
+        self.max_logprob_entries = DEFAULT_MAX_LOGPROB_ENTRIES
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -94,6 +95,15 @@ class Serving:
         if num_prompts * n > MAX_CHOICES:
             raise bad_request(f"This request asks for {num_prompts * n} completions; the limit is {MAX_CHOICES} "
                               f"(prompts x n).", "n")
+
+    def check_logprob_entries(self, entries: int, param: str) -> None:
+        """A response's prompt logprob entries are bounded: a 40 KB request could otherwise ask for
+        hundreds of megabytes of them (the same prompt's entries repeated in each of n choices)."""
+        if entries > self.max_logprob_entries:
+            raise bad_request(f"This request asks for {entries} prompt logprob entries (prompt tokens x (1 + top-n) "
+                              f"for each choice), more than this server answers ({self.max_logprob_entries}, "
+                              f"--max-logprob-entries); lower n or the logprobs asked for, or send fewer prompts.",
+                              param)
 
     def check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
