@@ -7,8 +7,8 @@ import pytest
 from stagewise.cli import build_parser, main
 from stagewise.config import EngineConfig
 from stagewise.engine import engine as engine_mod
-from stagewise.recovery import supervisor as supervisor_mod
 from stagewise.graph.policy import resolve_graph_policy
+from stagewise.recovery import supervisor as supervisor_mod
 
 
 def test_version(capsys):

@@ -163,6 +163,12 @@ class EngineConfig:
     pp_depth: int | None = flag(None, "plans in flight (default: pp_size; 1: no micro-batching)")
     nnodes: int = flag(1, "nodes of the pipeline")
     node_rank: int = flag(0, "this node's rank in [0, nnodes)")
+    local_stages: tuple[int, ...] | None = flag(None, "the stages this node runs in the current pipeline (set "
+                                                "where stages start: a re-partition may give a node more or fewer "
+                                                "than --pp-size / --nnodes)", cli=False)
+    min_nodes: int | None = flag(None, "nodes the first pipeline needs (default: all --nnodes); with fewer, it starts "
+                                 "on the nodes ready within --node-rejoin-timeout-s, over a partition they can hold, "
+                                 "and the others join the running pipeline when they start (docs/pipelines.md)")
     master_addr: str = flag("127.0.0.1", "address of node 0 (the rendezvous)")
     master_port: int | None = flag(None, "port of the rendezvous (default: a free one; single node only)")
     dist_timeout_s: float = flag(60.0, "seconds a stage may take to answer before it counts as stuck")
@@ -259,6 +265,8 @@ class EngineConfig:
                              f"(equal stages per node).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"min_nodes {self.min_nodes} must be between 1 and nnodes ({self.nnodes}).")
         if self.pp_node_fit not in PP_NODE_FIT_CHOICES:
             raise ValueError(f"pp_node_fit must be one of {', '.join(PP_NODE_FIT_CHOICES)}, got {self.pp_node_fit!r}.")
         if self.pp_cost_mix not in ("decode", "prefill"):
@@ -300,7 +308,12 @@ class EngineConfig:
 
     @property
     def stages_per_node(self) -> int:
-        return self.pp_size // self.nnodes
+        return len(self.local_stages) if self.local_stages else self.pp_size // self.nnodes
+
+    def local_slot(self, stage_rank: int) -> int:
+        """The place of `stage_rank` among this node's stages (its share of the node's CPUs)."""
+        return self.local_stages.index(stage_rank) if self.local_stages and stage_rank in self.local_stages \
+            else stage_rank % self.stages_per_node
 
     @property
     def ranks_per_node(self) -> int:

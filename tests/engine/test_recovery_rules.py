@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from stagewise.recovery import rules as recovery
 from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler
+from stagewise.recovery import rules as recovery
 from stagewise.recovery.rules import RestartBudget, Suspects
 from stagewise.request import Request, RequestStatus, SamplingParams
 

@@ -20,6 +20,7 @@ class Executor(Protocol):
     startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s (none for one process)
     generation: int | None       # across nodes, the pipeline's generation in the cluster's store
     layout: tuple[int, ...]      # the node of each stage
+    partition: tuple[int, ...]   # the layers of each stage
 
     def submit(self, plan: StepPlan) -> None: ...
     def collect(self) -> StepResult: ...          # the oldest submitted plan's result (FIFO)

@@ -2,12 +2,17 @@
 generation) in one store it serves on --master-port for its whole life, and the other nodes'
 `run_headless` follows the numbers. For each new generation a node stops its old stages, says it
 is ready, and starts the stages the driver's layout for that generation gives it (the node of
-each stage; none when the driver gave up waiting for this node: it joins the next generation).
+each stage; none when the driver gave up waiting for this node: it joins the next generation),
+with that generation's layer partition (the driver re-partitions when nodes come and go). Each
+node beats a counter in the store, so a rebuild waits only for nodes that are alive; a node sent
+SIGTERM asks to leave and exits once the driver has built a pipeline without it.
 """
 from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
@@ -25,6 +30,12 @@ GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number 
 STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more pipelines
 READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
 LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
+PARTITION_KEY = "stagewise/g{generation}/partition"   # that generation's layers per stage (JSON)
+ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's headless loop advances
+LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
+ALIVE_EVERY_S = 0.5
+SILENT_S = 2.5                 # a node whose counter stood still this long is taken for gone
+LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
 _control: dict[tuple[str, int], StoreServer] = {}     # (addr, port) -> the store this driver serves for all
@@ -45,18 +56,49 @@ def next_generation(addr: str, port: int, key: bytes | None = None) -> int:
     return int(_control[(addr, port)].add(GENERATION_KEY, 1))
 
 
-def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...]) -> None:
-    control_store(addr, port).set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
+def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...],
+                   partition: tuple[int, ...] | None = None) -> None:
+    """The generation's node of each stage and, when the driver chose one, its layers per stage
+    (the partition first: a node reads it once the layout is there)."""
+    store = control_store(addr, port)
+    if partition is not None:
+        store.set(PARTITION_KEY.format(generation=generation), json.dumps(list(partition)))
+    store.set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
 
 
-def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout_s: float) -> list[int]:
-    """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once)."""
-    deadline = time.monotonic() + timeout_s
+def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout_s: float,
+                first: int = 0) -> list[int]:
+    """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once). A
+    node that is leaving, or whose heartbeat stood still for SILENT_S, is not waited for once
+    `first` nodes are ready (the first pipeline's --min-nodes, less the driver's)."""
+    deadline, beats = time.monotonic() + timeout_s, _Beats(addr, port)
     while True:
         ready = ready_nodes(addr, port, generation, nodes)
-        if len(ready) == len(nodes) or time.monotonic() > deadline:
+        waiting = [n for n in nodes if n not in ready and not leaving(addr, port, n) and beats.alive(n)]
+        if (not waiting and len(ready) >= first) or time.monotonic() > deadline:
             return ready
         time.sleep(HEADLESS_POLL_S)
+
+
+class _Beats:
+    """When each node's heartbeat counter last moved, as seen from the driver."""
+    seen: dict[int, tuple[int, float]]
+
+    def __init__(self, addr: str, port: int):
+        self.store, self.seen = control_store(addr, port), {}   # node -> (count, when it moved)
+        self.t0 = time.monotonic()
+
+    def alive(self, node: int) -> bool:
+        count, now = int(self.store.add(ALIVE_KEY.format(node=node), 0)), time.monotonic()
+        if count and self.seen.get(node, (None,))[0] != count:
+            self.seen[node] = (count, now)
+        return now - self.seen.get(node, (0, self.t0))[1] < SILENT_S
+
+
+def leaving(addr: str, port: int, node: int) -> bool:
+    """The node asked to leave the pipeline (SIGTERM on its headless process)."""
+    store, key = control_store(addr, port), LEAVING_KEY.format(node=node)
+    return store.check([key]) and store.get(key) == b"1"
 
 
 def ready_nodes(addr: str, port: int, generation: int, nodes: list[int]) -> list[int]:
@@ -91,12 +133,16 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     try:
         store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
         publish_report(store, config.node_rank)      # what the driver plans this node's share by
+        _serve_until_told(store, config.node_rank, lambda: join_store(addr, port, config.pp_size + 1,
+                                                                      time.monotonic() + wait_s, wait_s, key_of(token)))
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation
-            stages = _join_generation(store, generation, config.node_rank)
+            stages, partition = _join_generation(store, generation, config.node_rank)
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
+            if partition is not None:     # the driver re-partitioned the layers over the nodes it has
+                config = config.replace(pp_layer_partition=partition)
             if generation > 1:
                 log.warning("node %d joins the driver's pipeline %d with %s", config.node_rank, generation,
                             _stages_text(config, model_dir, stages))
@@ -113,14 +159,19 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
             spares_at = None
             if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
                 spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
-            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir))
+            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir),
+                                 config.node_rank)
             for p in procs:
                 if p.is_alive():
                     p.kill()
             if code == 0:
                 return _exit(config, 0, "the driver shut the pipeline down")
+            if _leave.requested:
+                return _exit(config, 0, "it left the pipeline (SIGTERM); the driver runs on without it")
             if not heals:
                 return _exit(config, code, "its stages failed and --max-pipeline-restarts is 0")
+        if _leave.requested:
+            return _exit(config, 0, "it left the pipeline (SIGTERM)")
         return _exit(config, code, "the driver builds no more pipelines (it stopped, or it is gone)")
     except TimeoutError as exc:      # the driver never appeared
         log.error("%s", exc)
@@ -150,6 +201,8 @@ def _exit(config, code: int, why: str) -> int:
 def _await_generation(store: Store, last: int) -> int | None:
     """The driver's next pipeline after `last`, or None once it builds no more (or is gone)."""
     while True:
+        if _leave.requested:
+            return None
         try:
             if store.check([STOPPED_KEY]):
                 return None
@@ -161,34 +214,89 @@ def _await_generation(store: Store, last: int) -> int | None:
         time.sleep(HEADLESS_POLL_S)
 
 
-def _join_generation(store: Store, generation: int, node: int) -> list[int]:
+def _join_generation(store: Store, generation: int, node: int) -> tuple[list[int], tuple[int, ...] | None]:
     """Say this node is ready for `generation`, then wait for its layout: this node's stages in it
-    (none: the driver left this node out, or moved on to a newer generation, or stopped)."""
+    (none: the driver left this node out, or moved on to a newer generation, or stopped) and the
+    generation's layer partition (None: the command line's)."""
     key = LAYOUT_KEY.format(generation=generation)
     try:
         store.set(READY_KEY.format(generation=generation, node=node), "1")
     except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-        return []
-    while True:
+        return [], None
+    while not _leave.requested:
         try:
             if store.check([key]):
                 stages = stages_of(tuple(json.loads(store.get(key))), node)
                 if not stages:
                     log.warning("node %d is not in the driver's pipeline %d (it came too late); it joins the "
                                 "next one", node, generation)
-                return stages
+                return stages, _partition(store, generation)
             if store.check([STOPPED_KEY]) or int(store.add(GENERATION_KEY, 0)) != generation:
-                return []
+                return [], None
         except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
-            return []
+            return [], None
         time.sleep(HEADLESS_POLL_S)
+    return [], None
 
 
-def _watch_stages(procs: list, store: Store, generation: int, spares_at: float | None, start) -> int:
+def _partition(store: Store, generation: int) -> tuple[int, ...] | None:
+    key = PARTITION_KEY.format(generation=generation)
+    return tuple(json.loads(store.get(key))) if store.check([key]) else None
+
+
+class _Leave:
+    """SIGTERM on a headless node: leave in order (the driver re-partitions without this node, then
+    it exits); a second SIGTERM stops it at once."""
+    requested = False
+    announced = False
+    since = 0.0
+
+
+_leave = _Leave()
+
+
+def _serve_until_told(store: Store, node: int, connect) -> None:
+    """This node serves (clears an old leave), beats its alive counter on a connection of its own,
+    and takes SIGTERM as a request to leave."""
+    store.set(LEAVING_KEY.format(node=node), "0")
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        if _leave.requested and callable(previous):
+            previous(signum, frame)
+        _leave.requested, _leave.since = True, time.monotonic()
+        log.warning("node %d leaves the pipeline: SIGTERM (a second one stops it at once)", node)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=_beat, args=(connect(), node), daemon=True, name="stagewise-alive").start()
+
+
+def _beat(store: Store, node: int) -> None:
+    while True:
+        try:
+            store.add(ALIVE_KEY.format(node=node), 1)
+        except Exception:  # noqa: BLE001  (the driver's store closed: the main loop sees it too)
+            return
+        time.sleep(ALIVE_EVERY_S)
+
+
+def _announce_leave(store: Store, node: int) -> None:
+    if _leave.requested and not _leave.announced:
+        store.set(LEAVING_KEY.format(node=node), "1")
+        _leave.announced = True
+
+
+def _watch_stages(procs: list, store: Store, generation: int, spares_at: float | None, start,
+                  node: int) -> int:
     """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
     pipeline (1: at once) or stops or is gone (the stages' exit codes, after a moment to exit in
-    order); `start` (spares) runs once at `spares_at`."""
+    order); `start` (spares) runs once at `spares_at`. A leave asked for is announced here, and
+    given up on (the stages stop, as in a failure) after LEAVE_WAIT_S."""
     while True:
+        _announce_leave(store, node)
+        if _leave.requested and time.monotonic() - _leave.since > LEAVE_WAIT_S:
+            return 1
         if all(not p.is_alive() for p in procs) or any(p.exitcode not in (None, 0) for p in procs):
             return _reaped_code(procs)
         try:

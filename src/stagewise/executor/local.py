@@ -22,6 +22,7 @@ class LocalExecutor:
         self.startup: dict[str, float] = {}
         self.generation: int | None = None
         self.layout: tuple[int, ...] = (0,)
+        self.partition: tuple[int, ...] = (stage.num_layers,)
 
     def submit(self, plan: StepPlan) -> None:
         result = self.worker.execute(plan, None)

@@ -57,6 +57,9 @@ class MultiprocExecutor:
         self.config, self.timeout = config, config.dist_timeout_s
         self.layout = layout or default_layout(config.pp_size, config.nnodes)
         self.local_stages = stages_of(self.layout, 0)
+        # NOTE: resolved by the engine before any stage starts (a tuple), unless a caller passed a mode
+        self.partition: tuple[int, ...] = tuple(config.pp_layer_partition) \
+            if isinstance(config.pp_layer_partition, tuple) else ()
         self.procs: list[mp.Process] = []
         self.lock = threading.Lock()          # one user of the links at a time
         self.pending: deque = deque()         # sends not yet known complete
@@ -82,7 +85,7 @@ class MultiprocExecutor:
             self.generation = None
             if config.nnodes > 1 and not env:
                 self.generation = generation or next_generation(addr, port, key_of(token))
-                publish_layout(addr, port, self.generation, self.layout)
+                publish_layout(addr, port, self.generation, self.layout, self.partition or None)
             if not env:
                 self.procs = spawn_stages(config.replace(cluster_token=token), model_dir, 0, addr, port,
                                           eos_token_ids, models, generation=self.generation,

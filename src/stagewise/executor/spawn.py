@@ -32,6 +32,7 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
     if stages is None:
         stages = stages_of(default_layout(config.pp_size, config.nnodes), node_rank)
+    config = config.replace(local_stages=tuple(stages))     # their share of this node's memory and CPUs
     for s, tp in ((s, tp) for s in stages for tp in _tp_ranks(config.tp_size)):
         args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation, tp)
         name = f"stagewise-stage-{s}" + (f"-rank-{tp[0]}" if tp else "")

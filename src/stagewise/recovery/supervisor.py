@@ -17,22 +17,33 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Callable, NoReturn, Protocol
 
+from ..checkpoint import load_hf_config
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor, make_executor
-from ..executor.generations import await_nodes, end_generations, next_generation, ready_nodes
-from ..executor.layout import default_layout, stages_of
+from ..executor.generations import (
+    await_nodes,
+    control_store,
+    end_generations,
+    leaving,
+    next_generation,
+    ready_nodes,
+)
+from ..executor.node_reports import read_reports
 from ..executor.rendezvous import torchrun_env
 from ..executor.spawn import spares_ready, start_spares, stop_spares
+from ..parallel.auth import cluster_token, key_of
 from ..plan import StepPlan, StepResult
 from ..request import Request
-from ..runtime.threads import usable_cpus
-from .placement import available_bytes, fit_problem, layout_line, place_stages
+from ..runtime.cluster_plan import NodeReport
+from .placement import available_bytes, fit_problem, layout_line, place_stages, plan_over_nodes
 from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
 log = logging.getLogger("stagewise.engine")
 NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
 NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
+NODE_LEAVING = "node_leaving"      # the cause of a rebuild without a node that asked to leave
+PLANNED = (NODE_RETURNED, NODE_LEAVING)     # rebuilds on purpose: no restart used, no suspects
 
 
 class Unrecoverable(Exception):
@@ -53,8 +64,52 @@ class LiveRequests(Protocol):
 
 
 def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...]) -> Executor:
-    """The first pipeline (the supervisor heals it from then on)."""
-    return make_executor(config, model_dir, eos_token_ids)
+    """The first pipeline (the supervisor heals it from then on). Across nodes: on the nodes ready
+    (all --nnodes, or at least --min-nodes within --node-rejoin-timeout-s), over the partition and
+    layout their reported memory and speed give (`plan_on`)."""
+    c = config
+    if c.nnodes == 1 or torchrun_env() is not None:
+        return make_executor(config, model_dir, eos_token_ids)
+    assert c.master_port is not None, "validated: a multi-node pipeline has a fixed --master-port"
+    generation = next_generation(c.master_addr, c.master_port, key_of(cluster_token(c.cluster_token)))
+    need = c.min_nodes or c.nnodes
+    wait_s = c.node_rejoin_timeout_s if need < c.nnodes else max(c.dist_timeout_s, 300.0)
+    present = await_nodes(c.master_addr, c.master_port, generation, list(range(1, c.nnodes)), wait_s,
+                          first=need - 1)
+    if len(present) + 1 < need:
+        lower = ", or lower --min-nodes" if c.min_nodes else ""
+        raise EngineDeadError(f"The pipeline failed to start: only {len(present) + 1} of the {need} nodes it needs "
+                              f"were ready within {wait_s:.0f} s; start the other nodes' commands (the same "
+                              f"--master-addr, --master-port and cluster token){lower}.")
+    if len(present) + 1 < c.nnodes:
+        log.warning("the first pipeline runs on node(s) %s of %d; the others join when they start",
+                    ", ".join(map(str, [0, *present])), c.nnodes)
+    try:
+        c, layout = plan_on(c, model_dir, [0, *present])
+    except ValueError as exc:
+        raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
+    return make_executor(c, model_dir, eos_token_ids, generation=generation, layout=layout)
+
+
+def plan_on(c: EngineConfig, model_dir: str, nodes: list[int]) -> tuple[EngineConfig, tuple[int, ...]]:
+    """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
+    the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
+    command line's partition with the stages spread evenly. ValueError (one sentence) when the
+    nodes cannot hold the model."""
+    if c.pp_node_fit == "off" or c.master_port is None:
+        return c, spread_stages(c.pp_size, nodes)
+    store = control_store(c.master_addr, c.master_port)
+    reports = {**read_reports(store, [n for n in nodes if n]), 0: NodeReport.measure()}
+    plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
+    return c.replace(pp_layer_partition=plan.partition), plan.layout
+
+
+def spread_stages(pp_size: int, nodes: list[int]) -> tuple[int, ...]:
+    """The node of each stage: contiguous runs over `nodes` in order, as even as possible, the
+    driver's node (first) taking the smaller share when they cannot be equal."""
+    base, extra = divmod(pp_size, len(nodes))
+    counts = [base + (1 if i >= len(nodes) - extra else 0) for i in range(len(nodes))]
+    return tuple(node for node, count in zip(nodes, counts) for _ in range(count))
 
 
 class PipelineSupervisor:
@@ -74,6 +129,7 @@ class PipelineSupervisor:
         self._node_check_at = 0.0
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._no_room = False          # node 0 could not take a lost node's stages (fatal)
+        self.moves: list[dict] = []    # each change of the nodes the pipeline runs on: why, layout, when
         requests.admission_rules.append(self.suspects.may_admit)     # suspects wait their turn
 
     def die(self, why: str) -> NoReturn:
@@ -102,7 +158,7 @@ class PipelineSupervisor:
         """The pipeline failed with `inflight` plans in flight: die unless it can be rebuilt; else
         fail the poisoned requests alone and mark it recovering. Returns the failed requests."""
         cause = self.executor.cause or "unknown"
-        planned = cause == NODE_RETURNED           # not a failure: no restart used, no suspects
+        planned = cause in PLANNED                 # not a failure: no restart used, no suspects
         if not self.heals or self.config.max_pipeline_restarts == 0:
             self.die(why)
         if not planned and not self.restarts.take():
@@ -170,27 +226,53 @@ class PipelineSupervisor:
         t0 = time.monotonic()
         present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
-        placement = place_stages(default_layout(c.pp_size, c.nnodes), present)
-        if placement.moved:
-            self._check_fits(placement)
-            log.warning("node %s did not rejoin within %.0f s; the pipeline runs on the nodes left: %s",
-                        ", ".join(map(str, placement.gone)), c.node_rejoin_timeout_s,
-                        layout_line(placement.layout, c.pp_layer_partition))
-            local = len(stages_of(placement.layout, 0))
-            c = c.replace(threads_per_stage=c.threads_per_stage or max(1, usable_cpus().cpus // local))
-        return make_executor(c, self.model_dir, self.eos_token_ids, generation=generation, layout=placement.layout)
+        try:
+            c, layout = plan_on(c, self.model_dir, [0, *present])
+        except ValueError as exc:
+            self.recovery.recovering, self._no_room = None, True
+            self.die(f"The pipeline cannot be rebuilt on the nodes left: {exc}")
+        if layout != self.executor.layout or c.pp_layer_partition != self.executor.partition:
+            self._log_move(c, layout, present)
+        return make_executor(c, self.model_dir, self.eos_token_ids, generation=generation,
+                             layout=layout)
+
+    def _log_move(self, c: EngineConfig, layout: tuple[int, ...], present: list[int]) -> None:
+        """Say where the stages went and why: nodes that left or are gone, nodes that joined."""
+        before = set(self.executor.layout)
+        assert c.master_port is not None and isinstance(c.pp_layer_partition, tuple)
+        gone = sorted(before - set(layout))
+        left = [n for n in gone if leaving(c.master_addr, c.master_port, n)]
+        lost = [n for n in gone if n not in left]
+        joined = sorted(set(layout) - before)
+        if lost and c.pp_node_fit == "off":       # else the plan fitted each node's reported memory
+            self._check_fits(place_stages(self.executor.layout, present))
+        why = "; ".join(part for part in (
+            f"node {', '.join(map(str, lost))} did not rejoin within {c.node_rejoin_timeout_s:.0f} s "
+            f"(or stopped beating)" if lost else "",
+            f"node {', '.join(map(str, left))} left" if left else "",
+            f"node {', '.join(map(str, joined))} joined" if joined else "") if part)
+        self.moves.append({"why": why, "layout": list(layout), "partition": list(c.pp_layer_partition),
+                           "at": time.time()})
+        log.warning("%s; the pipeline runs on: %s", why, layout_line(layout, c.pp_layer_partition))
 
     def _welcome_returned_nodes(self) -> None:
-        """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time)
-        that is ready again stops the pipeline, and the rebuild gives it its stages back."""
+        """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time, or
+        it started after the pipeline) that is ready stops the pipeline, and the rebuild gives it
+        stages; a node of the pipeline that asks to leave stops it too, and the rebuild goes on
+        without it."""
         ex, c = self.executor, self.config
         generation = ex.generation
-        if generation is None or not self.heals or self.recovering \
+        if generation is None or not self.heals or self.recovering or c.master_port is None \
                 or ex.dead or time.monotonic() < self._node_check_at:
             return
         self._node_check_at = time.monotonic() + NODE_CHECK_S
+        going = [n for n in sorted(set(ex.layout) - {0}) if leaving(c.master_addr, c.master_port, n)]
+        if going:
+            ex.stop(f"node {', '.join(map(str, going))} asked to leave.", NODE_LEAVING)
+            return
         left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout))
-        back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out and c.master_port else []
+        back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out else []
+        back = [n for n in back if not leaving(c.master_addr, c.master_port, n)]
         if back:
             ex.stop(f"node {', '.join(map(str, back))} is back.", NODE_RETURNED)
 
@@ -215,7 +297,11 @@ class PipelineSupervisor:
             self._start_spares()
 
     def stats(self) -> dict:
-        return {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0}
+        layout, partition = self.executor.layout, self.executor.partition
+        return {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0,
+                "nodes": sorted(set(layout)), "layout": list(layout), "moves": len(self.moves),
+                "partition": list(partition),
+                "last_move": self.moves[-1] if self.moves else None}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -172,6 +172,8 @@ def fit_to_memory(config: EngineConfig, hf) -> EngineConfig:
         return config
     node_bytes = config.node_memory_bytes if config.node_memory_bytes is not None else measured_node_bytes()
     config = config.replace(node_memory_bytes=node_bytes)
+    if config.nnodes > 1 and config.pp_node_fit != "off":
+        return config        # the partition is chosen by each node's reported memory when the nodes are known
     sizes = resolve_partition(config, hf)
     problem = _problem(config, hf, _plans(config, hf, _weights_of(config, hf), sizes, config.ranks_per_node,
                                           node_bytes, refuse=False))

@@ -163,7 +163,8 @@ class _EngineCollector:
 def _recovery_families(r: dict, m: str):
     """Pipeline rebuilds after a stage failure (README: When a stage fails)."""
     rebuilds = CounterMetricFamily("stagewise_pipeline_rebuilds", "Pipeline rebuilds after a stage died "
-                                   "(stage_died), stopped answering (timeout) or lost a link (link).",
+                                   "(stage_died), stopped answering (timeout) or lost a link (link), and on "
+                                   "purpose when a node joined (node_returned) or left (node_leaving).",
                                    labels=["model_name", "cause"])
     for cause in sorted({"stage_died", "timeout", "link", *r.get("rebuilds", {})}):
         rebuilds.add_metric([m, cause], float(r.get("rebuilds", {}).get(cause, 0)))
@@ -178,6 +179,9 @@ def _recovery_families(r: dict, m: str):
                  1.0 if r.get("recovering") else 0.0)
     yield _gauge("stagewise_pipeline_spares_ready", "Started idle stage processes ready to replace a failed "
                  "stage.", m, r.get("spares_ready", 0))
+    yield _gauge("stagewise_pipeline_nodes", "Nodes the pipeline runs on now.", m, len(r.get("nodes") or [0]))
+    yield _counter("stagewise_pipeline_moves", "Changes of the nodes or the layer partition the pipeline runs on "
+                   "(a node joined, left or was lost).", m, r.get("moves", 0))
 
 
 def _balance_families(s: dict, m: str):
