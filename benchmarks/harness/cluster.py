@@ -29,6 +29,7 @@ from benchmarks.harness.cgroups import (
 )
 
 RELAY = Path(__file__).with_name("relay.py")
+PROBE = Path(__file__).with_name("probe.py")   # link measurements from inside nodes (see its docstring)
 NODE_DEV = "eth0"                  # the node's side of its link (each namespace has its own names)
 PREFIX = "swc"                     # namespace names: swc-<owner pid>-<tag>-s (switch) / -n<i> (node)
 # Variables that would hide the interface choice or make a node think torchrun started it.
@@ -81,6 +82,7 @@ class Node:
     spec: NodeSpec
     cgroup: NodeCgroup | None = None
     relay: subprocess.Popen | None = field(default=None, repr=False)
+    env: dict[str, str] = field(default_factory=dict)     # what every process of the node gets
 
     def command(self, args: Sequence[str]) -> list[str]:
         """`args` run in this node: its pid joins the node's cgroups before anything is exec'd, and
@@ -92,13 +94,13 @@ class Node:
 
     def popen(self, args: Sequence[str], stdout: Any = None, stderr: Any = None,
               env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
-        """Starts `args` in this node; `env` overrides variables of the scrubbed environment."""
+        """Starts `args` in this node; `env` overrides variables of the node's scrubbed environment."""
         return subprocess.Popen(self.command(args), stdout=stdout, stderr=stderr,
-                                env=scrubbed_env(**(env or {})), **kwargs)
+                                env=scrubbed_env(**self.env, **(env or {})), **kwargs)
 
     def run(self, args: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None,
             input: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(args), env=scrubbed_env(**(env or {})), capture_output=True,
+        return subprocess.run(self.command(args), env=scrubbed_env(**self.env, **(env or {})), capture_output=True,
                               text=True, timeout=timeout, input=input)
 
     def pids(self) -> set[int]:
@@ -120,10 +122,11 @@ class Node:
 class Cluster:
     """N nodes on one bridge: `with Cluster([NodeSpec(...), ...]) as c: c.nodes[1].popen([...])`.
 
-    Raises Unsupported (one sentence) where the kernel lacks namespaces, TAP devices or a cgroup
-    controller; anything else that fails raises RuntimeError."""
+    `env`: variables every node's processes get (over this process's environment less launcher
+    variables). Raises Unsupported (one sentence) where the kernel lacks namespaces, TAP devices or
+    a cgroup controller; anything else that fails raises RuntimeError."""
 
-    def __init__(self, specs: Sequence[NodeSpec]) -> None:
+    def __init__(self, specs: Sequence[NodeSpec], env: dict[str, str] | None = None) -> None:
         if not 1 <= len(specs) <= 250:
             raise ValueError("a cluster has 1 to 250 nodes")
         self.tag = uuid.uuid4().hex[:6]
@@ -132,7 +135,8 @@ class Cluster:
         # Each cluster's bridge is private, so addresses never clash; a distinct /24 per cluster
         # still keeps logs of parallel clusters apart.
         self.subnet = f"10.78.{int(self.tag, 16) % 250 + 1}"
-        self.nodes = [Node(i, f"{self.name}-n{i}", f"{self.subnet}.{i + 1}", spec) for i, spec in enumerate(specs)]
+        self.nodes = [Node(i, f"{self.name}-n{i}", f"{self.subnet}.{i + 1}", spec, env=dict(env or {}))
+                      for i, spec in enumerate(specs)]
         self.cgroup_bases: dict[str, Path] = {}
         self._closed = False
         _live.add(self)

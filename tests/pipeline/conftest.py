@@ -4,7 +4,8 @@ Each namespace has only `lo` and its end of the veth (10.77.0.1/24 and 10.77.0.2
 traffic stays inside them, and the host name resolves to 127.0.0.1 there as on many real
 machines. Nodes run with a cluster token (STAGEWISE_CLUSTER_TOKEN) unless a scenario says
 otherwise. Every scenario gets its own pair, so "no process left in either host" is exact.
-The namespaces (and every process still inside them) are removed at teardown.
+The namespaces (and every process still inside them) are removed at teardown. `make_cluster`
+gives larger clusters with link delays, rates and cgroup limits (benchmarks/harness/cluster.py).
 """
 from __future__ import annotations
 
@@ -117,3 +118,25 @@ def make_hosts():
         yield make
     finally:
         _remove(made)
+
+
+@pytest.fixture(scope="module")
+def make_cluster():
+    """Factory: a simulated cluster (benchmarks/harness/cluster.py) of the given NodeSpecs, whose
+    processes get the cluster token; skips where the kernel lacks a feature; all closed at the end."""
+    from benchmarks.harness.cgroups import Unsupported
+    from benchmarks.harness.cluster import Cluster
+    made: list[Cluster] = []
+
+    def make(specs) -> Cluster:
+        try:
+            made.append(Cluster(specs, env={"STAGEWISE_CLUSTER_TOKEN": CLUSTER_TOKEN}))
+        except Unsupported as exc:
+            pytest.skip(str(exc))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()
