@@ -59,6 +59,14 @@ def tc(netns: str, *args: str, check: bool = True) -> subprocess.CompletedProces
     return res
 
 
+def read_line(proc: subprocess.Popen, timeout: float) -> str | None:
+    """The next line of a text-mode `proc.stdout` (stripped), or None if none comes in `timeout` s
+    (e.g. a server's "ready"); the process is not stopped."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline().strip() if ready else None
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     """One node: its link (delay added to every frame it sends, as netem on its interface would, so
@@ -193,9 +201,7 @@ class Cluster:
         relay = subprocess.Popen([sys.executable, str(RELAY), node.netns, self.switch, NODE_DEV, port,
                                   str(delay_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-        assert relay.stdout is not None
-        ready, _, _ = select.select([relay.stdout], [], [], 10)
-        if not ready or relay.stdout.readline().strip() != "ready":
+        if read_line(relay, timeout=10) != "ready":
             relay.kill()
             raise RuntimeError(f"the relay of node {node.index} did not start: {relay.communicate(timeout=5)[1]}")
         return relay

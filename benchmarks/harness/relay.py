@@ -19,6 +19,7 @@ from collections import deque
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+PR_SET_TIMERSLACK = 29
 FRAME_MAX = 65536
 BATCH = 64             # frames read from one device per wake-up, so one direction cannot starve the other
 
@@ -103,8 +104,20 @@ def serve(relay: Relay) -> None:
         relay.step(ready)
 
 
+def _prompt() -> None:
+    """Wake on time: timer slack of 1 ns (not 50 us) and a higher priority than the nodes' work,
+    whose CPU time a busy benchmark would otherwise take from the link."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:
+        pass    # not allowed: the delay is then only as exact as the scheduler makes it
+
+
 def main(argv: list[str]) -> None:
     node_ns, switch_ns, node_tap, switch_tap, delay_ms = argv
+    _prompt()
     relay = Relay(open_tap(node_ns, node_tap), open_tap(switch_ns, switch_tap), float(delay_ms) / 1000.0)
     print("ready", flush=True)
     serve(relay)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.cluster import PROBE, Cluster, NodeSpec
+from benchmarks.harness.cluster import PROBE, Cluster, NodeSpec, read_line
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -34,7 +34,7 @@ def probe_server(cluster: Cluster):
     """The probe's server on node 0 (stopped with the cluster)."""
     server = cluster.nodes[0].popen([sys.executable, str(PROBE), "serve", str(PORT)], stdout=subprocess.PIPE,
                                     text=True)
-    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    assert read_line(server, timeout=30) == "ready"
     return server
 
 
@@ -65,7 +65,8 @@ def test_a_node_sees_its_memory_limit_and_is_held_to_it(cluster):
     res = _python(cluster, 1, code)
     assert res.returncode == 0, res.stderr
     room, available = map(int, res.stdout.split())
-    assert 200 * MIB < room <= 256 * MIB and available == room, res.stdout
+    # Two reads a moment apart: the process's own usage may move between them.
+    assert 200 * MIB < room <= 256 * MIB and abs(available - room) < 8 * MIB, res.stdout
     fill = "b = b'x' * ({} << 20); print(len(b) >> 20)"
     assert _python(cluster, 2, fill.format(64)).stdout.strip() == "64"
     over = _python(cluster, 2, fill.format(400))
@@ -80,7 +81,7 @@ def test_a_node_sees_its_cpu_set_and_quota(cluster):
             "start = time.monotonic()\nwhile time.monotonic() - start < 1.5: pass\n"
             "print(cgroup_quota_cpus(), time.process_time() / (time.monotonic() - start))")
     quota, share = map(float, _python(cluster, 1, busy).stdout.split())
-    assert quota == 0.5 and 0.15 < share < 0.65, (quota, share)
+    assert quota == 0.5 and 0.05 < share < 0.65, (quota, share)
 
 
 def test_links_change_cut_and_restore(cluster, probe_server):
