@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.cluster import PROBE, Cluster, NodeSpec, read_line
+from benchmarks.harness.cluster import PROBE, Cluster, NodeSpec, read_line, sweep_stale
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -22,6 +22,7 @@ SPECS = [NodeSpec(delay_ms=1, rate_mbit=1000, memory_bytes=256 * MIB, cpus="0"),
          NodeSpec(delay_ms=20, rate_mbit=100, memory_bytes=256 * MIB, cpu_quota=0.5),
          NodeSpec(delay_ms=0, rate_mbit=50, memory_bytes=192 * MIB)]
 PORT = 7000
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,25 @@ def test_closing_leaves_no_namespace_cgroup_relay_or_process(make_cluster):
     assert all(r.poll() is not None for r in relays)
     assert [p.wait(timeout=5) for p in procs] == [-9, -9]       # reaped here; the others by init
     assert not [p for p in pids if _alive(p)]
+
+
+def test_what_a_killed_harness_left_is_swept(make_cluster):
+    """A harness killed outright (no atexit) leaves namespaces and cgroups; its relays stop at the end
+    of their input, and the next cluster's sweep removes the rest."""
+    make_cluster([NodeSpec()])          # skips here where the kernel cannot make a cluster at all
+    code = ("import time; from benchmarks.harness.cluster import Cluster, NodeSpec; "
+            "c = Cluster([NodeSpec(delay_ms=1, memory_bytes=64 << 20)]); "
+            "print(c.name, c.nodes[0].relay.pid, c.nodes[0].cgroup.dirs['memory'], flush=True); time.sleep(60)")
+    harness = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    line = read_line(harness, timeout=30)
+    assert line, "the harness did not start"
+    name, relay, cgroup = line.split()
+    harness.kill()
+    assert harness.wait(timeout=10) == -9 and Path(f"/run/netns/{name}-n0").exists() and Path(cgroup).is_dir()
+    deadline = time.monotonic() + 10
+    while _alive(int(relay)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(relay))
+    sweep_stale()
+    assert not Path(f"/run/netns/{name}-n0").exists() and not Path(f"/run/netns/{name}-s").exists()
+    assert not Path(cgroup).exists() and not Path(cgroup).parent.exists()
