@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 CFS_PERIOD_US = 100_000
 
@@ -82,13 +83,27 @@ def cluster_bases(name: str, controllers: list[str]) -> dict[str, Path]:
         _v2_enable(v2, v2_names)
         bases.update({c: v2 / name for c in v2_names})
     bases.update({c: v1[c] / _own_path(c) / name for c in controllers if c in v1})
-    for base in set(bases.values()):
-        base.mkdir()
-        if base.parent == v2:
-            _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in v2_names))
-    if "cpuset" in bases and "cpuset" in v1:
-        _cpuset_inherit(bases["cpuset"])
+    with _undone_on_error(set(bases.values())):
+        if v2 and v2 / name in bases.values():
+            _write(v2 / name / "cgroup.subtree_control", " ".join(f"+{c}" for c in v2_names))
+        if "cpuset" in bases and "cpuset" in v1:
+            _cpuset_inherit(bases["cpuset"])
     return bases
+
+
+@contextmanager
+def _undone_on_error(directories: set[Path]) -> Iterator[None]:
+    """Makes the directories; if making or setting them up fails, removes them again."""
+    made = []
+    try:
+        for directory in directories:
+            directory.mkdir()
+            made.append(directory)
+        yield
+    except BaseException:
+        for directory in made:
+            rmdir_retrying(directory, time.monotonic() + 5)
+        raise
 
 
 def _cpuset_inherit(directory: Path) -> None:
@@ -102,14 +117,13 @@ class NodeCgroup:
 
     def __init__(self, bases: dict[str, Path], name: str, limits: Limits) -> None:
         self.dirs = {c: base / name for c, base in bases.items()}
-        for directory in set(self.dirs.values()):
-            directory.mkdir()
-        if limits.cpus is not None:
-            self._cpuset(limits.cpus)
-        if limits.memory_bytes is not None:
-            self._memory(limits.memory_bytes)
-        if limits.cpu_quota is not None:
-            self._cpu(limits.cpu_quota)
+        with _undone_on_error(set(self.dirs.values())):
+            if limits.cpus is not None:
+                self._cpuset(limits.cpus)
+            if limits.memory_bytes is not None:
+                self._memory(limits.memory_bytes)
+            if limits.cpu_quota is not None:
+                self._cpu(limits.cpu_quota)
 
     def _memory(self, limit: int) -> None:
         d = self.dirs["memory"]

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -84,6 +84,7 @@ class NodeSpec:
 
 @dataclass(eq=False)
 class Node:
+    """One node of a Cluster: its namespace, address (on the cluster's /24), spec, cgroups and relay."""
     index: int
     netns: str
     address: str
@@ -104,12 +105,15 @@ class Node:
               env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         """Starts `args` in this node; `env` overrides variables of the node's scrubbed environment."""
         return subprocess.Popen(self.command(args), stdout=stdout, stderr=stderr,
-                                env=scrubbed_env(**self.env, **(env or {})), **kwargs)
+                                env=self._env(env), **kwargs)
 
     def run(self, args: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None,
             input: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(args), env=scrubbed_env(**self.env, **(env or {})), capture_output=True,
+        return subprocess.run(self.command(args), env=self._env(env), capture_output=True,
                               text=True, timeout=timeout, input=input)
+
+    def _env(self, overrides: dict[str, str] | None) -> dict[str, str]:
+        return scrubbed_env(**{**self.env, **(overrides or {})})
 
     def pids(self) -> set[int]:
         """Every process in this node's namespace or cgroups."""
@@ -231,9 +235,8 @@ class Cluster:
             rate_mbit = node.spec.rate_mbit if rate_mbit is None else rate_mbit
         if rate_mbit is not None:
             self._shape(node, rate_mbit)
-        node.spec = NodeSpec(node.spec.delay_ms if delay_ms is None else delay_ms,
-                             node.spec.rate_mbit if rate_mbit is None else rate_mbit,
-                             node.spec.memory_bytes, node.spec.cpus, node.spec.cpu_quota)
+        node.spec = replace(node.spec, delay_ms=node.spec.delay_ms if delay_ms is None else delay_ms,
+                            rate_mbit=node.spec.rate_mbit if rate_mbit is None else rate_mbit)
 
     def cut(self, node: Node) -> None:
         """The node's cable pulled at the switch: its frames go nowhere, its interface stays up."""
