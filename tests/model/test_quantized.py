@@ -317,8 +317,8 @@ def test_compiled_and_two_stages_equal_eager_on_quantized_weights(mixed_gguf):
     path = mixed_gguf("k_mix")[0]
     prompts = [PROMPT, list(range(10, 41)), [5]]
 
-    def run(**options) -> list[list[int]]:          # dtype auto: the kernels' fast mode
-        with LLM(model=str(path), chunked_prefill_size=16, **options) as llm:
+    def run(**options) -> list[list[int]]:          # bfloat16 by name: the kernels' fast mode
+        with LLM(model=str(path), chunked_prefill_size=16, dtype="bfloat16", **options) as llm:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
             graphs = llm.stats()["prefill_graph"]
         assert options["prefill_graph"] == "off" or (graphs["backend"] == "compiled" and not graphs["eager"])

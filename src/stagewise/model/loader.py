@@ -79,12 +79,21 @@ def tensor_locations(model_dir: str | Path) -> dict[str, Path]:
                                   f"a checkpoint directory must contain {_CONTENTS}.")
 
 
-def exact_mode(dtype: str | torch.dtype) -> bool:
+# NOTE: below this hidden size `auto` runs quantized layers exact: a small model's greedy answers sit
+# near ties that 8-bit activations tip (the default 135M model answers "L'Étoile..." instead of
+# "Paris" on AVX2 and AVX-512 alike), and its tokens cost a few milliseconds either way.
+EXACT_MAX_HIDDEN = 1024
+
+
+def exact_mode(dtype: str | torch.dtype, hf_config) -> bool:
     """Quantized weights run exact (float32 activations, never quantized: the numbers of the same
     weights dequantized to float32) when float32 was asked for by name (`--dtype float32`,
-    `torch.float32`); `auto` (even where it resolves to float32), bfloat16 and float16 run the
-    kernels' fast mode (activations quantized to 8 bits per block)."""
-    return dtype in (torch.float32, "float32", "fp32")
+    `torch.float32`), or under `auto` for a model of hidden size below EXACT_MAX_HIDDEN; otherwise
+    (`auto` on a wider model, bfloat16 and float16 by name) the kernels' fast mode (activations
+    quantized to 8 bits per block)."""
+    if dtype in (torch.float32, "float32", "fp32"):
+        return True
+    return dtype == "auto" and (getattr(hf_config, "hidden_size", None) or 0) < EXACT_MAX_HIDDEN
 
 
 def quantization_scheme(model_dir: str | Path, quantization: str | None,
@@ -133,13 +142,13 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
                quantization: str | None = None, exact: bool | None = None) -> nn.Module:
     """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad.
     `tp` (rank, size): only that tensor-parallel rank's slices (parallel/tp.py); `quantization`: int8 |
-    int4 for a float checkpoint; `exact` (default: `exact_mode(dtype)`) for quantized layers."""
+    int4 for a float checkpoint; `exact` (default: `exact_mode(dtype, ...)`) for quantized layers."""
     hf_config = load_hf_config(model_dir)
     gguf_path = gguf_file_of(model_dir)
     locations = tensor_locations(model_dir) if gguf_path is None else None
     resolved = resolve_dtype(dtype, hf_config, device)
     model = stage_skeleton(model_dir, stage, resolved, quantization=quantization,
-                           exact=exact_mode(dtype) if exact is None else exact, tp=tp, device=device)
+                           exact=exact_mode(dtype, hf_config) if exact is None else exact, tp=tp, device=device)
     model.to_empty(device=device)
     model.reset_buffers()
     with _one_thread():

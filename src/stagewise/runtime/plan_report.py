@@ -115,8 +115,8 @@ def _weights_of(config: EngineConfig, hf, quantization: str | None = None, rank:
         heads = hf.num_attention_heads
         tp = (tensor_parallel.heaviest_rank(heads, getattr(hf, "num_key_value_heads", None) or heads, config.tp_size)
               if rank is None else rank, config.tp_size)
-    return ModelBytes.measure(config.model, dtype, quantization or config.quantization, exact_mode(config.dtype),
-                              tp, device)
+    return ModelBytes.measure(config.model, dtype, quantization or config.quantization,
+                              exact_mode(config.dtype, hf), tp, device)
 
 
 def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
@@ -200,7 +200,7 @@ def plan_report(config: EngineConfig) -> str:
     ranks = (f" x {config.tp_size} tensor-parallel ranks (a row per rank, as stage/rank; a stage's ranks "
              f"hold the KV blocks of its smallest pool)") if config.tp_size > 1 else ""
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s){ranks}, {dtype}, {device}\n"
-            f"{_weights_line(config, model_dir, dtype)}{_partition_text(config, hf)}"
+            f"{_weights_line(config, model_dir, hf, dtype)}{_partition_text(config, hf)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
             f"{format_memory_table(plans, labels)}\n{verdict}")
 
@@ -229,7 +229,7 @@ def _rank_plans(config: EngineConfig, hf, node_bytes: int | None) -> tuple[list[
     return plans, labels
 
 
-def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> str:
+def _weights_line(config: EngineConfig, model_dir: str, hf, dtype: torch.dtype) -> str:
     """How weights are held: a GGUF file's types (kept quantized or converted), or --quantization."""
     path = gguf_file_of(model_dir)
     if path is None:
@@ -240,7 +240,7 @@ def _weights_line(config: EngineConfig, model_dir: str, dtype: torch.dtype) -> s
         return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; all held "
                 f"as {dtype} on {config.resolved_device}; weights below are as held\n")
     kept = sum(n for t, n in types.items() if T.__members__[t] in SUPPORTED)
-    mode = "exact" if exact_mode(config.dtype) else "fast"
+    mode = "exact" if exact_mode(config.dtype, hf) else "fast"
     return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; {kept} kept "
             f"quantized ({mode} mode), the rest held as {dtype}; weights below are as held\n")
 

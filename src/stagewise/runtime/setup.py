@@ -71,7 +71,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     if device.type == "cpu" and config.node_memory_bytes is None:   # torchrun: no driver measured it
         config = config.replace(node_memory_bytes=measured_node_bytes())
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
-                       quantization=config.quantization, exact=exact_mode(config.dtype))
+                       quantization=config.quantization, exact=exact_mode(config.dtype, hf_config))
     if tp_group is not None:
         # NOTE: every rank gathers the logits, so every rank's sampler draws the same tokens
         tensor_parallel.connect(model, tp_group, logits_to=-1)
