@@ -28,7 +28,8 @@ def test_generate_on_demo_model_streams_text(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon") and len(out.stdout.strip()) > len("Once upon")
     summary = out.stderr.strip().splitlines()[-1]           # one line at the end, apart from the text
-    assert re.fullmatch(r"12 tokens in \d+\.\d\d s \(\d+\.\d tok/s\), \d+\.\d s in all with start-up", summary), summary
+    assert re.fullmatch(r"12 tokens in \d+\.\d\d s \(\d+\.\d tok/s\); \d+\.\d s in all since the command started "
+                        r"\(\d+\.\d s of it start-up\)", summary), summary
 
 
 @pytest.mark.slow

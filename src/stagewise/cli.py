@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -106,10 +107,39 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (/proc/self/stat's start time), so a printed total
+    includes the interpreter's start and imports; 0.0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+# the command's start on time.perf_counter()'s clock (main() may run long after the process started)
+_STARTED = time.perf_counter() - _process_age_s()
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _STARTED
+    if argv is not None:          # called in-process (tests, embedding): this call is the command
+        _STARTED = time.perf_counter()
     args = build_parser().parse_args(argv)
     _start_process()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    code = _run(args)
+    if argv is None and "torch" in sys.modules:
+        # the command line's process: skip torch's second of teardown, so the printed total is its wall time
+        from .executor.hygiene import exit_now
+        exit_now(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
@@ -175,7 +205,6 @@ def _exit_on_sigterm() -> None:
 
 def cmd_generate(args) -> int:
     from .llm import LLM
-    t0 = time.perf_counter()
     _exit_on_sigterm()
     params = sampling_from_args(args)          # a bad sampling flag fails before the model loads
     config = config_from_args(args)
@@ -183,6 +212,7 @@ def cmd_generate(args) -> int:
     if role is not None:
         return role
     config = _small_jobs_skip_compiling(config, len(args.prompt or [None]) * params.max_tokens)
+    build_kernels(config)
     logging.getLogger("stagewise").info("loading %s (checkpoint, tokenizer, weights) ...", config.model)
     num_tokens, generate_s = 0, 0.0
     with LLM(**dataclasses.asdict(config)) as llm:
@@ -197,9 +227,30 @@ def cmd_generate(args) -> int:
             print(prompt, end="\n" if chat else "", flush=True)
             num_tokens += _stream(engine, req.request_id)
         generate_s = time.perf_counter() - t_ready
-    print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s), "
-          f"{time.perf_counter() - t0:.1f} s in all with start-up", file=sys.stderr)
+    total_s = time.perf_counter() - _STARTED
+    print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s); "
+          f"{total_s:.1f} s in all since the command started ({total_s - generate_s:.1f} s of it start-up)",
+          file=sys.stderr)
     return 0
+
+
+def build_kernels(config: EngineConfig) -> None:
+    """Build (or load from the cache) the CPU kernels the model will run before any prompt is shown:
+    a first run's builds are then reported as such, not counted in tokens/s. Stage processes find
+    the built libraries in the shared cache."""
+    if config.resolved_device != "cpu":
+        return
+    from .checkpoint import gguf_file_of
+    from .kernels import attention, build, gemm, quant_kernels
+    before = len(build.built_seconds)
+    gemm.available()
+    attention.available()
+    if config.quantization or gguf_file_of(str(config.model)) is not None:
+        quant_kernels.available()
+    built = build.built_seconds[before:]
+    if built:
+        print(f"built the CPU kernels in {sum(built):.1f} s (once per machine; cached in {build.cache_dir()})",
+              file=sys.stderr, flush=True)
 
 
 def _small_jobs_skip_compiling(config: EngineConfig, max_new_tokens: int) -> EngineConfig:
@@ -250,17 +301,38 @@ def cmd_bench(args) -> int:
     from .request import SamplingParams
     _exit_on_sigterm()
     config = config_from_args(args)
+    build_kernels(config)
     with LLM(**dataclasses.asdict(config)) as llm:
         vocab = llm.engine.tok.vocab_size
         rng = random.Random(0)
         ids = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        before = _graph_steps(llm.stats())
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"{args.num_requests} requests, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s")
+        replayed, eager = (after - was for after, was in zip(_graph_steps(llm.stats()), before))
+        print(f"{args.num_requests} requests, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s "
+              f"({_steps_text(replayed, eager, config.prefill_graph)})")
     return 0
+
+
+def _graph_steps(stats: dict) -> tuple[int, int]:
+    """(steps that replayed a graph, steps that ran eager), prefill and decode together."""
+    kinds = [stats.get(k) or {} for k in ("prefill_graph", "decode_graph")]
+    return (sum(sum(k.get("replays", {}).values()) for k in kinds),
+            sum(sum(k.get("eager", {}).values()) for k in kinds))
+
+
+def _steps_text(replayed: int, eager: int, prefill_graph: str) -> str:
+    """How the timed steps ran: a number measured while the graphs compiled is not the compiled speed."""
+    if not replayed:
+        return f"eager: every step, --prefill-graph {prefill_graph}"
+    if not eager:
+        return "every step replayed its graph"
+    return (f"mixed: {eager} of {eager + replayed} steps ran eager, some while graphs compiled in the background; "
+            "--prefill-graph compiled compiles before the first step")
 
 
 def cmd_plan(args) -> int:

