@@ -38,6 +38,7 @@ def main(fd: int, parent_pid: int) -> None:
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     conn.send(("ready",))
     CompileServer(conn, info, limits).run()
+    os._exit(0)               # its compiles are killed; interpreter teardown (torch loaded) takes seconds
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -82,8 +83,11 @@ class CompileServer:
             if conn is self.conn:
                 if not self._command():
                     return False
-            else:
-                self._collect(next(j for j, c in self.children.items() if c.reader is conn))
+                continue
+            # NOTE: a cancel read in this round may have killed the child whose pipe is ready
+            job_id = next((j for j, c in self.children.items() if c.reader is conn), None)
+            if job_id is not None:
+                self._collect(job_id)
         now = time.monotonic()
         for job_id in [j for j, c in self.children.items() if c.deadline <= now]:
             self._kill(job_id)

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import subprocess
 import threading
 from collections import OrderedDict
@@ -25,6 +26,8 @@ from typing import Any, Callable
 from .limits import GrammarLimits, GrammarRefused
 
 log = logging.getLogger("stagewise.engine")
+THREAD_STOP_S = 5.0
+SUPERVISOR_STOP_S = 2.0
 START_TIMEOUT_S = 300.0          # the supervisor imports xgrammar (and torch) before it is ready
 UNAVAILABLE = 503
 Key = tuple[str, str, str]       # (tenant, kind, text)
@@ -88,6 +91,7 @@ class CompileService:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
         self._conn: Any = None
+        self._supervisor_ready = False
         self._stopping = False
 
     # the step loop's side (never blocks)
@@ -137,8 +141,9 @@ class CompileService:
     def shutdown(self) -> None:
         self._stopping = True
         self._wake()
+        self._hang_up()                   # frees the thread if a send to the supervisor blocks it
         if self._thread is not None:
-            self._thread.join(5.0)
+            self._thread.join(THREAD_STOP_S)
         self._stop_supervisor()
         if self._thread is None or not self._thread.is_alive():
             for fd in (self._wake_r, self._wake_w):
@@ -156,6 +161,9 @@ class CompileService:
             while not self._stopping:
                 self._serve_once()
         except Exception:                # noqa: BLE001  (a bug here fails grammars, never the engine)
+            if self._stopping:           # the hang-up at shutdown ended a start-up or a send midway
+                self._fail_all("The server is shutting down; retry the request elsewhere.")
+                return
             log.exception("the grammar compile service failed")
             self._fail_all("The grammar compiler failed (the server logged why); retry, or restart the server.")
         finally:
@@ -170,6 +178,8 @@ class CompileService:
             try:
                 self._conn.send(self._commands.get_nowait())
             except queue.Empty:
+                break
+            except OSError:               # hung up at shutdown, or the supervisor died: the reads below tell
                 break
         for conn in wait([self._wake_r] + ([self._conn] if self._proc is not None else []), 1.0):
             if conn == self._wake_r:
@@ -235,7 +245,6 @@ class CompileService:
     def _start_supervisor(self) -> None:
         """`python -m ...supervisor` on one end of a socket pair (not multiprocessing: an offline
         script without a main guard must not be re-imported)."""
-        import socket
         import sys
         ours, theirs = socket.socketpair()
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -248,23 +257,40 @@ class CompileService:
             theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((self.backend.info.serialize_json(), self.limits))
+        self._supervisor_ready = False
         if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != ("ready",):
             raise RuntimeError("the grammar compile supervisor did not start")
+        self._supervisor_ready = True
 
     def _stop_supervisor(self) -> None:
+        self._hang_up()
         proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
-            self._conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-        try:
-            proc.wait(2.0)
+            # NOTE: one still starting (importing xgrammar) compiles nothing and reads no socket yet
+            proc.wait(SUPERVISOR_STOP_S if self._supervisor_ready else 0)
         except subprocess.TimeoutExpired:
+            if self._supervisor_ready:
+                log.warning("the grammar compile supervisor (pid %d) did not exit when its socket closed; "
+                            "killing it", proc.pid)
             proc.kill()
-            proc.wait(2.0)
+            proc.wait(SUPERVISOR_STOP_S)
         self._conn.close()
+
+    def _hang_up(self) -> None:
+        """Shut the supervisor's socket down both ways. Not a "stop" message: that could wait behind
+        two blocked sends (the supervisor answering with a compiled grammar nobody reads any more,
+        this side sending it a schema, each socket buffer full), for seconds. A shutdown returns
+        both sends at once, and the supervisor reads EOF, kills its compiles and exits."""
+        conn = self._conn
+        if self._proc is None or conn is None or conn.closed:
+            return
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _wake(self) -> None:
         try:

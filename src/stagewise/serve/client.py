@@ -24,7 +24,7 @@ from ..engine.inputs import check_request
 from ..errors import describe_exit
 from ..request import RequestOutput, SamplingParams
 from .core import final_output
-from .core_runner import EXIT_WAIT_S, await_ready, kill_core, start_core, stop_core
+from .core_runner import EXIT_WAIT_S, await_ready, kill_core, reap, start_core, stop_core
 from .deltas import OutputAssembler
 from .wire import (
     AbortRequests,
@@ -276,9 +276,9 @@ class EngineClient:
         return outputs
 
     def _core_exited(self) -> None:
-        # NOTE: reap it whatever happened before (a dead engine's process would stay <defunct>)
-        self._proc.join(EXIT_WAIT_S)
-        if self.stopping or self.dead:
+        # NOTE: reap it whatever happened before (a dead engine's process would stay <defunct>), unless
+        # `stop` is reaping it on its thread already
+        if self.stopping or not reap(self._pipes, EXIT_WAIT_S, wait_for_another=False) or self.dead:
             return
         how = describe_exit(self._proc.exitcode)
         self._die(f"The engine process (pid {self._proc.pid}) died unexpectedly: it {how}; restart the server.", [])

@@ -10,7 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Callable, Protocol
 
@@ -40,6 +40,21 @@ class CorePipes:
     runner: CoreRunner
     to_core: Connection
     from_core: Connection
+    reaping: threading.Lock = field(default_factory=threading.Lock)
+
+
+def reap(pipes: CorePipes, timeout_s: float, wait_for_another: bool = True) -> bool:
+    """Join the core, one thread at a time. Two threads in waitpid for one child race: the loser
+    reads ECHILD, which multiprocessing reports as still running (a false "did not stop" and a kill
+    of a process that had exited). Without `wait_for_another`, returns False at once while another
+    thread reaps it."""
+    if not pipes.reaping.acquire(blocking=wait_for_another):
+        return False
+    try:
+        pipes.runner.join(timeout_s)
+    finally:
+        pipes.reaping.release()
+    return True
 
 
 class CoreThread(threading.Thread):
@@ -131,13 +146,30 @@ def _exited_while_starting(runner: CoreRunner) -> EngineDeadError:
 
 def stop_core(pipes: CorePipes, timeout_s: float = STOP_WAIT_S) -> None:
     """Wait for a core told to stop; kill it if it lingers."""
-    pipes.runner.join(timeout_s)
-    if pipes.runner.is_alive():
+    reap(pipes, timeout_s)
+    if still_running(pipes.runner):
         logging.getLogger("stagewise.engine").warning("the engine did not stop within %.0f s; killing it", timeout_s)
         kill_core(pipes)
 
 
+def still_running(runner: CoreRunner) -> bool:
+    """`is_alive`, but a process something else reaped is not running: multiprocessing's waitpid
+    then fails with ECHILD, which it reports as alive (a false "did not stop" right after a clean
+    exit, and a kill of a pid that is gone)."""
+    if not runner.is_alive():
+        return False
+    if isinstance(runner, CoreThread) or runner.pid is None:
+        return True
+    try:
+        os.kill(runner.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def kill_core(pipes: CorePipes) -> None:
-    if pipes.runner.is_alive():
+    if still_running(pipes.runner):
         pipes.runner.kill()       # a process's stage processes follow (PDEATHSIG)
-    pipes.runner.join(5.0)
+    reap(pipes, 5.0)
