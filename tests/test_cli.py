@@ -74,8 +74,10 @@ def test_plan_prints_stage_table(llama_dir, llama_uneven_dir, capsys):
     (["plan", "--pp-size", "3", "--pp-layer-partition", "3,3"], "pp_layer_partition"),
     (["generate", "--prefill-graph", "sometimes"], "prefill_graph must be one of"),
     (["generate", "--model", "/nonexistent/dir"], "/nonexistent/dir"),
-    (["plan", "--tp-size", "3"], "tp_size 3 does not divide the model's 1000 vocabulary entries"),
-    (["generate", "--tp-size", "5"], "tp_size 5 is more than the model's 4 attention heads"),
+    # refused before loading, naming the sizes that split the model
+    (["plan", "--tp-size", "3"], "--tp-size 3 cannot split this model (4 attention heads, 2 KV heads, 1000 "
+                                 "vocabulary entries); use --tp-size 1, 2 or 4."),
+    (["generate", "--tp-size", "5"], "--tp-size 5 cannot split this model (4 attention heads"),
 ])
 def test_bad_flags_get_one_clear_sentence(llama_dir, capsys, args, message):
     if args[0] == "plan" or "--tp-size" in args:

@@ -72,3 +72,60 @@ def test_bench_says_how_its_steps_ran(capsys):
     assert capsys.readouterr().out.strip().endswith("(eager: every step, --prefill-graph auto)")
     assert _steps_text(10, 0, "auto") == "every step replayed its graph"
     assert _steps_text(7, 3, "auto").startswith("mixed: 3 of 10 steps ran eager")
+
+
+def _one_sentence_error(capsys, argv: list[str]) -> str:
+    from stagewise.cli import main
+    assert main(["--log-level", "ERROR", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any engine start fails the test: these refusals come before the model loads."""
+    import stagewise.llm
+    monkeypatch.setattr(stagewise.llm, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_a_busy_port_is_refused_before_the_model_is_resolved(capsys, monkeypatch):
+    import socket
+
+    import stagewise.cli
+    monkeypatch.setattr(stagewise.cli, "config_from_args", lambda args: pytest.fail("the model was resolved"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _one_sentence_error(capsys, ["serve", "--model", "demo", "--port", str(port)])
+    assert f"Port {port} on 127.0.0.1 is not free" in err and "--port" in err
+
+
+def test_pp_size_beyond_the_layer_count_is_refused_before_loading(capsys, no_loading):
+    err = _one_sentence_error(capsys, ["generate", "--model", "demo", "--pp-size", "100"])
+    assert "--pp-size 100 asks for more stages than the model's" in err and "use --pp-size" in err
+
+
+def test_a_hugging_face_id_says_ids_are_not_fetched(capsys, no_loading):
+    err = _one_sentence_error(capsys, ["generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert "looks like a Hugging Face model id" in err and "no --model for the default model" in err
+
+
+def test_a_tp_size_that_cannot_split_the_model_names_the_sizes_that_can():
+    import transformers as tf
+
+    from stagewise.cli import _check_tp_size
+    # the default model's shape (SmolLM2-135M)
+    hf = tf.LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                        intermediate_size=1536, num_hidden_layers=30, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=r"^--tp-size 4 cannot split this model \(9 attention heads, 3 KV heads, "
+                                         r"49152 vocabulary entries\); use --tp-size 1, 2, 3 or 6\.$"):
+        _check_tp_size(hf, "model", 4)
+    _check_tp_size(hf, "model", 3)
+
+
+def test_the_memory_table_says_what_the_kv_column_is():
+    from stagewise.runtime.memory import MemoryPlan, format_memory_table
+    plan = MemoryPlan(0, (0, 30), 2 << 30, 92 << 20, 0, 0, 33 << 20, 11520 << 20, 32769, 368640)
+    assert format_memory_table([plan]).splitlines()[-1].startswith("KV MiB is each pool's ceiling")

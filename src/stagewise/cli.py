@@ -35,7 +35,48 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of a command, with `--model` resolved to a local path (default model if absent)."""
     from .model.source import resolve_model
     config = EngineConfig(**values_of(EngineConfig, args))
-    return config.replace(model=resolve_model(config.model))
+    config = config.replace(model=resolve_model(config.model))
+    check_before_loading(config)
+    return config
+
+
+def check_before_loading(config: EngineConfig) -> None:
+    """Refuse, in one sentence, what the model's config alone shows cannot run, before anything loads."""
+    from .checkpoint import load_hf_config, num_layers_of
+    hf = load_hf_config(str(config.model))
+    layers = num_layers_of(hf, str(config.model))
+    if config.pp_size > layers:
+        raise ValueError(f"--pp-size {config.pp_size} asks for more stages than the model's {layers} layers; "
+                         f"use --pp-size {layers} or fewer.")
+    if config.tp_size > 1:
+        _check_tp_size(hf, str(config.model), config.tp_size)
+
+
+def _check_tp_size(hf, model_dir: str, size: int) -> None:
+    """The ranks must split the model's heads, vocabulary and MLP: name the sizes that do."""
+    from .model.loader import _architecture
+    from .model.registry import get_model_class
+    from .parallel import tp
+    model_cls = get_model_class(_architecture(hf, model_dir))
+    try:
+        tp.check_model(hf, model_cls, size)
+    except ValueError as exc:
+        fits = [n for n in range(1, hf.num_attention_heads + 1) if _tp_fits(hf, model_cls, n)]
+        if fits == [1]:
+            raise
+        heads, kv_heads = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        raise ValueError(f"--tp-size {size} cannot split this model ({heads} attention heads, {kv_heads} KV heads, "
+                         f"{hf.vocab_size} vocabulary entries); use --tp-size "
+                         f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}.") from exc
+
+
+def _tp_fits(hf, model_cls, size: int) -> bool:
+    from .parallel import tp
+    try:
+        tp.check_model(hf, model_cls, size)
+    except ValueError:
+        return False
+    return True
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -285,6 +326,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args) -> int:
     from .server.options import ServerOptions
     options = ServerOptions(**values_of(ServerOptions, args))
+    if args.node_rank == 0:           # only the driver listens
+        check_port_free(options.host, options.port)
     config = config_from_args(args)
     role = _worker_role(config)
     if role is not None:
@@ -292,6 +335,27 @@ def cmd_serve(args) -> int:
     from .server.app import run_server
     run_server(config, options, log_level=args.log_level.lower())
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on before the model loads (seconds to minutes),
+    not after, as the server's own bind would."""
+    import socket
+    if port == 0:                     # the system picks a free one
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host} is not an address this machine can listen on ({exc.strerror}); "
+                         f"pass an address such as 127.0.0.1 or 0.0.0.0.") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the server binds: TIME_WAIT is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise ValueError(f"Port {port} on {host} is not free ({exc.strerror}); stop what listens there or "
+                             f"pass --port with another port.") from None
 
 
 def cmd_bench(args) -> int:

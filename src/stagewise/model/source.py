@@ -37,7 +37,17 @@ def resolve_model(model: str | Path | None) -> str:
     if str(model) in DEMO_NAMES:
         from .demo import ensure_demo_model
         return str(ensure_demo_model())
+    if _looks_like_hub_id(str(model)):
+        raise ValueError(f"{model} looks like a Hugging Face model id, and stagewise does not download models; "
+                         f"pass a local checkpoint directory or .gguf file (e.g. what `hf download {model} "
+                         f"--local-dir DIR` writes), or no --model for the default model.")
     return str(model)
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """`owner/name` that is no local path (a Hub id has exactly one slash and no leading . or /)."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not Path(model).exists()
 
 
 def default_model_path() -> Path:

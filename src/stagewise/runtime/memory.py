@@ -208,4 +208,8 @@ def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None
     for row, label in zip(rows[1:], labels or []):
         row[0] = label
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    # NOTE: a 135M model's default pool reads "11520.4" (64 sequences of 8,192 tokens): say what it is
+    note = ("KV MiB is each pool's ceiling (--max-num-seqs sequences of --max-model-len tokens, or the memory left), "
+            "resident only as blocks are written on CPU; --max-num-seqs, --max-model-len or --kv-cache-memory "
+            "lower it.")
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + [note])
