@@ -61,9 +61,12 @@ def test_every_stagewise_variable_in_the_source_is_in_envs_py():
             assert name in declared, f"{path.relative_to(ROOT)} names {name}, which src/stagewise/envs.py lacks"
 
 
-# flags of other programs that the pages show (pip, torchrun, lm_eval, docker, mkdocs, llama.cpp, our pytest)
+# flags of other programs that the pages show (pip, torchrun, lm_eval, docker, mkdocs, llama.cpp, our pytest,
+# kubectl, Slurm's sbatch and srun)
 FOREIGN_FLAGS = {"--index-url", "--no-deps", "--nproc-per-node", "--tasks", "--apply", "--cpus", "--cpuset-cpus",
-                 "--strict", "--site-dir", "--merge", "--long"}
+                 "--strict", "--site-dir", "--merge", "--long", "--from-literal", "--job-name", "--nodes",
+                 "--ntasks-per-node", "--exclusive", "--time", "--kill-on-bad-exit", "--wait", "--jobid", "--overlap",
+                 "--ntasks", "--nodelist"}
 # pages written with features that may land later (kernels.md names --quantization before it exists)
 OTHER_HELPERS_PAGES = {"kernels.md", "quantization.md", "performance.md"}
 

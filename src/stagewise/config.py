@@ -260,9 +260,9 @@ class EngineConfig:
         if self.tp_size > 1 and (self.prefill_graph not in ("auto", "off") or self.decode_graph):
             raise ValueError(f"tp_size {self.tp_size} runs its stages eager for now; leave --prefill-graph auto "
                              f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")
-        if self.pp_size % self.nnodes:
-            raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} "
-                             f"(equal stages per node).")
+        if self.pp_size % self.nnodes and self.min_nodes is None:
+            raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} (equal stages per "
+                             f"node), or give --min-nodes: the driver then places the stages on the nodes it has.")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
@@ -308,7 +308,7 @@ class EngineConfig:
 
     @property
     def stages_per_node(self) -> int:
-        return len(self.local_stages) if self.local_stages else self.pp_size // self.nnodes
+        return len(self.local_stages) if self.local_stages else max(1, self.pp_size // self.nnodes)
 
     def local_slot(self, stage_rank: int) -> int:
         """The place of `stage_rank` among this node's stages (its share of the node's CPUs)."""

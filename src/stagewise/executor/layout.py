@@ -21,8 +21,8 @@ def ring_prev(rank: int, world_size: int) -> int:
 
 def default_layout(pp_size: int, nnodes: int) -> tuple[int, ...]:
     """The node of each stage as the command line gives it: k = pp_size / nnodes consecutive stages each."""
-    k = pp_size // nnodes
-    return tuple(s // k for s in range(pp_size))
+    k = max(1, pp_size // nnodes)          # fewer stages than nodes (elastic, --min-nodes): one each
+    return tuple(min(s // k, nnodes - 1) for s in range(pp_size))
 
 
 def stages_of(layout: tuple[int, ...], node_rank: int) -> list[int]:

@@ -29,13 +29,15 @@ from ..executor.generations import (
     next_generation,
     ready_nodes,
 )
+from ..executor.netif import master_ip
 from ..executor.node_reports import read_reports
 from ..executor.rendezvous import torchrun_env
 from ..executor.spawn import spares_ready, start_spares, stop_spares
-from ..parallel.auth import cluster_token, key_of
+from ..parallel.auth import cluster_token, key_of, warn_if_open
 from ..plan import StepPlan, StepResult
 from ..request import Request
 from ..runtime.cluster_plan import NodeReport
+from ..runtime.memory import DRIVER_RUNTIME_BYTES
 from .placement import available_bytes, fit_problem, layout_line, place_stages, plan_over_nodes
 from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
@@ -71,7 +73,9 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
     if c.nnodes == 1 or torchrun_env() is not None:
         return make_executor(config, model_dir, eos_token_ids)
     assert c.master_port is not None, "validated: a multi-node pipeline has a fixed --master-port"
-    generation = next_generation(c.master_addr, c.master_port, key_of(cluster_token(c.cluster_token)))
+    token = cluster_token(c.cluster_token)
+    warn_if_open(token, master_ip(c.master_addr), True)
+    generation = next_generation(c.master_addr, c.master_port, key_of(token))
     need = c.min_nodes or c.nnodes
     wait_s = c.node_rejoin_timeout_s if need < c.nnodes else max(c.dist_timeout_s, 300.0)
     present = await_nodes(c.master_addr, c.master_port, generation, list(range(1, c.nnodes)), wait_s,
@@ -99,7 +103,12 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int]) -> tuple[EngineCo
     if c.pp_node_fit == "off" or c.master_port is None:
         return c, spread_stages(c.pp_size, nodes)
     store = control_store(c.master_addr, c.master_port)
-    reports = {**read_reports(store, [n for n in nodes if n]), 0: NodeReport.measure()}
+    here = NodeReport.measure()
+    # NOTE: the driver runs already, so its memory is in use, not available; the planner takes it
+    # from node 0's budget once more, so it is given back here
+    if here.available_bytes is not None:
+        here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
+    reports = {**read_reports(store, [n for n in nodes if n]), 0: here}
     plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
     return c.replace(pp_layer_partition=plan.partition), plan.layout
 
@@ -130,6 +139,7 @@ class PipelineSupervisor:
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._no_room = False          # node 0 could not take a lost node's stages (fatal)
         self.moves: list[dict] = []    # each change of the nodes the pipeline runs on: why, layout, when
+        self.standby: set[int] = set()  # ready nodes the current pipeline does not need
         requests.admission_rules.append(self.suspects.may_admit)     # suspects wait their turn
 
     def die(self, why: str) -> NoReturn:
@@ -226,6 +236,7 @@ class PipelineSupervisor:
         t0 = time.monotonic()
         present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
+        self.standby = set()
         try:
             c, layout = plan_on(c, self.model_dir, [0, *present])
         except ValueError as exc:
@@ -258,8 +269,9 @@ class PipelineSupervisor:
     def _welcome_returned_nodes(self) -> None:
         """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time, or
         it started after the pipeline) that is ready stops the pipeline, and the rebuild gives it
-        stages; a node of the pipeline that asks to leave stops it too, and the rebuild goes on
-        without it."""
+        stages, unless the plan with it is the plan without it (it then waits as a standby, which
+        a later rebuild uses); a node of the pipeline that asks to leave stops it too, and the
+        rebuild goes on without it."""
         ex, c = self.executor, self.config
         generation = ex.generation
         if generation is None or not self.heals or self.recovering or c.master_port is None \
@@ -270,11 +282,25 @@ class PipelineSupervisor:
         if going:
             ex.stop(f"node {', '.join(map(str, going))} asked to leave.", NODE_LEAVING)
             return
-        left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout))
+        left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout) - self.standby)
         back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out else []
         back = [n for n in back if not leaving(c.master_addr, c.master_port, n)]
-        if back:
+        if back and self._changes_plan(back):
             ex.stop(f"node {', '.join(map(str, back))} is back.", NODE_RETURNED)
+
+    def _changes_plan(self, back: list[int]) -> bool:
+        """Whether the pipeline would run otherwise with the nodes in `back` (else they are standbys)."""
+        ex = self.executor
+        try:
+            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}))
+        except ValueError:
+            return True        # (it cannot hold now: a rebuild says so in one sentence)
+        if layout != ex.layout or c.pp_layer_partition != ex.partition:
+            return True
+        self.standby |= set(back)
+        log.warning("node %s joined as a standby: the pipeline is as fast without it; a rebuild will use it",
+                    ", ".join(map(str, back)))
+        return False
 
     def _check_fits(self, placement) -> None:
         """Die (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""
@@ -299,7 +325,8 @@ class PipelineSupervisor:
     def stats(self) -> dict:
         layout, partition = self.executor.layout, self.executor.partition
         return {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0,
-                "nodes": sorted(set(layout)), "layout": list(layout), "moves": len(self.moves),
+                "nodes": sorted(set(layout)), "standby": sorted(self.standby), "layout": list(layout),
+                "moves": len(self.moves),
                 "partition": list(partition),
                 "last_move": self.moves[-1] if self.moves else None}
 
