@@ -94,6 +94,7 @@ class _Stream:
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.monotonic)
     max_tokens: int | None = None
+    started: bool = False             # an output arrived: the engine scheduled it (or ended it)
 
 
 def _real_engine(config):
@@ -174,6 +175,12 @@ class EngineClient:
     @property
     def num_open(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted that the engine has not started (no output yet)."""
+        with self._lock:
+            return sum(1 for s in self._streams.values() if not s.started)
 
     def cut_open(self, why: str) -> None:
         """End every open request now with `why` (an abort), and stop computing them."""
@@ -271,6 +278,8 @@ class EngineClient:
         outputs = []
         for delta in deltas:
             s = self._streams.get(delta.request_id)
+            if s is not None:
+                s.started = True
             outputs.append(self._assembler.apply(delta, s.prompt_token_ids if s else [], s.arrival if s else None))
         self._observe(outputs, now)
         return outputs

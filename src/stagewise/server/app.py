@@ -42,6 +42,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     serving.cache_isolation = options.cache_isolation
     serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
     serving.max_logprob_entries = options.max_logprob_entries
+    serving.max_waiting_requests = options.max_waiting_requests
     created = int(time.time())
 
     @asynccontextmanager
@@ -67,7 +68,9 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
             try:
                 return await handler(serving, raw)
             except APIError as exc:
-                if 400 <= exc.status < 500:
+                if exc.status == 429:
+                    metrics.overloaded()
+                elif 400 <= exc.status < 500:
                     metrics.reject()
                 raise
         return endpoint

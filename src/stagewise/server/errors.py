@@ -23,12 +23,21 @@ class APIError(Exception):
                  code: str | None = None, type_: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+        self.headers: dict[str, str] | None = None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def overloaded(limit: int, retry_after_s: int) -> APIError:
+    """429 with Retry-After: the waiting queue is full (a burst is refused early, not queued for minutes)."""
+    err = APIError(f"The server is at its limit of {limit} waiting requests (--max-waiting-requests); retry after "
+                   f"{retry_after_s} s.", 429, None, "rate_limit_exceeded", "rate_limit_error")
+    err.headers = {"Retry-After": str(retry_after_s)}
+    return err
 
 
 class BodyTooLarge(APIError):

@@ -31,8 +31,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         r = self.registry
-        self.requests = Counter("stagewise_requests", "Requests by final status: a finish reason, or rejected "
-                                "(HTTP 4xx before reaching the engine).", ["model_name", "status"], registry=r)
+        self.requests = Counter("stagewise_requests", "Requests by final status: a finish reason, rejected "
+                                "(HTTP 4xx before reaching the engine) or overloaded (429: the waiting queue "
+                                "was full).", ["model_name", "status"], registry=r)
         self.prompt_tokens = Counter("stagewise_prompt_tokens", "Prompt tokens of finished requests.",
                                      ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Generated tokens of finished requests.",
@@ -100,6 +101,10 @@ class ServerMetrics:
 
     def reject(self) -> None:
         self.requests.labels(self.model_name, "rejected").inc()
+
+    def overloaded(self) -> None:
+        """A request refused with 429 because the waiting queue was full (--max-waiting-requests)."""
+        self.requests.labels(self.model_name, "overloaded").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -46,6 +46,9 @@ class ServerOptions:
                                           "responses), capped at this")
     max_tokens_limit: int | None = flag(None, "the largest max_tokens a request may ask for; more gets 400 "
                                         "(default: what the context holds)")
+    max_waiting_requests: int | None = flag(None, "the most requests that may wait for the engine (being read, "
+                                            "tokenized or queued, not yet generating); more get 429 with "
+                                            "Retry-After (default: no limit)")
     max_logprob_entries: int = flag(DEFAULT_MAX_LOGPROB_ENTRIES, "the most prompt logprob entries one response "
                                     "may carry (prompt tokens x (1 + top-n), for every choice that shows them); "
                                     "more gets 400")
@@ -60,7 +63,8 @@ class ServerOptions:
             raise ValueError(f"graceful_timeout must be a number of seconds >= 0, got {self.graceful_timeout_s}.")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
-        for name in ("default_max_tokens", "max_tokens_limit", "max_logprob_entries"):
+        for name in ("default_max_tokens", "max_tokens_limit", "max_logprob_entries",
+                     "max_waiting_requests"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

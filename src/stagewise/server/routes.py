@@ -62,13 +62,17 @@ async def generate(serving: Serving, raw: Request) -> Response:
 
 
 async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, bytes], Job]) -> Response:
+    serving.admit()
+    serving.intake_open += 1              # until submitted (no await between): then the engine client counts it
     try:
         body = await serving.read_body(raw)
+        job = await serving.off_loop(make_job, serving, body)
     except ClientGone:
         # NOTE: a client leaving is not a server fault: no traceback, no warning
         log.debug("client left while sending %s %s", raw.method, raw.url.path)
         return Response(status_code=CLIENT_GONE)
-    job = await serving.off_loop(make_job, serving, body)
+    finally:
+        serving.intake_open -= 1
     serving.isolate(raw, job.params)
     return await _answer(serving, raw, job)
 

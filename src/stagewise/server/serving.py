@@ -27,13 +27,14 @@ from ..engine.inputs import num_tokens
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from ..serve.client import EngineClient, PromptInput, ServerUnavailable, Submission
-from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error
+from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error, overloaded
 from .options import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_LOGPROB_ENTRIES
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
 MIN_CHARS_PER_TOKEN_BOUND = 64  # the prompt-characters bound per context token, at least
 INTAKE_THREADS = 4
+RETRY_AFTER_S = 1               # a waiting request leaves the queue within a few engine steps
 
 
 def chars_per_token_bound(tok) -> int:
@@ -64,6 +65,8 @@ class Serving:
         self.default_max_tokens: int | None = None    # ServerOptions': the server's default and largest max_tokens
         self.max_tokens_limit: int | None = None
         self.max_logprob_entries = DEFAULT_MAX_LOGPROB_ENTRIES
+        self.max_waiting_requests: int | None = None
+        self.intake_open = 0                     # requests being read or tokenized (event loop only)
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -84,6 +87,13 @@ class Serving:
     async def off_loop(self, fn, *args):
         """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
         return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
+
+    def admit(self) -> None:
+        """Before a generation request's body is read: 429 while the waiting queue is full, so a
+        burst is refused in microseconds instead of queued (and parsed, and tokenized) for minutes."""
+        limit = self.max_waiting_requests
+        if limit is not None and self.intake_open + self.engine.num_waiting >= limit:
+            raise overloaded(limit, RETRY_AFTER_S)
 
     # checks (intake threads)
     def check_model(self, name: str | None) -> None:
