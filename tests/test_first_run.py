@@ -70,8 +70,10 @@ def test_bench_says_how_its_steps_ran(capsys):
     from stagewise.cli import _steps_text, main
     assert main(["--log-level", "WARNING", "bench", "--model", "demo", "--num-requests", "2", "--output-len", "4"]) == 0
     assert capsys.readouterr().out.strip().endswith("(eager: every step, --prefill-graph auto)")
-    assert _steps_text(10, 0, "auto") == "every step replayed its graph"
-    assert _steps_text(7, 3, "auto").startswith("mixed: 3 of 10 steps ran eager")
+    assert _steps_text(10, 0, 0.0, "auto") == "compiled graphs"
+    assert _steps_text(7, 3, 42.0, "auto") == ("compiled graphs, 3 of 10 steps eager; waited 42.0 s for the "
+                                               "background compile first")
+    assert _steps_text(7, 3, None, "auto").startswith("graphs: the stages compile in the background")
 
 
 def _one_sentence_error(capsys, argv: list[str]) -> str:
