@@ -95,7 +95,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     if kind == "missing":
         return bad_request(f"Missing required parameter: {param}.", param, "missing_required_parameter")
     # NOTE: pydantic names the schema class it wanted ("or instance of StreamOptions"); clients know JSON
-    msg = _MODEL_NAME.sub("a JSON object", str(err.get("msg", "invalid")))
+    msg = _MODEL_NAME.sub("a JSON object", str(err.get("msg", "invalid"))).removeprefix("Value error, ")
     return bad_request(f"Invalid value for {param or 'the request body'}: {msg} "
                        f"(got {_SHORT.repr(err.get('input'))}); fix the request and retry.", param, "invalid_type")
 

@@ -135,9 +135,12 @@ def is_loopback_name(name: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    # NOTE: ::ffff:127.0.0.1 is 127.0.0.1 (a dual-stack socket shows IPv4 peers so); ipaddress says not loopback
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def host_check_for(bind_host: str, allowed_hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:

@@ -32,6 +32,7 @@ from ..request import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
@@ -59,7 +60,18 @@ Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]             # fits the en
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[int], _FAST]           # unbounded ints: the engine checks them against the vocabulary
 Strs = Annotated[list[str], _FAST]
-StopStrs = Annotated[list[str], _FAST, _at_most(MAX_STOP_STRINGS)]
+def _short_items(value):
+    """Each stop string within the engine's limit, named by its index (the engine's own check says
+    only how many strings the list has)."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str) and len(item) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop[{i}] has {len(item)} characters, more than the limit of "
+                                 f"{MAX_STOP_STRING_CHARS}")
+    return value
+
+
+StopStrs = Annotated[list[str], _FAST, _at_most(MAX_STOP_STRINGS), BeforeValidator(_short_items)]
 Anys = Annotated[list[Any], _FAST]                                  # items checked where used
 StopTokenIds = Annotated[list[Int], _FAST, _at_most(MAX_STOP_TOKEN_IDS)]
 FloatRows = Annotated[list[Annotated[list[Finite], _FAST]], _FAST]

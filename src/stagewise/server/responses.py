@@ -109,7 +109,11 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not item["name"]:
+            name = item.get("name")
+            if name is not None and not isinstance(name, str):
+                raise bad_request(f"{where}.name must be a string (the name of the function it called), got "
+                                  f"{name!r:.80}.", f"input.{i}.name")
+            if not name:
                 raise bad_request(f"{where} is a function_call item without a name; give the name of the function "
                                   f"it called.", f"input.{i}.name")
             call = {"id": item.get("call_id"), "type": "function",
