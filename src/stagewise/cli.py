@@ -326,7 +326,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args) -> int:
     from .server.options import ServerOptions
     options = ServerOptions(**values_of(ServerOptions, args))
-    if args.node_rank == 0:           # only the driver listens
+    if args.node_rank == 0 and int(os.environ.get("RANK", "0")) == 0:    # only the driver listens (torchrun: rank 0)
         check_port_free(options.host, options.port)
     config = config_from_args(args)
     role = _worker_role(config)
