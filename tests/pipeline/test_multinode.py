@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from stagewise import LLM, SamplingParams
 
@@ -204,6 +206,10 @@ def test_server_on_node0_answers_an_openai_client_on_the_other_host(wave1, want_
     client, driver, worker = run["client"], run["driver"], run["worker"]
     assert client.wait(START_TIMEOUT_S + 30) == 0, client.stderr()[-3000:] + driver.stderr()[-3000:]
     assert PROMPT + json.loads(client.stdout()) == want_text
+    health = run["hosts"][1].run([sys.executable, "-c", "import sys, urllib.request; print(urllib.request.urlopen("
+                                  f"'http://{MASTER}:{HTTP_PORT}/health', timeout=10).read().decode())"])
+    assert json.loads(health.stdout)["pipeline"] == {"nodes": [0, 1], "standby": [], "layout": [0, 1],
+                                                     "partition": [2, 2], "moves": 0, "last_move": None}, health
     t0 = time.monotonic()
     driver.proc.send_signal(signal.SIGTERM)         # no open request: the drain ends at once
     assert driver.wait(15) == 0, driver.stderr()[-3000:]
@@ -392,9 +398,12 @@ HEAL_DRIVER = """
 import json, os, sys, threading, time
 from stagewise import LLM, SamplingParams
 model, master, port, timeout, rejoin_s, gate = sys.argv[1:7]
-extra = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+options = dict(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=int(port),
+               dist_timeout_s=float(timeout), node_rejoin_timeout_s=float(rejoin_s), pipeline_spares_delay_s=0)
+options.update(json.loads(sys.argv[7]) if len(sys.argv) > 7 else {})
+max_tokens = options.pop("max_tokens", 160)
 prompts = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)]
-params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 def run(llm, phase):
     while not os.path.exists(os.path.join(gate, str(phase))):
@@ -408,14 +417,13 @@ def run(llm, phase):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].finish_reason for o in outs]
 
-with LLM(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=int(port),
-         dist_timeout_s=float(timeout), node_rejoin_timeout_s=float(rejoin_s), pipeline_spares_delay_s=0,
-         **extra) as llm:
+with LLM(**options) as llm:
     ref, _ = run(llm, 0)
     deadline = time.monotonic() + 120
-    while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
+    while options.get("pipeline_spares", True) and llm.stats()["recovery"]["spares_ready"] < 1 \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    print(json.dumps({"phase": 0, "recovery": llm.stats()["recovery"]}), flush=True)
+    print(json.dumps({"phase": 0, "ids": ref, "recovery": llm.stats()["recovery"]}), flush=True)
     for phase in (1, 2, 3, 4):
         ids, reasons = run(llm, phase)
         print(json.dumps({"phase": phase, "equal": ids == ref, "reasons": reasons,
@@ -443,14 +451,15 @@ def heal(make_hosts, llama_dir, tmp_path_factory):
            "driver": Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
                               str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate)], log_dir, "heal-node0")}
     try:
-        run["driver"].wait_for(lambda: '{"phase": 0}' in run["driver"].stdout(), what="the reference run")
+        run["driver"].wait_for(lambda: '{"phase": 0,' in run["driver"].stdout(), what="the reference run")
         yield run
     finally:
         stop_all({"heal": run})
 
 
-def _phase(run: dict, phase: int, kill) -> dict:
-    """Start run `phase`, call `kill` once it decodes, and return the driver's report of it."""
+def _phase(run: dict, phase: int, kill, num_rebuilds: int | None = None) -> dict:
+    """Start run `phase`, call `kill` once it decodes, and return the driver's report of it (after
+    `num_rebuilds` rebuilds in all, by default one per phase)."""
     driver = run["driver"]
     (run["gate"] / str(phase)).touch()
     driver.wait_for(lambda: f"decoding {phase}" in driver.stdout(), what=f"run {phase}'s decode")
@@ -459,7 +468,7 @@ def _phase(run: dict, phase: int, kill) -> dict:
     driver.wait_for(lambda: mark in driver.stdout(), what=f"the end of run {phase}", timeout=60)
     got = json.loads(next(line for line in driver.stdout().splitlines() if line.startswith(mark)))
     assert got["reasons"] == ["length"] * 6 and got["equal"], got     # greedy: token for token the reference
-    assert sum(got["recovery"]["rebuilds"].values()) == phase, got
+    assert sum(got["recovery"]["rebuilds"].values()) == (phase if num_rebuilds is None else num_rebuilds), got
     assert got["recovery"]["last"]["live_requests"] == 6, got          # all were in flight
     return got
 
@@ -585,3 +594,110 @@ def test_node_sent_sigterm_leaves_in_order(elastic):
     assert "it left the pipeline (SIGTERM)" in worker.stderr()
     assert len(driver.stage_pids("stagewise-st1")) == 1
     (elastic["gate"] / "end").touch()
+
+
+# A three-node cluster on the simulated-cluster harness: links with delay and a limited rate,
+# memory limits that no node can hold the model under alone (node 0 runs the driver too), and a
+# model big enough for the limits to bite (8 layers of hidden 1024 in fp32, ~400 MB).
+BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+       "num_key_value_heads": 4}
+CLUSTER_LIMITS_MIB = (1500, 1400, 1400)     # each node's own processes (driver, headless) use ~300-400 MiB
+CLUSTER_OPTIONS = {"pp_size": 2, "nnodes": 3, "min_nodes": 2, "dtype": "float32", "pipeline_spares": False,
+                   "max_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def big_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
+    import transformers as tf
+    from tokenizers import Tokenizer
+    path = tmp_path_factory.mktemp("big-llama")
+    vocab = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    config = tf.LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **BIG)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():            # weights scaled by 1/sqrt(fan-in): logits far from ties, as a trained model's
+        for param in model.parameters():
+            param.copy_(1.0 + 0.1 * torch.randn_like(param) if param.dim() == 1
+                        else torch.randn_like(param) / param.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_tokenizer_dir / name, path / name)
+    return path
+
+
+def _cluster_node_args(model_dir, rank: int, master: str) -> list[str]:
+    return [sys.executable, "-m", "stagewise", "generate", "--model", str(model_dir), "--pp-size", "2",
+            "--nnodes", "3", "--node-rank", str(rank), "--min-nodes", "2", "--master-addr", master,
+            "--master-port", str(PORT), "--dist-timeout-s", str(HEAL_DIST_TIMEOUT_S), "--dtype", "float32",
+            "--no-pipeline-spares"]
+
+
+@pytest.fixture(scope="module")
+def cluster3(make_cluster, big_llama_dir, tmp_path_factory):
+    from benchmarks.harness.cluster import NodeSpec
+    specs = [NodeSpec(memory_bytes=CLUSTER_LIMITS_MIB[0] << 20),
+             NodeSpec(delay_ms=1, rate_mbit=1000, memory_bytes=CLUSTER_LIMITS_MIB[1] << 20),
+             NodeSpec(delay_ms=20, rate_mbit=100, memory_bytes=CLUSTER_LIMITS_MIB[2] << 20)]
+    cluster = make_cluster(specs)
+    log_dir = tmp_path_factory.mktemp("cluster3")
+    gate = log_dir / "gate"
+    gate.mkdir()
+    (gate / "0").touch()
+    n0, n1, n2 = cluster.nodes
+    run = {"hosts": (n0, n1, n2), "gate": gate, "log_dir": log_dir,
+           "worker": Node(n1, _cluster_node_args(big_llama_dir, 1, n0.address), log_dir, "cluster-node1"),
+           "driver": Node(n0, [sys.executable, "-c", HEAL_DRIVER, str(big_llama_dir), n0.address, str(PORT),
+                               str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate), json.dumps(CLUSTER_OPTIONS)],
+                          log_dir, "cluster-node0")}
+    try:
+        run["driver"].wait_for(lambda: '{"phase": 0' in run["driver"].stdout(), what="the reference run")
+        yield run
+    finally:
+        stop_all({"cluster": run})
+
+
+def test_cluster_splits_a_model_no_node_holds_by_memory_and_equals_one_process(cluster3, big_llama_dir):
+    """Three memory-limited nodes: the driver's plan puts the stages where they fit; the pipeline's
+    greedy tokens equal one fp32 process's."""
+    for limit_mib in CLUSTER_LIMITS_MIB:            # no node could hold the model alone
+        plan = subprocess.run([sys.executable, "-m", "stagewise", "plan", "--model", str(big_llama_dir), "--dtype",
+                               "float32", "--pp-size", "1", "--cluster", f"{limit_mib}MiB"],
+                              capture_output=True, text=True, timeout=120)
+        assert plan.returncode != 0 and "cannot hold the model" in plan.stderr, plan.stderr[-2000:]
+    driver = cluster3["driver"]
+    got = json.loads(next(line for line in driver.stdout().splitlines() if line.startswith('{"phase": 0')))
+    assert got["recovery"]["layout"] == [0, 1], got
+    with LLM(model=str(big_llama_dir), dtype="float32") as llm:
+        outs = llm.generate(prompt_token_ids=[[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)],
+                            sampling_params=SamplingParams(max_tokens=CLUSTER_OPTIONS["max_tokens"], temperature=0,
+                                                           ignore_eos=True), use_tqdm=False)
+    assert got["ids"] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_cluster_node_that_joins_waits_as_standby(cluster3, big_llama_dir):
+    """Node 2 joins under load; the plan with it is the plan without it, so it waits as a standby
+    and the pipeline is not stopped."""
+    n2 = cluster3["hosts"][2]
+    standby = cluster3["standby"] = Node(n2, _cluster_node_args(big_llama_dir, 2, cluster3["hosts"][0].address),
+                                         cluster3["log_dir"], "cluster-node2")
+    standby.wait_for(lambda: "joins the next one" in standby.stderr(), what="node 2 waiting to join")
+    driver = cluster3["driver"]
+    (cluster3["gate"] / "1").touch()
+    driver.wait_for(lambda: '{"phase": 1,' in driver.stdout(), what="the end of run 1", timeout=120)
+    got = json.loads(next(line for line in driver.stdout().splitlines() if line.startswith('{"phase": 1,')))
+    assert got["equal"] and got["reasons"] == ["length"] * 6, got
+    assert got["recovery"]["standby"] == [2] and not got["recovery"]["rebuilds"], got
+    assert "node 2 joined as a standby" in driver.stderr()
+
+
+def test_cluster_node_killed_under_load_heals_onto_the_standby(cluster3):
+    """Every process of node 1 SIGKILLed mid-run: its heartbeat stops, the rebuild does not wait
+    out --node-rejoin-timeout-s, the stages are planned over nodes 0 and 2, no request is lost and
+    the tokens are the same."""
+    worker = cluster3["worker"]
+    got = _phase(cluster3, 2, lambda: cluster3["hosts"][1].kill_all(), num_rebuilds=1)
+    assert got["recovery"]["layout"] == [0, 2], got
+    assert got["recovery"]["last"]["rejoin_s"] < REJOIN_S, got
+    assert "node 1 did not rejoin" in got["recovery"]["last_move"]["why"], got
+    assert worker.proc.poll() is not None
+    (cluster3["gate"] / "end").touch()

@@ -95,20 +95,27 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
     return make_executor(c, model_dir, eos_token_ids, generation=generation, layout=layout)
 
 
-def plan_on(c: EngineConfig, model_dir: str, nodes: list[int]) -> tuple[EngineConfig, tuple[int, ...]]:
+_node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
+
+
+def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True) -> tuple[EngineConfig,
+                                                                                                tuple[int, ...]]:
     """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
     the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
-    command line's partition with the stages spread evenly. ValueError (one sentence) when the
+    command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
+    before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
     nodes cannot hold the model."""
     if c.pp_node_fit == "off" or c.master_port is None:
         return c, spread_stages(c.pp_size, nodes)
     store = control_store(c.master_addr, c.master_port)
-    here = NodeReport.measure()
-    # NOTE: the driver runs already, so its memory is in use, not available; the planner takes it
-    # from node 0's budget once more, so it is given back here
-    if here.available_bytes is not None:
-        here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
-    reports = {**read_reports(store, [n for n in nodes if n]), 0: here}
+    if measure or not _node0:
+        here = NodeReport.measure()
+        # NOTE: the driver runs already, so its memory is in use, not available; the planner takes
+        # it from node 0's budget once more, so it is given back here
+        if here.available_bytes is not None:
+            here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
+        _node0[:] = [here]
+    reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
     plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
     return c.replace(pp_layer_partition=plan.partition), plan.layout
 
@@ -236,12 +243,12 @@ class PipelineSupervisor:
         t0 = time.monotonic()
         present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
-        self.standby = set()
         try:
             c, layout = plan_on(c, self.model_dir, [0, *present])
         except ValueError as exc:
             self.recovery.recovering, self._no_room = None, True
             self.die(f"The pipeline cannot be rebuilt on the nodes left: {exc}")
+        self.standby = set(present) - set(layout)       # ready but not needed: they wait as standbys
         if layout != self.executor.layout or c.pp_layer_partition != self.executor.partition:
             self._log_move(c, layout, present)
         return make_executor(c, self.model_dir, self.eos_token_ids, generation=generation,
@@ -292,7 +299,7 @@ class PipelineSupervisor:
         """Whether the pipeline would run otherwise with the nodes in `back` (else they are standbys)."""
         ex = self.executor
         try:
-            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}))
+            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False)
         except ValueError:
             return True        # (it cannot hold now: a rebuild says so in one sentence)
         if layout != ex.layout or c.pp_layer_partition != ex.partition:

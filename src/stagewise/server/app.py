@@ -99,12 +99,12 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     @app.get("/health")
     async def health():
         if engine.is_healthy:
-            return {"status": "ok"}
+            return {"status": "ok", **_pipeline(engine.snapshot)}
         why = engine.unhealthy_reason
         body = APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body()
         if engine.recovering and not engine.dead:
             body["status"] = "recovering"
-        return JSONResponse(body, status_code=503)
+        return JSONResponse({**body, **_pipeline(engine.snapshot)}, status_code=503)
 
     @app.get("/version")
     async def version():
@@ -119,6 +119,16 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _pipeline(snapshot: dict) -> dict:
+    """Where a pipeline across nodes runs now and its last move (join, leave, loss), from the
+    engine's latest stats (no call into the engine: /health stays instant)."""
+    r = snapshot.get("recovery") or {}
+    if len(r.get("nodes") or []) < 2 and not r.get("moves") and not r.get("standby"):
+        return {}
+    keys = ("nodes", "standby", "layout", "partition", "moves", "last_move")
+    return {"pipeline": {k: r.get(k) for k in keys}}
 
 
 def run_server(config: EngineConfig, options: ServerOptions | None = None, *, log_level: str = "info") -> None:
