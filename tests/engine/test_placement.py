@@ -1,38 +1,21 @@
-"""Where a multi-node pipeline's stages go when a node does not rejoin (recovery/placement.py): its
-stages move to node 0, and the fit check against node 0's memory names what is missing."""
+"""Where a multi-node pipeline's stages run (recovery/placement.py): planned over the nodes present
+by their reported memory and speed, or spread evenly with --pp-node-fit off."""
 from __future__ import annotations
 
 import pytest
 
-from stagewise.recovery.placement import fit_problem, layout_line, place_stages
-from stagewise.runtime.memory import MemoryPlan
-
-MIB = 1 << 20
+from stagewise.recovery.placement import layout_line, spread_stages
 
 
-def plan(stage: int, weights_mib: int) -> MemoryPlan:
-    return MemoryPlan(stage, (2 * stage, 2 * stage + 2), 2048 * MIB, weights_mib * MIB, 0, 0, 10 * MIB,
-                      100 * MIB, 100, MIB)
-
-
-def test_a_missing_node_hands_its_stages_to_node0():
-    p = place_stages((0, 0, 1, 1, 2, 2), present=[2])
-    assert p.layout == (0, 0, 0, 0, 2, 2) and p.moved == (2, 3) and p.gone == (1,)
-    assert place_stages((0, 1), present=[1]).moved == ()
-    assert layout_line(p.layout, (2, 2, 2, 2, 2, 2)) == "node 0: stage(s) 0, 1, 2, 3 (layers 0-7); " \
-                                                        "node 2: stage(s) 4, 5 (layers 8-11)"
-
-
-def test_fit_counts_the_moved_stages_and_the_live_kv():
-    p = place_stages((0, 1), present=[])
-    plans = [plan(0, 500), plan(1, 1000)]
-    # stage 1: 1000 MiB weights + 10 MiB activations + 1 MiB per block
-    assert fit_problem(p, plans, live_blocks=50, num_live=3, available=1100 * MIB, rejoin_timeout_s=30) is None
-    assert fit_problem(p, plans, live_blocks=50, num_live=3, available=None, rejoin_timeout_s=30) is None
-    why = fit_problem(p, plans, live_blocks=200, num_live=3, available=1100 * MIB, rejoin_timeout_s=30)
-    assert why == ("Node 1 did not rejoin within 30 s and node 0 cannot take over its stage(s) 1: they need 1.18 "
-                   "GiB (weights, graphs and activations 0.99 GiB, KV for the 3 live request(s) 0.20 GiB) but node 0 "
-                   "has 1.07 GiB available; start node 1 again with the same command.")
+def test_off_spreads_the_stages_evenly_over_the_nodes_there_are():
+    """--pp-node-fit off: the command line's partition, stages in contiguous runs, node 0 (which also
+    runs the driver) taking the smaller share."""
+    assert spread_stages(4, [0, 2]) == (0, 0, 2, 2)
+    assert spread_stages(3, [0, 1]) == (0, 1, 1)
+    assert spread_stages(2, [0, 1, 2]) == (1, 2)
+    assert spread_stages(2, [0]) == (0, 0)
+    assert layout_line((0, 0, 0, 0, 2, 2), (2, 2, 2, 2, 2, 2)) == "node 0: stage(s) 0, 1, 2, 3 (layers 0-7); " \
+                                                                  "node 2: stage(s) 4, 5 (layers 8-11)"
 
 
 def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
@@ -54,5 +37,3 @@ def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
     assert plan_over_nodes(config, hf, {0: NodeReport(4 * gib)}, num_stages=2).layout == (0, 0)
     with pytest.raises(ValueError, match="cannot hold the model: .* is missing"):
         plan_over_nodes(config, hf, {0: NodeReport(700 << 20), 2: NodeReport(600 << 20)})
-    # the older rule keeps working until the supervisor switches over
-    assert place_stages((0, 1), present=[]).layout == (0, 0)

@@ -1,67 +1,24 @@
-"""Where a multi-node pipeline's stages run after a rebuild, when a node has not come back.
+"""Where a multi-node pipeline's stages run: at its start and at every rebuild (a node joined,
+left or was lost), over the nodes present.
 
-`plan_over_nodes` re-partitions over the nodes present, by the memory and speed each reported
-(runtime/cluster_plan.py, parallel/planner.py): a new layer split and the node of each stage.
-`place_stages` (the older rule) keeps the partition and hands a missing node's stages to node 0
-if node 0's memory holds them: the per-stage memory plan the stages report at start-up plus KV
-blocks for every live request.
+`plan_on` reads what each node reported when it joined (its memory and speed), measures node 0,
+and `plan_over_nodes` chooses the layer split and the node of each stage (runtime/cluster_plan.py,
+parallel/planner.py); with --pp-node-fit off the command line's split stays and the stages are
+spread evenly (`spread_stages`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
 
+from ..checkpoint import load_hf_config
 from ..config import EngineConfig
+from ..executor.generations import control_store
+from ..executor.node_reports import read_reports
 from ..runtime.cluster_plan import NodeReport, model_facts, plan_cluster
+from ..runtime.memory import DRIVER_RUNTIME_BYTES
 
-GIB = float(1 << 30)
-
-
-@dataclass(frozen=True)
-class Placement:
-    layout: tuple[int, ...]        # the node of each stage
-    moved: tuple[int, ...]         # stages that left their command-line node
-    gone: tuple[int, ...]          # nodes left out
-
-
-def place_stages(layout: tuple[int, ...], present: list[int]) -> Placement:
-    """`layout` (the command line's) with every stage of a node not in `present` on node 0."""
-    gone = tuple(sorted({n for n in layout if n != 0 and n not in present}))
-    moved = tuple(s for s, n in enumerate(layout) if n in gone)
-    return Placement(tuple(0 if n in gone else n for n in layout), moved, gone)
-
-
-def needed_bytes(plans: list, stages: tuple[int, ...], live_blocks: int) -> tuple[int, int]:
-    """(fixed, kv) bytes `stages` need: weights, graphs and activations; KV for `live_blocks` blocks."""
-    fixed = sum(plans[s].weights_bytes + plans[s].graph_buffer_bytes + plans[s].graph_pool_bytes
-                + plans[s].activation_bytes for s in stages)
-    return fixed, sum(plans[s].block_bytes for s in stages) * live_blocks
-
-
-def fit_problem(placement: Placement, plans: list, live_blocks: int, num_live: int, available: int | None,
-                rejoin_timeout_s: float) -> str | None:
-    """One sentence saying what is missing when node 0 cannot take the moved stages; None if it can
-    (or `available` is unknown: the stages' own memory plan is the check then)."""
-    fixed, kv = needed_bytes(plans, placement.moved, live_blocks)
-    if available is None or fixed + kv <= available:
-        return None
-    nodes = ", ".join(map(str, placement.gone))
-    return (f"Node {nodes} did not rejoin within {rejoin_timeout_s:.0f} s and node 0 cannot take over its stage(s) "
-            f"{', '.join(map(str, placement.moved))}: they need {(fixed + kv) / GIB:.2f} GiB (weights, graphs and "
-            f"activations {fixed / GIB:.2f} GiB, KV for the {num_live} live request(s) {kv / GIB:.2f} GiB) but node 0 "
-            f"has {available / GIB:.2f} GiB available; start node {nodes} again with the same command.")
-
-
-def available_bytes() -> int | None:
-    """MemAvailable of this host (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+_node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
 
 
 def layout_line(layout: tuple[int, ...], partition: tuple[int, ...]) -> str:
@@ -102,3 +59,33 @@ def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeRepo
                         partition=partition, ranks=ranks)
     return NodePlan(plan.partition, tuple(ranks[j] for j in plan.layout), tuple(ranks[j] for j in plan.left_out),
                     plan.shares)
+
+
+def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True) -> tuple[EngineConfig,
+                                                                                                tuple[int, ...]]:
+    """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
+    the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
+    command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
+    before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
+    nodes cannot hold the model."""
+    if c.pp_node_fit == "off" or c.master_port is None:
+        return c, spread_stages(c.pp_size, nodes)
+    store = control_store(c.master_addr, c.master_port)
+    if measure or not _node0:
+        here = NodeReport.measure()
+        # NOTE: the driver runs already, so its memory is in use, not available; the planner takes
+        # it from node 0's budget once more, so it is given back here
+        if here.available_bytes is not None:
+            here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
+        _node0[:] = [here]
+    reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
+    plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
+    return c.replace(pp_layer_partition=plan.partition), plan.layout
+
+
+def spread_stages(pp_size: int, nodes: list[int]) -> tuple[int, ...]:
+    """The node of each stage: contiguous runs over `nodes` in order, as even as possible, the
+    driver's node (first) taking the smaller share when they cannot be equal."""
+    base, extra = divmod(pp_size, len(nodes))
+    counts = [base + (1 if i >= len(nodes) - extra else 0) for i in range(len(nodes))]
+    return tuple(node for node, count in zip(nodes, counts) for _ in range(count))

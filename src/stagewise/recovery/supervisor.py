@@ -2,12 +2,12 @@
 
 It owns the executor's lifetime: the first start, teardown and rebuild after a stage dies, hangs
 or loses a link (new processes and links; across nodes, a new generation on the nodes that rejoin
-in time, the stages of the others on node 0: recovery/placement.py), spare stage processes, and
-nodes that come back. Beside it (rules.py): the restart budget, the poison-plan rule (an admission
-rule of the scheduler) and the recovery counters. The engine calls `tend` before each step and
-`lost` when the executor failed, and reports applied plans and finished requests (they clear
-suspects); requests change only through the scheduler, seen here as `LiveRequests`. A pipeline
-that cannot be healed raises `Unrecoverable`; the engine then fails everything.
+in time, with the layers and the node of each stage planned over them: placement.py), spare stage
+processes, and nodes that join (or wait as standbys) and leave. Beside it (rules.py): the restart
+budget, the poison-plan rule (an admission rule of the scheduler) and the recovery counters. The
+engine calls `tend` before each step and `lost` when the executor failed, and reports applied
+plans and finished requests (they clear suspects); requests change only through the scheduler,
+seen here as `LiveRequests`. A pipeline that cannot be healed raises `Unrecoverable`.
 """
 from __future__ import annotations
 
@@ -17,28 +17,23 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Callable, NoReturn, Protocol
 
-from ..checkpoint import load_hf_config
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor, make_executor
 from ..executor.generations import (
     await_nodes,
-    control_store,
     end_generations,
     leaving,
     next_generation,
     ready_nodes,
 )
 from ..executor.netif import master_ip
-from ..executor.node_reports import read_reports
 from ..executor.rendezvous import torchrun_env
 from ..executor.spawn import spares_ready, start_spares, stop_spares
 from ..parallel.auth import cluster_token, key_of, warn_if_open
 from ..plan import StepPlan, StepResult
 from ..request import Request
-from ..runtime.cluster_plan import NodeReport
-from ..runtime.memory import DRIVER_RUNTIME_BYTES
-from .placement import available_bytes, fit_problem, layout_line, place_stages, plan_over_nodes
+from .placement import layout_line, plan_on
 from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
 log = logging.getLogger("stagewise.engine")
@@ -95,39 +90,6 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
     return make_executor(c, model_dir, eos_token_ids, generation=generation, layout=layout)
 
 
-_node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
-
-
-def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True) -> tuple[EngineConfig,
-                                                                                                tuple[int, ...]]:
-    """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
-    the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
-    command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
-    before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
-    nodes cannot hold the model."""
-    if c.pp_node_fit == "off" or c.master_port is None:
-        return c, spread_stages(c.pp_size, nodes)
-    store = control_store(c.master_addr, c.master_port)
-    if measure or not _node0:
-        here = NodeReport.measure()
-        # NOTE: the driver runs already, so its memory is in use, not available; the planner takes
-        # it from node 0's budget once more, so it is given back here
-        if here.available_bytes is not None:
-            here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
-        _node0[:] = [here]
-    reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
-    plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
-    return c.replace(pp_layer_partition=plan.partition), plan.layout
-
-
-def spread_stages(pp_size: int, nodes: list[int]) -> tuple[int, ...]:
-    """The node of each stage: contiguous runs over `nodes` in order, as even as possible, the
-    driver's node (first) taking the smaller share when they cannot be equal."""
-    base, extra = divmod(pp_size, len(nodes))
-    counts = [base + (1 if i >= len(nodes) - extra else 0) for i in range(len(nodes))]
-    return tuple(node for node, count in zip(nodes, counts) for _ in range(count))
-
-
 class PipelineSupervisor:
     """Heals the executor it is given: teardown, rebuild, placement, spares, returning nodes."""
 
@@ -144,7 +106,7 @@ class PipelineSupervisor:
         self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
         self._node_check_at = 0.0
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
-        self._no_room = False          # node 0 could not take a lost node's stages (fatal)
+        self._no_room = False          # the nodes left cannot hold the model (fatal)
         self.moves: list[dict] = []    # each change of the nodes the pipeline runs on: why, layout, when
         self.standby: set[int] = set()  # ready nodes the current pipeline does not need
         requests.admission_rules.append(self.suspects.may_admit)     # suspects wait their turn
@@ -214,7 +176,7 @@ class PipelineSupervisor:
                 self.executor = self._new_executor()
                 break
             except EngineDeadError as exc:
-                if self._no_room:             # the engine died: no room for a lost node's stages
+                if self._no_room:             # the engine died: the nodes left cannot hold the model
                     raise
                 if not self.restarts.take():
                     self.recovery.recovering = None
@@ -262,8 +224,6 @@ class PipelineSupervisor:
         left = [n for n in gone if leaving(c.master_addr, c.master_port, n)]
         lost = [n for n in gone if n not in left]
         joined = sorted(set(layout) - before)
-        if lost and c.pp_node_fit == "off":       # else the plan fitted each node's reported memory
-            self._check_fits(place_stages(self.executor.layout, present))
         why = "; ".join(part for part in (
             f"node {', '.join(map(str, lost))} did not rejoin within {c.node_rejoin_timeout_s:.0f} s "
             f"(or stopped beating)" if lost else "",
@@ -308,17 +268,6 @@ class PipelineSupervisor:
         log.warning("node %s joined as a standby: the pipeline is as fast without it; a rebuild will use it",
                     ", ".join(map(str, back)))
         return False
-
-    def _check_fits(self, placement) -> None:
-        """Die (one sentence) when node 0's memory cannot hold the moved stages and the live KV."""
-        live = list(self.requests.requests.values())
-        blocks = sum(-(-r.num_tokens // self.config.block_size) for r in live) + 1
-        available = available_bytes() if self.config.resolved_device == "cpu" else None
-        why = fit_problem(placement, self.executor.memory_plans, blocks, len(live), available,
-                          self.config.node_rejoin_timeout_s)
-        if why is not None:
-            self.recovery.recovering, self._no_room = None, True
-            self.die(why)
 
     def _start_spares(self) -> None:
         self._spares_due = None
