@@ -9,7 +9,7 @@ import time
 from stagewise.engine.outputs import StepOutputs
 from stagewise.request import CompletionOutput, RequestOutput
 from stagewise.serve.core import EngineCore
-from stagewise.serve.wire import EngineOutputs, StopEngine, recv, send
+from stagewise.serve.wire import EngineOutputs, StopEngine, recv_core, send
 
 CHUNK = "x" * 65536          # one step's new text: a whole pipe buffer on Linux
 
@@ -60,7 +60,7 @@ def test_a_client_that_does_not_read_holds_up_no_step():
     send(to_core, StopEngine())
     texts = []
     while True:
-        msg = recv(from_core)
+        msg = recv_core(from_core)
         assert isinstance(msg, EngineOutputs)
         texts += [d.text_tail for d in msg.deltas]
         if any(d.finished for d in msg.deltas):

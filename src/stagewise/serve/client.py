@@ -35,8 +35,11 @@ from .wire import (
     EngineOutputs,
     NewRequest,
     OutputDelta,
+    Params,
     StopEngine,
-    recv,
+    TensorRecord,
+    WireError,
+    recv_core,
     send,
 )
 
@@ -207,7 +210,7 @@ class EngineClient:
                 self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens,
                                              max_tokens=p.max_tokens)
                 sub.add(rid)
-                new.append(NewRequest(rid, inp.prompt_token_ids, inp.input_embeds, p))
+                new.append(NewRequest(rid, inp.prompt_token_ids, TensorRecord.of(inp.input_embeds), Params.of(p)))
         self._outbox.put(AddRequests(new))
         return sub
 
@@ -260,11 +263,18 @@ class EngineClient:
         conn = self._pipes.from_core
         try:
             while conn.poll():
-                self._handle(recv(conn))
+                self._handle(recv_core(conn))
         except (EOFError, OSError):
-            if self._loop is not None:
-                self._loop.remove_reader(conn.fileno())
+            self._stop_reading()
             self._core_exited()
+        except WireError as exc:         # a core of another version, or a bug: nothing after it can be trusted
+            self._stop_reading()
+            if self.dead is None:
+                self._die(f"The engine process sent a message the server cannot read ({exc}); restart the server.", [])
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._pipes.from_core.fileno())
 
     def _handle(self, msg) -> None:
         if isinstance(msg, EngineOutputs):

@@ -11,7 +11,6 @@ not for it to read (a thread of the core writes the pipe, so a full pipe holds u
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import signal
 import threading
@@ -32,9 +31,11 @@ from .wire import (
     EngineFailed,
     EngineOutputs,
     EngineReady,
+    ErrorRecord,
+    NewRequest,
     StopEngine,
     encode,
-    recv,
+    recv_client,
     send,
 )
 
@@ -88,7 +89,7 @@ def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
     except BaseException as exc:        # noqa: BLE001  (reported to the client, which raises it)
         if not isinstance(exc, USER_ERRORS):
             log.exception("the engine failed to start")
-        _send_quietly(outbox, EngineFailed(_picklable(exc)))
+        _send_quietly(outbox, EngineFailed(ErrorRecord.of(exc)))
         return 1
     _send_quietly(outbox, ready)
     return EngineCore(engine, inbox, outbox).run()
@@ -99,14 +100,6 @@ def engine_facts(engine) -> EngineFacts:
                        model_dir=str(engine.model_dir), config_model=engine.config.model,
                        vocab_size=int(engine.tok.vocab_size),
                        grammar_limits=getattr(engine, "grammar_limits", None) or GrammarLimits())
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:                   # noqa: BLE001  (an exception type that does not round-trip)
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _send_quietly(conn: Connection, msg: CoreMessage) -> None:
@@ -214,27 +207,32 @@ class EngineCore:
             if not self.inbox.poll(timeout_s):
                 return
             while True:
-                self._handle(recv(self.inbox))      # type: ignore[arg-type]
+                self._handle(recv_client(self.inbox))
                 if not self.inbox.poll():
                     return
         except (EOFError, OSError):
             raise ClientGone() from None
+        # NOTE: a WireError (a client of another version, or a bug) ends the loop as a fault: logged, EngineDied
 
     def _handle(self, msg: ClientMessage) -> None:
         if isinstance(msg, AddRequests):
             for r in msg.requests:
-                try:
-                    self.engine.add_request(params=r.params, prompt_token_ids=r.prompt_token_ids,
-                                            input_embeds=r.input_embeds, request_id=r.request_id)
-                    self.live.add(r.request_id)
-                except Exception as exc:     # noqa: BLE001  (the client checked it; fail this request alone)
-                    log.error("request %s refused by the engine: %s", r.request_id, exc)
-                    self.refused.append(final_output(r.request_id, "error", str(exc)))
+                self._add(r)
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
         elif isinstance(msg, StopEngine):
             self.stop_requested = True
+
+    def _add(self, r: NewRequest) -> None:
+        try:
+            embeds = None if r.input_embeds is None else r.input_embeds.to_tensor()
+            self.engine.add_request(params=r.params.to_sampling_params(), prompt_token_ids=r.prompt_token_ids,
+                                    input_embeds=embeds, request_id=r.request_id)
+            self.live.add(r.request_id)
+        except Exception as exc:     # noqa: BLE001  (the client checked it; fail this request alone)
+            log.error("request %s refused by the engine: %s", r.request_id, exc)
+            self.refused.append(final_output(r.request_id, "error", str(exc)))
 
     # steps and outputs out
     def _step(self) -> bool | None:

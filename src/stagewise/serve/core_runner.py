@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 from .. import envs
 from ..errors import EngineDeadError, describe_exit
 from .core import STOP_DRAIN_S, engine_main, serve
-from .wire import EngineFailed, EngineReady, recv
+from .wire import EngineFailed, EngineReady, recv_core
 
 STARTUP_POLL_S = 0.1
 EXIT_WAIT_S = 2.0             # after the core closed its pipe: time for its exit code to show
@@ -129,12 +129,12 @@ def await_ready(pipes: CorePipes) -> EngineReady:
         if not pipes.runner.is_alive():
             raise _exited_while_starting(pipes.runner)
     try:
-        msg = recv(pipes.from_core)
+        msg = recv_core(pipes.from_core)
     except (EOFError, OSError):
         pipes.runner.join(EXIT_WAIT_S)
         raise _exited_while_starting(pipes.runner) from None
     if isinstance(msg, EngineFailed):
-        raise msg.error
+        raise msg.error.to_exception()
     assert isinstance(msg, EngineReady), msg
     return msg
 
