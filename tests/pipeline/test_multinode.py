@@ -436,25 +436,34 @@ HEAL_DIST_TIMEOUT_S = 60       # faults here must be found by closed links and h
 HANG_FOUND_S = 30              # a stopped stage is declared lost after ~5 s of silence; generous on a busy box
 
 
-@pytest.fixture(scope="module")
-def heal(make_hosts, llama_dir, tmp_path_factory):
-    """A pipeline over two hosts that heals; the tests below run in order, one phase each."""
-    log_dir = tmp_path_factory.mktemp("multinode-heal")
+def _phased_pair(make_hosts, llama_dir, tmp_path_factory, tag: str, options: dict | None = None,
+                 start_worker: bool = True):
+    """Two hosts: HEAL_DRIVER on the first (its reference run done), the README's worker command on
+    the second (started now, or later by the test with `worker_args`)."""
+    log_dir = tmp_path_factory.mktemp(f"multinode-{tag}")
     gate = log_dir / "gate"
     gate.mkdir()
     (gate / "0").touch()
     a, b = make_hosts()
     worker_args = stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0",
                             dist_timeout_s=HEAL_DIST_TIMEOUT_S)
-    run = {"hosts": (a, b), "gate": gate, "log_dir": log_dir, "worker_args": worker_args,
-           "worker": Node(b, worker_args, log_dir, "heal-node1"),
-           "driver": Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
-                              str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate)], log_dir, "heal-node0")}
+    run = {"hosts": (a, b), "gate": gate, "log_dir": log_dir, "worker_args": worker_args}
+    if start_worker:
+        run["worker"] = Node(b, worker_args, log_dir, f"{tag}-node1")
+    run["driver"] = Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
+                             str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate), json.dumps(options or {})],
+                         log_dir, f"{tag}-node0")
     try:
         run["driver"].wait_for(lambda: '{"phase": 0,' in run["driver"].stdout(), what="the reference run")
         yield run
     finally:
-        stop_all({"heal": run})
+        stop_all({tag: run})
+
+
+@pytest.fixture(scope="module")
+def heal(make_hosts, llama_dir, tmp_path_factory):
+    """A pipeline over two hosts that heals; the tests below run in order, one phase each."""
+    yield from _phased_pair(make_hosts, llama_dir, tmp_path_factory, "heal")
 
 
 def _phase(run: dict, phase: int, kill, num_rebuilds: int | None = None) -> dict:
@@ -543,22 +552,8 @@ def test_remote_stage_that_hangs_is_replaced_after_the_timeout(heal):
 def elastic(make_hosts, llama_dir, tmp_path_factory):
     """A pipeline that starts on node 0 alone (--min-nodes 1 of --nnodes 2): node 1 joins it later,
     then leaves it on SIGTERM. The tests below run in order, one phase each."""
-    log_dir = tmp_path_factory.mktemp("multinode-elastic")
-    gate = log_dir / "gate"
-    gate.mkdir()
-    (gate / "0").touch()
-    a, b = make_hosts()
-    worker_args = stagewise("generate", llama_dir, 2, 1, "--pipeline-spares-delay-s", "0",
-                            dist_timeout_s=HEAL_DIST_TIMEOUT_S)
-    run = {"hosts": (a, b), "gate": gate, "log_dir": log_dir, "worker_args": worker_args,
-           "driver": Node(a, [sys.executable, "-c", HEAL_DRIVER, str(llama_dir), MASTER, str(PORT),
-                              str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate), json.dumps({"min_nodes": 1})],
-                          log_dir, "elastic-node0")}
-    try:
-        run["driver"].wait_for(lambda: '{"phase": 0' in run["driver"].stdout(), what="the reference run")
-        yield run
-    finally:
-        stop_all({"elastic": run})
+    yield from _phased_pair(make_hosts, llama_dir, tmp_path_factory, "elastic", {"min_nodes": 1},
+                            start_worker=False)
 
 
 def test_pipeline_starts_on_the_nodes_present_with_min_nodes(elastic):
