@@ -147,3 +147,38 @@ def test_a_compile_over_its_memory_budget_fails_alone(backend):
         assert svc.submit("t", "json", SCHEMA).future.result(WAIT_S) is not None
     finally:
         svc.shutdown()
+
+
+def test_slow_compiles_do_not_hold_up_a_small_fresh_one(service):
+    """Issue 42: four slow regexes in flight (one worker) held a trivial schema for all their budgets;
+    the quick lane compiles it at once, and a slow one it tried still gets a worker's verdict."""
+    service.submit("t", "regex", "x").future.result(WAIT_S)            # the supervisor is up
+    slow = [service.submit(f"u{i}", "regex", SLOW_REGEX) for i in range(4)]
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    fresh = service.submit("other", "json", json.dumps({"type": "object", "properties": {"f": {"type": "boolean"}}}))
+    assert fresh.future.result(WAIT_S) is not None
+    waited = time.monotonic() - t0
+    for ticket in slow[:1] + slow[2:]:
+        service.cancel(ticket)
+    with pytest.raises(GrammarRefused, match="--grammar-compile-timeout-s") as info:
+        slow[1].future.result(WAIT_S)                  # it ran in the quick lane first, then on the worker
+    assert info.value.status == 408
+    assert waited < 4.0, f"the fresh schema waited {waited:.1f} s behind slow compiles"
+
+
+@pytest.mark.parametrize("schema, violation", [
+    ({"type": "integer", "not": {"const": 3}}, "3"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "1"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "number", "multipleOf": 0.5}, "1.3"),
+], ids=["not", "uniqueItems", "allOf", "dependentRequired", "multipleOf"])
+def test_keywords_xgrammar_ignores_are_refused(schema, violation):
+    """Why the limit check refuses them: xgrammar compiles them and accepts output that breaks them."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), violation)
+    with pytest.raises(GrammarRefused, match="does not enforce"):
+        check_limits("json", json.dumps(schema), GrammarLimits())

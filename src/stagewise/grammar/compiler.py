@@ -1,35 +1,40 @@
 """The grammar compile supervisor: a process of its own (started by grammar/service.py) that
-checks each constraint against the limits, then compiles it in a child forked for that one compile,
-with an address-space limit (its share of --grammar-memory), a CPU-time limit and a wall-clock
-deadline, at most `workers` children at once, and answers with the compiled grammar serialized
-(xgrammar's JSON). A child that runs out of memory or time, or crashes, ends alone: neither the
-engine nor another request ever sees it. Cancelled jobs are dropped, or their child killed.
+checks each constraint against the limits, then compiles it in a child forked for that one compile
+(grammar/compile_child.py), with an address-space limit, a CPU-time limit and a wall-clock deadline
+that start when the child does, and answers with the compiled grammar serialized (xgrammar's JSON).
+A child that runs out of memory or time, or crashes, ends alone: neither the engine nor another
+request ever sees it. Cancelled jobs are dropped, or their child killed.
+
+Two lanes, so that slow compiles cannot hold up a fresh small one: `workers` children take jobs
+first come first served, each with its share of --grammar-memory and the full CPU budget; while
+they are all busy, one more child, the quick lane, tries the smallest job not yet tried there with
+QUICK_CPU_S of CPU and an eighth of the memory (a job half its size or less takes the lane over).
+A job over the quick lane's budget (or memory) goes back to its place in the queue for a worker,
+its budgets fresh: it lost at most QUICK_CPU_S.
 
 Messages (tuples over a socket pair): in `("compile", job_id, kind, text)`, `("cancel", job_id)`, `("stop",)`;
 out `("ready",)`, `("done", job_id, serialized)`, `("failed", job_id, status, message)`.
 """
 from __future__ import annotations
 
-import json
 import os
-import resource
 import signal
 import time
-from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from .limits import JSON_OBJECT_SCHEMA, GrammarLimits, GrammarRefused, check_limits
+from .compile_child import MIB, child_main, die_with_parent, memory_message
+from .limits import GrammarLimits, GrammarRefused, check_limits
 
 NICE = 10                     # compiles yield the CPU to the engine's steps
 WALL_FACTOR = 3.0             # the wall-clock deadline, in CPU budgets (a busy machine stretches a compile)
-MIB = 1 << 20
+QUICK_CPU_S = 1               # the quick lane's CPU budget (RLIMIT_CPU counts whole seconds)
 
 
 def main(fd: int, parent_pid: int) -> None:
     """Entry point of the supervisor process (`python -m stagewise.grammar.compiler FD PID`):
     its end of a socket pair, on which the first message is (tokenizer info as JSON, limits)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(NICE)
     conn = Connection(fd)
@@ -41,15 +46,12 @@ def main(fd: int, parent_pid: int) -> None:
     os._exit(0)               # its compiles are killed; interpreter teardown (torch loaded) takes seconds
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL when the parent goes (and at once if it already went)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
+@dataclass(eq=False)
+class _Job:
+    job_id: int
+    kind: str
+    text: str
+    tried: bool = False       # it ran over the quick lane's budget: only a worker takes it now
 
 
 @dataclass
@@ -57,12 +59,14 @@ class _Child:
     pid: int
     reader: Connection
     deadline: float
+    job: _Job
+    quick: bool
 
 
 class CompileServer:
     def __init__(self, conn: Connection, info, limits: GrammarLimits):
         self.conn, self.info, self.limits = conn, info, limits
-        self.queue: deque[tuple[int, str, str]] = deque()
+        self.queue: list[_Job] = []                      # in arrival (job id) order
         self.children: dict[int, _Child] = {}            # job id -> its compile
 
     def run(self) -> None:
@@ -90,11 +94,35 @@ class CompileServer:
                 self._collect(job_id)
         now = time.monotonic()
         for job_id in [j for j, c in self.children.items() if c.deadline <= now]:
-            self._kill(job_id)
-            self._answer(job_id, "failed", 408, self._timeout_message())
-        while self.queue and len(self.children) < self.limits.workers:
-            self._start(*self.queue.popleft())
+            child = self._kill(job_id)
+            self._requeue(child.job) if child.quick else self._answer(job_id, "failed", 408, self._timeout_message())
+        self._start_queued()
         return True
+
+    def _start_queued(self) -> None:
+        """Workers take the oldest jobs; while they are all busy the quick lane takes the smallest
+        job it has not tried (a trivial schema behind slow regexes compiles at once)."""
+        workers = sum(not c.quick for c in self.children.values())
+        while self.queue and workers < self.limits.workers:
+            self._start(self.queue.pop(0), quick=False)
+            workers += 1
+        untried = [j for j in self.queue if not j.tried]
+        if not untried:
+            return
+        job = min(untried, key=lambda j: len(j.text))
+        quick = next((c for c in self.children.values() if c.quick), None)
+        if quick is not None and len(job.text) * 2 <= len(quick.job.text):
+            self._kill(quick.job.job_id)             # a much smaller job goes first; this one tries again
+            self._requeue(quick.job, tried=False)
+        elif quick is not None:
+            return
+        self.queue.remove(job)
+        self._start(job, quick=True)
+
+    def _requeue(self, job: _Job, tried: bool = True) -> None:
+        """Back to its place in the queue (arrival order)."""
+        job.tried = tried
+        self.queue.insert(next((i for i, j in enumerate(self.queue) if j.job_id > job.job_id), len(self.queue)), job)
 
     def _command(self) -> bool:
         try:
@@ -102,29 +130,32 @@ class CompileServer:
         except (EOFError, OSError):
             return False
         if msg[0] == "compile":
-            self.queue.append(msg[1:])
+            self.queue.append(_Job(*msg[1:]))
         elif msg[0] == "cancel":
             job_id = msg[1]
-            self.queue = deque(j for j in self.queue if j[0] != job_id)
+            self.queue = [j for j in self.queue if j.job_id != job_id]
             if job_id in self.children:
                 self._kill(job_id)
         return msg[0] != "stop"
 
-    def _start(self, job_id: int, kind: str, text: str) -> None:
+    def _start(self, job: _Job, quick: bool) -> None:
         try:
-            check_limits(kind, text, self.limits)
+            check_limits(job.kind, job.text, self.limits)
         except GrammarRefused as exc:
-            self._answer(job_id, "failed", exc.status, str(exc))
+            self._answer(job.job_id, "failed", exc.status, str(exc))
             return
+        cpu_s = QUICK_CPU_S if quick else max(1, int(self.limits.compile_timeout_s + 0.999))
+        memory = self.limits.quick_memory if quick else self.limits.memory_per_compile
         reader, writer = _pipe()
         pid = os.fork()
         if pid == 0:                                      # the child: compile, answer, exit
             reader.close()
             self.conn.close()
-            _child_main(writer, self.info, kind, text, self.limits)
+            child_main(writer, self.info, job.kind, job.text, self.limits, memory, cpu_s)
         writer.close()
-        deadline = time.monotonic() + WALL_FACTOR * self.limits.compile_timeout_s + 1.0
-        self.children[job_id] = _Child(pid, reader, deadline)
+        budget = QUICK_CPU_S if quick else self.limits.compile_timeout_s
+        deadline = time.monotonic() + WALL_FACTOR * budget + 1.0      # from the compile's start, not the queue
+        self.children[job.job_id] = _Child(pid, reader, deadline, job, quick)
 
     def _collect(self, job_id: int) -> None:
         child = self.children.pop(job_id)
@@ -134,11 +165,16 @@ class CompileServer:
             answer = None
         child.reader.close()
         _, status = os.waitpid(child.pid, 0)
-        if answer is None:
-            answer = ("failed", *self._death(status))
-        self._answer(job_id, *answer)
+        if child.quick and (answer is None or answer[0] == "oom"):
+            self._requeue(child.job)                      # over the quick lane's budget: a worker decides
+        elif answer is None:
+            self._answer(job_id, "failed", *self._death(status))
+        elif answer[0] == "oom":
+            self._answer(job_id, "failed", 400, memory_message(self.limits))
+        else:
+            self._answer(job_id, *answer)
 
-    def _kill(self, job_id: int) -> None:
+    def _kill(self, job_id: int) -> _Child:
         child = self.children.pop(job_id)
         try:
             os.kill(child.pid, signal.SIGKILL)
@@ -146,6 +182,7 @@ class CompileServer:
             pass
         os.waitpid(child.pid, 0)
         child.reader.close()
+        return child
 
     def _answer(self, job_id: int, verdict: str, *rest) -> None:
         try:
@@ -166,91 +203,9 @@ class CompileServer:
                 f"--grammar-compile-workers, or crashed); simplify the constraint.")
 
 
-def memory_message(limits: GrammarLimits) -> str:
-    return (f"Compiling the grammar needed more than its {limits.memory_per_compile // MIB} MiB of memory "
-            f"(--grammar-memory / --grammar-compile-workers); simplify the constraint.")
-
-
 def _pipe() -> tuple[Connection, Connection]:
     import multiprocessing as mp
     return mp.Pipe(duplex=False)
-
-
-def _child_main(writer: Connection, info, kind: str, text: str, limits: GrammarLimits) -> None:
-    """In the forked child: limit this process, compile, send one answer, exit without cleanup."""
-    code = 0
-    try:
-        _die_with_parent(os.getppid())
-        _limit_self(limits)
-        writer.send(("done", compile_text(info, kind, text, limits)))
-    except GrammarRefused as exc:
-        writer.send(("failed", exc.status, str(exc)))
-    except MemoryError:
-        writer.send(("failed", 400, memory_message(limits)))
-    except Exception as exc:        # noqa: BLE001  (any compiler error is this grammar's)
-        message = memory_message(limits) if "bad_alloc" in str(exc) else \
-            f"The grammar compiler rejected the constraint: {first_line(exc)}"
-        writer.send(("failed", 400, message))
-    except BaseException:           # noqa: BLE001  (never return into the supervisor's loop)
-        code = 1
-    finally:
-        os._exit(code)
-
-
-def _limit_self(limits: GrammarLimits) -> None:
-    """An address-space limit of what this process maps now plus its memory share, and a CPU limit
-    (SIGXCPU at the budget, SIGKILL a second later)."""
-    with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = mapped + limits.memory_per_compile
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    cpu = max(1, int(limits.compile_timeout_s + 0.999))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-
-
-def compile_text(info, kind: str, text: str, limits: GrammarLimits) -> str:
-    """Compile `text` of `kind` (StructuredOutputs.key) for `info`; the serialized result."""
-    import xgrammar as xgr
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    # NOTE: compact JSON (no free whitespace): small models otherwise loop on newlines and indents
-    if kind == "json":
-        compiled = compiler.compile_json_schema(text, any_whitespace=False)
-    elif kind == "json_object":
-        compiled = compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
-    elif kind == "regex":
-        compiled = compiler.compile_regex(text)
-    elif kind == "choice":
-        compiled = compiler.compile_grammar(choice_ebnf(json.loads(text)))
-    else:
-        compiled = compiler.compile_grammar(text)
-    _check_not_empty(xgr, compiled, info)
-    data = compiled.serialize_json()
-    if len(data) > limits.cache_memory:
-        raise GrammarRefused(f"The compiled grammar is {len(data) // MIB} MiB, more than this server keeps for one "
-                             f"({limits.cache_memory // MIB} MiB, --grammar-cache-memory); simplify the constraint.")
-    return data
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-def _check_not_empty(xgr, compiled, info) -> None:
-    """A grammar whose first step allows no token of the vocabulary can never produce output."""
-    bits = xgr.allocate_token_bitmask(1, info.vocab_size)
-    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bits)
-    if not bits.any():
-        raise GrammarRefused("The constraint allows no token of this model's vocabulary (its language is empty "
-                             "for this tokenizer); fix the constraint.")
-
-
-def first_line(exc: BaseException) -> str:
-    """The message of a backend error, without its C++ source location."""
-    import re
-    lines = [t.strip() for t in str(exc).splitlines() if t.strip()]
-    prefix = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")     # "[14:29:10] /project/cpp/x.cc:94: "
-    line = prefix.sub("", next((t for t in lines if prefix.match(t)), lines[0] if lines else type(exc).__name__))
-    return line[:300].rstrip(".") + "."
 
 
 if __name__ == "__main__":

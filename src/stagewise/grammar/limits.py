@@ -9,15 +9,12 @@ the compile budgets bound (grammar/compiler.py).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# JSON Schema keywords whose list items are alternatives to choose among
-_ALTERNATIVE_KEYWORDS = ("anyOf", "oneOf", "enum", "type")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")      # their values are data, not schemas
-_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-                   "minContains", "maxContains")
+MAX_REPETITION = 2**31 - 1         # xgrammar keeps counts in 32 bits: a larger one wraps around
+_REPETITION = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")      # {n}, {n,}, {n,m}
 
 
 class GrammarRefused(ValueError):
@@ -47,8 +44,14 @@ class GrammarLimits:
                    config.grammar_cache_entries, config.grammar_cache_memory)
 
     @property
+    def quick_memory(self) -> int:
+        """The quick lane's memory (grammar/compiler.py): an eighth of --grammar-memory."""
+        return self.memory // 8
+
+    @property
     def memory_per_compile(self) -> int:
-        return self.memory // self.workers
+        """A worker's memory: the workers share what the quick lane leaves."""
+        return (self.memory - self.quick_memory) // self.workers
 
 
 def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
@@ -59,10 +62,14 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
         raise GrammarRefused(f"The {_NAMES[kind]} is {size} bytes, more than this server's limit of "
                              f"{limits.max_bytes} (--grammar-max-bytes raises it).")
     if kind == "json":
-        depth, alternatives = _json_shape(text)
+        from .schema import depth_message, json_shape  # NOTE: here, as schema.py imports this module
+        depth, alternatives = json_shape(text, limits.max_depth)
+        if depth > limits.max_depth:
+            raise GrammarRefused(depth_message(depth, limits.max_depth))
     elif kind == "choice":
         depth, alternatives = 1, len(json.loads(text))
     elif kind in ("regex", "grammar"):
+        check_repetitions(_NAMES[kind], text)
         depth, alternatives = _text_shape(text, quotes=kind == "grammar")
     else:
         return
@@ -78,43 +85,13 @@ _NAMES = {"json": "JSON schema", "choice": "choice list", "regex": "regular expr
           "json_object": "JSON object constraint"}
 
 
-def _json_shape(text: str) -> tuple[int, int]:
-    """(nesting depth, alternatives) of a JSON schema document, walked without recursion."""
-    try:
-        doc = json.loads(text)
-    except RecursionError:
-        return 1 << 30, 0
-    except ValueError as exc:
-        raise GrammarRefused(f"The JSON schema is not valid JSON ({exc}); give a JSON schema.") from None
-    if not isinstance(doc, (dict, bool)):
-        raise GrammarRefused("The JSON schema must be a JSON object (or true / false).")
-    deepest, alternatives = 0, 0
-    stack: list[tuple[Any, int, bool]] = [(doc, 1, False)]        # (node, depth, is it data, not schema)
-    while stack:
-        node, depth, is_data = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(node, dict):
-            if not is_data:
-                alternatives += sum(len(v) for k, v in node.items() if k in _ALTERNATIVE_KEYWORDS
-                                    and isinstance(v, list))
-                _check_counts(node)
-            stack.extend((v, depth + 1, is_data or k in _DATA_KEYWORDS) for k, v in node.items()
-                         if isinstance(v, (dict, list)))
-        else:
-            stack.extend((v, depth + 1, is_data) for v in node if isinstance(v, (dict, list)))
-    return deepest, alternatives
-
-
-def _check_counts(schema: dict) -> None:
-    """JSON Schema's length and count keywords must be non-negative integers (a map of property
-    schemas may name a property so: its value is an object)."""
-    for key in _COUNT_KEYWORDS:
-        value = schema.get(key)
-        if value is None or isinstance(value, (dict, list)):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
-            raise GrammarRefused(f"The JSON schema's {key} is {json.dumps(value)[:40]}; it must be a non-negative "
-                                 f"integer.")
+def check_repetitions(name: str, text: str) -> None:
+    """A repetition count past 32 bits would wrap around in the compiler (to a wrong or negative count)."""
+    for match in _REPETITION.finditer(text):
+        count = max(int(n) for n in match.groups() if n)
+        if count > MAX_REPETITION:
+            raise GrammarRefused(f"The {name} has a repetition count of {count}, more than the compiler's largest "
+                                 f"({MAX_REPETITION}); use a smaller count.")
 
 
 def _text_shape(text: str, quotes: bool) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ..plan import StepPlan, TokenBitmask
 from ..request import Request
 from ..runtime.sampler import NO_ALLOWED_TOKEN, NO_TOKEN_LEFT
-from .compiler import first_line
+from .compile_child import first_line
 from .limits import GrammarLimits, GrammarRefused
 from .service import CompileService, Ticket
 

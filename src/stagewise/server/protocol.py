@@ -279,8 +279,9 @@ def response_format_spec(fmt: dict, param: str) -> dict | None:
     schema = holder.get("schema")
     if schema is None:
         return {"json_object": True}
-    if not isinstance(schema, dict):
-        raise bad_request(f"{param} schema must be a JSON schema object.", f"{param}.json_schema.schema")
+    if not isinstance(schema, (dict, str)):           # a string is the schema's JSON text (vLLM takes it)
+        raise bad_request(f"{param} schema must be a JSON schema object (or its JSON text).",
+                          f"{param}.json_schema.schema")
     return {"json": schema}
 
 
