@@ -95,6 +95,23 @@ class _Beats:
         return now - self.seen.get(node, (0, self.t0))[1] < SILENT_S
 
 
+def nodes_gone(addr: str, port: int, nodes: list[int]):
+    """A check for `abandon_when` while the driver links a pipeline on `nodes` up: one sentence once
+    one of them asked to leave or stopped beating, else None."""
+    if not nodes:
+        return lambda: None
+    beats = _Beats(addr, port)
+
+    def check() -> str | None:
+        for node in nodes:
+            if leaving(addr, port, node):
+                return f"node {node} asked to leave while the pipeline was linking up."
+            if not beats.alive(node):
+                return f"node {node} stopped beating while the pipeline was linking up (it is gone)."
+        return None
+    return check
+
+
 def leaving(addr: str, port: int, node: int) -> bool:
     """The node asked to leave the pipeline (SIGTERM on its headless process)."""
     store, key = control_store(addr, port), LEAVING_KEY.format(node=node)

@@ -18,7 +18,7 @@ from ..parallel.auth import CONTROL, RING, Gate, Hello, session_of
 from ..parallel.transport import Link
 from .layout import DRIVER_RANK, ring_next, ring_prev
 from .netif import link_address, use_interface
-from .rendezvous import RDZV_POLL_S, Store, attempt_name, close_store, rendezvous, torchrun_env
+from .rendezvous import RDZV_POLL_S, Store, attempt_name, check_abandoned, close_store, rendezvous, torchrun_env
 from .store import dial
 
 log = logging.getLogger("stagewise.executor")
@@ -100,6 +100,7 @@ def _dial(store: Store, prefix: str, key: bytes, hello: Hello, deadline: float, 
         if time.monotonic() > deadline:
             raise TimeoutError(f"{_rank_name(hello.to_rank).capitalize()} did not open its links within "
                                f"{timeout_s:.0f} s.")
+        check_abandoned()
         time.sleep(RDZV_POLL_S / 2)
     host, port = json.loads(store.get(name))
     where = f"{_rank_name(hello.to_rank)} at {host}:{port}"
@@ -137,6 +138,7 @@ class Acceptor:
                     missing = sorted({_rank_name(r) for _, r in self.expected - set(self.got)})
                     raise TimeoutError(f"{', '.join(missing).capitalize()} did not link to {_rank_name(self.rank)} "
                                        f"within {timeout_s:.0f} s.")
+                check_abandoned()
                 self.done.wait(min(left, RDZV_POLL_S))
             return dict(self.got)
 

@@ -22,7 +22,7 @@ from typing import NoReturn
 from ..errors import EngineDeadError, describe_exit
 from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
-from .generations import control_store, next_generation, publish_layout
+from .generations import control_store, next_generation, nodes_gone, publish_layout
 from .layout import DRIVER_RANK, default_layout, stages_of
 from .links import PipelineLinks, join_pipeline
 from .liveness import Watch
@@ -39,7 +39,7 @@ from .messages import (
     send_message,
 )
 from .netif import master_ip
-from .rendezvous import free_port, torchrun_env
+from .rendezvous import abandon_when, free_port, torchrun_env
 from .spawn import spawn_stages
 
 log = logging.getLogger("stagewise.executor")
@@ -90,9 +90,11 @@ class MultiprocExecutor:
                 self.procs = spawn_stages(config.replace(cluster_token=token), model_dir, 0, addr, port,
                                           eos_token_ids, models, generation=self.generation,
                                           stages=self.local_stages)
-            self.links = join_pipeline(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, key_of(token),
-                                       self.generation, control_store(addr, port) if self.generation else None,
-                                       config.dist_ifname)
+            remote = sorted(set(self.layout) - {0}) if self.generation else []
+            with abandon_when(nodes_gone(addr, port, remote)):     # a node gone meanwhile: retry without it
+                self.links = join_pipeline(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, key_of(token),
+                                           self.generation, control_store(addr, port) if self.generation else None,
+                                           config.dist_ifname)
             self.memory_plans, load_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()

@@ -8,12 +8,32 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
 
 from .store import StoreClient, StoreServer, connect_until
 
 RDZV_POLL_S = 0.1
+_abandon: list[Callable[[], str | None]] = []    # while this process links a pipeline up: why to give up
+
+
+@contextmanager
+def abandon_when(check: Callable[[], str | None]) -> Iterator[None]:
+    """While linking a pipeline up, `check()` (one sentence, or None) is asked at every wait: a node
+    that left or died meanwhile ends the attempt at once instead of at the timeout."""
+    _abandon.append(check)
+    try:
+        yield
+    finally:
+        _abandon.remove(check)
+
+
+def check_abandoned() -> None:
+    for check in _abandon:
+        if (why := check()) is not None:
+            raise TimeoutError(why)
 
 
 class Store(Protocol):
@@ -67,6 +87,7 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, timeout_s: floa
     while not store.check(keys):
         if time.monotonic() > deadline:
             raise TimeoutError(_missing_ranks(store, keys, addr, port, timeout_s))
+        check_abandoned()
         time.sleep(RDZV_POLL_S)
     return store
 
