@@ -365,6 +365,9 @@ def cmd_bench(args) -> int:
     from .request import SamplingParams
     _exit_on_sigterm()
     config = config_from_args(args)
+    role = _worker_role(config)          # a worker node runs its stages; node 0 measures
+    if role is not None:
+        return role
     build_kernels(config)
     with LLM(**dataclasses.asdict(config)) as llm:
         waited_s = _wait_for_compiled_graphs(llm)

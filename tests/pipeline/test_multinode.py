@@ -162,6 +162,8 @@ def wave1(make_hosts, llama_dir, tmp_path_factory):
     runs = {"pp2": pair(make_hosts, log_dir, "pp2", "generate", llama_dir, 2, GENERATE),
             "pp4": pair(make_hosts, log_dir, "pp4", "generate", llama_dir, 4, GENERATE),
             "torchrun": torchrun_pair(make_hosts, log_dir, llama_dir),
+            "bench": pair(make_hosts, log_dir, "bench", "bench", llama_dir, 2,
+                          ["--num-requests", "4", "--prompt-len", "8", "--output-len", "4"]),
             "serve": pair(make_hosts, log_dir, "serve", "serve", llama_dir, 2, ["--host", MASTER, "--port",
                                                                                  str(HTTP_PORT)])}
     a, b = runs["serve"]["hosts"]    # the client runs on the other host
@@ -199,6 +201,15 @@ def test_launch_across_hosts_matches_one_process(wave1, want_text, run):
         assert OPEN_WARNING not in node.stderr()                 # the nodes share a cluster token
         assert f"interface {host.veth}, address {host.addr}" in node.stderr()
     assert_hosts_empty(wave1[run]["hosts"])
+
+
+def test_bench_across_hosts_takes_the_worker_role_on_node1(wave1):
+    """`stagewise bench` with the multi-node flags: node 1 runs its stage (not a second driver)."""
+    driver, worker = wave1["bench"]["driver"], wave1["bench"]["worker"]
+    assert driver.wait(START_TIMEOUT_S) == 0, driver.stderr()[-3000:]
+    assert worker.wait(30) == 0, worker.stderr()[-3000:]
+    assert "4 requests, 16 output tokens" in driver.stdout(), driver.stdout()
+    assert "node 1 runs stage(s) 1" in worker.stderr(), worker.stderr()[-2000:]
 
 
 def test_server_on_node0_answers_an_openai_client_on_the_other_host(wave1, want_text):
