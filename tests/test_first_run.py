@@ -45,6 +45,7 @@ def _total_s(out: str) -> float:
     return float(found.group(1))
 
 
+@pytest.mark.slow
 def test_generate_total_matches_a_stopwatch():
     import os
     out, stopwatch = _generate(dict(os.environ))

@@ -75,6 +75,7 @@ def test_a_length_cut_says_length(llm):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow          # a second engine (and grammar compiler) per case: seconds each
 @pytest.mark.parametrize("options", [
     dict(pp_depth=2, chunked_prefill_size=8),              # micro-batches in flight, prompts in chunks
     dict(kv_cache_memory=28 * 4 * 2 * 4 * 2 * 16 * 4),     # 7 blocks: preemption and re-prefill

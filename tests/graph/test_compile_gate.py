@@ -22,6 +22,12 @@ class Work:
         while self.done < self.total:
             self._tick()
 
+    def stop(self) -> None:
+        """End the loop and the thread (left running, it would slow every later test in the session)."""
+        self.total = 0
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
 
 def _until(cond, timeout_s=30.0) -> bool:
     deadline = time.monotonic() + timeout_s
@@ -35,17 +41,20 @@ def test_the_compile_waits_for_steps_and_their_gap_and_runs_when_idle():
     gate.GRACE_S, gate.FOREGROUND_AFTER_S = 0.5, 1e9
     work = Work(gate)
     work.thread.start()
-    assert _until(lambda: work.done > 1000)              # idle engine: the compile runs
-    with gate.step():
-        time.sleep(0.01)                                  # the compile reaches its next call and waits
-        held = work.done
-        time.sleep(0.2)
-        assert work.done - held <= 1                      # nothing during the step
-    after = work.done
-    time.sleep(0.05)
-    assert work.done - after <= 1                         # nor in the gap before a next step
-    assert _until(lambda: work.done > after + 1000)       # then it runs again
-    assert gate.held_s > 0.2
+    try:
+        assert _until(lambda: work.done > 1000)          # idle engine: the compile runs
+        with gate.step():
+            time.sleep(0.01)                              # the compile reaches its next call and waits
+            held = work.done
+            time.sleep(0.2)
+            assert work.done - held <= 1                  # nothing during the step
+        after = work.done
+        time.sleep(0.05)
+        assert work.done - after <= 1                     # nor in the gap before a next step
+        assert _until(lambda: work.done > after + 1000)   # then it runs again
+        assert gate.held_s > 0.2
+    finally:
+        work.stop()
 
 
 def test_a_busy_engine_waits_once_for_the_compile_to_finish():

