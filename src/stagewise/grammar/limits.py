@@ -9,23 +9,12 @@ the compile budgets bound (grammar/compiler.py).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
+from .refusals import GrammarRefused, check_repetitions
+from .schema import depth_message, json_shape
+
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
-MAX_REPETITION = 2**31 - 1         # xgrammar keeps counts in 32 bits: a larger one wraps around
-_REPETITION = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")      # {n}, {n,}, {n,m}
-
-
-class GrammarRefused(ValueError):
-    """A constraint the server will not compile: `status` 400 (bad or too large), 408 (over its time
-    budget) or 503 (the compiler is unavailable); the message names the limit and its flag."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass(frozen=True)
 class GrammarLimits:
     max_bytes: int = 64 << 10
@@ -62,7 +51,6 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
         raise GrammarRefused(f"The {_NAMES[kind]} is {size} bytes, more than this server's limit of "
                              f"{limits.max_bytes} (--grammar-max-bytes raises it).")
     if kind == "json":
-        from .schema import depth_message, json_shape  # NOTE: here, as schema.py imports this module
         depth, alternatives = json_shape(text, limits.max_depth)
         if depth > limits.max_depth:
             raise GrammarRefused(depth_message(depth, limits.max_depth))
@@ -83,15 +71,6 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
 
 _NAMES = {"json": "JSON schema", "choice": "choice list", "regex": "regular expression", "grammar": "grammar",
           "json_object": "JSON object constraint"}
-
-
-def check_repetitions(name: str, text: str) -> None:
-    """A repetition count past 32 bits would wrap around in the compiler (to a wrong or negative count)."""
-    for match in _REPETITION.finditer(text):
-        count = max(int(n) for n in match.groups() if n)
-        if count > MAX_REPETITION:
-            raise GrammarRefused(f"The {name} has a repetition count of {count}, more than the compiler's largest "
-                                 f"({MAX_REPETITION}); use a smaller count.")
 
 
 def _text_shape(text: str, quotes: bool) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import re
 from itertools import accumulate
 from typing import Any
 
-from .limits import GrammarRefused, check_repetitions
+from .refusals import GrammarRefused, check_repetitions
 
 # keywords whose value is one schema, a map of names to schemas, or a list of schemas
 _ONE_SCHEMA = frozenset(("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
