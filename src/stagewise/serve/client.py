@@ -98,6 +98,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
     max_tokens: int | None = None
     started: bool = False             # an output arrived: the engine scheduled it (or ended it)
+    ended: bool = False               # its final output was handed on: later ones (an abort's echo) are not
 
 
 def _real_engine(config):
@@ -327,7 +328,8 @@ class EngineClient:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             entry = self._streams.get(out.request_id)
-            if entry is not None:
+            if entry is not None and not entry.ended:
+                entry.ended = out.finished
                 entry.queue.put_nowait(out)
 
     def _die(self, why: str, outputs: list[RequestOutput]) -> None:
