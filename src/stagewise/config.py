@@ -153,10 +153,8 @@ class EngineConfig:
     pp_node_fit: str = flag(
         "memory", "across nodes, what a re-partition over the nodes present weighs of what each node reported when "
         "it joined (its available memory and a 50 ms speed probe): memory (every stage fits its node; speeds taken "
-        "as equal, or --pp-node-rates), speed (also each node's measured speed), off (no re-partition)")
-    node_reports: tuple[tuple[int | None, float], ...] | None = flag(
-        None, "(available bytes, speed) of each node as it reported when it joined (the driver fills it in)",
-        cli=False)
+        "as equal, or --pp-node-rates), speed (also each node's measured speed), off (the command line's "
+        "partition, its stages spread evenly over the nodes present)")
     enable_dynamic_chunking: bool | None = flag(
         None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
         "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")

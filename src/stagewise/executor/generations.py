@@ -74,7 +74,7 @@ def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout
     deadline, beats = time.monotonic() + timeout_s, _Beats(addr, port)
     while True:
         ready = ready_nodes(addr, port, generation, nodes)
-        waiting = [n for n in nodes if n not in ready and not leaving(addr, port, n) and beats.alive(n)]
+        waiting = [n for n in nodes if n not in ready and _absent(addr, port, beats, n) is None]
         if (not waiting and len(ready) >= first) or time.monotonic() > deadline:
             return ready
         time.sleep(HEADLESS_POLL_S)
@@ -104,12 +104,21 @@ def nodes_gone(addr: str, port: int, nodes: list[int]):
 
     def check() -> str | None:
         for node in nodes:
-            if leaving(addr, port, node):
-                return f"node {node} asked to leave while the pipeline was linking up."
-            if not beats.alive(node):
-                return f"node {node} stopped beating while the pipeline was linking up (it is gone)."
+            if (why := _absent(addr, port, beats, node)) is not None:
+                gone = "" if why == LEFT else " (it is gone)"
+                return f"node {node} {why} while the pipeline was linking up{gone}."
         return None
     return check
+
+
+LEFT = "asked to leave"
+
+
+def _absent(addr: str, port: int, beats: _Beats, node: int) -> str | None:
+    """Why a rebuild need not wait for `node` (it asked to leave, or its heartbeat stood still), else None."""
+    if leaving(addr, port, node):
+        return LEFT
+    return None if beats.alive(node) else "stopped beating"
 
 
 def leaving(addr: str, port: int, node: int) -> bool:
