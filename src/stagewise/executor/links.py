@@ -3,7 +3,7 @@ neighbours (driver → stage 0 → … → last stage → driver) and each stage
 driver (ready, heartbeats). Every rank listens on its network interface for the links it expects,
 says where in the store, dials the ones it owes, and closes the listener once all are up; every
 connection proves the cluster token first (parallel/auth.py), and one of another attempt or with
-an unexpected identity is refused.
+an unexpected identity is refused; each link is sealed with its handshake's keys.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..parallel.auth import CONTROL, RING, Gate, Hello, session_of
+from ..parallel.auth import CONTROL, RING, Gate, Hello, LinkKeys, session_of
 from ..parallel.transport import Link
 from .layout import DRIVER_RANK, ring_next, ring_prev
 from .netif import link_address, use_interface
@@ -104,7 +104,8 @@ def _dial(store: Store, prefix: str, key: bytes, hello: Hello, deadline: float, 
         time.sleep(RDZV_POLL_S / 2)
     host, port = json.loads(store.get(name))
     where = f"{_rank_name(hello.to_rank)} at {host}:{port}"
-    return Link(dial(host, port, key, hello, where, deadline, timeout_s), where)
+    sock, keys = dial(host, port, key, hello, where, deadline, timeout_s)
+    return Link(sock, where, keys)
 
 
 class Acceptor:
@@ -119,7 +120,7 @@ class Acceptor:
         self.gate = Gate(f"{_rank_name(rank)}'s link listener", key, self._admit)
         threading.Thread(target=self.gate.serve, args=(self.listener,), daemon=True, name="stagewise-accept").start()
 
-    def _admit(self, sock: socket.socket, hello: Hello, peer) -> None:
+    def _admit(self, sock: socket.socket, hello: Hello, peer, keys: LinkKeys | None) -> None:
         ident = (hello.purpose, hello.from_rank)
         with self.done:
             if hello.session != self.session or hello.to_rank != self.rank or ident not in self.expected \
@@ -127,7 +128,7 @@ class Acceptor:
                 self.gate.refusals.refused(peer, "it is not a link this rank expects (another pipeline attempt?)")
                 sock.close()
                 return
-            self.got[ident] = Link(sock, f"{_rank_name(hello.from_rank)} at {peer[0]}")
+            self.got[ident] = Link(sock, f"{_rank_name(hello.from_rank)} at {peer[0]}", keys)
             self.done.notify_all()
 
     def wait(self, deadline: float, timeout_s: float) -> dict[tuple[int, int], Link]:

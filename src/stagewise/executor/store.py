@@ -3,7 +3,8 @@ set, get, check) that the ranks meet in, behind the cluster-token handshake (par
 
 It replaces torch's TCPStore, which has no authentication, where stagewise serves the store itself;
 under torchrun the ranks use the agent's TCPStore (rendezvous.py). After the handshake a request
-is a length-prefixed JSON array [op, args...] and its answer ["ok", value] or ["err", why].
+is a length-prefixed JSON array [op, args...] and its answer ["ok", value] or ["err", why], sealed
+with the connection's keys (parallel/transport.py's SealedSocket).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import threading
 import time
 
 from ..errors import ClusterAuthError
-from ..parallel.auth import STORE, Gate, Hello, dial_handshake
+from ..parallel.auth import STORE, Gate, Hello, LinkKeys, dial_handshake
+from ..parallel.transport import SealedSocket
 from .netif import master_ip
 
 FRAME = struct.Struct("!I")
@@ -71,12 +73,13 @@ class StoreServer:
         self.listener.close()
 
     # serving
-    def _serve(self, sock: socket.socket, hello: Hello, peer) -> None:
+    def _serve(self, raw: socket.socket, hello: Hello, peer, keys: LinkKeys | None) -> None:
         """A connection that proved the key: answer its requests until it closes."""
-        with sock:
+        with raw:
             if hello.purpose != STORE:
                 self.gate.refusals.refused(peer, "it asked for something else than the store")
                 return
+            sock = SealedSocket(raw, keys, f"a store client at {peer[0]}")
             try:
                 while not self.closed:
                     request = _read_frame(sock)
@@ -109,7 +112,7 @@ class StoreClient:
     def __init__(self, addr: str, port: int, key: bytes, deadline: float, timeout_s: float):
         self.where, self.timeout_s = f"the rendezvous at {addr}:{port}", timeout_s
         self.lock = threading.Lock()
-        self.sock = dial(addr, port, key, Hello(STORE), self.where, deadline, timeout_s)
+        self.sock = SealedSocket(*dial(addr, port, key, Hello(STORE), self.where, deadline, timeout_s), self.where)
         self.sock.settimeout(timeout_s)
 
     def add(self, key: str, amount: int) -> int:
@@ -171,14 +174,13 @@ def connect_until(addr: str, port: int, deadline: float, timeout_s: float) -> so
 
 
 def dial(addr: str, port: int, key: bytes, hello: Hello, where: str, deadline: float,
-         timeout_s: float) -> socket.socket:
-    """A connection to addr:port that passed the handshake, retried until `deadline` while nothing
-    answers or the listener is busy; ClusterAuthError at once if the token is refused."""
+         timeout_s: float) -> tuple[socket.socket, LinkKeys | None]:
+    """A connection to addr:port that passed the handshake, and its keys; retried until `deadline`
+    while nothing answers or the listener is busy; ClusterAuthError at once if the token is refused."""
     while True:
         sock = connect_until(addr, port, deadline, timeout_s)
         try:
-            dial_handshake(sock, key, hello, where)
-            return sock
+            return sock, dial_handshake(sock, key, hello, where)
         except ConnectionError:
             sock.close()
             if time.monotonic() > deadline:
@@ -194,12 +196,12 @@ def _keys_ok(keys: list) -> bool:
     return all(type(k) is str and len(k) <= MAX_KEY_CHARS for k in keys)
 
 
-def _write_frame(sock: socket.socket, value) -> None:
+def _write_frame(sock: SealedSocket, value) -> None:
     text = json.dumps(value, separators=(",", ":")).encode()
     sock.sendall(FRAME.pack(len(text)) + text)
 
 
-def _read_frame(sock: socket.socket):
+def _read_frame(sock: SealedSocket):
     """The next JSON frame, None at a clean end; ValueError for a frame past the limit or not JSON."""
     head = _read(sock, FRAME.size)
     if head is None:
@@ -213,7 +215,7 @@ def _read_frame(sock: socket.socket):
     return json.loads(body)
 
 
-def _read(sock: socket.socket, n: int) -> bytes | None:
+def _read(sock: SealedSocket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))

@@ -4,8 +4,12 @@ with a mutual HMAC-SHA256 challenge-response over the token before a byte of it 
 The listening side speaks first (a magic and a fresh nonce), then reads a fixed-size answer (the
 dialler's nonce, a fixed-size hello naming who dials and why, and their MAC) and checks the MAC
 before looking at the hello; a wrong MAC closes the connection. It then proves the token in turn,
-so a dialler never talks to an impostor either. Traffic after the handshake is neither encrypted
-nor signed (docs/security.md: Cluster links).
+so a dialler never talks to an impostor either.
+
+Each side's nonce is also a fresh X25519 public key: once both proofs hold, the two sides derive a
+pair of per-connection keys (HKDF-SHA256 over the ephemeral shared secret and the token's key, salted
+with both nonces, one key per direction) that seal every later frame (transport.py). Without a token
+the exchange still hides the traffic from a passive observer but proves nobody (docs/security.md).
 """
 from __future__ import annotations
 
@@ -22,6 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from .. import envs
 from ..errors import ClusterAuthError
 
@@ -29,7 +37,7 @@ log = logging.getLogger("stagewise.executor")
 
 TOKEN_ENV = "STAGEWISE_CLUSTER_TOKEN"
 MAGIC = b"stagewise-link/1"           # 16 bytes: what a listener says first
-NONCE_BYTES = 32
+NONCE_BYTES = 32                      # a fresh X25519 public key: the challenge and the key exchange at once
 MAC_BYTES = 32
 HELLO = struct.Struct("!BHHQ")        # purpose, from rank, to rank, session
 ANSWER_BYTES = NONCE_BYTES + HELLO.size + MAC_BYTES
@@ -37,7 +45,21 @@ HANDSHAKE_S = 10.0                    # a peer that does not finish its handshak
 REFUSAL_LOG_S = 10.0                  # at most one log line per listener per this many seconds about refusals
 MAX_HANDSHAKES = 32                   # connections a listener lets prove the token at once (a flood costs no more)
 STORE, RING, CONTROL = 1, 2, 3        # purposes: the rendezvous store, a ring link, a stage's control link
+KEYS_INFO = b"stagewise link keys/1\0"
+# NOTE: not a setting. benchmarks/link_crypto.py turns it off in every process of a run to measure the
+# cost of sealing; both ends of a link must agree (a sealed frame is not a message frame to a plain end)
+SEAL_LINKS = True
 _warned = False
+
+
+@dataclass(frozen=True)
+class LinkKeys:
+    """A connection's two AES-256-GCM keys: what this side seals with, and what it opens with."""
+    send: bytes
+    recv: bytes
+
+    def __repr__(self) -> str:                 # never in a log or a traceback
+        return "LinkKeys(...)"
 
 
 @dataclass(frozen=True)
@@ -85,27 +107,31 @@ def warn_if_open(token: str | None, master_ip: str, multi_node: bool) -> None:
                     master_ip)
 
 
-def serve_handshake(sock: socket.socket, key: bytes) -> Hello:
-    """The listener's side: ClusterAuthError (and the connection closed) unless the peer proves the key."""
+def serve_handshake(sock: socket.socket, key: bytes) -> tuple[Hello, LinkKeys | None]:
+    """The listener's side: ClusterAuthError (and the connection closed) unless the peer proves the key;
+    the dialler's hello and the connection's keys (None where SEAL_LINKS is off)."""
     sock.settimeout(HANDSHAKE_S)
-    nonce = secrets.token_bytes(NONCE_BYTES)
+    ours = X25519PrivateKey.generate()
+    nonce = ours.public_key().public_bytes_raw()
     try:
         sock.sendall(MAGIC + nonce)
         answer = _read_exactly(sock, ANSWER_BYTES)
         theirs, hello, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:-MAC_BYTES], answer[-MAC_BYTES:]
         if not hmac.compare_digest(mac, _mac(key, b"dial", nonce, theirs, hello)):
             raise ClusterAuthError("the peer did not prove the cluster token")
+        keys = _derive(ours, theirs, key, nonce, theirs, hello, dialler=False)
         sock.sendall(_mac(key, b"listen", theirs, nonce, hello))
     except (OSError, EOFError, ClusterAuthError) as exc:
         sock.close()
         raise ClusterAuthError(str(exc) or type(exc).__name__) from None
     sock.settimeout(None)
-    return Hello(*HELLO.unpack(hello))
+    return Hello(*HELLO.unpack(hello)), keys
 
 
-def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) -> None:
-    """The dialler's side: ClusterAuthError unless the listener at `where` accepts our proof and proves
-    the key; ConnectionError (worth a retry) if it closes before its greeting (busy, or going away)."""
+def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) -> LinkKeys | None:
+    """The dialler's side: the connection's keys (None where SEAL_LINKS is off); ClusterAuthError
+    unless the listener at `where` accepts our proof and proves the key; ConnectionError (worth a
+    retry) if it closes before its greeting (busy, or going away)."""
     sock.settimeout(HANDSHAKE_S)
     try:
         greeting = _read_exactly(sock, len(MAGIC) + NONCE_BYTES)
@@ -114,7 +140,8 @@ def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) ->
     if greeting[:len(MAGIC)] != MAGIC:
         raise ClusterAuthError(_sentence(f"{where} is not a stagewise pipeline (it answered something else); "
                                          f"check --master-addr and --master-port."))
-    theirs, nonce, packed = greeting[len(MAGIC):], secrets.token_bytes(NONCE_BYTES), hello.pack()
+    ours = X25519PrivateKey.generate()
+    theirs, nonce, packed = greeting[len(MAGIC):], ours.public_key().public_bytes_raw(), hello.pack()
     try:
         sock.sendall(nonce + packed + _mac(key, b"dial", theirs, nonce, packed))
         proof = _read_exactly(sock, MAC_BYTES)
@@ -126,7 +153,11 @@ def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) ->
     if not hmac.compare_digest(proof, _mac(key, b"listen", nonce, theirs, packed)):
         raise ClusterAuthError(_sentence(f"{where} did not prove the cluster token, so it is not this pipeline's; "
                                          f"give every node the same --cluster-token or {TOKEN_ENV}."))
+    keys = _derive(ours, theirs, key, theirs, nonce, packed, dialler=True)
+    if keys is None and SEAL_LINKS:
+        raise ClusterAuthError(_sentence(f"{where} proved the cluster token but sent no valid key share."))
     sock.settimeout(None)
+    return keys
 
 
 def _sentence(text: str) -> str:
@@ -135,9 +166,11 @@ def _sentence(text: str) -> str:
 
 class Gate:
     """A listener's door: each accepted connection proves the key in a thread of its own (a peer that
-    stalls delays nobody), at most MAX_HANDSHAKES at once; `admit(sock, hello, peer)` gets the ones that did."""
+    stalls delays nobody), at most MAX_HANDSHAKES at once; `admit(sock, hello, peer, keys)` gets the ones
+    that did, with the connection's keys."""
 
-    def __init__(self, what: str, key: bytes, admit: Callable[[socket.socket, Hello, tuple], None]):
+    def __init__(self, what: str, key: bytes,
+                 admit: Callable[[socket.socket, Hello, tuple, LinkKeys | None], None]):
         self.key, self.admit, self.refusals = key, admit, RefusalLog(what)
         self.slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
@@ -156,13 +189,13 @@ class Gate:
 
     def _greet(self, sock: socket.socket, peer) -> None:
         try:
-            hello = serve_handshake(sock, self.key)
+            hello, keys = serve_handshake(sock, self.key)
         except ClusterAuthError as exc:
             self.refusals.refused(peer, str(exc))
             return
         finally:
             self.slots.release()
-        self.admit(sock, hello, peer)
+        self.admit(sock, hello, peer, keys)
 
 
 class RefusalLog:
@@ -182,6 +215,23 @@ class RefusalLog:
 
 def _host(peer) -> str:
     return peer[0] if isinstance(peer, tuple) and peer else str(peer)
+
+
+def _derive(ours: X25519PrivateKey, theirs: bytes, key: bytes, listener_nonce: bytes, dialler_nonce: bytes,
+            hello: bytes, dialler: bool) -> LinkKeys | None:
+    """The connection's keys, from the ephemeral shared secret and the token's key. A listener that gets
+    a key share that yields no secret (a low-order point: only a token holder could send it) refuses it."""
+    if not SEAL_LINKS:
+        return None
+    try:
+        shared = ours.exchange(X25519PublicKey.from_public_bytes(theirs))
+    except ValueError:
+        if dialler:
+            return None
+        raise ClusterAuthError("the peer sent an invalid key share") from None
+    okm = HKDF(hashes.SHA256(), 64, listener_nonce + dialler_nonce, KEYS_INFO + hello).derive(shared + key)
+    to_listener, to_dialler = okm[:32], okm[32:]
+    return LinkKeys(to_listener, to_dialler) if dialler else LinkKeys(to_dialler, to_listener)
 
 
 def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:

@@ -1,11 +1,17 @@
 """Point-to-point links between pipeline ranks: one TCP connection each, authenticated (auth.py)
-before it carries anything, then framed messages.
+before it carries anything, then framed messages, sealed.
 
 A frame is a prefix (magic, header length), a JSON header [tensor table, message] and the raw
 bytes of each tensor in table order; the table ([dtype, shape] each) is checked against the
 limits below before anything is allocated. Sends are asynchronous and in order (a thread per
 link; `PendingSend.wait` like an isend's), so a stage can post its output and go on receiving.
 Receives take a deadline and wait in short slices, so the main thread's signal handlers run.
+
+Sealed (a link opened with the handshake's keys): the frames travel as records of at most
+RECORD_BYTES, each AES-256-GCM under the direction's key with its sequence number as the nonce and
+its length as associated data, so a record changed, replayed, dropped, reordered or reflected fails
+to open and closes the link (LinkError). A message starts a new record, so at a message boundary
+nothing is left buffered (a select on the socket still says whether a message is coming).
 """
 from __future__ import annotations
 
@@ -20,6 +26,10 @@ import time
 from typing import Any
 
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .auth import LinkKeys
 
 PREFIX = struct.Struct("!4sI")        # magic, header bytes
 MAGIC = b"SWM1"
@@ -27,6 +37,9 @@ MAX_HEADER_BYTES = 64 << 20
 MAX_TENSORS = 64
 MAX_NDIM = 8
 MAX_TENSOR_BYTES = 8 << 30            # all tensors of one message together
+RECORD = struct.Struct("!I")          # a sealed record's length (ciphertext and tag), in the clear
+RECORD_BYTES = 1 << 20                # plaintext per record at most
+TAG_BYTES = 16
 WAIT_SLICE_S = 0.25                   # receives return to Python this often (signal handlers run)
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -35,6 +48,95 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 class LinkError(ConnectionError):
     """The link closed, broke, or carried something that is not a message."""
+
+
+class Sealer:
+    """One direction of a sealed connection: AES-256-GCM under its key, the record count as nonce."""
+
+    def __init__(self, key: bytes):
+        self.aead, self.seq = AESGCM(key), 0
+
+    def _nonce(self) -> bytes:
+        self.seq += 1
+        return (self.seq - 1).to_bytes(12, "big")
+
+    def seal(self, parts: list) -> list[bytes]:
+        """`parts` (bytes-like) as records: [length, ciphertext] each, in order."""
+        out, buf = [], bytearray()
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while len(view):
+                take = RECORD_BYTES - len(buf)
+                buf += view[:take]
+                view = view[take:]
+                if len(buf) == RECORD_BYTES:
+                    out += self._record(buf)
+                    buf = bytearray()
+        return out + self._record(buf) if buf or not out else out
+
+    def _record(self, plain: bytes | bytearray) -> list[bytes]:
+        head = RECORD.pack(len(plain) + TAG_BYTES)
+        return [head, self.aead.encrypt(self._nonce(), plain, head)]
+
+    def open(self, head: bytes, sealed: bytes | bytearray, peer: str) -> bytes:
+        """A record's plaintext; LinkError if it is not the next record this key sealed."""
+        try:
+            return self.aead.decrypt(self._nonce(), sealed, head)
+        except InvalidTag:
+            raise LinkError(f"{peer} sent a record that fails its integrity check (changed, replayed, reordered "
+                            f"or not sealed with this link's key); the link is closed") from None
+
+
+def record_size(head: bytes, peer: str) -> int:
+    """The sealed length a record header names; LinkError past the limit (nothing allocated yet)."""
+    (size,) = RECORD.unpack(head)
+    if not TAG_BYTES <= size <= RECORD_BYTES + TAG_BYTES:
+        raise LinkError(f"{peer} sent a record of {size} bytes, which no sealed link sends; the link is closed")
+    return size
+
+
+class SealedSocket:
+    """A connected socket whose bytes travel sealed (the store's requests): `sendall` and `recv`
+    like a blocking socket's, with the socket's own timeout."""
+
+    def __init__(self, sock: socket.socket, keys: LinkKeys | None, peer: str):
+        self.sock, self.peer = sock, peer
+        self.sealer = Sealer(keys.send) if keys else None
+        self.opener = Sealer(keys.recv) if keys else None
+        self.plain = b""
+
+    def settimeout(self, timeout_s: float | None) -> None:
+        self.sock.settimeout(timeout_s)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(b"".join(self.sealer.seal([data])) if self.sealer else data)
+
+    def recv(self, n: int) -> bytes:
+        """Up to n bytes; b"" at a clean end between records."""
+        if self.opener is None:
+            return self.sock.recv(n)
+        if not self.plain:
+            head = self._exactly(RECORD.size)
+            if not head:
+                return b""
+            body = self._exactly(record_size(head, self.peer))
+            if not body:
+                raise LinkError(f"the link to {self.peer} closed inside a record")
+            self.plain = self.opener.open(head, body, self.peer)
+        out, self.plain = self.plain[:n], self.plain[n:]
+        return out
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return b""
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class PendingSend:
@@ -51,9 +153,10 @@ class PendingSend:
 
 
 class Link:
-    """A connected, authenticated socket to one peer. One thread receives; any thread may send."""
+    """A connected, authenticated socket to one peer, sealed with `keys` (the handshake's) if given.
+    One thread receives; any thread may send."""
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, keys: LinkKeys | None = None):
         if sock.family != socket.AF_UNIX:         # a stage's tensor-parallel ranks talk over a local socket
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
@@ -61,6 +164,12 @@ class Link:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         self.sender: threading.Thread | None = None
+        self.sealer = Sealer(keys.send) if keys else None
+        self.opener = Sealer(keys.recv) if keys else None
+        self.plain = memoryview(b"")          # opened bytes not yet read
+        self.record = bytearray(RECORD.size)  # the record being received: its header, then its body
+        self.record_head = b""
+        self.got = 0                          # its bytes received so far (kept across a timeout)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -90,7 +199,7 @@ class Link:
                 error = "the link is closed"
             if error is None:
                 try:
-                    _send_all(self.sock, pending.parts)
+                    _send_all(self.sock, self.sealer.seal(pending.parts) if self.sealer else pending.parts)
                 except OSError as exc:
                     error = str(exc) or type(exc).__name__
             pending.error, pending.parts = error, []
@@ -119,10 +228,42 @@ class Link:
         return bytes(buf)
 
     def _read_into(self, view: memoryview, deadline: float, timeout_s: float) -> None:
+        if self.opener is None:
+            self._fill(view, 0, deadline, timeout_s)
+            return
         got = 0
+        while got < len(view):
+            if not len(self.plain):
+                self.plain = memoryview(self._next_record(deadline, timeout_s))
+            n = min(len(view) - got, len(self.plain))
+            view[got:got + n] = self.plain[:n]
+            self.plain, got = self.plain[n:], got + n
+
+    def _next_record(self, deadline: float, timeout_s: float) -> bytes:
+        """The next record's plaintext. A timeout keeps what arrived of it for the next call."""
+        assert self.opener is not None
+        if self.closed:
+            raise LinkError(f"the link to {self.peer} is closed")
+        try:
+            if not self.record_head:
+                self._fill(memoryview(self.record), self.got, deadline, timeout_s, keep=True)
+                self.record_head = bytes(self.record)
+                self.record, self.got = bytearray(record_size(self.record_head, self.peer)), 0
+            self._fill(memoryview(self.record), self.got, deadline, timeout_s, keep=True)
+            plain = self.opener.open(self.record_head, self.record, self.peer)
+        except LinkError:
+            self.abort()              # a forged or broken record: nothing more is read from this link
+            raise
+        self.record, self.record_head, self.got = bytearray(RECORD.size), b"", 0
+        return plain
+
+    def _fill(self, view: memoryview, got: int, deadline: float, timeout_s: float, keep: bool = False) -> int:
+        """Fill view[got:] from the socket; on a timeout with `keep`, self.got says how far it came."""
         while got < len(view):
             left = deadline - time.monotonic()
             if left <= 0:
+                if keep:
+                    self.got = got
                 raise TimeoutError(f"receiving from {self.peer} timed out after {timeout_s:.3g} s")
             ready, _, _ = select.select([self.sock], [], [], min(left, WAIT_SLICE_S))
             if not ready:
@@ -134,9 +275,10 @@ class Link:
             if n == 0:
                 raise LinkError(f"the link to {self.peer} closed")
             got += n
+        return got
 
     def readable(self) -> bool:
-        return bool(select.select([self.sock], [], [], 0)[0])
+        return bool(len(self.plain)) or bool(select.select([self.sock], [], [], 0)[0])
 
     def abort(self) -> None:
         """Wake any thread blocked on this link (its receive sees the link closed); sends fail from now."""
