@@ -81,7 +81,7 @@ def structured(draw):
 def sampling(draw):
     max_tokens = draw(st.integers(1, 500))
     kwargs = dict(
-        max_tokens=max_tokens, temperature=draw(st.sampled_from([0.0, 1, 0.7, 1e-6, 2.5])),
+        max_tokens=max_tokens, temperature=draw(st.sampled_from([0.0, 1.0, 0.7, 1e-6, 2.5])),
         top_p=draw(st.floats(0.01, 1.0)), top_k=draw(st.integers(-1, 50)), min_p=draw(st.floats(0, 1)),
         repetition_penalty=draw(st.floats(0.01, 100)), presence_penalty=draw(st.floats(-2, 2)),
         frequency_penalty=draw(st.floats(-2, 2)), seed=draw(st.none() | st.integers(-2**63, 2**63)),
@@ -181,22 +181,46 @@ def test_a_field_of_the_wrong_type_is_refused_naming_it():
     plan = StepPlan(3, [ScheduledSeq("a", 0, 2, True)], token_bitmask=TokenBitmask(["a"], torch.zeros(1, 2,
                                                                                                      dtype=torch.int32)))
     wire, ts = CODEC.encode(PlanMsg(plan))
-    wire[1][0][1][0][2] = "2"                       # ScheduledSeq.num_tokens as text
-    with pytest.raises(WireError, match=r"PlanMsg\.plan\.seqs\.\[0\]\.num_tokens: expected int, got str"):
+    wire[1]["plan"]["seqs"][0]["num_tokens"] = "2"
+    with pytest.raises(WireError, match=r"^PlanMsg\.plan\.seqs\[0\]\.num_tokens: Expected `int`, got `str`$"):
         CODEC.decode(wire, ts, RING)
     wire, ts = CODEC.encode(PlanMsg(plan))
     with pytest.raises(WireError, match=r"token_bitmask\.bits: a tensor of dtype torch.float32"):
         CODEC.decode(wire, [torch.zeros(1, 2)], RING)
+    with pytest.raises(WireError, match=r"token_bitmask\.bits: a tensor of 3 dimensions where 2 belong"):
+        CODEC.decode(wire, [torch.zeros(1, 2, 1, dtype=torch.int32)], RING)
     with pytest.raises(WireError, match="the index of a tensor sent with the message"):
         CODEC.decode(wire, [], RING)
-    wire, ts = CODEC.encode(PlanMsg(plan))
-    wire[1][0].append(None)                         # a field too many
-    with pytest.raises(WireError, match="expected StepPlan as a list of 10 values"):
+    wire[1]["plan"]["surprise"] = None               # a field too many
+    with pytest.raises(WireError, match="PlanMsg.plan: Object contains unknown field `surprise`"):
+        CODEC.decode(wire, ts, RING)
+    del wire[1]["plan"]["surprise"], wire[1]["plan"]["seqs"]
+    with pytest.raises(WireError, match="PlanMsg.plan: Object missing required field `seqs`"):
         CODEC.decode(wire, ts, RING)
     bad = CODEC.encode(PlanMsg(StepPlan(0, [], [NewRequestData("a", [1], 1, SamplingParams(), [])])))[0]
-    bad[1][0][2][0][3][2] = 2.0                     # SamplingParams.top_p
-    with pytest.raises(WireError, match="SamplingParams refused its values: top_p must be a number in"):
+    bad[1]["plan"]["new_reqs"][0]["params"]["top_p"] = 2.0
+    with pytest.raises(WireError, match=r"new_reqs\[0\]\.params: SamplingParams refused its values: top_p must be a "):
         CODEC.decode(bad, [], RING)
+    bad[1]["plan"]["new_reqs"][0]["params"]["top_p"] = True          # a bool is not a number here
+    with pytest.raises(WireError, match=r"new_reqs\[0\]\.params\.top_p: Expected `float`, got `bool`"):
+        CODEC.decode(bad, [], RING)
+    result = json.loads(json.dumps(CODEC.encode(ResultMsg(StepResult(1, logprobs={"a": TokenLogprob(1, -1.0,
+                                                                                                    {3: -2.0})})))[0]))
+    result[1]["result"]["logprobs"]["a"]["top"] = {"x": -2.0}      # a token id that is not a number
+    with pytest.raises(WireError, match=r"ResultMsg\.result\.logprobs\[\.\.\.\]\.top: Expected `int`, got `str` \(a key\)"):
+        CODEC.decode(result, [], RING)
+    result[1]["result"]["logprobs"]["a"] = {"token_id": 1, "logprob": 0.0, "top": {}, "rank": "first"}
+    with pytest.raises(WireError, match=r"logprobs\[\.\.\.\]\.rank: Expected `int \| null`, got `str`"):
+        CODEC.decode(result, [], RING)
+
+
+def test_only_the_codecs_types_are_encoded():
+    with pytest.raises(WireError, match="dict is not a message type"):
+        CODEC.encode({"plan_id": 1})
+    with pytest.raises(WireError, match="PlanMsg cannot be encoded: expected SamplingParams, got dict"):
+        CODEC.encode(PlanMsg(StepPlan(0, [], [NewRequestData("a", [1], 1, {"max_tokens": 1}, [])])))
+    with pytest.raises(WireError, match="ResultMsg cannot be encoded: a complex cannot cross processes"):
+        CODEC.encode(ResultMsg(StepResult(0, failed={"a": 1j})))
 
 
 def _pair() -> tuple[Link, socket.socket]:

@@ -1,26 +1,28 @@
-"""Dataclasses to JSON-able values and back, by their annotations, with tensors set aside to travel
-raw (transport.py). Only the dataclasses a Codec is given can cross; decoding checks every value
-against its field's type and raises WireError naming the field. No pickle: nothing on the wire
-can name a Python object, only the codec's own types.
+"""Dataclasses to plain values and back with msgspec, tensors set aside to travel raw (transport.py)
+as their index in a list. Only the dataclasses a Codec is given can cross; decoding checks every
+value against its field's type (msgspec) and raises WireError naming the field. No pickle: nothing on
+the wire can name a Python object, only the codec's own types.
 
-Encoding: a dataclass is the list of its field values in declared order (then its `extras`,
-attributes that are not fields); `X | None` is null or X; any other union is [member index,
-value]; a dict with int keys is a list of [key, value] pairs; a tensor is its index in the list
-set aside. A field typed `Any` must be given its wire type in `overrides`.
+A message is [type name, its fields as an object]. A field typed `Any` must be given its wire type
+in `overrides`; a class whose wire types differ from its annotations (overrides, tensors) or that
+carries `extras` (attributes that are not fields) travels as a msgspec Struct made from it, its
+*wire struct*, and is rebuilt through its constructor; any other dataclass msgspec carries as itself.
 """
 from __future__ import annotations
 
 import dataclasses
-import operator
+import functools
+import re
 import types
 import typing
 from typing import Any, Callable
 
+import msgspec
 import torch
 
-Enc = Callable[[Any, list], Any]
-Dec = Callable[[Any, list], Any]
 NoneType = type(None)
+_WHERE = re.compile(r"(.*?)(?: - at (`key` in )?`\$\.?(.*)`)?", re.S)     # msgspec's "why - at `$.path`"
+JsonValue = Any        # a field that holds plain JSON (a schema): it passes as it is
 
 
 class WireError(ValueError):
@@ -34,7 +36,7 @@ class WireError(ValueError):
         return WireError(self.why, (name, *self.path))
 
     def __str__(self) -> str:
-        return f"{'.'.join(self.path)}: {self.why}" if self.path else self.why
+        return f"{'.'.join(self.path).replace('.[', '[')}: {self.why}" if self.path else self.why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +52,18 @@ class OrNone:
     spec: TensorSpec
 
 
-class JsonValue:
-    """Marks a field that holds plain JSON (a schema): passed through as JSON decodes it."""
+class _TensorType(type):
+    """A tensor field's wire type: msgspec hands its value (an index) to the decode hook, and checks
+    that what the hook returns is an instance of it, which any tensor is."""
+    spec: TensorSpec
+
+    def __instancecheck__(cls, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+
+@functools.cache
+def _tensor_type(spec: TensorSpec) -> type:
+    return _TensorType("Tensor", (), {"spec": spec})
 
 
 class Codec:
@@ -61,18 +73,29 @@ class Codec:
         field annotated `Any`; `extras`: class -> {attribute: type} of non-field attributes that cross too."""
         self.types = {t.__name__: t for t in types_}
         self.overrides, self.extras = overrides or {}, extras or {}
-        self.enc: dict[type, Enc] = {}
-        self.dec: dict[type, Dec] = {}
-        for t in types_:
-            self._dataclass(t)
+        self.structs: dict[type, type | None] = {}          # class -> its wire struct (None: itself)
+        self.to_struct: dict[type, Callable[[Any], Any]] = {}
+        self.from_struct: dict[type, Callable[[Any], Any]] = {}
+        self.wire_types = {t: self._struct(t) or t for t in types_}
 
     def encode(self, obj: Any) -> tuple[list, list[torch.Tensor]]:
         """([type name, value], tensors set aside)."""
         cls = type(obj)
-        if cls not in self.enc:
+        if self.types.get(cls.__name__) is not cls:
             raise WireError(f"{cls.__name__} is not a message type")
         tensors: list[torch.Tensor] = []
-        return [cls.__name__, self.enc[cls](obj, tensors)], tensors
+
+        def set_aside(v: Any) -> int:
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"a {type(v).__name__} cannot cross processes")
+            tensors.append(v)
+            return len(tensors) - 1
+        try:
+            value = msgspec.to_builtins(self.to_struct[cls](obj) if cls in self.to_struct else obj,
+                                        enc_hook=set_aside)
+        except (TypeError, WireError) as exc:
+            raise WireError(f"{cls.__name__} cannot be encoded: {exc}") from None
+        return [cls.__name__, value], tensors
 
     def decode(self, wire: Any, tensors: list[torch.Tensor], allowed: tuple[type, ...]) -> Any:
         """The object `encode` made, which must be one of `allowed`; WireError if it does not fit."""
@@ -82,76 +105,54 @@ class Codec:
         if cls is None or cls not in allowed:
             raise WireError(f"unknown message type {wire[0][:64]!r}")
         try:
-            return self.dec[cls](wire[1], tensors)
+            # NOTE: str_keys: JSON made the keys of int-keyed dicts (logit_bias, top logprobs) strings
+            obj = msgspec.convert(wire[1], self.wire_types[cls], str_keys=True,
+                                  dec_hook=functools.partial(_tensor_at, tensors))
+            return self.from_struct[cls](obj) if cls in self.from_struct else obj
+        except msgspec.ValidationError as exc:       # "Expected `int`, got `str` - at `$.plan.seqs[0]`"
+            why, key, where = _WHERE.fullmatch(str(exc)).groups()   # type: ignore[union-attr]
+            raise WireError(why + (" (a key)" if key else ""), (cls.__name__, where) if where else (cls.__name__,)) \
+                from None
         except WireError as exc:
             raise exc.at(cls.__name__) from None
-        except RecursionError:
-            raise WireError("nested too deeply") from None
 
-    # compiling a type into an encoder and a decoder
-    def _dataclass(self, cls: type) -> tuple[Enc, Dec]:
-        if cls in self.dec:
-            return self.enc[cls], self.dec[cls]
-        if not dataclasses.is_dataclass(cls) or cls.__name__ not in self.types:
+    # a class's wire struct, when it needs one, and the conversions to and from it
+    def _struct(self, cls: type) -> type | None:
+        if cls in self.structs:
+            return self.structs[cls]
+        if self.types.get(cls.__name__) is not cls:
             raise TypeError(f"{cls.__name__} crosses processes but is not one of the codec's types")
         hints = typing.get_type_hints(cls)
         fields = dataclasses.fields(cls)
-        extra = self.extras.get(cls, {})
-        self.enc[cls] = self.dec[cls] = None  # type: ignore[assignment]   # recursive types resolve later
-        kinds = [self._field_type(cls, f.name, hints[f.name]) for f in fields] + list(extra.values())
-        attrs = [f.name for f in fields] + list(extra)
-        pairs = [self._of(k) for k in kinds]
-        encs = [p[0] for p in pairs]
-        # NOTE: the hot path (a plan per step per stage): scalars are checked inline, not by a call each
-        scalars = [(i, _scalar_types(k)) for i, k in enumerate(kinds) if _scalar_types(k)]
-        flat = [(i, _flat_list_types(k)) for i, k in enumerate(kinds) if not _scalar_types(k) and _flat_list_types(k)]
-        nested = [(i, pairs[i][1]) for i, k in enumerate(kinds) if not _scalar_types(k) and not _flat_list_types(k)]
-        positional = not extra and all(f.init for f in fields)
-        get = operator.attrgetter(*attrs) if len(attrs) > 1 else (lambda v: (getattr(v, attrs[0]),)) if attrs \
-            else (lambda v: ())
+        kinds = {f.name: self._field_type(cls, f.name, hints[f.name]) for f in fields}
+        kinds.update(self.extras.get(cls, {}))
+        wires = {name: self._wire(kind) for name, kind in kinds.items()}
+        if cls not in self.extras and all(wires[f.name] == hints[f.name] for f in fields):
+            self.structs[cls] = None
+            return None
+        struct = msgspec.defstruct(cls.__name__, list(wires.items()), forbid_unknown_fields=True)
+        convs = {name: self._conv(kind) for name, kind in kinds.items()}
+        names = list(kinds)
+        by_position = cls not in self.extras and all(f.init for f in fields)
 
-        plain = {i for i, _ in scalars + flat}        # JSON carries these as they are
-        nested_encs = [(i, e) for i, e in enumerate(encs) if i not in plain]
-
-        def enc(v, ts):
+        def to_struct(v: Any) -> Any:
             if type(v) is not cls:
                 raise WireError(f"expected {cls.__name__}, got {type(v).__name__}")
-            out = list(get(v))
-            for i, e in nested_encs:
-                out[i] = e(out[i], ts)
-            return out
+            return struct(*[convs[n][0](getattr(v, n)) if convs[n] else getattr(v, n) for n in names])
 
-        def dec(v, ts):
-            if type(v) is not list or len(v) != len(attrs):
-                raise WireError(f"expected {cls.__name__} as a list of {len(attrs)} values")
-            for i, allowed in scalars:
-                if type(v[i]) not in allowed:
-                    raise WireError(f"expected {_name(kinds[i])}, got {type(v[i]).__name__}").at(attrs[i])
-            for i, allowed in flat:
-                if type(v[i]) is not list or not set(map(type, v[i])) <= allowed:
-                    raise WireError(f"expected {_name(kinds[i])}").at(attrs[i])
-            if nested:
-                v = list(v)          # NOTE: the caller's value stays as it was
-            for i, d in nested:
+        def from_struct(s: Any) -> Any:
+            values = {}
+            for n in names:
                 try:
-                    v[i] = d(v[i], ts)
+                    values[n] = convs[n][1](getattr(s, n)) if convs[n] else getattr(s, n)
                 except WireError as exc:
-                    raise exc.at(attrs[i]) from None
+                    raise exc.at(n) from None
             try:
-                return cls(*v) if positional else self._build(cls, fields, attrs, v)
+                return cls(*values.values()) if by_position else _build(cls, fields, values)
             except (TypeError, ValueError) as exc:
                 raise WireError(f"{cls.__name__} refused its values: {exc}") from None
-        self.enc[cls], self.dec[cls] = enc, dec
-        return enc, dec
-
-    @staticmethod
-    def _build(cls: type, fields: tuple, attrs: list[str], values: list) -> Any:
-        """An object from its fields' values, then the values of non-init fields and extras set on it."""
-        obj = cls(**{f.name: x for f, x in zip(fields, values) if f.init})
-        for a, x in list(zip(attrs, values))[len(fields):] + [(f.name, x) for f, x in zip(fields, values)
-                                                              if not f.init]:
-            object.__setattr__(obj, a, x)
-        return obj
+        self.structs[cls], self.to_struct[cls], self.from_struct[cls] = struct, to_struct, from_struct
+        return struct
 
     def _field_type(self, cls: type, name: str, hint: Any) -> Any:
         if (cls, name) in self.overrides:
@@ -160,197 +161,77 @@ class Codec:
             raise TypeError(f"{cls.__name__}.{name} is typed Any: give its wire type in the codec's overrides")
         return hint
 
-    def _of(self, hint: Any) -> tuple[Enc, Dec]:
-        """Encoder and decoder of one annotation."""
-        if hint in (int, float, str, bool, NoneType):
-            return _same, _scalar(hint)
-        if hint is JsonValue:
-            return _same, _same
-        if hint is torch.Tensor:
-            return self._of(TensorSpec())
+    def _wire(self, hint: Any) -> Any:
+        """The type msgspec decodes `hint` as: wire structs and tensor types in place of classes and specs."""
         if isinstance(hint, TensorSpec):
-            return _tensor_enc, _tensor_dec(hint)
+            return _tensor_type(hint)
         if isinstance(hint, OrNone):
-            return self._union((hint.spec, NoneType))
+            return typing.Optional[_tensor_type(hint.spec)]
         if dataclasses.is_dataclass(hint):
-            self._dataclass(hint)       # type: ignore[arg-type]
-            return (lambda v, ts: self.enc[hint](v, ts)), (lambda v, ts: self.dec[hint](v, ts))   # type: ignore
+            return self._struct(hint) or hint      # type: ignore[arg-type]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if origin in (typing.Union, types.UnionType):
-            return self._union(args)
-        if origin is list:
-            return self._list(args[0])
-        if origin is tuple:
-            return self._tuple(args)
+            return typing.Union[tuple(self._wire(a) for a in args)]
+        if origin in (list, tuple, dict):
+            return origin[tuple(a if a is Ellipsis else self._wire(a) for a in args)]
+        return hint
+
+    def _holds_struct(self, hint: Any) -> bool:
+        if isinstance(hint, (TensorSpec, OrNone)):
+            return False
+        if dataclasses.is_dataclass(hint):
+            return self._struct(hint) is not None          # type: ignore[arg-type]
+        return any(self._holds_struct(a) for a in typing.get_args(hint) if a is not Ellipsis)
+
+    def _conv(self, hint: Any) -> tuple[Callable, Callable] | None:
+        """(to wire struct, from wire struct) of a value typed `hint`; None when it crosses as it is."""
+        if not self._holds_struct(hint):
+            return None
+        if dataclasses.is_dataclass(hint):
+            return self.to_struct[hint], self.from_struct[hint]        # type: ignore[index]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType) and len(args) == 2 and NoneType in args:
+            to, back = self._conv(next(a for a in args if a is not NoneType))      # type: ignore[misc]
+            return (lambda v: None if v is None else to(v)), (lambda v: None if v is None else back(v))
+        if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+            to, back = self._conv(args[0])                                          # type: ignore[misc]
+            return (lambda v: [to(x) for x in v]), (lambda v: origin(_each(back, v)))
         if origin is dict:
-            return self._dict(args[0], args[1])
-        raise TypeError(f"the codec cannot carry {hint!r}")
-
-    def _union(self, args: tuple) -> tuple[Enc, Dec]:
-        members = [a for a in args if a is not NoneType]
-        if len(members) == 1 and len(args) == 2:        # X | None
-            e, d = self._of(members[0])
-            return (lambda v, ts: None if v is None else e(v, ts)), (lambda v, ts: None if v is None else d(v, ts))
-        pairs = [self._of(a) for a in args]
-        checks = [_isinstance_check(a) for a in args]
-
-        def enc(v, ts):
-            for i, (check, (e, _)) in enumerate(zip(checks, pairs)):
-                if check(v):
-                    return [i, e(v, ts)]
-            raise WireError(f"{type(v).__name__} is none of {args}")
-
-        def dec(v, ts):
-            if type(v) is not list or len(v) != 2 or type(v[0]) is not int or not 0 <= v[0] < len(pairs):
-                raise WireError("expected a union as [member index, value]")
-            return pairs[v[0]][1](v[1], ts)
-        return enc, dec
-
-    def _list(self, item: Any) -> tuple[Enc, Dec]:
-        if item in (int, float, str, bool):
-            allowed = {int, float} if item is float else {item}
-            name = item.__name__
-
-            def dec_flat(v, ts):
-                if type(v) is not list or not set(map(type, v)) <= allowed:
-                    raise WireError(f"expected a list of {name}")
-                return v
-            return (lambda v, ts: list(v)), dec_flat
-        e, d = self._of(item)
-
-        def dec(v, ts):
-            if type(v) is not list:
-                raise WireError("expected a list")
-            try:
-                return [d(x, ts) for x in v]
-            except WireError:            # again, item by item, to say which one
-                return [_at(d, x, ts, i) for i, x in enumerate(v)]
-        return (lambda v, ts: [e(x, ts) for x in v]), dec
-
-    def _tuple(self, args: tuple) -> tuple[Enc, Dec]:
-        if len(args) == 2 and args[1] is Ellipsis:
-            e, d = self._list(args[0])
-            return e, (lambda v, ts: tuple(d(v, ts)))
-        pairs = [self._of(a) for a in args]
-
-        def dec(v, ts):
-            if type(v) is not list or len(v) != len(pairs):
-                raise WireError(f"expected a tuple of {len(pairs)} values")
-            return tuple(_at(d, x, ts, i) for i, ((_, d), x) in enumerate(zip(pairs, v)))
-        return (lambda v, ts: [e(x, ts) for (e, _), x in zip(pairs, v)]), dec
-
-    def _dict(self, key: Any, value: Any) -> tuple[Enc, Dec]:
-        if key not in (str, int):
-            raise TypeError(f"the codec carries dicts with str or int keys, not {key!r}")
-        e, d = self._of(value)
-        if key is str and (allowed := set(_scalar_types(value))):     # the hot case: request id -> number
-            def dec_flat(v, ts):
-                if type(v) is not dict or not set(map(type, v.values())) <= allowed:
-                    raise WireError(f"expected an object of {_name(value)}")
-                return v
-            return (lambda v, ts: {_str_key(k): x for k, x in v.items()}), dec_flat
-        if key is str:          # a JSON object
-            def dec_obj(v, ts):
-                if type(v) is not dict:
-                    raise WireError("expected an object")
-                return {k: _at(d, x, ts, k) for k, x in v.items()}
-            return (lambda v, ts: {_str_key(k): e(x, ts) for k, x in v.items()}), dec_obj
-
-        def dec_pairs(v, ts):   # int keys: [[key, value], ...], so they stay ints
-            if type(v) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is int for p in v):
-                raise WireError("expected a list of [integer key, value] pairs")
-            return {k: _at(d, x, ts, str(k)) for k, x in v}
-        return (lambda v, ts: [[_int_key(k), e(x, ts)] for k, x in v.items()]), dec_pairs
+            to, back = self._conv(args[1])                                          # type: ignore[misc]
+            return (lambda v: {k: to(x) for k, x in v.items()}), (lambda v: {k: back(x) for k, x in v.items()})
+        raise TypeError(f"the codec cannot carry {hint!r}: a class with a wire struct inside it")
 
 
-_ALLOWED = {int: (int,), float: (int, float), str: (str,), bool: (bool,), NoneType: (NoneType,)}
-
-
-def _scalar_types(hint: Any) -> tuple[type, ...]:
-    """The JSON types a scalar or optional-scalar annotation allows (empty: not one)."""
-    if hint in _ALLOWED:
-        return _ALLOWED[hint]
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and all(a in _ALLOWED for a in args):
-        return tuple(t for a in args for t in _ALLOWED[a])
-    return ()
-
-
-def _flat_list_types(hint: Any) -> set[type]:
-    """The item types a list of scalars allows (empty: not one)."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is list and args[0] in (int, float, str, bool):
-        return set(_ALLOWED[args[0]])
-    return set()
-
-
-def _name(hint: Any) -> str:
-    if hint is NoneType:
-        return "null"
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("NoneType", "None")
-
-
-def _same(v, ts):
-    return v
-
-
-def _scalar(kind: type) -> Dec:
-    allowed = (int, float) if kind is float else (kind,)
-
-    def dec(v, ts):
-        if type(v) not in allowed:
-            raise WireError(f"expected {kind.__name__ if kind is not NoneType else 'null'}, got {type(v).__name__}")
-        return v
-    return dec
-
-
-def _at(d: Dec, x, ts, where) -> Any:
+def _each(back: Callable, values: Any) -> list:
     try:
-        return d(x, ts)
-    except WireError as exc:
-        raise exc.at(f"[{where}]") from None
+        return [back(x) for x in values]
+    except WireError:            # again, item by item, to say which one
+        for i, x in enumerate(values):
+            try:
+                back(x)
+            except WireError as exc:
+                raise exc.at(f"[{i}]") from None
+        raise
 
 
-def _str_key(k) -> str:
-    if type(k) is not str:
-        raise WireError(f"expected a str key, got {type(k).__name__}")
-    return k
+def _build(cls: type, fields: tuple, values: dict[str, Any]) -> Any:
+    """An object from its init fields' values, then its other fields and extras set on it."""
+    obj = cls(**{f.name: values.pop(f.name) for f in fields if f.init})
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+    return obj
 
 
-def _int_key(k) -> int:
-    if type(k) is not int:
-        raise WireError(f"expected an int key, got {type(k).__name__}")
-    return k
-
-
-def _isinstance_check(hint: Any) -> Callable[[Any], bool]:
-    if hint is NoneType:
-        return lambda v: v is None
-    if hint is float:
-        return lambda v: type(v) in (int, float)
-    if hint in (int, str, bool):
-        return lambda v: type(v) is hint
-    if isinstance(hint, TensorSpec):
-        return lambda v: isinstance(v, torch.Tensor)
-    origin = typing.get_origin(hint) or hint
-    return lambda v: isinstance(v, origin)
-
-
-def _tensor_enc(v, ts: list) -> int:
-    if not isinstance(v, torch.Tensor):
-        raise WireError(f"expected a tensor, got {type(v).__name__}")
-    ts.append(v)
-    return len(ts) - 1
-
-
-def _tensor_dec(spec: TensorSpec) -> Dec:
-    def dec(v, ts):
-        if type(v) is not int or not 0 <= v < len(ts):
-            raise WireError("expected the index of a tensor sent with the message")
-        t = ts[v]
-        if spec.dtypes is not None and t.dtype not in spec.dtypes:
-            raise WireError(f"a tensor of dtype {t.dtype} where {', '.join(map(str, spec.dtypes))} belongs")
-        if spec.ndim is not None and t.dim() != spec.ndim:
-            raise WireError(f"a tensor of {t.dim()} dimensions where {spec.ndim} belong")
-        return t
-    return dec
+def _tensor_at(tensors: list[torch.Tensor], kind: type, index: Any) -> torch.Tensor:
+    """msgspec's decode hook: the tensor a field's index names, checked against the field's spec."""
+    spec = kind.spec if isinstance(kind, _TensorType) else TensorSpec() if kind is torch.Tensor else None
+    if spec is None:
+        raise NotImplementedError(f"the codec cannot decode {kind!r}")
+    if type(index) is not int or not 0 <= index < len(tensors):
+        raise ValueError("expected the index of a tensor sent with the message")
+    t = tensors[index]
+    if spec.dtypes is not None and t.dtype not in spec.dtypes:
+        raise ValueError(f"a tensor of dtype {t.dtype} where {', '.join(map(str, spec.dtypes))} belongs")
+    if spec.ndim is not None and t.dim() != spec.ndim:
+        raise ValueError(f"a tensor of {t.dim()} dimensions where {spec.ndim} belong")
+    return t
