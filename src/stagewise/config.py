@@ -136,6 +136,12 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
     chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
+    # the prefix cache's disk tier (docs/kv-cache.md)
+    kv_cache_disk: int | None = flag(None, "disk bytes the prefix cache may keep KV pages in, e.g. 20GiB, split "
+                                     "over the stages by their layers; pages survive restarts (default: off — they "
+                                     "hold prompts at rest; 0 is off too)", size=True)
+    kv_cache_dir: str | None = flag(None, "directory of the KV disk tier (default: $STAGEWISE_CACHE/kv); made "
+                                    "private (0700), its files 0600")
     # pipeline
     pp_size: int = flag(1, "pipeline stages (processes)", aliases=("--pipeline-parallel-size",))
     tp_size: int = flag(1, "tensor-parallel ranks (processes) per stage, on the stage's node; they split every "
@@ -222,6 +228,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        if self.kv_cache_disk is not None:            # 0: off, as no size
+            disk = None if str(self.kv_cache_disk).strip() == "0" else parse_size(self.kv_cache_disk, "kv_cache_disk")
+            object.__setattr__(self, "kv_cache_disk", disk)
         for name in ("grammar_max_bytes", "grammar_memory", "grammar_cache_memory"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         for name in ("pp_layer_partition", "prefill_graph_buckets"):

@@ -57,6 +57,15 @@ class TokenBitmask:
 
 
 @dataclass
+class KVPages:
+    """KV blocks and the prefix-cache digests (hex) of the full blocks they hold: pages the stages
+    copy to their disk tier, or read from it into these blocks (docs/kv-cache.md)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StepPlan:
     plan_id: int
     seqs: list[ScheduledSeq]
@@ -68,6 +77,12 @@ class StepPlan:
     stage_busy_s: list[float] = field(default_factory=list)   # filled in by stages on the way
     stage_comm_s: list[float] = field(default_factory=list)   # likewise: tensor-parallel collective seconds
     token_bitmask: TokenBitmask | None = None     # constrained rows (structured outputs); the sampling stage reads it
+    # the prefix cache's disk tier: blocks each stage copies out to its pages before this step runs,
+    # and per request the pages to read into its blocks first (the request has no rows in this plan)
+    kv_saves: KVPages | None = None
+    kv_loads: dict[str, KVPages] = field(default_factory=dict)
+    kv_loaded: dict[str, int] = field(default_factory=dict)   # filled by stages: pages every stage read, per request
+    kv_tier: list[list[int]] = field(default_factory=list)     # filled by stages: each one's tier counters
 
     @property
     def num_tokens(self) -> int:
@@ -105,3 +120,5 @@ class StepResult:
     error: str | None = None                                       # a stage failed the whole plan
     stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage
     stage_comm_s: list[float] = field(default_factory=list)        # of which in tensor-parallel collectives
+    kv_loaded: dict[str, int] = field(default_factory=dict)        # the plan's: pages every stage read, per request
+    kv_tier: list[list[int]] = field(default_factory=list)         # each stage's disk-tier counters

@@ -8,6 +8,11 @@ Block keys are SHA-256 digests chained over the parent's digest and the block's 
 first block's parent is the request's `cache_salt` digest, if it names one), and
 a hit is also checked against the tokens the block was registered with, so no crafted prompt
 can make one request read another request's KV through a hash collision.
+
+With the disk tier (docs/kv-cache.md) every newly registered block is also queued for the stages
+to save as a page (`take_saves`), and a prompt's full blocks past its RAM hits are probed on disk
+(`probe_disk`): blocks are booked for them, the stages read what pages they hold, and `loaded`
+keeps the blocks every stage read (registered like computed ones) and gives back the rest.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from ..plan import KVPages
 from ..request import Request
 
 RESERVED_BLOCK = 0
@@ -32,7 +38,8 @@ def salt_root(req: Request) -> bytes | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 disk_tier: bool = False):
         if num_blocks < 2:
             raise ValueError(f"The KV cache holds {num_blocks} blocks; it needs at least 2 — raise kv_cache_memory.")
         self.num_blocks = num_blocks
@@ -45,6 +52,18 @@ class BlockManager:
         self.key_of: dict[int, tuple] = {}         # block -> (parent digest, token ids) it was registered with
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
+        # the disk tier: probed tokens (RAM misses looked up on disk) and those read from it
+        self.disk_tier = disk_tier and enable_prefix_caching
+        self.pending_saves: list[tuple[int, bytes]] = []     # (block, digest) for the stages to save
+        self.num_disk_queried_tokens = 0
+        self.num_disk_hit_tokens = 0
+
+    def fresh(self, num_blocks: int) -> "BlockManager":
+        """A new, empty manager with these settings and counters (a rebuilt pipeline's empty cache)."""
+        new = BlockManager(num_blocks, self.block_size, self.enable_prefix_caching, self.disk_tier)
+        new.num_queried_tokens, new.num_hit_tokens = self.num_queried_tokens, self.num_hit_tokens
+        new.num_disk_queried_tokens, new.num_disk_hit_tokens = self.num_disk_queried_tokens, self.num_disk_hit_tokens
+        return new
 
     # capacity
     @property
@@ -95,8 +114,9 @@ class BlockManager:
         self.num_hit_tokens += cached
         return cached
 
-    def register_full_blocks(self, req: Request, num_written: int) -> None:
-        """Make the request's fully written blocks findable by later prompts."""
+    def register_full_blocks(self, req: Request, num_written: int, save: bool = True) -> None:
+        """Make the request's fully written blocks findable by later prompts (and, with the disk
+        tier, queue them to be saved as pages unless `save` is False: they came from disk)."""
         if not self.enable_prefix_caching or req.input_embeds is not None:
             return
         num_full = min(num_written // self.block_size, len(req.block_ids))
@@ -111,6 +131,47 @@ class BlockManager:
                 self.hash_of[block] = h
                 self.block_of[h] = block
                 self.key_of[block] = self._block_key(req, i, tokens)
+                if save and self.disk_tier:
+                    self.pending_saves.append((block, h))
+
+    # the disk tier
+    def probe_disk(self, req: Request) -> KVPages | None:
+        """Book blocks for the request's full blocks past its RAM hits, for the stages to read from
+        their pages; None when there are none to look up (or the tier is off)."""
+        if (not self.disk_tier or req.input_embeds is not None or req.params.prompt_logprobs is not None):
+            return None
+        have = len(req.block_ids)
+        want = min((req.num_tokens - 1) // self.block_size - have, len(self.free))
+        if want <= 0:
+            return None
+        hashes = self._prefix_hashes(req, have + want)[have:]
+        blocks = self.allocate(req, (have + want) * self.block_size)
+        assert blocks is not None and len(blocks) == want, "the free blocks were counted"
+        self.num_disk_queried_tokens += want * self.block_size
+        return KVPages(blocks, [h.hex() for h in hashes])
+
+    def loaded(self, req: Request, num_probed: int, num_read: int) -> int:
+        """The stages read the first `num_read` of the request's `num_probed` probed blocks: keep and
+        register those, give back the rest. Returns the tokens now cached."""
+        keep = len(req.block_ids) - num_probed + num_read
+        self.trim(req, keep * self.block_size)
+        self.register_full_blocks(req, keep * self.block_size, save=False)
+        self.num_disk_hit_tokens += num_read * self.block_size
+        return keep * self.block_size
+
+    def take_saves(self) -> KVPages | None:
+        """The blocks the stages should save as pages before the next step runs (then forgotten here)."""
+        if not self.pending_saves:
+            return None
+        saves = KVPages([b for b, _ in self.pending_saves], [h.hex() for _, h in self.pending_saves])
+        self.pending_saves = []
+        return saves
+
+    def observe_tier(self, counters: list[list[int]]) -> None:
+        """A stage whose tier could not open (counters[0] == 0) reads no pages: stop probing and saving."""
+        if self.disk_tier and any(c and not c[0] for c in counters):
+            self.disk_tier = False
+            self.pending_saves = []
 
     # allocation
     def _ref(self, block: int) -> None:

@@ -24,6 +24,7 @@ from ..graph.policy import decide_verdict, policy_for
 from ..plan import StepPlan, StepResult
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
+from ..runtime.kv_disk import disk_tier_on
 from ..runtime.memory import format_memory_table
 from ..runtime.plan_report import fit_to_memory
 from ..runtime.sampler import NO_TOKEN_LEFT
@@ -55,7 +56,8 @@ class Engine:
         self.dead: str | None = None
         executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
-        blocks = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        blocks = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                              disk_tier_on(config))
         # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
@@ -146,7 +148,8 @@ class Engine:
         while len(self.inflight) < self.config.depth and (plan := self.scheduler.schedule()) is not None:
             decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
             plan.verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
-            self.stats_.record_verdict(plan.verdict, plan.num_tokens)
+            if plan.seqs:                        # a plan of disk-tier page work only runs no forward
+                self.stats_.record_verdict(plan.verdict, plan.num_tokens)
             if self._grammars is not None:
                 plan.token_bitmask = self._grammars.fill(plan)
             if not self.inflight:
@@ -239,6 +242,19 @@ class Engine:
         self.shutdown()
         raise EngineDeadError(why, outputs)
 
+    def _save_pages(self) -> None:
+        """Blocks registered by the last steps go to the disk tier with one more plan (a restart finds
+        them), when nothing else runs."""
+        if self.dead or self.inflight or self.scheduler.waiting or self.scheduler.running:
+            return
+        try:
+            if (plan := self.scheduler.schedule()) is not None:
+                self.inflight.append(plan)
+                self.executor.submit(plan)
+                self._apply(*self._collect())
+        except Exception as exc:  # noqa: BLE001 (shutting down: the pages are only an optimisation)
+            log.warning("The last KV pages were not saved: %s", exc)
+
     def stats(self) -> dict:
         snapshot = self.stats_.snapshot(self.scheduler, self.executor)
         snapshot["recovery"] = self.supervisor.stats()
@@ -247,6 +263,7 @@ class Engine:
         return snapshot
 
     def shutdown(self) -> None:
+        self._save_pages()
         if self._grammars is not None:
             self._grammars.shutdown()
         self.supervisor.shutdown()

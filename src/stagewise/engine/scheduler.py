@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult
+from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult
 from ..request import FinishReason, Request, RequestStatus, TokenLogprob
 from .balance import DecodeBalancer, FixedChunks
 from .block_manager import BlockManager
@@ -77,7 +77,8 @@ class Scheduler:
         return {rid: r.req for rid, r in self.records.items() if not r.req.is_finished}
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or pages the stages were not yet asked to save (a plan of its own)."""
+        return bool(self.waiting or self.running or self.blocks.pending_saves)
 
     # queue management
     def add(self, req: Request) -> None:
@@ -109,9 +110,7 @@ class Scheduler:
         unfinished request waits to be recomputed from its tokens (prompt + output so far), as a
         preempted one is, running ones first, on a new empty cache of at most `num_blocks` blocks
         (the prefix-cache counters carry on). Returns how many."""
-        old = self.blocks
-        blocks = BlockManager(min(num_blocks, old.num_blocks), old.block_size, old.enable_prefix_caching)
-        blocks.num_queried_tokens, blocks.num_hit_tokens = old.num_queried_tokens, old.num_hit_tokens
+        blocks = self.blocks.fresh(min(num_blocks, self.blocks.num_blocks))
         live = [*self.running, *self.waiting]
         for rid, rec in list(self.records.items()):
             rec.num_plans, rec.awaiting_token, rec.stage_known = 0, False, False
@@ -177,11 +176,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.admission_rules and not self._admissible_first():
                 break
-            n = self._admit(plan, self.waiting[0], budget)
-            if n == 0:
+            booked = self._admit(plan, self.waiting[0], budget)
+            if booked is None:
                 break
-            budget -= n
-        if not plan.seqs:
+            budget -= booked
+        plan.kv_saves = self.blocks.take_saves()
+        if not plan.seqs and not plan.kv_loads and plan.kv_saves is None:
             return None
         self.next_plan_id += 1
         plan.finished_req_ids, self.to_forget = self.to_forget, []
@@ -206,17 +206,21 @@ class Scheduler:
         return sum(1 for r in self.running
                    if self.records[r.request_id].awaiting_token or r.num_tokens - r.num_computed_tokens <= 1)
 
-    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int:
-        """Move the first waiting request into the plan if its blocks fit; the tokens booked (0: none)."""
+    def _admit(self, plan: StepPlan, req: Request, budget: int) -> int | None:
+        """Move the first waiting request into the plan if its blocks fit; the tokens booked (None:
+        not admitted; 0: its disk pages are looked up first)."""
         if not req.block_ids:
             req.num_computed_tokens = req.num_cached_tokens = self.blocks.match_prefix(req)
+            if (pages := self.blocks.probe_disk(req)) is not None:
+                self._probe(plan, req, pages)
+                return 0
         n = self._chunk_len(req, budget)
         new = self.blocks.allocate(req, req.num_computed_tokens + n)
         if new is None:
             if not self.running and not any(r.num_plans for r in self.records.values()) and not plan.seqs:
                 self.blocks.free_request(req)
                 raise MemoryError(f"Request {req.request_id} needs more KV blocks than the cache holds.")
-            return 0
+            return None
         self.waiting.popleft()
         if req.scheduled_time is None:
             req.scheduled_time = time.monotonic()
@@ -225,6 +229,30 @@ class Scheduler:
         self.running.append(req)
         self._book(plan, req, n)
         return n
+
+    def _probe(self, plan: StepPlan, req: Request, pages: KVPages) -> None:
+        """The request runs once the stages read what they hold of `pages` (the plan has no rows of it)."""
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        rec = self.records[req.request_id]
+        rec.num_plans += 1
+        rec.awaiting_token = True                  # nothing else of it is booked until the pages are read
+        plan.kv_loads[req.request_id] = pages
+
+    def _settle_loads(self, plan: StepPlan, result: StepResult) -> None:
+        """The stages read the first `kv_loaded` pages of each probed request: those count as cached."""
+        for rid, pages in plan.kv_loads.items():
+            rec = self.records[rid]
+            rec.num_plans -= 1
+            rec.awaiting_token = False
+            if rec.req.is_finished:
+                if rec.is_idle:
+                    self._release(rec)
+                continue
+            num_read = 0 if result.error else result.kv_loaded.get(rid, 0)
+            cached = self.blocks.loaded(rec.req, len(pages.block_ids), num_read)
+            rec.req.num_computed_tokens = rec.req.num_cached_tokens = cached
 
     @staticmethod
     def _zero_tail(plan: StepPlan, new_blocks: list[int]) -> None:
@@ -283,6 +311,9 @@ class Scheduler:
         """The oldest plan came back: apply each row's token, check the stop rules, finish what is
         done (or failed, with the whole plan or its own row). Returns every request that changed."""
         changed = []
+        self.blocks.observe_tier(result.kv_tier)
+        if plan.kv_loads:
+            self._settle_loads(plan, result)
         for seq in plan.seqs:
             rec = self._settle(seq)
             if rec is None:

@@ -1,12 +1,15 @@
 """Engine counters: graph verdicts (counted by the driver, which decides them for all stages),
 finished requests, per-stage busy time, and pipeline balance: each stage's bubble fraction (the
 share of the time plans were in flight that the stage spent not computing) and its predicted
-(cost model) vs measured share of the compute. `snapshot()` is what `LLM.stats()` returns."""
+(cost model) vs measured share of the compute, and the prefix cache per tier (RAM, and the disk
+tier's per-stage counters as the last plan brought them). `snapshot()` is what `LLM.stats()` returns."""
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
 from collections import Counter
+
+from ..runtime.kv_disk import COUNTERS as KV_DISK_COUNTERS
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 
@@ -47,6 +50,7 @@ class EngineStats:
         self.active_since: float | None = None
         self.busy_offset: list[float] = []            # busy seconds of stage processes that were replaced
         self.comm_offset: list[float] = []
+        self.kv_disk: list[list[int]] = []            # each stage's disk-tier counters (KV_DISK_COUNTERS order)
 
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
@@ -80,6 +84,8 @@ class EngineStats:
 
     def record_result(self, result) -> None:
         self.num_steps += 1
+        if result.kv_tier:
+            self.kv_disk = [list(c) for c in result.kv_tier]
         if result.stage_busy_s:
             offset = self.busy_offset or [0.0] * len(result.stage_busy_s)
             self.stage_busy_s = [o + b for o, b in zip(offset, result.stage_busy_s)]
@@ -94,6 +100,13 @@ class EngineStats:
 
     def record_finish(self, req) -> None:
         self.finished[req.finish_reason.value] += 1
+
+    def kv_disk_snapshot(self) -> dict:
+        """The disk tier: each stage's counters by name, and their sums over the stages."""
+        stages = [dict(zip(KV_DISK_COUNTERS, c)) for c in self.kv_disk]
+        totals = {k: sum(st[k] for st in stages) for k in KV_DISK_COUNTERS if k not in ("enabled", "writable")}
+        return {"enabled": bool(stages) and all(st["enabled"] for st in stages),
+                "writable": bool(stages) and all(st["writable"] for st in stages), **totals, "stages": stages}
 
     def snapshot(self, scheduler, executor) -> dict:
         wall = time.monotonic() - self.started
@@ -110,6 +123,9 @@ class EngineStats:
             "prefix_cache_hit_rate": scheduler.blocks.prefix_hit_rate,
             "prefix_cache_queries": scheduler.blocks.num_queried_tokens,
             "prefix_cache_hits": scheduler.blocks.num_hit_tokens,
+            "prefix_cache_disk_queries": scheduler.blocks.num_disk_queried_tokens,
+            "prefix_cache_disk_hits": scheduler.blocks.num_disk_hit_tokens,
+            "kv_disk": self.kv_disk_snapshot(),
             "stage_busy_s": list(self.stage_busy_s),
             "stage_tp_comm_s": list(self.stage_comm_s),
             "iteration_tokens": {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.iteration_counts),

@@ -8,12 +8,15 @@ from ..checkpoint import load_hf_config, num_layers_of
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
 from ..runtime.worker import Worker
+from .kv_pages import StagePages, before_plan, finish_result, pages_only
 
 
 class LocalExecutor:
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
         stage = StageInfo.single(num_layers_of(load_hf_config(model_dir), model_dir))
         self.worker = Worker(config, model_dir, stage, eos_token_ids)
+        self.stage = stage
+        self.pages = StagePages.open(config, model_dir, stage, self.worker)
         self.memory_plans = [self.worker.memory_plan]
         self.num_blocks = self.worker.num_blocks
         self.results: deque[StepResult] = deque()
@@ -25,9 +28,10 @@ class LocalExecutor:
         self.partition: tuple[int, ...] = (stage.num_layers,)
 
     def submit(self, plan: StepPlan) -> None:
-        result = self.worker.execute(plan, None)
+        before_plan(self.pages, plan, failed=False)          # the disk tier's page work (kv_pages.py)
+        result = self.worker.execute(plan, None) if plan.seqs else pages_only(self.worker, self.stage, plan)
         assert isinstance(result, StepResult), "a single stage is the last stage: it returns a StepResult"
-        self.results.append(result)
+        self.results.append(finish_result(result, plan))
 
     def collect(self) -> StepResult:
         result = self.results.popleft()
@@ -39,3 +43,5 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self.results.clear()
+        if self.pages is not None:
+            self.pages.flush()

@@ -14,7 +14,7 @@ import torch
 from ..graph.policy import GraphVerdict
 from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
 from ..parallel.transport import Link, PendingSend
-from ..plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
+from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
 from ..request import SamplingParams, StructuredOutputs, TokenLogprob
 from ..runtime.memory import MemoryPlan
 
@@ -72,7 +72,7 @@ class Shutdown:
 RING = (PlanMsg, PlanFailedMsg, ResultMsg, Heartbeat, Shutdown)
 CONTROL = (ReadyMsg, StageAlive)
 CODEC = Codec(
-    [*RING, *CONTROL, StepPlan, ScheduledSeq, NewRequestData, CachedRequestData, TokenBitmask, StepResult,
+    [*RING, *CONTROL, StepPlan, ScheduledSeq, NewRequestData, CachedRequestData, TokenBitmask, StepResult, KVPages,
      SamplingParams, StructuredOutputs, TokenLogprob, GraphVerdict, MemoryPlan],
     # NOTE: plan.py and request.py import neither torch nor graph/: their fields of those types say Any
     overrides={(NewRequestData, "input_embeds"): OrNone(TensorSpec(FLOATS, ndim=2)),

@@ -18,6 +18,7 @@ from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
 from .hygiene import die_with_parent, exit_now, name_process
+from .kv_pages import StagePages, before_plan, finish_result, pages_only
 from .layout import stage_rank
 from .links import PipelineLinks, join_pipeline
 from .liveness import start_beating
@@ -135,6 +136,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
         if leader is not None:
             leader.close()
         raise
+    pages = StagePages.open(config, model_dir, stage, worker)
     send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
     start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
     pending: list = []
@@ -147,7 +149,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
             _crash_if_asked(msg.plan, crash_token)
         if leader is not None:
             leader.forward(msg, config.dist_timeout_s)
-        out = _handle(worker, stage, msg)
+        out = _handle(worker, stage, msg, pages)
         if leader is not None:
             leader.check_in_step(msg, out)
         for p in pending:        # sends of two messages ago must be done before we reuse anything
@@ -173,23 +175,31 @@ def _crash_if_asked(plan, token: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _handle(worker, stage, msg: Message) -> Message:
-    """Run a plan (or skip one that failed upstream); pass anything else along."""
+def _handle(worker, stage, msg: Message, pages: StagePages | None = None) -> Message:
+    """Run a plan (or skip one that failed upstream) after its disk-tier page work (kv_pages.py);
+    pass anything else along (a Shutdown once this stage's pages are written)."""
     if isinstance(msg, PlanFailedMsg):
         plan = msg.plan
+        before_plan(pages, plan, failed=True)
         out = worker.skip(plan, msg.why)
     elif isinstance(msg, PlanMsg):
         plan = msg.plan
-        proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.proxy.items()}) if msg.proxy else None
-        out = worker.execute(plan, proxy)
+        before_plan(pages, plan, failed=False)
+        if not plan.seqs:
+            out = pages_only(worker, stage, plan)
+        else:
+            proxy = ProxyTensors({k: t.to(worker.device) for k, t in msg.proxy.items()}) if msg.proxy else None
+            out = worker.execute(plan, proxy)
     elif isinstance(msg, (Heartbeat, Shutdown)):
+        if isinstance(msg, Shutdown) and pages is not None:
+            pages.flush()
         return msg                       # pass along
     else:
         raise TypeError(f"a stage does not take {type(msg).__name__} on the ring")
     busy, comm = plan.stage_busy_s + [worker.busy_s], plan.stage_comm_s + [worker.comm_s]
     if isinstance(out, StepResult):
         out.stage_busy_s, out.stage_comm_s = busy, comm
-        return ResultMsg(out)
+        return ResultMsg(finish_result(out, plan))
     fwd = plan.without_embeds()
     fwd.stage_busy_s, fwd.stage_comm_s = busy, comm
     if isinstance(out, PlanFailed):
