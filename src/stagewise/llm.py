@@ -1,15 +1,16 @@
 """LLM: the offline API (vLLM-style). Generates a batch to completion and returns one
-RequestOutput per input, in input order."""
+RequestOutput per input, in input order, through the engine client a caller in this process uses
+(serve/client.py: `InprocClient`, the engine on this thread)."""
 from __future__ import annotations
 
 import logging
 from typing import Sequence
 
 from .config import EngineConfig
-from .engine.engine import Engine
 from .errors import PromptTooLongError
 from .model.source import resolve_model
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from .serve.client import InprocClient, PromptInput
 
 log = logging.getLogger("stagewise")
 
@@ -19,7 +20,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options):
         self.config = EngineConfig.from_kwargs(model=resolve_model(model), **options)
-        self.engine = Engine(self.config)
+        self.client = InprocClient(self.config)
+        self.engine = self.client.engine            # for callers that drive or inspect it (the CLI, tests)
         self.tokenizer = self.engine.tok.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | None = None,
@@ -30,12 +32,11 @@ class LLM:
         params = _params(sampling_params, len(inputs))
         results: dict[str, RequestOutput] = {}
         order: list[str | RequestOutput] = []
-        for (kind, value), p in zip(inputs, params):
+        for inp, p in zip(inputs, params):
             try:
-                req = self.engine.add_request(params=p, **{kind: value})   # type: ignore[arg-type]
-                order.append(req.request_id)
+                order.append(self.client.submit(inp, p))
             except PromptTooLongError as exc:   # that request fails; the batch goes on
-                order.append(_error_output(kind, value, str(exc)))
+                order.append(_error_output(inp, str(exc)))
         self._run(results, sum(isinstance(o, str) for o in order), use_tqdm)
         return [results[o] if isinstance(o, str) else o for o in order]
 
@@ -43,7 +44,7 @@ class LLM:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm)
         try:
-            for out in self.engine.run_until_done():
+            for out in self.client.outputs():
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
@@ -68,10 +69,10 @@ class LLM:
                 for out, (p, _) in zip(outs, pairs)]
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.client.stats()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.client.stop()
 
     def __enter__(self) -> "LLM":
         return self
@@ -80,7 +81,7 @@ class LLM:
         self.shutdown()
 
 
-def _inputs(prompts, prompt_token_ids, input_embeds) -> list[tuple[str, object]]:
+def _inputs(prompts, prompt_token_ids, input_embeds) -> list[PromptInput]:
     given = [x is not None for x in (prompts, prompt_token_ids, input_embeds)]
     if sum(given) != 1:
         raise ValueError("Pass exactly one of prompts, prompt_token_ids or input_embeds to generate().")
@@ -100,7 +101,7 @@ def _inputs(prompts, prompt_token_ids, input_embeds) -> list[tuple[str, object]]
     items = list(items)
     if not items:
         raise ValueError(f"{kind} is empty; give at least one input.")
-    return [(kind, x) for x in items]
+    return [PromptInput(**{"text" if kind == "prompt" else kind: x}) for x in items]
 
 
 def _params(sampling_params, n: int) -> list[SamplingParams]:
@@ -114,8 +115,6 @@ def _params(sampling_params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _error_output(kind: str, value, message: str) -> RequestOutput:
-    ids = list(value) if kind == "prompt_token_ids" else []
-    prompt = value if kind == "prompt" else None
-    return RequestOutput("rejected", prompt, ids,
+def _error_output(inp: PromptInput, message: str) -> RequestOutput:
+    return RequestOutput("rejected", inp.text, list(inp.prompt_token_ids or ()),
                          [CompletionOutput(0, "", [], FinishReason.ERROR.value, None, message)], finished=True)

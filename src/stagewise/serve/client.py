@@ -1,4 +1,9 @@
-"""EngineClient: the caller's side of an engine core (core.py), for an asyncio caller (the server).
+"""The caller's side of an engine: `EngineClient` for an asyncio caller (the server) of an engine
+core (core.py) in a process of its own, `InprocClient` for a caller in this process (the offline
+`LLM`). Both take requests as `PromptInput`s with their `SamplingParams`, refuse bad ones with one
+sentence (the same `check_prompt` rules), and hand back `RequestOutput`s.
+
+EngineClient:
 
 It owns request ids, each caller's output queue, aborts when a caller leaves, engine death
 (fail everyone, report unhealthy), the shutdown drain (refuse new requests, cut the open ones at
@@ -18,12 +23,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Iterator
 
 from ..engine.inputs import check_request
 from ..errors import describe_exit
 from ..request import RequestOutput, SamplingParams
-from .core import final_output
+from .core import engine_facts, final_output
 from .core_runner import EXIT_WAIT_S, await_ready, kill_core, reap, start_core, stop_core
 from .deltas import OutputAssembler
 from .wire import (
@@ -346,3 +351,36 @@ class EngineClient:
         with self._lock:
             ids = list(self._streams)
         self._post([final_output(rid, reason, why) for rid in ids])
+
+
+class InprocClient:
+    """An engine built and stepped on the caller's thread (the offline `LLM`): requests as the
+    server's client takes them, checked by the engine as it adds them (`Engine.add_request`: the
+    `check_prompt` rules `EngineClient.submit` runs), outputs as the engine makes them. Nothing
+    crosses a process, so there is no core loop, pipe or delta in between; `engine` stays
+    reachable for callers that drive or inspect it (the CLI's token stream, tests)."""
+
+    def __init__(self, config, *, engine_factory=_real_engine):
+        self.engine = engine_factory(config)
+        self.info = EngineInfo.of(self.engine.tok, engine_facts(self.engine))
+
+    def submit(self, inp: PromptInput, params: SamplingParams) -> str:
+        """Queue one request; its id. ValueError (PromptTooLongError among them) on bad input. A text
+        prompt without ids is tokenized by the engine, and its text is the output's `prompt`."""
+        text = inp.text if inp.prompt_token_ids is None and inp.input_embeds is None else None
+        req = self.engine.add_request(text, params, prompt_token_ids=inp.prompt_token_ids,
+                                      input_embeds=inp.input_embeds)
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request submitted has finished, yielding each output as it changes."""
+        return self.engine.run_until_done()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def stop(self) -> None:
+        self.engine.shutdown()
