@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from . import build, native, quant_pack
+from . import build, native, quant_pack, team
 from .quant_formats import K_TYPES, SUPPORTED, T, row_bytes
 
 # name -> (extra compiler flags, CPU flags it needs to run)
@@ -37,6 +37,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
     lib.quant_linear.argtypes = [i32, p, p, p, i32, p, i32, i64, i64, i64, p, p, p, i64]
     lib.quant_dequant_rows.argtypes = [i32, p, i64, p, i64, p, p]
     lib.quant_linear.restype = lib.quant_dequant_rows.restype = i32
+    team.hand_to(lib, "quant")         # split over the stage's kernel team once it starts
     if variant == "native":
         native.load("quant", lib)      # the ops' CPU kernels in C++, where a C++ compiler works
     return lib

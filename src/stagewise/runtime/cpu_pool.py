@@ -70,9 +70,19 @@ def for_stage(config, stage_rank: int, threads: int, tp_rank: int = 0) -> CpuPoo
     cpus = stage_cpus(os.sched_getaffinity(0), threads, slot, k) if hasattr(os, "sched_getaffinity") else []
     # NOTE: one thread opens no parallel region, so there is no wake-up to save
     pool = start(cpus, keep_awake=None if threads > 1 else False)
+    _start_team(threads, cpus)
     log.info("stage %d: CPU threads %s", stage_rank, pool.describe() if pool is not None else
              "not pinned; idle CPUs may halt within steps (one thread, STAGEWISE_KEEP_AWAKE=0, or no C compiler)")
     return pool
+
+
+def _start_team(threads: int, cpus: list[int]) -> None:
+    """The kernel team of this process (kernels/team.py): the stage's threads, whatever a step's
+    torch setting (the kernels choose per call, by the bytes they read and the rows)."""
+    from ..kernels import team
+    if threads > 1:
+        size = team.start(threads, cpus)
+        log.info("kernel team: %s", f"{size} threads, awake within steps" if size > 1 else "none (OpenMP splits)")
 
 
 def start(cpus: list[int], pin: bool | None = None, keep_awake: bool | None = None) -> CpuPool | None:
@@ -95,10 +105,5 @@ def start(cpus: list[int], pin: bool | None = None, keep_awake: bool | None = No
 
 
 def _library():
-    from ..kernels import build  # lazy: builds csrc/threads.c once per cache
-    lib = build.library("threads", ["threads.c"])
-    if lib is not None:
-        lib.sw_keepers_awake.argtypes = [ctypes.c_int, ctypes.c_longlong]
-        lib.sw_keepers_awake.restype = None
-        lib.sw_keepers_start.restype = lib.sw_pin_team.restype = ctypes.c_int
-    return lib
+    from ..kernels import team  # lazy: builds csrc/threads.c and team.c once per cache
+    return team.library()

@@ -15,6 +15,9 @@
 
 #include "quant.h"
 #include "quant_tiles.h"
+#include "team.h"
+
+SW_TEAM_CLIENT(quant)
 
 const char* quant_isa(void) { return QUANT_ISA; }
 
@@ -184,34 +187,74 @@ static void blocked(const seg_t* sg, const act_t* x, int64_t p, int64_t r0, int6
     store_tile((int)(r1 - r0), NV, rows, NV, &sg->o, r0, p * PANEL);
 }
 
+/* One task of a fast call (FOR_TASKS' body, for the team): task t -> its segment, panels and rows. */
+typedef struct {
+    const seg_t* segs;
+    int S;
+    int64_t M, width;
+    act_t a;
+    const void* x;
+    int x_bf16;
+    int64_t ldx, esize;
+} fast_job_t;
+
+static void fast_task(const fast_job_t* j, int64_t t) {
+    const seg_t* segs = j->segs;
+    int64_t M = j->M, width = j->width, rows = RUN_ROWS(M), runs = (M + rows - 1) / rows;
+    int s = j->S - 1;
+    while (segs[s].first > t) s--;
+    const seg_t* sg = &segs[s];
+    int64_t p0 = ((t - sg->first) / runs) * width, r0 = ((t - sg->first) % runs) * rows;
+    int64_t p1 = p0 + width < sg->panels ? p0 + width : sg->panels, r1 = r0 + rows < M ? r0 + rows : M;
+    const act_t* a = &j->a;
+    if (width > NV && p1 - p0 == width) {           /* a decode step's wide group */
+        (M == 1 ? sg->k->one : sg->k->two)(a, 0, sg->w + p0 * sg->pstride, sg->pstride, &sg->o, p0 * PANEL);
+    } else if (M > MBMAX && sg->k->extract) {       /* several row tiles share each block */
+        chunk_ops_t ops[KB];
+        pvf acc[2 * ROWS_PER_RUN * NV];             /* RUN_ROWS(M) <= 2 * ROWS_PER_RUN */
+        for (int64_t p = p0; p < p1; p += NV) blocked(sg, a, p, r0, r1, ops, acc);
+    } else {
+        for (int64_t p = p0; p < p1; p += NV)
+            for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
+                int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
+                sg->k->direct[mb](a, m0, sg->w + p * sg->pstride, sg->pstride, &sg->o, p * PANEL);
+            }
+    }
+}
+
+static void fast_tasks(void* ctx, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) fast_task((const fast_job_t*)ctx, t);
+}
+
+static void quantize_rows(void* ctx, int64_t m0, int64_t m1) {
+    const fast_job_t* j = (const fast_job_t*)ctx;
+    int64_t K = j->a.K;
+    for (int64_t m = m0; m < m1; m++)
+        quantize_row((const char*)j->x + m * j->ldx * j->esize, j->x_bf16, K, (int8_t*)j->a.q + m * K,
+                     (float*)j->a.d + m * (K / CHUNK), (int32_t*)j->a.s + m * (K / 16));
+}
+
+/* Threads a call is worth: one per TEAM_BYTES of weight-reads (rows count up to 64: past that a
+   call is compute-bound and every thread pays); the team caps it at its size. */
+#define TEAM_BYTES (48 << 10)
+static int threads_for(const seg_t* segs, int S, int64_t M) {
+    int64_t bytes = 0;
+    for (int s = 0; s < S; s++) bytes += segs[s].panels * segs[s].pstride;
+    int64_t want = 1 + bytes * (M < 64 ? M : 64) / TEAM_BYTES;
+    return want > 1024 ? 1024 : (int)want;
+}
+
 static void run_fast(const seg_t* segs, int S, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
                      int64_t width, char* work) {
     int8_t* xq = (int8_t*)work;
     float* xd = (float*)(work + M * K);
     int32_t* xs = (int32_t*)(xd + M * (K / CHUNK));
-    act_t a = {xq, xd, xs, K};
-    int64_t esize = x_bf16 ? 2 : 4;
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quantize_row((const char*)x + m * ldx * esize, x_bf16, K, xq + m * K, xd + m * (K / CHUNK),
-                         xs + m * (K / 16));
-        chunk_ops_t ops[KB];
-        pvf rows[2 * ROWS_PER_RUN * NV];                  /* RUN_ROWS(M) <= 2 * ROWS_PER_RUN */
-        FOR_TASKS(segs, S, M, width, {
-            if (width > NV && p1 - p0 == width)          /* a decode step's wide group */
-                (M == 1 ? sg->k->one : sg->k->two)(&a, 0, sg->w + p0 * sg->pstride, sg->pstride, &sg->o, p0 * PANEL);
-            else if (M > MBMAX && sg->k->extract)        /* several row tiles share each block */
-                for (int64_t p = p0; p < p1; p += NV) blocked(sg, &a, p, r0, r1, ops, rows);
-            else
-                for (int64_t p = p0; p < p1; p += NV)
-                    for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
-                        int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
-                        sg->k->direct[mb](&a, m0, sg->w + p * sg->pstride, sg->pstride, &sg->o, p * PANEL);
-                    }
-        })
-    }
+    fast_job_t j = {segs, S, M, width, {xq, xd, xs, K}, x, x_bf16, ldx, x_bf16 ? 2 : 4};
+    int want = threads_for(segs, S, M);
+    parallel_for(quantize_rows, &j, M, M >= 16 ? want : 1);
+    int64_t rows = RUN_ROWS(M), runs = (M + rows - 1) / rows;
+    int64_t total = segs[S - 1].first + (segs[S - 1].panels + width - 1) / width * runs;
+    parallel_for(fast_tasks, &j, total, want);
 }
 
 /* Panel -> float32 [K][16] (bit-identical to gguf-py's dequantized values) */
