@@ -39,6 +39,7 @@ MAX_NDIM = 8
 MAX_TENSOR_BYTES = 8 << 30            # all tensors of one message together
 RECORD = struct.Struct("!I")          # a sealed record's length (ciphertext and tag), in the clear
 RECORD_BYTES = 1 << 20                # plaintext per record at most
+COALESCE_BYTES = 256 << 10            # parts of a message up to this much together go in one record
 TAG_BYTES = 16
 WAIT_SLICE_S = 0.25                   # receives return to Python this often (signal handlers run)
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -51,40 +52,59 @@ class LinkError(ConnectionError):
 
 
 class Sealer:
-    """One direction of a sealed connection: AES-256-GCM under its key, the record count as nonce."""
+    """One direction of a sealed connection: AES-256-GCM under its key, the record count as nonce.
+    Its buffer is reused record after record (a record is sent, or its plaintext read, before the next)."""
 
     def __init__(self, key: bytes):
-        self.aead, self.seq = AESGCM(key), 0
+        self.aead, self.seq, self.buf = AESGCM(key), 0, bytearray()
 
     def _nonce(self) -> bytes:
         self.seq += 1
         return (self.seq - 1).to_bytes(12, "big")
 
-    def seal(self, parts: list) -> list[bytes]:
-        """`parts` (bytes-like) as records: [length, ciphertext] each, in order."""
-        out, buf = [], bytearray()
+    def _room(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+    def records(self, parts: list):
+        """`parts` (bytes-like) as records, each [length, ciphertext] and valid until the next is made:
+        small parts together (one copy), a large one (a tensor) in place."""
+        small, made = bytearray(), False
         for part in parts:
             view = memoryview(part).cast("B")
-            while len(view):
-                take = RECORD_BYTES - len(buf)
-                buf += view[:take]
-                view = view[take:]
-                if len(buf) == RECORD_BYTES:
-                    out += self._record(buf)
-                    buf = bytearray()
-        return out + self._record(buf) if buf or not out else out
+            if len(small) + len(view) <= COALESCE_BYTES:
+                small += view
+                continue
+            if small:
+                yield self._record(small)
+                small = bytearray()
+            for start in range(0, len(view), RECORD_BYTES):
+                made = True
+                yield self._record(view[start:start + RECORD_BYTES])
+        if small or not made:
+            yield self._record(small)
 
-    def _record(self, plain: bytes | bytearray) -> list[bytes]:
+    def seal(self, parts: list) -> list[bytes]:
+        """All of `parts` sealed, as bytes (the store's small requests)."""
+        return [bytes(piece) for record in self.records(parts) for piece in record]
+
+    def _record(self, plain) -> list:
         head = RECORD.pack(len(plain) + TAG_BYTES)
-        return [head, self.aead.encrypt(self._nonce(), plain, head)]
+        out = self._room(len(plain) + TAG_BYTES)
+        self.aead.encrypt_into(self._nonce(), plain, head, out)
+        return [head, out]
 
-    def open(self, head: bytes, sealed: bytes | bytearray, peer: str) -> bytes:
-        """A record's plaintext; LinkError if it is not the next record this key sealed."""
+    def open(self, head: bytes, sealed, peer: str) -> memoryview:
+        """A record's plaintext (valid until the next is opened); LinkError if it is not the next
+        record this key sealed."""
+        out = self._room(len(sealed) - TAG_BYTES)
         try:
-            return self.aead.decrypt(self._nonce(), sealed, head)
+            self.aead.decrypt_into(self._nonce(), sealed, head, out)
         except InvalidTag:
             raise LinkError(f"{peer} sent a record that fails its integrity check (changed, replayed, reordered "
                             f"or not sealed with this link's key); the link is closed") from None
+        return out
 
 
 def record_size(head: bytes, peer: str) -> int:
@@ -122,7 +142,7 @@ class SealedSocket:
             body = self._exactly(record_size(head, self.peer))
             if not body:
                 raise LinkError(f"the link to {self.peer} closed inside a record")
-            self.plain = self.opener.open(head, body, self.peer)
+            self.plain = bytes(self.opener.open(head, body, self.peer))
         out, self.plain = self.plain[:n], self.plain[n:]
         return out
 
@@ -167,9 +187,10 @@ class Link:
         self.sealer = Sealer(keys.send) if keys else None
         self.opener = Sealer(keys.recv) if keys else None
         self.plain = memoryview(b"")          # opened bytes not yet read
-        self.record = bytearray(RECORD.size)  # the record being received: its header, then its body
-        self.record_head = b""
-        self.got = 0                          # its bytes received so far (kept across a timeout)
+        self.head = bytearray(RECORD.size)    # the record being received: its header,
+        self.body = bytearray()               # its body (the buffer is reused),
+        self.size: int | None = None          # its body's size once the header is in,
+        self.got = 0                          # and its bytes received so far (kept across a timeout)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -199,7 +220,10 @@ class Link:
                 error = "the link is closed"
             if error is None:
                 try:
-                    _send_all(self.sock, self.sealer.seal(pending.parts) if self.sealer else pending.parts)
+                    if self.sealer is None:
+                        _send_all(self.sock, pending.parts)
+                    for record in self.sealer.records(pending.parts) if self.sealer else ():
+                        _send_all(self.sock, record)
                 except OSError as exc:
                     error = str(exc) or type(exc).__name__
             pending.error, pending.parts = error, []
@@ -239,22 +263,24 @@ class Link:
             view[got:got + n] = self.plain[:n]
             self.plain, got = self.plain[n:], got + n
 
-    def _next_record(self, deadline: float, timeout_s: float) -> bytes:
+    def _next_record(self, deadline: float, timeout_s: float) -> memoryview:
         """The next record's plaintext. A timeout keeps what arrived of it for the next call."""
         assert self.opener is not None
         if self.closed:
             raise LinkError(f"the link to {self.peer} is closed")
         try:
-            if not self.record_head:
-                self._fill(memoryview(self.record), self.got, deadline, timeout_s, keep=True)
-                self.record_head = bytes(self.record)
-                self.record, self.got = bytearray(record_size(self.record_head, self.peer)), 0
-            self._fill(memoryview(self.record), self.got, deadline, timeout_s, keep=True)
-            plain = self.opener.open(self.record_head, self.record, self.peer)
+            if self.size is None:
+                self._fill(memoryview(self.head), self.got, deadline, timeout_s, keep=True)
+                self.size, self.got = record_size(bytes(self.head), self.peer), 0
+                if len(self.body) < self.size:
+                    self.body = bytearray(self.size)
+            body = memoryview(self.body)[:self.size]
+            self._fill(body, self.got, deadline, timeout_s, keep=True)
+            plain = self.opener.open(bytes(self.head), body, self.peer)
         except LinkError:
             self.abort()              # a forged or broken record: nothing more is read from this link
             raise
-        self.record, self.record_head, self.got = bytearray(RECORD.size), b"", 0
+        self.size, self.got = None, 0
         return plain
 
     def _fill(self, view: memoryview, got: int, deadline: float, timeout_s: float, keep: bool = False) -> int:
