@@ -1,5 +1,7 @@
 """Shared helpers for the benchmark scripts: local tiny checkpoints (no hub), seeded workloads,
-timing, and writing results (markdown table + optional PNG) to benchmarks/results/.
+timing and percentiles, the machine lines every report opens with, writing results (markdown
+table + optional PNG) to benchmarks/results/, where downloads and made files are kept (`cache_dir`),
+and running an area's benchmarks by name (`run_subcommand`).
 
 Benchmarks compare configurations side by side in one run and report ratios: absolute
 timings on a shared CPU drift by ±15% between runs.
@@ -14,8 +16,10 @@ import subprocess
 # systems (and the spawned pipeline stages, which inherit it) near their uncontended speed.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import importlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -23,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -91,6 +96,47 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0..100) of `values`, nearest rank; NaN for none."""
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def cache_dir(*parts: str, create: bool = True) -> Path:
+    """Where benchmarks keep what they download or make (model files, the peers' virtual
+    environments): stagewise's own cache, $STAGEWISE_CACHE, else ~/.cache/stagewise."""
+    root = Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise")
+    path = root.joinpath(*parts)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def peer_python(name: str) -> str:
+    """The interpreter of a peer's virtual environment (`vllm`, `llamacpp`, `convert`):
+    $STAGEWISE_BENCH_<NAME>_PYTHON, else <cache_dir>/peers/<name>/bin/python (benchmarks/peers/bench.py
+    says how to make them)."""
+    return os.environ.get(f"STAGEWISE_BENCH_{name.upper()}_PYTHON") or str(
+        cache_dir("peers", name, "bin", "python", create=False))
+
+
+def run_subcommand(prog: str, doc: str, commands: dict[str, tuple[str, str]]) -> None:
+    """`python -m PROG NAME [flags]`: runs module `commands[NAME][0]`'s `main` with the flags
+    (`NAME --help` lists them); `commands[NAME][1]` is the question it answers, for the usage."""
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in commands:
+        width = max(map(len, commands))
+        lines = [f"  {name:{width}}  {what}" for name, (_, what) in commands.items()]
+        print(f"{doc.strip()}\n\nusage: python -m {prog} NAME [flags]   (python -m {prog} NAME --help: its flags)\n"
+              + "\n".join(lines), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    module = importlib.import_module(commands[argv[0]][0])
+    sys.argv = [f"python -m {prog} {argv[0]}", *argv[1:]]
+    raise SystemExit(module.main() or 0)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def cell(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -114,8 +160,7 @@ def write_result(name: str, text: str, quick: bool = False) -> Path:
 
 def export_src(rev: str, into: Path) -> Path:
     """`git archive REV src` extracted under `into`: stagewise as it was at REV, for before/after runs."""
-    repo = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "src"], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "src"
 

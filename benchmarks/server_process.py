@@ -1,6 +1,7 @@
-"""`stagewise serve` as a child process on 127.0.0.1 and a free port, for the serving benchmarks:
-started through the command line (the public entry point), waited for through /health, stopped
-with a signal and then SIGKILL."""
+"""`stagewise serve` as a child process on 127.0.0.1 and a free port, for the serving benchmarks and
+the server tests (tests/server/launcher.py): started through the command line (the public entry
+point), waited for through /health, stopped with a signal and then SIGKILL; the processes below it
+(its engine process, the stage processes) found through /proc."""
 from __future__ import annotations
 
 import os
@@ -48,6 +49,10 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
+    def descendants(self) -> list[int]:
+        """Pids of every process below the server (its engine process, the stage processes)."""
+        return descendants(self.proc.pid)
+
     def stop(self, grace_s: float = 15.0, sig: int = signal.SIGINT) -> int | None:
         """`sig` (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
         if self.proc.poll() is None:
@@ -59,3 +64,20 @@ class ServerProcess:
                 self.proc.wait(5)
         self.log.close()
         return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every living process below `pid` (read from /proc; Linux)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found

@@ -1,79 +1,13 @@
-"""ServerProcess: `python -m stagewise serve` as a child process on 127.0.0.1 and a free port,
-waited for through /health and stopped gracefully (a signal, then SIGKILL). Used by the server
-tests (the benchmarks have their own, benchmarks/server_process.py)."""
+"""The server tests' process helpers: `ServerProcess` (`python -m stagewise serve` as a child process,
+shared with the serving benchmarks: benchmarks/server_process.py), `descendants` and `wait_gone`."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from stagewise.executor.rendezvous import free_port
+from benchmarks.server_process import HOST, ServerProcess, descendants
 
-HOST = "127.0.0.1"
-
-
-class ServerProcess:
-    def __init__(self, model_dir: str | Path, log_path: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = Path(log_path)
-        cmd = [sys.executable, "-m", "stagewise", "--log-level", "warning", "serve", "--model", str(model_dir),
-               "--host", HOST, "--port", str(self.port), *args]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
-
-    def descendants(self) -> list[int]:
-        """Pids of every process below the server (its engine process, the stage processes)."""
-        return descendants(self.proc.pid)
-
-    def stop(self, grace_s: float = 15.0, sig: int = signal.SIGINT) -> int | None:
-        """`sig` (graceful), then SIGKILL if it lingers; returns the exit code. Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        return self.proc.returncode
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of every living process below `pid` (read from /proc; Linux)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier]
-        found += kids
-        frontier = kids
-    return found
+__all__ = ["HOST", "ServerProcess", "descendants", "wait_gone"]
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:

@@ -1,0 +1,9 @@
+"""The offline engine (`LLM`, `stagewise generate`)."""
+from benchmarks.common import run_subcommand
+
+run_subcommand("benchmarks.offline", __doc__, {
+    "throughput": ("benchmarks.offline.throughput", "offline throughput and prefill latency vs HF generate"),
+    "startup": ("benchmarks.offline.startup", "`stagewise generate` wall time as a new user runs it"),
+    "speculative": ("benchmarks.offline.speculative", "n-gram speculative decoding on and off (and llama.cpp's)"),
+    "cpu-limit": ("benchmarks.offline.cpu_limit", "batch-1 decode at the machine's limit, vs llama.cpp"),
+})

@@ -1,0 +1,3 @@
+from benchmarks.peers.bench import main
+
+raise SystemExit(main())

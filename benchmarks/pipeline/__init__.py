@@ -1,0 +1,3 @@
+"""Pipelines and tensor parallelism: `python -m benchmarks.pipeline NAME` (microbatch.py,
+levers.py, prefill_graphs.py, tp.py, recovery.py); engines run in processes of their own
+(benchmarks/engine_process.py)."""

@@ -1,0 +1,10 @@
+"""Pipelines and tensor parallelism."""
+from benchmarks.common import run_subcommand
+
+run_subcommand("benchmarks.pipeline", __doc__, {
+    "microbatch": ("benchmarks.pipeline.microbatch", "PP=2 micro-batched vs synchronous vs PP=1 on the same cores"),
+    "levers": ("benchmarks.pipeline.levers", "balanced pipelines: each lever on and off, PP=2 vs PP=1"),
+    "prefill-graphs": ("benchmarks.pipeline.prefill_graphs", "prefill graphs vs eager: per-bucket latency, PP=2 TTFT"),
+    "tp": ("benchmarks.pipeline.tp", "a stage's all-reduce, and TP=2 against one process"),
+    "recovery": ("benchmarks.pipeline.recovery", "how long a PP=2 pipeline takes to heal a killed stage"),
+})

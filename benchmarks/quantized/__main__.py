@@ -1,0 +1,7 @@
+"""stagewise against llama.cpp on quantized GGUF files."""
+from benchmarks.common import run_subcommand
+
+run_subcommand("benchmarks.quantized", __doc__, {
+    "make-models": ("benchmarks.quantized.models", "make the GGUF files the runs compare on (once)"),
+    "run": ("benchmarks.quantized.bench", "decode and prefill speed, memory and numerics per file, vs llama.cpp"),
+})

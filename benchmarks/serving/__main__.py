@@ -1,0 +1,8 @@
+"""What `stagewise serve` delivers."""
+from benchmarks.common import run_subcommand
+
+run_subcommand("benchmarks.serving", __doc__, {
+    "load": ("benchmarks.serving.load", "throughput, TTFT and TPOT under N streaming clients, per pipeline size"),
+    "overhead": ("benchmarks.serving.overhead", "how much of the offline engine's throughput the server delivers"),
+    "profile": ("benchmarks.serving.profile", "where a served run's CPU time goes, per process (py-spy)"),
+})
