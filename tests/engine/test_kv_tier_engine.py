@@ -2,12 +2,14 @@
 same model finds the first one's prefix on disk (fewer prefill tokens, the same greedy tokens, the
 one-process run without the tier as the oracle); a damaged page is dropped with a warning and
 recomputed; a tier that cannot write (a budget smaller than a page, an unusable directory) leaves
-serving as it was; a salt or another model file never reads another's pages; PP=2 pages per stage."""
+serving as it was; a salt or another model file never reads another's pages; PP=2 pages per stage,
+and a stage rebuilt after a SIGKILL reads them back."""
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -126,10 +128,20 @@ def test_another_model_file_never_reuses_pages(llama_dir, tmp_path):
     assert len({p.parent for p in _pages(tmp_path)}) == 2     # a directory per model
 
 
-def test_pp2_stages_keep_their_own_pages(llama_dir, tmp_path, oracle):
+def test_pp2_stages_keep_their_own_pages_and_a_rebuilt_stage_reads_them(llama_dir, tmp_path, oracle):
     first, _, _ = _run(llama_dir, tmp_path, pp_size=2)
     assert first == oracle
     assert len({p.parent.name.split("-")[0] for p in _pages(tmp_path)}) == 2     # one layer range per stage
-    second, stats, cached = _run(llama_dir, tmp_path, pp_size=2)
-    assert second == oracle and cached == FULL_TOKENS
-    assert [s["pages_read"] for s in stats["kv_disk"]["stages"]] == [FULL_TOKENS // BLOCK] * 2
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    with LLM(model=str(llama_dir), block_size=BLOCK, pp_size=2, kv_cache_disk="64MiB",
+             kv_cache_dir=str(tmp_path / "kv"), pipeline_spares=False) as llm:
+        second = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0]
+        stats = llm.stats()
+        assert second.outputs[0].token_ids == oracle and second.num_cached_tokens == FULL_TOKENS
+        assert [s["pages_read"] for s in stats["kv_disk"]["stages"]] == [FULL_TOKENS // BLOCK] * 2
+        os.kill(llm.engine.executor.procs[1].pid, signal.SIGKILL)     # rebuilt: its RAM blocks are gone
+        again = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0]
+        stats = llm.stats()
+    assert again.outputs[0].token_ids == oracle
+    assert stats["recovery"]["rebuilds"] == {"stage_died": 1}, stats["recovery"]
+    assert again.num_cached_tokens == FULL_TOKENS and stats["prefix_cache_disk_hits"] == 2 * FULL_TOKENS
