@@ -25,4 +25,24 @@ engine in a process of its own), `server_process.py` (`stagewise serve` as a chi
 server tests use it too), `stream_load.py` (the one streaming load generator), `peer_process.py`
 (a peer engine's worker under its own interpreter, its process tree watched), `harness/` (a
 simulated cluster). `workers/` holds the scripts those run by path under a peer's interpreter.
-This file imports nothing: workers run under interpreters without torch."""
+
+This file imports nothing at import time (a benchmark's worker may run under an interpreter without
+torch); `run_subcommand` runs an area's benchmark by name."""
+
+
+def run_subcommand(prog: str, doc: str, commands: dict[str, tuple[str, str]]) -> None:
+    """`python -m PROG NAME [flags]`: runs module `commands[NAME][0]`'s `main` with the flags
+    (`NAME --help` lists them); `commands[NAME][1]` is the question it answers, for the usage."""
+    import importlib
+    import sys
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in commands:
+        width = max(map(len, commands))
+        lines = [f"  {name:{width}}  {what}" for name, (_, what) in commands.items()]
+        print(f"{doc.strip()}\n\nusage: python -m {prog} NAME [flags]   (python -m {prog} NAME --help: its flags)\n"
+              + "\n".join(lines), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    module = importlib.import_module(commands[argv[0]][0])
+    sys.argv = [f"python -m {prog} {argv[0]}", *argv[1:]]
+    raise SystemExit(module.main() or 0)
+

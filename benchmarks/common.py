@@ -1,7 +1,7 @@
 """Shared helpers for the benchmark scripts: local tiny checkpoints (no hub), seeded workloads,
 timing and percentiles, the machine lines every report opens with, writing results (markdown
-table + optional PNG) to benchmarks/results/, where downloads and made files are kept (`cache_dir`),
-and running an area's benchmarks by name (`run_subcommand`).
+table + optional PNG) to benchmarks/results/, and where downloads and made files are kept
+(`cache_dir`, `peer_python`).
 
 Benchmarks compare configurations side by side in one run and report ratios: absolute
 timings on a shared CPU drift by ±15% between runs.
@@ -16,10 +16,8 @@ import subprocess
 # systems (and the spawned pipeline stages, which inherit it) near their uncontended speed.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import importlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -120,21 +118,6 @@ def peer_python(name: str) -> str:
     says how to make them)."""
     return os.environ.get(f"STAGEWISE_BENCH_{name.upper()}_PYTHON") or str(
         cache_dir("peers", name, "bin", "python", create=False))
-
-
-def run_subcommand(prog: str, doc: str, commands: dict[str, tuple[str, str]]) -> None:
-    """`python -m PROG NAME [flags]`: runs module `commands[NAME][0]`'s `main` with the flags
-    (`NAME --help` lists them); `commands[NAME][1]` is the question it answers, for the usage."""
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in commands:
-        width = max(map(len, commands))
-        lines = [f"  {name:{width}}  {what}" for name, (_, what) in commands.items()]
-        print(f"{doc.strip()}\n\nusage: python -m {prog} NAME [flags]   (python -m {prog} NAME --help: its flags)\n"
-              + "\n".join(lines), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
-        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
-    module = importlib.import_module(commands[argv[0]][0])
-    sys.argv = [f"python -m {prog} {argv[0]}", *argv[1:]]
-    raise SystemExit(module.main() or 0)
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

@@ -40,3 +40,40 @@ def test_engine_never_imports_torch_models():
         for _, target in _imports(path):
             assert target[0] not in ("model", "graph") or target[:2] == ["graph", "policy"], \
                 f"{path.name} imports {'.'.join(target)}"
+
+
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
+def _has_main_guard(path: Path) -> bool:
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in ast.parse(path.read_text()).body)
+
+
+def test_benchmarks_have_one_entry_point_per_question():
+    """At most ~15 `python -m benchmarks.X` entry points: top-level modules run as scripts and area
+    packages; below the top level only workers/ runs as a script. Every benchmark an area names is a
+    module of that area with a `main`."""
+    modules = [p.stem for p in BENCHMARKS.glob("*.py") if _has_main_guard(p)]
+    areas = [p.parent.name for p in BENCHMARKS.glob("*/__main__.py")]
+    assert len(modules) + len(areas) <= 16, sorted(modules + areas)
+    nested = [p for p in BENCHMARKS.glob("*/**/*.py") if p.parent.name not in ("workers", "harness")
+              and p.name != "__main__.py" and _has_main_guard(p)]
+    assert not nested, f"only workers/ run as scripts below the top level: {nested}"
+    for main in BENCHMARKS.glob("*/__main__.py"):
+        for call in (n for n in ast.walk(ast.parse(main.read_text())) if isinstance(n, ast.Call)
+                     and getattr(n.func, "id", "") == "run_subcommand"):
+            for target, _ in ast.literal_eval(call.args[2]).values():
+                path = BENCHMARKS.parent / (target.replace(".", "/") + ".py")
+                assert path.parent == main.parent, f"{main.parent.name} names {target}, not one of its modules"
+                names = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+                assert "main" in names, f"{path} has no main"
+
+
+def test_benchmarks_write_no_machine_paths():
+    """Where a run keeps what it downloads or makes, and where a peer's interpreter is, come from
+    flags, the environment or the cache dir (benchmarks/common.py), never a development machine's paths."""
+    for path in BENCHMARKS.rglob("*.py"):
+        text = path.read_text()
+        for prefix in ("/opt/", "/work/", "/scratch/", "/home/"):
+            assert prefix not in text, f"{path.relative_to(BENCHMARKS)} names a machine path ({prefix}...)"

@@ -1,5 +1,5 @@
 """The offline engine (`LLM`, `stagewise generate`)."""
-from benchmarks.common import run_subcommand
+from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.offline", __doc__, {
     "throughput": ("benchmarks.offline.throughput", "offline throughput and prefill latency vs HF generate"),

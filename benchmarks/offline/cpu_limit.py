@@ -20,8 +20,8 @@ from pathlib import Path
 
 MARK = "CPU-LIMIT "
 DEFAULT_GGUF = Path("~/.cache/stagewise/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
-# NOTE: the default of benchmarks.common.peer_python("llamacpp"), spelled out: this file also runs
-# as its own worker under llama.cpp's interpreter, which has no torch for benchmarks.common to import
+# NOTE: the default of benchmarks.common.peer_python("llamacpp"), spelled out: this module also runs
+# as its own worker (`--worker`) under llama.cpp's interpreter, which has no torch for benchmarks.common
 LLAMACPP_PY = os.environ.get("STAGEWISE_BENCH_LLAMACPP_PYTHON") or str(
     Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise") / "peers/llamacpp/bin/python")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 1978, 30, 216, 504, 3458, 282, 4649, 314]
@@ -97,7 +97,7 @@ def spawn(spec: dict, python: str = sys.executable) -> dict:
         env.pop(var, None)
     if spec.get("env"):
         env.update(spec["env"])
-    proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
+    proc = subprocess.run([python, "-m", "benchmarks.offline", "cpu-limit", "--worker", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     if proc.returncode or not lines:
@@ -175,6 +175,3 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"cells": results, "bandwidth": bandwidth}, indent=1))
 
-
-if __name__ == "__main__":        # run by path as its own worker (`--worker`), under either interpreter
-    main()

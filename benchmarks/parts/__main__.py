@@ -1,5 +1,5 @@
 """What one part of the engine costs."""
-from benchmarks.common import run_subcommand
+from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.parts", __doc__, {
     "sampler": ("benchmarks.parts.sampler", "the sampler's cost per decode step, before and after a change"),

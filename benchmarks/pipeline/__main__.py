@@ -1,5 +1,5 @@
 """Pipelines and tensor parallelism."""
-from benchmarks.common import run_subcommand
+from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.pipeline", __doc__, {
     "microbatch": ("benchmarks.pipeline.microbatch", "PP=2 micro-batched vs synchronous vs PP=1 on the same cores"),

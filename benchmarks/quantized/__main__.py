@@ -1,5 +1,5 @@
 """stagewise against llama.cpp on quantized GGUF files."""
-from benchmarks.common import run_subcommand
+from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.quantized", __doc__, {
     "make-models": ("benchmarks.quantized.models", "make the GGUF files the runs compare on (once)"),

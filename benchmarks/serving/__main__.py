@@ -1,5 +1,5 @@
 """What `stagewise serve` delivers."""
-from benchmarks.common import run_subcommand
+from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.serving", __doc__, {
     "load": ("benchmarks.serving.load", "throughput, TTFT and TPOT under N streaming clients, per pipeline size"),
