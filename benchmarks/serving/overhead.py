@@ -30,6 +30,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks import stream_load
 from benchmarks.common import RESULTS_DIR, percentile
 from benchmarks.server_process import ServerProcess
 
@@ -45,7 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--logprobs", type=int, default=None, help="ask for N logprobs per token (more front-end work)")
     p.add_argument("--heavy-mb", type=float, default=0.0,
                    help="meanwhile one more client posts request bodies of this many MB in a loop (parsed and "
                         "validated, then refused: too many prompts): the front end under pressure")
@@ -92,56 +92,40 @@ def prompts_for(args, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab_size) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
 
 
-# ---- the load generator (vllm bench serve's metrics: TTFT = first chunk, TPOT = (e2e - TTFT) / (n - 1))
+# ---- the load: stream_load.py's requests; vllm bench serve's metrics (TTFT: first token, TPOT: (e2e - TTFT) / (n - 1))
 
-async def _one(session, url: str, prompt: list[int], max_tokens: int, logprobs: int | None) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "logprobs": logprobs}
-    t0 = time.perf_counter()
-    first = None
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter()
-    e2e = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError("a streamed completion returned no chunk")
-    return {"ttft": first - t0, "tpot": (e2e - (first - t0)) / (max_tokens - 1)}
-
-
-async def load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int, logprobs: int | None = None,
+async def load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
                heavy_body: bytes | None = None) -> tuple[list[dict], float, dict]:
     """A closed loop of `concurrency` streaming clients over `prompts`, /health polled every 50 ms and,
     with `heavy_body`, one client posting it in a loop. Returns (per-request results, wall s, extras)."""
-    import aiohttp
+    httpx = stream_load.httpx
     todo, results, health, heavy = list(reversed(prompts)), [], [], [0]
 
-    async def client(session):
+    async def client(http):
         while todo:
-            results.append(await _one(session, url, todo.pop(), max_tokens, logprobs))
+            rec = await stream_load.one_request(http, url, todo.pop(), max_tokens)
+            if rec["error"] or not rec["times"]:
+                raise RuntimeError(f"a streamed completion failed: {rec['error'] or 'no token streamed'}")
+            ttft = rec["times"][0] - rec["start"]
+            results.append({"ttft": ttft, "tpot": (rec["end"] - rec["start"] - ttft) / (max_tokens - 1)})
 
-    async def poll_health(session):
+    async def poll_health(http):
         while todo or len(results) < len(prompts):
             t0 = time.perf_counter()
-            async with session.get(url + "/health") as r:
-                await r.read()
+            await http.get(url + "/health")
             health.append((time.perf_counter() - t0) * 1e3)
             await asyncio.sleep(0.05)
 
-    async def post_heavy(session):
+    async def post_heavy(http):
         while todo or len(results) < len(prompts):
-            async with session.post(url + "/v1/completions", data=heavy_body,
-                                    headers={"content-type": "application/json"}) as r:
-                await r.read()
+            await http.post(url + "/v1/completions", content=heavy_body, headers={"content-type": "application/json"})
             heavy[0] += 1
 
-    connector = aiohttp.TCPConnector(limit=concurrency + 2)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
         t0 = time.perf_counter()
-        side = [poll_health(session)] + ([post_heavy(session)] if heavy_body else [])
-        await asyncio.gather(*(client(session) for _ in range(concurrency)), *side)
+        side = [poll_health(http)] + ([post_heavy(http)] if heavy_body else [])
+        await asyncio.gather(*(client(http) for _ in range(concurrency)), *side)
         wall = time.perf_counter() - t0
     return results, wall, {"health_p50": percentile(health, 50), "health_p99": percentile(health, 99),
                            "heavy_posts": heavy[0]}
@@ -181,7 +165,7 @@ def serve_run(args, model: str, layout: str, prompts, tmp: Path) -> dict:
         server.wait_healthy(900)
         asyncio.run(load(server.url, WARMUP, 8, 2))                 # warm-up, not counted
         load_avg, (steps0, busy0) = os.getloadavg()[0], engine_counters(server.url)
-        results, wall, extras = asyncio.run(load(server.url, prompts, args.output_len, args.concurrency, args.logprobs,
+        results, wall, extras = asyncio.run(load(server.url, prompts, args.output_len, args.concurrency,
                                                  heavy_body(args.heavy_mb)))
         steps1, busy1 = engine_counters(server.url)
         name = f"serve, engine in a {layout}" + (f" + {args.heavy_mb:g} MB bodies" if args.heavy_mb else "")
