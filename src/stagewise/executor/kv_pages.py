@@ -7,6 +7,7 @@ no forward. Every stage does this for its own layers, so a pipeline's pages live
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -15,6 +16,7 @@ from ..plan import StepPlan, StepResult
 from ..runtime.kv_disk import FORMAT_VERSION, HEADER, DiskTier, disk_tier_on, kv_dir, model_identity, stage_budget
 
 log = logging.getLogger("stagewise.kv_disk")
+READERS = 4
 
 
 class StagePages:
@@ -23,6 +25,8 @@ class StagePages:
     def __init__(self, caches: list, layers: range, tier: DiskTier):
         self.caches, self.layers, self.tier = caches, layers, tier
         self.slices, self.page_bytes = page_layout(caches, layers)
+        # NOTE: file reads and their checksums release the GIL: a few at once keep a disk busy
+        self.readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="stagewise-kv-reader")
 
     @classmethod
     def open(cls, config, model_dir: str, stage: StageInfo, worker) -> "StagePages | None":
@@ -38,40 +42,53 @@ class StagePages:
         tier = DiskTier(kv_dir(config), key, page_layout(caches, layers)[1], stage_budget(config, stage))
         return cls(caches, layers, tier)
 
-    def copy_out(self, block: int) -> torch.Tensor:
-        """The block's KV of every own layer, as one uint8 page (a copy: the block may be reused next)."""
-        page = torch.empty(self.page_bytes, dtype=torch.uint8)
+    def copy_out(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks' KV of every own layer as uint8 pages `[len(blocks), page_bytes]` (a copy: the
+        blocks may be reused by the step that follows); one gather per layer."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.caches[self.layers[0]].device)
+        pages = torch.empty(len(blocks), self.page_bytes, dtype=torch.uint8)
         for layer, offset, nbytes, dtype, shape in self.slices:
-            page[offset:offset + nbytes].view(dtype).view(shape).copy_(self.caches[layer][:, block])
-        return page
+            dst = pages[:, offset:offset + nbytes].view(dtype).view(len(blocks), *shape)   # [N, 2, BS, Hkv, D]
+            dst.copy_(self.caches[layer].index_select(1, idx).transpose(0, 1))
+        return pages
 
-    def copy_in(self, block: int, buf: bytearray) -> None:
-        page = torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER.size)
+    def copy_in(self, blocks: list[int], buf: bytearray) -> None:
+        """Write pages read into `buf` (one after another, each with its header) into `blocks`."""
+        stride = HEADER.size + self.page_bytes
+        pages = torch.frombuffer(buf, dtype=torch.uint8).view(-1, stride)[:len(blocks), HEADER.size:]
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.caches[self.layers[0]].device)
         for layer, offset, nbytes, dtype, shape in self.slices:
-            self.caches[layer][:, block].copy_(page[offset:offset + nbytes].view(dtype).view(shape))
+            src = pages[:, offset:offset + nbytes].view(dtype).view(len(blocks), *shape)   # [N, 2, BS, Hkv, D]
+            cache = self.caches[layer]
+            cache.index_copy_(1, idx, src.transpose(0, 1).to(cache.device))
 
     def save(self, plan: StepPlan) -> None:
         saves = plan.kv_saves
-        if saves is None:
+        if saves is None or not self.tier.writable:
             return
-        for block, digest in zip(saves.block_ids, saves.digests):
-            key = bytes.fromhex(digest)
-            if self.tier.writable and not self.tier.has(key):
-                self.tier.save(key, self.copy_out(block))
+        todo = [(b, key) for b, d in zip(saves.block_ids, saves.digests)
+                if not self.tier.has(key := bytes.fromhex(d))]
+        if todo:
+            pages = self.copy_out([b for b, _ in todo])
+            for row, (_, key) in zip(pages, todo):
+                self.tier.save(key, row)
 
     def load(self, plan: StepPlan) -> None:
-        """Read each request's pages in order until one is missing or damaged; the plan keeps the
-        smallest count any stage read (the driver recomputes from there)."""
+        """Read each request's pages in order until one is missing or damaged (a few reads at a time);
+        the plan keeps the smallest count any stage read (the driver recomputes from there)."""
+        stride = HEADER.size + self.page_bytes
         for rid, pages in plan.kv_loads.items():
-            limit = min(plan.kv_loaded.get(rid, len(pages.block_ids)), len(pages.block_ids))
-            n = 0
-            with torch.inference_mode():
-                while n < limit:
-                    buf = self.tier.read(bytes.fromhex(pages.digests[n]))
-                    if buf is None:
-                        break
-                    self.copy_in(pages.block_ids[n], buf)
-                    n += 1
+            keys = [bytes.fromhex(d) for d in pages.digests]
+            limit = min(plan.kv_loaded.get(rid, len(keys)), len(keys))
+            limit = next((i for i, key in enumerate(keys[:limit]) if not self.tier.has(key)), limit)
+            buf = bytearray(limit * stride)
+            view = memoryview(buf)
+            slots = [view[i * stride:(i + 1) * stride] for i in range(limit)]
+            ok = list(self.readers.map(self.tier.read_into, keys[:limit], slots))
+            n = ok.index(False) if False in ok else limit
+            if n:
+                with torch.inference_mode():
+                    self.copy_in(pages.block_ids[:n], buf)
             plan.kv_loaded[rid] = n
 
     def flush(self) -> None:

@@ -117,11 +117,15 @@ class DiskTier:
             return digest in self.index
 
     def read(self, digest: bytes) -> bytearray | None:
-        """The page's payload, or None if it is absent or damaged (then dropped, with one warning)."""
-        if not self.enabled:
-            return None
-        path = self._path(digest)
+        """The page (header and payload), or None if it is absent or damaged (then dropped, with one warning)."""
         buf = bytearray(HEADER.size + self.page_bytes)
+        return buf if self.read_into(digest, memoryview(buf)) else None
+
+    def read_into(self, digest: bytes, buf: memoryview) -> bool:
+        """Read the page into `buf` (HEADER.size + page_bytes); False if it is absent or damaged."""
+        if not self.enabled or not self.has(digest):
+            return False
+        path = self._path(digest)
         try:
             with open(path, "rb", buffering=0) as fh:
                 n = fh.readinto(buf)
@@ -129,14 +133,14 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(digest)
             self.stats.pages_missing += 1
-            return None
+            return False
         except OSError as exc:
             self._damaged(digest, path, f"unreadable ({exc})")
-            return None
+            return False
         why = self._check(buf, n, extra, digest)
         if why is not None:
             self._damaged(digest, path, why)
-            return None
+            return False
         with self.lock:
             if digest in self.index:
                 self.index.move_to_end(digest)
@@ -146,15 +150,15 @@ class DiskTier:
             pass
         self.stats.pages_read += 1
         self.stats.bytes_read += self.page_bytes
-        return buf
+        return True
 
-    def _check(self, buf: bytearray, n: int, extra: bytes, digest: bytes) -> str | None:
+    def _check(self, buf: memoryview, n: int | None, extra: bytes, digest: bytes) -> str | None:
         if n != len(buf) or extra:
-            return f"{n + len(extra)} bytes, expected {len(buf)}"
+            return f"{(n or 0) + len(extra)} bytes, expected {len(buf)}"
         magic, version, stored, length, crc = HEADER.unpack_from(buf)
         if magic != MAGIC or version != FORMAT_VERSION or stored != digest or length != self.page_bytes:
             return "a bad header"
-        if zlib.crc32(memoryview(buf)[HEADER.size:]) != crc:
+        if zlib.crc32(buf[HEADER.size:]) != crc:
             return "a checksum mismatch"
         return None
 
