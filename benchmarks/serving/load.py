@@ -25,10 +25,7 @@ from benchmarks import stream_load
 from benchmarks.common import RESULTS_DIR, markdown_table, percentile
 from benchmarks.server_process import ServerProcess
 
-try:
-    import httpx2 as httpx
-except ImportError:
-    import httpx
+httpx = stream_load.httpx
 
 HOST = "127.0.0.1"             # loopback only, by design
 MAX_CLIENTS, MAX_REQUESTS = 128, 2000
