@@ -245,7 +245,7 @@ class Engine:
     def _save_pages(self) -> None:
         """Blocks registered by the last steps go to the disk tier with one more plan (a restart finds
         them), when nothing else runs."""
-        if self.dead or self.inflight or self.scheduler.waiting or self.scheduler.running:
+        if self.dead or self.recovering or self.inflight or self.scheduler.waiting or self.scheduler.running:
             return
         try:
             if (plan := self.scheduler.schedule()) is not None:
