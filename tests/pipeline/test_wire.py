@@ -24,6 +24,7 @@ from stagewise.executor.messages import (
     PlanMsg,
     ReadyMsg,
     ResultMsg,
+    Shutdown,
     StageAlive,
     recv_message,
     send_message,
@@ -163,6 +164,8 @@ def test_control_messages_come_back_exactly():
     plan = MemoryPlan(1, (2, 4), 1 << 31, 10, 0, 0, 5, 7, 3, 4096)
     for msg in (ReadyMsg(plan, 1.25), ReadyMsg(error="stage 1: no weights"), StageAlive(2, 17)):
         assert state(roundtrip(msg, CONTROL)) == state(msg)
+    for msg in (Heartbeat(), Shutdown()):
+        assert state(roundtrip(msg)) == state(msg)
 
 
 def test_an_unknown_or_misplaced_message_type_is_refused():
