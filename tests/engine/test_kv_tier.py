@@ -159,7 +159,7 @@ def test_no_probe_without_the_tier_or_for_prompts_the_cache_skips():
     blocks = BlockManager(32, 4, disk_tier=True)
     scored = Request("s", list(range(18)), SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert blocks.probe_disk(scored) is None and blocks.probe_disk(_request("short", 4)) is None
-    blocks.observe_tier([[0] + [0] * 13])              # a stage could not open its tier
+    blocks.observe_tier([[0] * len(kv_disk.COUNTERS)])  # a stage could not open its tier
     assert blocks.probe_disk(_request("b", 18)) is None
 
 

@@ -7,6 +7,7 @@ no forward. Every stage does this for its own layers, so a pipeline's pages live
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -69,9 +70,11 @@ class StagePages:
         todo = [(b, key) for b, d in zip(saves.block_ids, saves.digests)
                 if not self.tier.has(key := bytes.fromhex(d))]
         if todo:
+            t0 = time.perf_counter()
             pages = self.copy_out([b for b, _ in todo])
             for row, (_, key) in zip(pages, todo):
                 self.tier.save(key, row)
+            self.tier.stats.save_copy_us += int((time.perf_counter() - t0) * 1e6)
 
     def load(self, plan: StepPlan) -> None:
         """Read each request's pages in order until one is missing or damaged (a few reads at a time);

@@ -17,6 +17,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ SAMPLE_BYTES = 1 << 20            # model identity: bytes hashed at each end of 
 SAMPLES = 16                      # ... this many 64 KiB pieces spread between them
 COUNTERS = ("enabled", "writable", "budget_bytes", "bytes_on_disk", "pages_on_disk", "pages_written",
             "bytes_written", "pages_read", "bytes_read", "pages_missing", "pages_corrupt", "pages_evicted",
-            "pages_dropped", "write_errors")
+            "pages_dropped", "write_errors", "save_copy_us", "writer_cpu_us")
 
 
 def model_identity(model_path: str) -> str:
@@ -75,6 +76,8 @@ class TierStats:
     pages_evicted: int = 0
     pages_dropped: int = 0
     write_errors: int = 0
+    save_copy_us: int = 0             # the step's thread copying blocks out (kv_pages.py)
+    writer_cpu_us: int = 0            # the writer thread's CPU time
 
 
 @dataclass
@@ -203,6 +206,7 @@ class DiskTier:
                 if flushed is not None:
                     flushed.set()
                 continue
+            cpu = time.thread_time()
             try:
                 if self.writable and not self.has(item.digest):
                     self._write(item)
@@ -210,6 +214,7 @@ class DiskTier:
                 self._stop_writing(exc)
             finally:
                 self.queued_bytes -= item.nbytes
+                self.stats.writer_cpu_us += int((time.thread_time() - cpu) * 1e6)
 
     def _write(self, item: _Write) -> None:
         data = item.payload.numpy() if hasattr(item.payload, "numpy") else item.payload
@@ -285,7 +290,7 @@ class DiskTier:
             on_disk, pages = sum(self.index.values()), len(self.index)
         return [int(self.enabled), int(self.writable), self.budget_bytes, on_disk, pages, s.pages_written,
                 s.bytes_written, s.pages_read, s.bytes_read, s.pages_missing, s.pages_corrupt, s.pages_evicted,
-                s.pages_dropped, s.write_errors]
+                s.pages_dropped, s.write_errors, s.save_copy_us, s.writer_cpu_us]
 
 
 def namespace_of(key: dict) -> str:
