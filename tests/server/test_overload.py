@@ -3,10 +3,12 @@ in /metrics as overloaded) while the admitted requests complete, /health keeps a
 server's memory stays flat."""
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,8 @@ except ImportError:
 pytestmark = pytest.mark.slow          # a server of its own
 
 LIMIT = 8
-BURST = 300
+BURST_SIZE = 300
+BURST = Path(__file__).with_name("burst.py")
 PROMPT = " ".join(f"w{i}" for i in range(100))
 
 
@@ -59,15 +62,17 @@ def test_a_burst_is_refused_early_and_admitted_requests_complete(limited):
     before = _rss_mb(limited.proc.pid)
     prober = subprocess.Popen([sys.executable, "-c", PROBE, limited.url], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
-    with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda _: _one(limited.url), range(BURST)))
+    # NOTE: the client at nice 15 in a process of its own: remote clients cost the server nothing
+    client = subprocess.run(["nice", "-n", "15", sys.executable, str(BURST), limited.url, str(BURST_SIZE), "64"],
+                            capture_output=True, text=True, timeout=600, check=True)
+    out = json.loads(client.stdout)
     health = [float(x) for x in prober.communicate("", timeout=60)[0].split()]
-    refused = [(r, body) for s, r, body in results if s == 429]
-    assert {s for s, _, _ in results} <= {200, 429} and refused and len(refused) < BURST
-    assert all(r == "1" and "--max-waiting-requests" in body["error"]["message"] for r, body in refused)
-    assert limited.metric("stagewise_requests_total", status="overloaded") == len(refused)
-    # NOTE: the burst's client shares the test machine's cores with the server (the release target,
-    # 100 ms throughout, is for a quiet machine): what this catches is a stall (the old one: 21 s)
+    refused = out["status"].get("429", 0)
+    assert set(out["status"]) <= {"200", "429"} and 0 < refused < BURST_SIZE, out
+    assert out["retry_after"] == ["1"] and all("--max-waiting-requests" in m for m in out["messages"]), out
+    assert limited.metric("stagewise_requests_total", status="overloaded") == refused
+    # NOTE: the release target (100 ms throughout) is for a quiet machine: what this catches on a
+    # shared one is a stall (the old one: 21 s)
     assert statistics.median(health) < 0.5 and max(health) < 5.0, sorted(health)[-5:]
     assert _rss_mb(limited.proc.pid) < before + 100
 

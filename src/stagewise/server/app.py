@@ -8,6 +8,7 @@ and the stage processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ from ..config import EngineConfig
 from ..serve.client import EngineClient
 from . import routes, utility
 from .errors import APIError, install_error_handlers
-from .guard import RequestGuard, host_check_for
+from .guard import RequestGuard, host_allowed, host_check_for
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .options import ServerOptions, served_name_for
 from .serving import Serving
@@ -43,6 +44,11 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
     serving.max_logprob_entries = options.max_logprob_entries
     serving.max_waiting_requests = options.max_waiting_requests
+    serving.max_waiting_per_key = options.max_waiting_requests_per_key
+    serving.api_keys = {key: place for place, key in enumerate(options.api_keys, 1)}
+    if serving.max_waiting_per_key is not None:
+        serving.waiting_by_key = dict.fromkeys(serving.api_keys.values(), 0)
+        metrics.key_waiting = lambda: serving.waiting_by_key
     created = int(time.time())
 
     @asynccontextmanager
@@ -59,8 +65,15 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     app = FastAPI(title="stagewise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     install_error_handlers(app)
+    def overload(headers) -> APIError | None:
+        error = serving.refusal(headers)
+        if error is not None:
+            metrics.overloaded(getattr(error, "api_key", None))
+        return error
+
     app.add_middleware(RequestGuard, api_key=options.api_keys, max_body_bytes=options.max_request_bytes,
-                       on_reject=metrics.reject, allowed_hosts=host_check_for(options.host, options.allowed_hosts))
+                       on_reject=metrics.reject, allowed_hosts=host_check_for(options.host, options.allowed_hosts),
+                       overload=overload)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
 
     def counted(handler):
@@ -69,7 +82,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
                 return await handler(serving, raw)
             except APIError as exc:
                 if exc.status == 429:
-                    metrics.overloaded()
+                    metrics.overloaded(getattr(exc, "api_key", None))
                 elif 400 <= exc.status < 500:
                     metrics.reject()
                 raise
@@ -98,13 +111,19 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
 
     @app.get("/health")
     async def health():
-        if engine.is_healthy:
-            return {"status": "ok", **_pipeline(engine.snapshot)}
-        why = engine.unhealthy_reason
-        body = APIError(f"Unhealthy: {why}", 503, None, None, "service_unavailable").body()
-        if engine.recovering and not engine.dead:
-            body["status"] = "recovering"
-        return JSONResponse({**body, **_pipeline(engine.snapshot)}, status_code=503)
+        status, body = _health(engine)
+        return JSONResponse(body, status_code=status)
+
+    hosts = host_check_for(options.host, options.allowed_hosts)
+
+    def health_fast(host: str | None) -> tuple[int, bytes] | None:
+        """/health answered in the HTTP protocol itself (http11.py): None where the guard would refuse."""
+        if hosts is not None and not host_allowed(host, hosts):
+            return None
+        status, body = _health(engine)
+        return status, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    app.state.health_fast = health_fast
 
     @app.get("/version")
     async def version():
@@ -119,6 +138,17 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _health(engine: EngineClient) -> tuple[int, dict]:
+    """/health's status and body: 200 while the engine runs, else 503 saying why (recovering, dead,
+    shutting down); where a pipeline across nodes runs."""
+    if engine.is_healthy:
+        return 200, {"status": "ok", **_pipeline(engine.snapshot)}
+    body = APIError(f"Unhealthy: {engine.unhealthy_reason}", 503, None, None, "service_unavailable").body()
+    if engine.recovering and not engine.dead:
+        body["status"] = "recovering"
+    return 503, {**body, **_pipeline(engine.snapshot)}
 
 
 def _pipeline(snapshot: dict) -> dict:
@@ -150,5 +180,8 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info"):
     import uvicorn
 
     from .http11 import JSONErrorsH11Protocol
+    fast = getattr(app.state, "health_fast", None)
+    protocol = JSONErrorsH11Protocol if fast is None else \
+        type("StagewiseH11Protocol", (JSONErrorsH11Protocol,), {"health_fast": staticmethod(fast)})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S, http=JSONErrorsH11Protocol)
+                          timeout_graceful_shutdown=BACKSTOP_SHUTDOWN_S, http=protocol)

@@ -32,12 +32,25 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def overloaded(limit: int, retry_after_s: int) -> APIError:
-    """429 with Retry-After: the waiting queue is full (a burst is refused early, not queued for minutes)."""
-    err = APIError(f"The server is at its limit of {limit} waiting requests (--max-waiting-requests); retry after "
-                   f"{retry_after_s} s.", 429, None, "rate_limit_exceeded", "rate_limit_error")
-    err.headers = {"Retry-After": str(retry_after_s)}
-    return err
+class Overloaded(APIError):
+    """429 with Retry-After: the waiting queue is full (a burst is refused early, not queued for
+    minutes), the server's (`api_key` None) or one API key's share of it (`api_key`: its place in
+    --api-key, from 1)."""
+
+    def __init__(self, limit: int, retry_after_s: int, api_key: int | None = None):
+        if api_key is None:
+            text = f"The server is at its limit of {limit} waiting requests (--max-waiting-requests)"
+        else:
+            text = (f"This API key is at its limit of {limit} waiting requests (--max-waiting-requests-per-key); "
+                    f"its earlier requests must start first")
+        super().__init__(f"{text}; retry after {retry_after_s} s.", 429, None, "rate_limit_exceeded",
+                         "rate_limit_error")
+        self.headers = {"Retry-After": str(retry_after_s)}
+        self.api_key = api_key
+
+
+def overloaded(limit: int, retry_after_s: int, api_key: int | None = None) -> Overloaded:
+    return Overloaded(limit, retry_after_s, api_key)
 
 
 class BodyTooLarge(APIError):

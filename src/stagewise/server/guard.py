@@ -1,6 +1,7 @@
 """The gate in front of every route (pure ASGI middleware): the Host header (421), the API key
-(401), the JSON content type of request bodies (415) and the body size (413), each answered in
-the OpenAI error shape before a route reads anything.
+(401), the JSON content type of request bodies (415), the body size (413) and, for generation
+requests, a full waiting queue (429), each answered in the OpenAI error shape before a route reads
+anything: a refusal costs no routing, no request object, no exception.
 
 415 matters even without a key: browsers send `text/plain` (and body-less content types)
 cross-origin without a preflight, so a web page could otherwise make a local server generate.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from typing import Callable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +24,7 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 # POST /ping (vLLM's, for SageMaker) reads no body and does nothing; the others take no POST at all
 # (405 from the router, not 415 here)
 BODILESS_PATHS = ("/ping", "/health", "/metrics", "/version", "/v1/models")
+GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"))
 
 
 class RequestGuard:
@@ -29,7 +32,8 @@ class RequestGuard:
     else the Host names accepted besides loopback names and addresses ('*': any)."""
 
     def __init__(self, app: ASGIApp, api_key: str | tuple[str, ...] | None, max_body_bytes: int,
-                 on_reject=lambda: None, allowed_hosts: tuple[str, ...] | None = None):
+                 on_reject=lambda: None, allowed_hosts: tuple[str, ...] | None = None,
+                 overload: Callable[[Headers], APIError | None] = lambda headers: None):
         self.app = app
         keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
         self.api_keys = tuple(k.encode() for k in keys if k)
@@ -37,14 +41,16 @@ class RequestGuard:
         self.max_body_bytes = max_body_bytes
         self.on_reject = on_reject          # counts the refusal (metrics)
         self.allowed_hosts = None if allowed_hosts is None else frozenset(allowed_hosts)
+        self.overload = overload            # a generation request's 429 (counted by the callee), or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         error = self._check(scope, headers)
-        if error is not None:
+        if error is not None and error.status != 429:
             self.on_reject()
+        if error is not None:
             response = error.response()
             if error.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -72,7 +78,7 @@ class RequestGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return BodyTooLarge(self.max_body_bytes)
-        return None
+        return self.overload(headers) if scope["path"] in GENERATION_PATHS else None
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -83,12 +89,7 @@ class RequestGuard:
         return scheme.lower() == "bearer" and any(matches)
 
     def _host_ok(self, host: str | None) -> bool:
-        """A loopback name or address, or an allowed name; no Host (HTTP/1.0) is let through, as
-        browsers always send one."""
-        if host is None or "*" in (self.allowed_hosts or ()):
-            return True
-        name = host_name(host)
-        return is_loopback_name(name) or name in (self.allowed_hosts or ())
+        return host_allowed(host, self.allowed_hosts or ())
 
     def _limited(self, receive: Receive) -> Receive:
         """`receive` that counts body bytes (chunked bodies have no Content-Length) and stops at the limit."""
@@ -106,6 +107,15 @@ class RequestGuard:
 
 
 KEYED_PATHS = ("/generate", "/tokenize", "/detokenize")
+
+
+def host_allowed(host: str | None, allowed_hosts) -> bool:
+    """A loopback name or address, or an allowed name; no Host (HTTP/1.0) is let through, as
+    browsers always send one."""
+    if host is None or "*" in allowed_hosts:
+        return True
+    name = host_name(host)
+    return is_loopback_name(name) or name in allowed_hosts
 
 
 def _needs_key(path: str) -> bool:

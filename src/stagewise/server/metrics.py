@@ -34,6 +34,10 @@ class ServerMetrics:
         self.requests = Counter("stagewise_requests", "Requests by final status: a finish reason, rejected "
                                 "(HTTP 4xx before reaching the engine) or overloaded (429: the waiting queue "
                                 "was full).", ["model_name", "status"], registry=r)
+        self.overloads = Counter("stagewise_overloaded_requests", "Requests refused with 429 by the waiting "
+                                 "limit they met: 'server' (--max-waiting-requests) or 'api_key' "
+                                 "(--max-waiting-requests-per-key; api_key is the key's place in --api-key, "
+                                 "from 1).", ["model_name", "limit", "api_key"], registry=r)
         self.prompt_tokens = Counter("stagewise_prompt_tokens", "Prompt tokens of finished requests.",
                                      ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Generated tokens of finished requests.",
@@ -60,7 +64,9 @@ class ServerMetrics:
         self.phase_time = {phase: self._histogram(f"stagewise_request_{phase}_time_seconds", doc, PHASE_BUCKETS_S,
                                                   labels) for phase, doc in phases.items()}
         self.model_name = model_name
+        self.key_waiting: Callable[[], dict[int, int]] = dict      # the server's: each API key's waiting requests
         r.register(_EngineCollector(snapshot, model_name, up))
+        r.register(_KeyCollector(self))
 
     def _histogram(self, name: str, doc: str, buckets, labels: dict):
         return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
@@ -102,12 +108,34 @@ class ServerMetrics:
     def reject(self) -> None:
         self.requests.labels(self.model_name, "rejected").inc()
 
-    def overloaded(self) -> None:
-        """A request refused with 429 because the waiting queue was full (--max-waiting-requests)."""
+    def overloaded(self, api_key: int | None = None) -> None:
+        """A request refused with 429 because the waiting queue, or its API key's share, was full."""
         self.requests.labels(self.model_name, "overloaded").inc()
+        self.overloads.labels(self.model_name, "server" if api_key is None else "api_key",
+                              "" if api_key is None else str(api_key)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _KeyCollector:
+    """Each API key's waiting requests (with --max-waiting-requests-per-key), by the key's place."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        counts = self.metrics.key_waiting()
+        if counts:
+            g = GaugeMetricFamily("stagewise_api_key_waiting_requests", "Generation requests of each API key "
+                                  "waiting (read, tokenized or queued, not yet generating); api_key is the key's "
+                                  "place in --api-key, from 1.", labels=["model_name", "api_key"])
+            for place, count in sorted(counts.items()):
+                g.add_metric([self.metrics.model_name, str(place)], float(count))
+            yield g
 
 
 class _EngineCollector:

@@ -49,6 +49,10 @@ class ServerOptions:
     max_waiting_requests: int | None = flag(None, "the most requests that may wait for the engine (being read, "
                                             "tokenized or queued, not yet generating); more get 429 with "
                                             "Retry-After (default: no limit)")
+    max_waiting_requests_per_key: int | None = flag(None, "with --api-key, the most generation requests one key "
+                                                    "may have waiting (being read, tokenized or queued, not yet "
+                                                    "generating); more get 429 with Retry-After, so one tenant "
+                                                    "cannot hold the queue (default: no limit)")
     max_logprob_entries: int = flag(DEFAULT_MAX_LOGPROB_ENTRIES, "the most prompt logprob entries one response "
                                     "may carry (prompt tokens x (1 + top-n), for every choice that shows them); "
                                     "more gets 400")
@@ -64,7 +68,7 @@ class ServerOptions:
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout must be a number of seconds > 0, got {self.body_timeout_s}.")
         for name in ("default_max_tokens", "max_tokens_limit", "max_logprob_entries",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "max_waiting_requests_per_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -72,6 +76,9 @@ class ServerOptions:
             raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}.")
         if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
             raise ValueError("api_key is empty (or lists an empty key); give non-empty keys or leave it out.")
+        if self.max_waiting_requests_per_key is not None and not self.api_key:
+            raise ValueError("max_waiting_requests_per_key limits each API key: give the keys with --api-key "
+                             "KEY1,KEY2 (or leave it out and use --max-waiting-requests).")
         if self.cache_isolation not in CACHE_ISOLATION_CHOICES:
             raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION_CHOICES)}, got "
                              f"{self.cache_isolation!r}.")

@@ -62,19 +62,23 @@ async def generate(serving: Serving, raw: Request) -> Response:
 
 
 async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, bytes], Job]) -> Response:
-    serving.admit()
+    key = serving.admit(raw.headers)      # per-key limit on: the key's place, counted until the request starts
     serving.intake_open += 1              # until submitted (no await between): then the engine client counts it
     try:
         body = await serving.read_body(raw)
         job = await serving.off_loop(make_job, serving, body)
+        serving.isolate(raw, job.params)
     except ClientGone:
+        serving.waited(key)
         # NOTE: a client leaving is not a server fault: no traceback, no warning
         log.debug("client left while sending %s %s", raw.method, raw.url.path)
         return Response(status_code=CLIENT_GONE)
+    except BaseException:
+        serving.waited(key)
+        raise
     finally:
         serving.intake_open -= 1
-    serving.isolate(raw, job.params)
-    return await _answer(serving, raw, job)
+    return await _answer(serving, raw, job, key)
 
 
 def completion_job(serving: Serving, body: bytes) -> Job:
@@ -224,8 +228,8 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     return Job([prompt], params, NativeShape(serving), req.stream, source)
 
 
-async def _answer(serving: Serving, raw: Request, job: Job) -> Response:
-    sub = serving.submit(job.inputs, job.params)
+async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None) -> Response:
+    sub = serving.submit(job.inputs, job.params, key)
     if job.stream:
         if any(p.grammar is not None for p in job.params):
             try:

@@ -66,7 +66,11 @@ class Serving:
         self.max_tokens_limit: int | None = None
         self.max_logprob_entries = DEFAULT_MAX_LOGPROB_ENTRIES
         self.max_waiting_requests: int | None = None
+        self.max_waiting_per_key: int | None = None
+        self.api_keys: dict[str, int] = {}       # key -> its place in --api-key (from 1): metrics never show keys
         self.intake_open = 0                     # requests being read or tokenized (event loop only)
+        self.waiting_by_key: dict[int, int] = {}  # per-key limit: each key's requests not yet started
+        self.waiting_subs: dict[Submission, int] = {}    # submitted, not yet started, of a key
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -88,12 +92,47 @@ class Serving:
         """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
         return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
 
-    def admit(self) -> None:
-        """Before a generation request's body is read: 429 while the waiting queue is full, so a
-        burst is refused in microseconds instead of queued (and parsed, and tokenized) for minutes."""
-        limit = self.max_waiting_requests
+    def refusal(self, headers) -> APIError | None:
+        """Before a generation request's body is read: 429 while the waiting queue is full, or this
+        request's API key's share of it, so a burst is refused in microseconds instead of queued (and
+        parsed, and tokenized) for minutes. The guard asks first (no route runs); `admit` again."""
+        limit, key = self.max_waiting_requests, self.key_of(headers)
+        if key is not None and self.waiting_by_key.get(key, 0) >= (self.max_waiting_per_key or 0):
+            return overloaded(self.max_waiting_per_key or 0, RETRY_AFTER_S, key)
         if limit is not None and self.intake_open + self.engine.num_waiting >= limit:
-            raise overloaded(limit, RETRY_AFTER_S)
+            return overloaded(limit, RETRY_AFTER_S)
+        return None
+
+    def admit(self, headers) -> int | None:
+        """`refusal` raised, else the request counts as waiting from now: its key's place (per-key
+        limit on) for `waited` / `submit`, else None."""
+        error = self.refusal(headers)
+        if error is not None:
+            raise error
+        key = self.key_of(headers)
+        if key is not None:
+            self.waiting_by_key[key] = self.waiting_by_key.get(key, 0) + 1
+        return key
+
+    def key_of(self, headers) -> int | None:
+        """The place of the request's API key when keys have a waiting limit each (the guard checked it)."""
+        if self.max_waiting_per_key is None:
+            return None
+        return self.api_keys.get(headers.get("authorization", "").partition(" ")[2].strip())
+
+    def waited(self, key: int | None) -> None:
+        """A waiting request of `key` left the queue (it started, failed or its client left)."""
+        if key is not None:
+            self.waiting_by_key[key] -= 1
+
+    def started(self, sub: Submission) -> None:
+        """The submission's first output arrived (or it ended): it no longer waits. Idempotent."""
+        if self.waiting_subs:
+            self.waited(self.waiting_subs.pop(sub, None))
+
+    def release(self, sub: Submission) -> None:
+        self.started(sub)
+        self.engine.release(sub)
 
     # checks (intake threads)
     def check_model(self, name: str | None) -> None:
@@ -188,8 +227,19 @@ class Serving:
             p.cache_salt = f"key:{digest}"
 
     # running (event loop)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
-        """Queue the requests now, so bad input is a 400 before any response (or stream) starts."""
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None) -> Submission:
+        """Queue the requests now, so bad input is a 400 before any response (or stream) starts.
+        `key`: the waiting request's (admit), counted until the submission starts."""
+        try:
+            sub = self._submit(inputs, params)
+        except BaseException:
+            self.waited(key)
+            raise
+        if key is not None:
+            self.waiting_subs[sub] = key
+        return sub
+
+    def _submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
         try:
             return self.engine.submit(inputs, params)
         except ServerUnavailable as exc:
@@ -208,6 +258,7 @@ class Serving:
         async def consume():
             async with aclosing(self.engine.stream(sub)) as gen:
                 async for i, out in gen:
+                    self.started(sub)
                     if out.finished:
                         finals[i] = out
 
@@ -220,7 +271,7 @@ class Serving:
             if not consumer.done():
                 consumer.cancel()
                 await asyncio.gather(consumer, return_exceptions=True)
-            self.engine.release(sub)
+            self.release(sub)
         if consumer not in done:
             raise ClientGone()
         consumer.result()
@@ -245,16 +296,17 @@ class Serving:
             watcher.cancel()
         if not getter.done():
             getter.cancel()
-            self.engine.release(sub)
+            self.release(sub)
             raise ClientGone()
         first = getter.result()
+        self.started(sub)
         held = [first]
         while not sub.queue.empty():
             held.append(sub.queue.get_nowait())
         for out in held:                      # back in order: a stream keeps each request's newest
             sub.queue.put_nowait(out)
         if first.finished and first.outputs[0].finish_reason in ("error", "abort"):
-            self.engine.release(sub)
+            self.release(sub)
             raise self.failure(first, param)
 
     def streaming_response(self, sub: Submission, render: Callable[[int, RequestOutput], list[dict]],
@@ -263,7 +315,7 @@ class Serving:
         # body iterator ever starts (then its `finally` never runs).
         return StreamingResponse(self._sse(sub, render, tail, param), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(self.engine.release, sub))
+                                 background=BackgroundTask(self.release, sub))
 
     def failure(self, out: RequestOutput, param: str | None = None) -> APIError:
         """The error a failed output answers with: 4xx when the request itself was at fault (`param`
@@ -292,6 +344,7 @@ class Serving:
         finals: list[RequestOutput | None] = [None] * len(sub)
         async with aclosing(self.engine.stream(sub)) as gen:
             async for i, out in gen:
+                self.started(sub)
                 if out.finished:
                     finals[i] = out
                     if out.outputs[0].finish_reason in ("error", "abort"):
