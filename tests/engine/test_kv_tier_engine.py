@@ -3,14 +3,16 @@ same model finds the first one's prefix on disk (fewer prefill tokens, the same 
 one-process run without the tier as the oracle); a damaged page is dropped with a warning and
 recomputed; a tier that cannot write (a budget smaller than a page, an unusable directory) leaves
 serving as it was; a salt or another model file never reads another's pages; PP=2 pages per stage,
-and a stage rebuilt after a SIGKILL reads them back."""
+and a stage rebuilt after a SIGKILL reads them back; `stagewise serve` restarted finds its prefix."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
 import stat
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,21 @@ def test_pp2_stages_keep_their_own_pages_and_a_rebuilt_stage_reads_them(llama_di
     assert again.outputs[0].token_ids == oracle
     assert stats["recovery"]["rebuilds"] == {"stage_died": 1}, stats["recovery"]
     assert again.num_cached_tokens == FULL_TOKENS and stats["prefix_cache_disk_hits"] == 2 * FULL_TOKENS
+
+
+def test_stagewise_serve_finds_its_prefix_after_a_restart(llama_dir, tmp_path, oracle):
+    from benchmarks.server_process import ServerProcess
+    flags = ("--block-size", str(BLOCK), "--kv-cache-disk", "64MiB", "--kv-cache-dir", str(tmp_path / "kv"))
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_tokens": 6, "temperature": 0}}).encode()
+    answers = []
+    for run in range(2):                       # the same server command, started twice
+        server = ServerProcess(llama_dir, tmp_path / f"server{run}.log", *flags)
+        try:
+            server.wait_healthy(120)
+            request = urllib.request.Request(server.url + "/generate", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                answers.append(json.loads(r.read()))
+        finally:
+            assert server.stop() == 0, (tmp_path / f"server{run}.log").read_text()[-2000:]
+    assert [a["token_ids"] for a in answers] == [oracle, oracle]
+    assert [a["num_cached_tokens"] for a in answers] == [0, FULL_TOKENS]
