@@ -40,15 +40,18 @@ def split():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 5, 64, 130])
-def test_team_gives_the_serial_bits(split, qtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 5, 130])
+def test_team_gives_the_serial_bits(split, qtype, rows, exact):
     w = _weight(qtype, 1000, 512, rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    xb = x.bfloat16()
     split(False)
-    alone = _linear(x, w)
+    alone = [_linear(x, w, exact), _linear(xb, w, exact)]
     split(True)
-    assert torch.equal(_linear(x, w), alone)
+    assert torch.equal(_linear(x, w, exact), alone[0])
+    assert torch.equal(_linear(xb, w, exact), alone[1])
 
 
 def test_two_callers_at_once(split):
@@ -74,3 +77,31 @@ def test_two_callers_at_once(split):
 
 def test_team_size_is_the_first_start(split):
     assert team.start(7) == team.size() >= 2
+
+
+def test_attention_over_the_team_gives_the_serial_bits(split):
+    """Decode against a paged cache (bf16 and fp32) and a bf16 prefill, team on and off."""
+    from stagewise.kernels import attention
+    lib = attention._load()
+    entry = ctypes.cast(team.library().sw_team_for, ctypes.c_void_p)
+    lib.attention_set_team.argtypes = [ctypes.c_void_p]
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(2, 40, 16, 3, 64, generator=gen).to(dtype)     # [2, blocks, bs, Hkv, D]
+        q = torch.randn(5, 9, 64, generator=gen).to(dtype)
+        tables = torch.randint(1, 40, (5, 8), generator=gen)
+        lens = torch.tensor([1, 17, 128, 100, 64])
+        runs = []
+        for on in (False, True):
+            lib.attention_set_team(entry if on else None)
+            runs.append(attention.decode_attention(q, cache, tables, lens, 0.125))
+        assert torch.equal(runs[0], runs[1])
+    if attention.prefill_supports(q, q[:, :3]):
+        x = torch.randn(300, 9, 64, generator=gen).bfloat16()
+        kv = torch.randn(300, 3, 64, generator=gen).bfloat16()
+        runs = []
+        for on in (False, True):
+            lib.attention_set_team(entry if on else None)
+            runs.append(attention.prefill_attention(x, kv, kv, 0.125))
+        assert torch.equal(runs[0], runs[1])
+    lib.attention_set_team(entry)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from . import build, native
+from . import build, native, team
 from .registry import define
 
 
@@ -34,6 +34,7 @@ def _load() -> ctypes.CDLL | None:
     if hasattr(lib, "prefill_attention_bf16"):
         lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
         lib.prefill_attention_bf16.restype = None
+    team.hand_to(lib, "attention")     # split over the stage's kernel team once it starts
     native.load("attention", lib)
     return lib
 

@@ -4,13 +4,23 @@
    (8-lane vectors; 16 lanes on AVX-512 where the head size allows). It checks the block tables
    against the pool and the lengths against the tables before reading anything.
    prefill_attention_bf16: bf16 on AVX512-BF16 only (absent elsewhere).
-   Callers check shapes, dtypes and strides (kernels/attention.py). */
+   Callers check shapes, dtypes and strides (kernels/attention.py). Tasks split over the stage's
+   kernel team (team.h; OpenMP where there is none). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention.h"
+#include "team.h"
 #include "vec.h"
+
+SW_TEAM_CLIENT(attention)
+
+/* threads a call reading `bytes` of keys and values is worth (the team caps it at its size) */
+static int threads_for(int64_t bytes) {
+    int64_t want = 1 + bytes / (32 << 10);
+    return want > 1024 ? 1024 : (int)want;
+}
 
 #define IDENT(x) (x)
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -108,14 +118,25 @@ static int64_t check_tables(const int64_t* tables, int64_t tab_stride, const int
    a vectorised softmax per query head, then the values are summed chunk by chunk with those
    weights. Each head's arithmetic is the same whatever hpt is, so results do not depend on it. */
 #define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                     \
-int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks, \
-             const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,  \
-             int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
-    int64_t bad = check_tables(tables, tab_stride, seq_lens, G, nblk, num_blocks, bs);              \
-    if (bad) return bad;                                                                            \
-    int64_t grp = Hq / Hkv, nd = D / LANES, runs = Hkv / hpt, nq = hpt * grp;                       \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                                \
-    for (int64_t t = 0; t < G * runs; t++) {                                                        \
+typedef struct {                                                                                    \
+    const T *q, *k, *v;                                                                             \
+    int64_t q_row, blk_stride, tab_stride;                                                          \
+    const int64_t *tables, *seq_lens;                                                               \
+    int64_t Hq, Hkv, D, bs, hpt, grp, nd, runs, nq;                                                 \
+    float scale;                                                                                    \
+    T* out;                                                                                         \
+} NAME##_job;                                                                                       \
+static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                                       \
+    const NAME##_job* j_ = (const NAME##_job*)ctx;                                                  \
+    const T *q = j_->q, *k = j_->k, *v = j_->v;                                                     \
+    int64_t q_row = j_->q_row, blk_stride = j_->blk_stride, tab_stride = j_->tab_stride;            \
+    const int64_t *tables = j_->tables, *seq_lens = j_->seq_lens;                                   \
+    int64_t Hq = j_->Hq, Hkv = j_->Hkv, D = j_->D, bs = j_->bs, hpt = j_->hpt, grp = j_->grp;      \
+    int64_t nd = j_->nd;                                                                            \
+    int64_t runs = j_->runs, nq = j_->nq;                                                           \
+    float scale = j_->scale;                                                                        \
+    T* out = j_->out;                                                                               \
+    for (int64_t t = t0; t < t1; t++) {                                                             \
         int64_t b = t / runs, h0 = (t % runs) * hpt, L = seq_lens[b];                               \
         int64_t Lp = (L + CHUNK - 1) / CHUNK * CHUNK;                                               \
         VT* qv = (VT*)aligned_alloc(64, sizeof(VT) * (size_t)(2 * nq * nd + CHUNK * nd + nq * Lp / 8 + 1)); \
@@ -168,6 +189,17 @@ int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stri
                 for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]); \
         free(qv);                                                                                   \
     }                                                                                               \
+}                                                                                                   \
+int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks, \
+             const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,  \
+             int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
+    int64_t bad = check_tables(tables, tab_stride, seq_lens, G, nblk, num_blocks, bs);              \
+    if (bad) return bad;                                                                            \
+    int64_t grp = Hq / Hkv, keys = 0;                                                               \
+    NAME##_job job = {q, k, v, q_row, blk_stride, tab_stride, tables, seq_lens, Hq, Hkv, D, bs, hpt,  \
+                      grp, D / LANES, Hkv / hpt, hpt * grp, scale, out};                            \
+    for (int64_t b = 0; b < G; b++) keys += seq_lens[b];                                            \
+    parallel_for(NAME##_tasks, &job, G * job.runs, threads_for(keys * Hkv * D * 2 * (int64_t)sizeof(T))); \
     return 0;                                                                                       \
 }
 
@@ -230,65 +262,85 @@ static void apanels(const uint16_t* x, int64_t ldx, int64_t mb, const uint16_t* 
 
 #define ROWS 6           /* query rows per tile */
 #define BLOCK 48         /* query rows per task */
-/* q [n, Hq, D] (row stride q_row), k, v [n, Hkv, D] (row stride kv_row) -> out [n, Hq, D] (row
-   stride o_row); D % 16 == 0. */
-void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k, const uint16_t* v,
-                            int64_t kv_row, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                            uint16_t* out, int64_t o_row) {
-    int64_t np = (n + 15) / 16 * 16, grp = Hq / Hkv, blocks = (n + BLOCK - 1) / BLOCK;
-    uint16_t* kp = (uint16_t*)aligned_alloc(64, (size_t)(3 * Hkv * np * D) * sizeof(uint16_t));
-    uint16_t* vp = kp + Hkv * np * D;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t h = 0; h < Hkv; h++)                    /* pack (padding keys are zeros) */
-        for (int64_t j = 0; j < np; j++)
+typedef struct {
+    const uint16_t *q, *k, *v;
+    int64_t q_row, kv_row, n, np, Hq, grp, D, blocks, o_row;
+    float scale;
+    uint16_t *kp, *vp, *out;
+} prefill_job;
+
+/* pack the keys and values of KV heads h0 .. h1 (padding keys are zeros) */
+static void prefill_pack(void* ctx, int64_t h0, int64_t h1) {
+    const prefill_job* j = (const prefill_job*)ctx;
+    int64_t n = j->n, np = j->np, D = j->D;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t r = 0; r < np; r++)
             for (int64_t d = 0; d < D; d++) {
-                uint16_t kx = j < n ? k[j * kv_row + h * D + d] : 0, vx = j < n ? v[j * kv_row + h * D + d] : 0;
-                kp[h * np * D + (j / 16) * 16 * D + (d / 2) * 32 + (j % 16) * 2 + d % 2] = kx;
-                vp[h * 2 * np * D + (d / 16) * 32 * np + j * 32 + (d % 16) * 2] = vx;
-                vp[h * 2 * np * D + (d / 16) * 32 * np + j * 32 + (d % 16) * 2 + 1] = vx;
+                uint16_t kx = r < n ? j->k[r * j->kv_row + h * D + d] : 0, vx = r < n ? j->v[r * j->kv_row + h * D + d] : 0;
+                j->kp[h * np * D + (r / 16) * 16 * D + (d / 2) * 32 + (r % 16) * 2 + d % 2] = kx;
+                j->vp[h * 2 * np * D + (d / 16) * 32 * np + r * 32 + (d % 16) * 2] = vx;
+                j->vp[h * 2 * np * D + (d / 16) * 32 * np + r * 32 + (d % 16) * 2 + 1] = vx;
             }
-    _Pragma("omp parallel for schedule(dynamic, 1)")
-    for (int64_t t = 0; t < Hq * blocks; t++) {
-        int64_t qh = t % Hq, b0 = (blocks - 1 - t / Hq) * BLOCK;       /* the longest blocks first */
-        int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n, h = qh / grp;
+}
+
+/* task t: query head t % Hq, one block of BLOCK query rows (the longest blocks first) */
+static void prefill_tasks(void* ctx, int64_t t0, int64_t t1) {
+    const prefill_job* j = (const prefill_job*)ctx;
+    int64_t n = j->n, np = j->np, D = j->D, Hq = j->Hq, q_row = j->q_row;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t qh = t % Hq, b0 = (j->blocks - 1 - t / Hq) * BLOCK;
+        int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n, h = qh / j->grp;
         float* s = (float*)aligned_alloc(64, sizeof(float) * (size_t)(ROWS * (np + D)));
         uint16_t* pb = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * ROWS * np));
         float* o = s + ROWS * np;
         for (int64_t r0 = b0; r0 < b1; r0 += ROWS) {
             int64_t mb = b1 - r0 < ROWS ? b1 - r0 : ROWS, L = r0 + mb, Lp = (L + 15) / 16 * 16;
-            apanels(q + r0 * q_row + qh * D, q_row, mb, kp + h * np * D, 16 * D, Lp / 16, D / 2, s, np);
+            apanels(j->q + r0 * q_row + qh * D, q_row, mb, j->kp + h * np * D, 16 * D, Lp / 16, D / 2, s, np);
             for (int64_t m = 0; m < mb; m++) {
                 float* sr = s + m * np;
                 int64_t valid = r0 + m + 1;
                 float mx = -INFINITY, sum = 0.f;
-                for (int64_t j = 0; j < valid; j++) { sr[j] *= scale; mx = sr[j] > mx ? sr[j] : mx; }
-                for (int64_t j = valid; j < Lp; j++) sr[j] = -INFINITY;
+                for (int64_t c = 0; c < valid; c++) { sr[c] *= j->scale; mx = sr[c] > mx ? sr[c] : mx; }
+                for (int64_t c = valid; c < Lp; c++) sr[c] = -INFINITY;
                 v16 sv = {0};
-                for (int64_t j = 0; j < Lp; j += 16) {
-                    v16 e = exp16(*(v16*)(sr + j) - mx);
-                    *(v16*)(sr + j) = e;
+                for (int64_t c = 0; c < Lp; c += 16) {
+                    v16 e = exp16(*(v16*)(sr + c) - mx);
+                    *(v16*)(sr + c) = e;
                     sv += e;
                 }
                 for (int i = 0; i < 16; i++) sum += sv[i];
                 __m512 inv = _mm512_set1_ps(1.f / sum);
-                for (int64_t j = 0; j < Lp; j += 16) {          /* (hi, lo) bf16 pairs of p */
-                    __m512 pr = _mm512_mul_ps(*(__m512*)(sr + j), inv);
+                for (int64_t c = 0; c < Lp; c += 16) {          /* (hi, lo) bf16 pairs of p */
+                    __m512 pr = _mm512_mul_ps(*(__m512*)(sr + c), inv);
                     __m256i hi = (__m256i)_mm512_cvtneps_pbh(pr);
                     __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
                     __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pr, hi_f));
-                    _mm512_storeu_si512(pb + m * 2 * np + 2 * j, _mm512_or_si512(
+                    _mm512_storeu_si512(pb + m * 2 * np + 2 * c, _mm512_or_si512(
                         _mm512_cvtepu16_epi32(hi), _mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)));
                 }
             }
-            apanels(pb, 2 * np, mb, vp + h * 2 * np * D, 32 * np, D / 16, Lp, o, D);
+            apanels(pb, 2 * np, mb, j->vp + h * 2 * np * D, 32 * np, D / 16, Lp, o, D);
             for (int64_t m = 0; m < mb; m++)
                 for (int64_t d = 0; d < D; d += 16)
-                    _mm256_storeu_si256((__m256i*)(out + (r0 + m) * o_row + qh * D + d),
+                    _mm256_storeu_si256((__m256i*)(j->out + (r0 + m) * j->o_row + qh * D + d),
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + m * D + d)));
         }
         free(s);
         free(pb);
     }
+}
+
+/* q [n, Hq, D] (row stride q_row), k, v [n, Hkv, D] (row stride kv_row) -> out [n, Hq, D] (row
+   stride o_row); D % 16 == 0. */
+void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k, const uint16_t* v,
+                            int64_t kv_row, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                            uint16_t* out, int64_t o_row) {
+    int64_t np = (n + 15) / 16 * 16, blocks = (n + BLOCK - 1) / BLOCK;
+    uint16_t* kp = (uint16_t*)aligned_alloc(64, (size_t)(3 * Hkv * np * D) * sizeof(uint16_t));
+    prefill_job job = {q, k, v, q_row, kv_row, n, np, Hq, Hq / Hkv, D, blocks, o_row, scale, kp, kp + Hkv * np * D, out};
+    int want = threads_for(n * n * Hq * D);           /* the work grows with the square of n */
+    parallel_for(prefill_pack, &job, Hkv, want);
+    parallel_for(prefill_tasks, &job, Hq * blocks, want);
     free(kp);
 }
 #endif

@@ -9,8 +9,9 @@
    Exact mode: each panel is dequantized into float32 (bit-identical to gguf-py's values) and
    multiplied with float32 activations, one fused multiply-add per k in order.
 
-   Work: tasks of (a few panels, a run of rows) split across OpenMP threads; each output's
-   arithmetic is the same whatever the split or the other rows (batch invariance). */
+   Work: tasks of (a few panels, a run of rows) split over the stage's kernel team (team.h; OpenMP
+   where there is none), as many threads as the bytes read are worth; each output's arithmetic is
+   the same whatever the split or the other rows (batch invariance). */
 #include <stdlib.h>
 
 #include "quant.h"
@@ -153,22 +154,9 @@ typedef struct {
     out_t o;
 } seg_t;
 
-/* Tasks: (a group of G panels of one segment, a run of up to ROWS_PER_RUN rows), panel-major so
-   that a thread's panels stay in cache while its rows pass; a segment's last group may be
-   narrower. Inside a parallel region; BODY sees sg (the segment), p0 .. p1 (its panels), r0 .. r1. */
+/* Tasks: (a group of `width` panels of one segment, a run of up to ROWS_PER_RUN rows), panel-major
+   so that consecutive tasks share their panels; a segment's last group may be narrower. */
 #define RUN_ROWS(M) ((M) <= 2 * ROWS_PER_RUN ? (M) : ROWS_PER_RUN)
-#define FOR_TASKS(segs, S, M, G, BODY)                                                            \
-    int64_t rows_ = RUN_ROWS(M), runs_ = ((M) + rows_ - 1) / rows_;                               \
-    int64_t total_ = segs[S - 1].first + (segs[S - 1].panels + (G) - 1) / (G) * runs_;            \
-    _Pragma("omp for schedule(static)")                                                          \
-    for (int64_t t_ = 0; t_ < total_; t_++) {                                                     \
-        int s_ = S - 1;                                                                           \
-        while (segs[s_].first > t_) s_--;                                                         \
-        const seg_t* sg = &segs[s_];                                                              \
-        int64_t p0 = ((t_ - sg->first) / runs_) * (G), r0 = ((t_ - sg->first) % runs_) * rows_;    \
-        int64_t p1 = p0 + (G) < sg->panels ? p0 + (G) : sg->panels, r1 = r0 + rows_ < (M) ? r0 + rows_ : (M); \
-        BODY                                                                                      \
-    }
 
 /* Rows r0 .. r1 against NV panels from p, by blocked tiles: each block of KB chunks is extracted
    once for all the rows, whose accumulators wait in `rows` between blocks. */
@@ -187,7 +175,7 @@ static void blocked(const seg_t* sg, const act_t* x, int64_t p, int64_t r0, int6
     store_tile((int)(r1 - r0), NV, rows, NV, &sg->o, r0, p * PANEL);
 }
 
-/* One task of a fast call (FOR_TASKS' body, for the team): task t -> its segment, panels and rows. */
+/* One task of a fast call: task t -> its segment, panels and rows. */
 typedef struct {
     const seg_t* segs;
     int S;
@@ -262,40 +250,77 @@ static void dequant_panel(int qt, const uint8_t* panel, int64_t K, float* out) {
     for (int64_t c = 0; c < K / CHUNK; c++) dequant_chunk(qt, panel, c, out + c * CHUNK * PANEL);
 }
 
+/* One task of an exact call: in registers for a decode step's whole group, else its panels
+   dequantized into the thread's scratch (grown as needed, kept for the thread's life). */
+typedef struct {
+    const seg_t* segs;
+    int S;
+    int64_t M, K, width, ldf;
+    const float* xf;
+    int failed;
+} exact_job_t;
+
+static __thread float* scratch;
+static __thread int64_t scratch_floats;
+
+static void exact_task(exact_job_t* j, int64_t t) {
+    const seg_t* segs = j->segs;
+    int64_t M = j->M, K = j->K, width = j->width, rows = RUN_ROWS(M), runs = (M + rows - 1) / rows;
+    int s = j->S - 1;
+    while (segs[s].first > t) s--;
+    const seg_t* sg = &segs[s];
+    int64_t p0 = ((t - sg->first) / runs) * width, r0 = ((t - sg->first) % runs) * rows;
+    int64_t p1 = p0 + width < sg->panels ? p0 + width : sg->panels, r1 = r0 + rows < M ? r0 + rows : M;
+    if (M <= 2 && p1 - p0 == width) {                /* a decode step: in registers */
+        (M == 1 ? sg->k->exact_one : sg->k->exact_two)(j->xf, j->ldf, sg->w + p0 * sg->pstride, sg->pstride, K,
+                                                       &sg->o, p0 * PANEL);
+        return;
+    }
+    int64_t need = NV * K * PANEL;
+    if (scratch_floats < need) {
+        free(scratch);
+        scratch = (float*)malloc((size_t)need * sizeof(float));
+        scratch_floats = scratch ? need : 0;
+        if (!scratch) {
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    float* wf = scratch;
+    for (int64_t p = p0; p < p1; p += NV) {
+        for (int64_t q = 0; q < NV; q++)
+            dequant_panel(sg->qt, sg->w + (p + q) * sg->pstride, K, wf + q * K * PANEL);
+        for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
+            int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
+            exact_tiles[mb](j->xf, j->ldf, m0, wf, K, &sg->o, p * PANEL);
+        }
+    }
+}
+
+static void exact_tasks(void* ctx, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) exact_task((exact_job_t*)ctx, t);
+}
+
+typedef struct { const uint16_t* x; int64_t ldx, K; float* out; } widen_job_t;
+
+static void widen_rows(void* ctx, int64_t m0, int64_t m1) {
+    const widen_job_t* j = (const widen_job_t*)ctx;
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < j->K; k += 16)
+            pvf_store(j->out + m * j->K + k, pvf_bf16(j->x + m * j->ldx + k));
+}
+
 static int run_exact(const seg_t* segs, int S, const void* x, int x_bf16, int64_t ldx, int64_t M, int64_t K,
                      int64_t width, char* work) {
-    const float* xf = x_bf16 ? (const float*)work : (const float*)x;
-    int64_t ldf = x_bf16 ? K : ldx;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        if (x_bf16) {
-            #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t k = 0; k < K; k += 16)
-                    pvf_store((float*)work + m * K + k, pvf_bf16((const uint16_t*)x + m * ldx + k));
-        }
-        float* wf = 0;                    /* panels dequantized for the rows of a task (3 rows up) */
-        FOR_TASKS(segs, S, M, width, {
-            if (M <= 2 && p1 - p0 == width) {            /* a decode step: in registers */
-                (M == 1 ? sg->k->exact_one : sg->k->exact_two)(xf, ldf, sg->w + p0 * sg->pstride, sg->pstride, K,
-                                                               &sg->o, p0 * PANEL);
-                continue;
-            }
-            if (!wf && !(wf = (float*)malloc((size_t)(NV * K * PANEL) * sizeof(float))))
-                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-            for (int64_t p = p0; wf && p < p1; p += NV) {
-                for (int64_t j = 0; j < NV; j++)
-                    dequant_panel(sg->qt, sg->w + (p + j) * sg->pstride, K, wf + j * K * PANEL);
-                for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
-                    int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
-                    exact_tiles[mb](xf, ldf, m0, wf, K, &sg->o, p * PANEL);
-                }
-            }
-        })
-        free(wf);
+    int want = threads_for(segs, S, M);
+    if (x_bf16) {
+        widen_job_t w = {(const uint16_t*)x, ldx, K, (float*)work};
+        parallel_for(widen_rows, &w, M, M >= 16 ? want : 1);
     }
-    return failed ? -2 : 0;
+    exact_job_t j = {segs, S, M, K, width, x_bf16 ? K : ldx, x_bf16 ? (const float*)work : (const float*)x, 0};
+    int64_t rows = RUN_ROWS(M), runs = (M + rows - 1) / rows;
+    parallel_for(exact_tasks, &j, segs[S - 1].first + (segs[S - 1].panels + width - 1) / width * runs, want);
+    return j.failed ? -2 : 0;
 }
 
 /* ---- entry points (quant.h) ------------------------------------------------------------------- */

@@ -140,11 +140,11 @@ int sw_team_for(sw_task_fn fn, void* ctx, int64_t total, int want) {
     if (atomic_load(&sleepers) > 0)
         syscall(SYS_futex, &gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_tasks();
-    while (atomic_load(&done_tasks) < total)
-        relax();
+    for (unsigned i = 1; atomic_load(&done_tasks) < total; i++)     /* a worker's claimed task */
+        i % 64 ? relax() : (void)sched_yield();
     atomic_fetch_add(&gen, 1);                          /* even: no worker may join now */
-    while (atomic_load(&active) > 0)
-        relax();
+    for (unsigned i = 1; atomic_load(&active) > 0; i++)
+        i % 64 ? relax() : (void)sched_yield();
     atomic_flag_clear(&busy);
     return 0;
 }
