@@ -49,6 +49,12 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
+    def metric(self, name: str) -> list[float]:
+        """The values of the counter or gauge `name` on /metrics, one per label set, in its order."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            lines = r.read().decode().splitlines()
+        return [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " "))]
+
     def descendants(self) -> list[int]:
         """Pids of every process below the server (its engine process, the stage processes)."""
         return descendants(self.proc.pid)

@@ -30,6 +30,7 @@ httpx = stream_load.httpx
 HOST = "127.0.0.1"             # loopback only, by design
 MAX_CLIENTS, MAX_REQUESTS = 128, 2000
 DEFAULT_OUT = RESULTS_DIR / "serving.md"
+BUSY = "stagewise_stage_busy_seconds_total"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,20 +113,14 @@ def summarize(pp: int, results: list[dict], wall: float, busy: list[float]) -> l
             " / ".join(f"{b:.2f}" for b in busy) or "-"]
 
 
-def stage_busy_s(url: str) -> list[float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    rows = [line for line in text.splitlines() if line.startswith("stagewise_stage_busy_seconds_total{")]
-    return [float(line.rsplit(" ", 1)[1]) for line in rows]
-
-
 def bench_one(args, model_dir: str, pp: int, requests, tmp: Path) -> list:
     server = start_server(model_dir, pp, args.server_args.split(), tmp / f"server-pp{pp}.log")
     try:
         server.wait_healthy()
         asyncio.run(run_load(server.url, requests[:2], 2, 60))          # warm-up, not counted
-        before = stage_busy_s(server.url)
+        before = server.metric(BUSY)
         results, wall = asyncio.run(run_load(server.url, requests, args.num_clients, args.time_limit))
-        busy = [(b - a) / wall for a, b in zip(before, stage_busy_s(server.url))]   # over the load window only
+        busy = [(b - a) / wall for a, b in zip(before, server.metric(BUSY))]   # over the load window only
         return summarize(pp, results, wall, busy)
     finally:
         server.stop(grace_s=30)

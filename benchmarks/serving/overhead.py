@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -140,16 +139,9 @@ def heavy_body(megabytes: float) -> bytes | None:
     return json.dumps({"prompt": [[7] * 1000] * rows, "max_tokens": 4}).encode()
 
 
-def engine_counters(url: str) -> tuple[float, float]:
+def engine_counters(server: ServerProcess) -> tuple[float, float]:
     """(engine steps, worker busy seconds summed over stages) from /metrics."""
-    steps = busy = 0.0
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("stagewise_engine_steps_total{"):
-                steps += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("stagewise_stage_busy_seconds_total{"):
-                busy += float(line.rsplit(" ", 1)[1])
-    return steps, busy
+    return sum(server.metric("stagewise_engine_steps_total")), sum(server.metric("stagewise_stage_busy_seconds_total"))
 
 
 def serve_run(args, model: str, layout: str, prompts, tmp: Path) -> dict:
@@ -164,10 +156,10 @@ def serve_run(args, model: str, layout: str, prompts, tmp: Path) -> dict:
     try:
         server.wait_healthy(900)
         asyncio.run(load(server.url, WARMUP, 8, 2))                 # warm-up, not counted
-        load_avg, (steps0, busy0) = os.getloadavg()[0], engine_counters(server.url)
+        load_avg, (steps0, busy0) = os.getloadavg()[0], engine_counters(server)
         results, wall, extras = asyncio.run(load(server.url, prompts, args.output_len, args.concurrency,
                                                  heavy_body(args.heavy_mb)))
-        steps1, busy1 = engine_counters(server.url)
+        steps1, busy1 = engine_counters(server)
         name = f"serve, engine in a {layout}" + (f" + {args.heavy_mb:g} MB bodies" if args.heavy_mb else "")
         row = summary(name, results, wall, args, load_avg, steps1 - steps0, busy1 - busy0)
         return dict(row, **extras)
