@@ -77,3 +77,20 @@ def test_benchmarks_write_no_machine_paths():
         text = path.read_text()
         for prefix in ("/opt/", "/work/", "/scratch/", "/home/"):
             assert prefix not in text, f"{path.relative_to(BENCHMARKS)} names a machine path ({prefix}...)"
+
+
+def test_an_area_runs_its_benchmark_by_name(monkeypatch, capsys):
+    from benchmarks import run_subcommand
+    commands = {"time": ("timeit", "how long a statement takes")}    # a module whose main() reads sys.argv
+    for argv, code in ((["area"], 2), (["area", "nope"], 2), (["area", "--help"], 0)):
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(SystemExit) as exit_:
+            run_subcommand("benchmarks.area", "An area.", commands)
+        assert exit_.value.code == code
+        out = capsys.readouterr()
+        assert "python -m benchmarks.area NAME" in (out.out if code == 0 else out.err)
+        assert "time  how long a statement takes" in (out.out if code == 0 else out.err)
+    monkeypatch.setattr("sys.argv", ["area", "time", "-n", "3", "-r", "1", "pass"])
+    with pytest.raises(SystemExit) as exit_:
+        run_subcommand("benchmarks.area", "An area.", commands)
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("3 loops, best of 1:")
