@@ -112,9 +112,16 @@ def model_facts(config: EngineConfig, hf) -> ModelFacts:
     floor = min_kv_blocks(max_len, config.block_size) * per_layer
     needs = ModelNeeds(costs.layer_costs, tuple(b + floor for b in weights.layers), costs.first_extra,
                        costs.last_extra, weights.first_extra, weights.last_extra,
-                       activation + STAGE_RUNTIME_BYTES, weights.single + floor * len(weights.layers))
+                       activation + STAGE_RUNTIME_BYTES + spare_bytes(config),
+                       weights.single + floor * len(weights.layers))
     return ModelFacts(needs, weights, per_layer, config.block_size,
                       config.max_num_seqs * -(-max_len // config.block_size) + 1)
+
+
+def spare_bytes(config: EngineConfig) -> int:
+    """What each stage's idle spare process (--pipeline-spares) holds beside it on its node: a
+    process with torch and the stage code imported, no weights (0 where no spares run)."""
+    return STAGE_RUNTIME_BYTES if config.pipeline_spares and config.max_pipeline_restarts > 0 else 0
 
 
 def plan_cluster(facts: ModelFacts, reports: list[NodeReport], num_stages: int | None = None,
