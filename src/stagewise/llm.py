@@ -4,7 +4,7 @@ RequestOutput per input, in input order, through the engine client a caller in t
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 from .config import EngineConfig
 from .errors import PromptTooLongError
@@ -98,10 +98,14 @@ def _inputs(prompts, prompt_token_ids, input_embeds) -> list[PromptInput]:
         kind = "input_embeds"
     if not isinstance(items, (list, tuple)) and kind != "input_embeds":
         raise ValueError(f"{kind} must be a list, not {type(items).__name__}.")
-    items = list(items)
-    if not items:
+    values: list[Any] = list(items)          # each checked by the engine as it is added
+    if not values:
         raise ValueError(f"{kind} is empty; give at least one input.")
-    return [PromptInput(**{"text" if kind == "prompt" else kind: x}) for x in items]
+    if kind == "prompt":
+        return [PromptInput(text=x) for x in values]
+    if kind == "prompt_token_ids":
+        return [PromptInput(prompt_token_ids=x) for x in values]
+    return [PromptInput(input_embeds=x) for x in values]
 
 
 def _params(sampling_params, n: int) -> list[SamplingParams]:

@@ -106,7 +106,7 @@ class Codec:
             raise WireError(f"unknown message type {wire[0][:64]!r}")
         try:
             # NOTE: str_keys: JSON made the keys of int-keyed dicts (logit_bias, top logprobs) strings
-            obj = msgspec.convert(wire[1], self.wire_types[cls], str_keys=True,
+            obj: Any = msgspec.convert(wire[1], self.wire_types[cls], str_keys=True,
                                   dec_hook=functools.partial(_tensor_at, tensors))
             return self.from_struct[cls](obj) if cls in self.from_struct else obj
         except msgspec.ValidationError as exc:       # "Expected `int`, got `str` - at `$.plan.seqs[0]`"
@@ -131,20 +131,19 @@ class Codec:
             self.structs[cls] = None
             return None
         struct = msgspec.defstruct(cls.__name__, list(wires.items()), forbid_unknown_fields=True)
-        convs = {name: self._conv(kind) for name, kind in kinds.items()}
-        names = list(kinds)
+        convs = [(name, self._conv(kind)) for name, kind in kinds.items()]
         by_position = cls not in self.extras and all(f.init for f in fields)
 
         def to_struct(v: Any) -> Any:
             if type(v) is not cls:
                 raise WireError(f"expected {cls.__name__}, got {type(v).__name__}")
-            return struct(*[convs[n][0](getattr(v, n)) if convs[n] else getattr(v, n) for n in names])
+            return struct(*[c[0](getattr(v, n)) if c else getattr(v, n) for n, c in convs])
 
         def from_struct(s: Any) -> Any:
             values = {}
-            for n in names:
+            for n, c in convs:
                 try:
-                    values[n] = convs[n][1](getattr(s, n)) if convs[n] else getattr(s, n)
+                    values[n] = c[1](getattr(s, n)) if c else getattr(s, n)
                 except WireError as exc:
                     raise exc.at(n) from None
             try:
