@@ -210,7 +210,8 @@ def test_a_field_of_the_wrong_type_is_refused_naming_it():
     result = json.loads(json.dumps(CODEC.encode(ResultMsg(StepResult(1, logprobs={"a": TokenLogprob(1, -1.0,
                                                                                                     {3: -2.0})})))[0]))
     result[1]["result"]["logprobs"]["a"]["top"] = {"x": -2.0}      # a token id that is not a number
-    with pytest.raises(WireError, match=r"ResultMsg\.result\.logprobs\[\.\.\.\]\.top: Expected `int`, got `str` \(a key\)"):
+    key = r"ResultMsg\.result\.logprobs\[\.\.\.\]\.top: Expected `int`, got `str` \(a key\)"
+    with pytest.raises(WireError, match=key):
         CODEC.decode(result, [], RING)
     result[1]["result"]["logprobs"]["a"] = {"token_id": 1, "logprob": 0.0, "top": {}, "rank": "first"}
     with pytest.raises(WireError, match=r"logprobs\[\.\.\.\]\.rank: Expected `int \| null`, got `str`"):
