@@ -233,6 +233,8 @@ class Scheduler:
     def _probe(self, plan: StepPlan, req: Request, pages: KVPages) -> None:
         """The request runs once the stages read what they hold of `pages` (the plan has no rows of it)."""
         self.waiting.popleft()
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         rec = self.records[req.request_id]
