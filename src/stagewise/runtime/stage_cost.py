@@ -6,8 +6,8 @@ the embedding gather on the first stage, and the final norm, LM head and samplin
 weighted by how many rows sample in the configured workload mix (decode: every row; prefill:
 one row per chunk). A linear layer's time on CPU and GPU tracks its weights at small batches
 (memory bound) and its FLOPs at large ones, and both are proportional to its parameters, so one
-count serves both. `python -m benchmarks.pipeline microbatch` measures how far predicted shares are from the stages'
-measured busy time.
+count serves both. `python -m benchmarks.pipeline microbatch` measures how far predicted shares
+are from the stages' measured busy time.
 """
 from __future__ import annotations
 
