@@ -180,3 +180,19 @@ def test_the_budget_splits_by_layers_and_plan_says_so(tmp_path):
     assert "off" in kv_disk.budget_line(EngineConfig()) and EngineConfig(kv_cache_disk=0).kv_cache_disk is None
     assert not kv_disk.disk_tier_on(config.replace(tp_size=2))
     assert "tensor parallelism" in kv_disk.budget_line(config.replace(tp_size=2))
+
+
+def test_the_scheduler_books_a_probe_then_runs_from_what_every_stage_read():
+    from stagewise.engine.scheduler import Scheduler
+    from stagewise.plan import StepResult
+    sched = Scheduler(BlockManager(64, 4, disk_tier=True), max_num_seqs=4, token_budget=64)
+    req = _request("a", 18)
+    sched.add(req)
+    plan = sched.schedule()
+    assert plan is not None and plan.seqs == [] and len(plan.kv_loads["a"].block_ids) == 4
+    assert sched.schedule() is None                    # nothing else of it until its pages are read
+    sched.update(plan, StepResult(plan.plan_id, kv_loaded={"a": 3}))
+    assert req.num_computed_tokens == req.num_cached_tokens == 12 and len(req.block_ids) == 3
+    plan = sched.schedule()
+    assert plan is not None and [(s.start, s.num_tokens) for s in plan.seqs] == [(12, 6)]
+    assert plan.new_reqs[0].block_ids == req.block_ids and len(req.block_ids) == 5
