@@ -113,10 +113,8 @@ def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: P
         for rank, node in enumerate(c.nodes):
             out = open(log_dir / f"{name}-n{rank}.out", "w")
             err = open(log_dir / f"{name}-n{rank}.err", "w")
-            # NOTE: workers run `generate` (which takes the worker role): `bench` with --node-rank > 0
-            # still tries to be the driver ("--master-addr ... is not an address of this host").
-            cmd = (stagewise_args("bench", args, pp, len(specs), rank, master, bench) if rank == 0 else
-                   stagewise_args("generate", args, pp, len(specs), rank, master, ["--no-pipeline-spares", *extra]))
+            # every node runs the same `bench` command; node n > 0 takes the worker role
+            cmd = stagewise_args("bench", args, pp, len(specs), rank, master, bench)
             procs.append(node.popen(cmd, stdout=out, stderr=err))
         try:
             rc = procs[0].wait(timeout=args.run_timeout_s)
@@ -184,6 +182,14 @@ def wait_line(path: Path, needle: str, timeout_s: float, proc: subprocess.Popen 
     return None
 
 
+def wait_rebuilt(driver_log: Path, before: int, timeout_s: float) -> None:
+    """Until the driver has logged more than `before` rebuilds (or `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while driver_log.read_text(errors="replace").count("pipeline rebuilt in") <= before \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def elastic(args, quiet: Quiet, log_dir: Path) -> dict:
     specs = [NodeSpec(cpu_quota=args.elastic_quota, delay_ms=args.elastic_delay_ms)] * 3
     load = quiet.wait("elastic")
@@ -227,18 +233,18 @@ def elastic(args, quiet: Quiet, log_dir: Path) -> dict:
         joined = wait_line(err2, "joins the driver's pipeline", args.run_timeout_s, p2) or time.time()
         at(max(args.join_at + args.gap_s, joined + args.settle_s - t0))
         events.append({"event": "leave", "t": time.time(), "what": "SIGTERM to node 2"})
+        rebuilt = err0.read_text(errors="replace").count("pipeline rebuilt in")
         p2.send_signal(signal.SIGTERM)
         try:
             p2.wait(timeout=args.run_timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        wait_rebuilt(err0, rebuilt, args.run_timeout_s)     # the pipeline without node 2 serves
         at(max(args.join_at + 2 * args.gap_s, time.time() + args.settle_s - t0))
         events.append({"event": "kill", "t": time.time(), "what": "SIGKILL to every process of node 1"})
         rebuilt = err0.read_text(errors="replace").count("pipeline rebuilt in")
         n1.kill_all()
-        deadline = time.monotonic() + args.run_timeout_s
-        while err0.read_text(errors="replace").count("pipeline rebuilt in") <= rebuilt and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_rebuilt(err0, rebuilt, args.run_timeout_s)
         at(max(args.join_at + 3 * args.gap_s, time.time() + args.settle_s - t0))
         stop_file.touch()
         client.wait(timeout=args.run_timeout_s)
@@ -371,7 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--depths-20ms", default="2,4", help="--pp-depth values at 20 ms (2 = the default, pp_size)")
     ap.add_argument("--only-cases", default="", help="indices of the scaling cases to run (default: all)")
-    ap.add_argument("--elastic-pp", type=int, default=2)
+    ap.add_argument("--elastic-pp", type=int, default=3,
+                    help="stages of the served pipeline (at 2, a third node joins as a standby: no move)")
     ap.add_argument("--elastic-quota", type=float, default=0.6, help="CPUs' worth of quota per node")
     ap.add_argument("--elastic-delay-ms", type=float, default=0.0)
     ap.add_argument("--streams", type=int, default=32)
