@@ -54,9 +54,25 @@ def load_hf_config(model_dir: str | Path):
     require(path, "Model directory")
     require(path / "config.json", "Config file")
     try:
-        return AutoConfig.from_pretrained(str(path))
+        return text_view(AutoConfig.from_pretrained(str(path)))
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"Could not read {path / 'config.json'}: {exc}") from exc
+
+
+def is_vision_language(hf_config) -> bool:
+    """A vision-language checkpoint's config (LLaVA-style: `vision_config` + `text_config`)."""
+    return getattr(hf_config, "vision_config", None) is not None and getattr(hf_config, "text_config", None) is not None
+
+
+def text_view(hf_config):
+    """The config the stages and the driver plan with: for a vision-language checkpoint its text model's
+    config, named by the checkpoint's architecture, with the full config kept as `multimodal_config`."""
+    if not is_vision_language(hf_config):
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = list(hf_config.architectures or [])
+    text.multimodal_config = hf_config
+    return text
 
 
 def num_layers_of(hf_config, model_dir: str | Path = "the checkpoint") -> int:

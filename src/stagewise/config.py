@@ -224,6 +224,13 @@ class EngineConfig:
     grammar_cache_entries: int = flag(256, "compiled grammars kept for reuse (least recently used out)")
     grammar_cache_memory: int = flag(256 << 20, "memory the kept compiled grammars may use; also the largest "
                                      "compiled grammar a request may need", size=True)
+    # Images (vision-language models: stagewise.multimodal)
+    max_image_bytes: int = flag(10 << 20, "largest encoded image a request may send, in bytes")
+    max_image_pixels: int = flag(16_000_000, "most pixels (width x height, read from the header before decoding) "
+                                 "of one image")
+    max_images_per_request: int = flag(8, "most images in one request")
+    allowed_image_hosts: str | None = flag(None, "comma-separated hosts whose http(s) image URLs the server may "
+                                           "fetch (default: none; images come as data URLs)")
 
     def __post_init__(self):
         if self.kv_cache_memory is not None:

@@ -9,6 +9,9 @@ from typing import Any, Sequence
 from .config import EngineConfig
 from .errors import PromptTooLongError
 from .model.source import resolve_model
+from .multimodal.encoder import VisionEncoder
+from .multimodal.images import limits_of
+from .multimodal.messages import has_images, split_images
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from .serve.client import InprocClient, PromptInput
 
@@ -23,13 +26,17 @@ class LLM:
         self.client = InprocClient(self.config)
         self.engine = self.client.engine            # for callers that drive or inspect it (the CLI, tests)
         self.tokenizer = self.engine.tok.tokenizer
+        self._vision: VisionEncoder | None = None
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, input_embeds=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         inputs = _inputs(prompts, prompt_token_ids, input_embeds)
-        params = _params(sampling_params, len(inputs))
+        return self._generate(inputs, _params(sampling_params, len(inputs)), use_tqdm)
+
+    def _generate(self, inputs: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
+                  ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         order: list[str | RequestOutput] = []
         for inp, p in zip(inputs, params):
@@ -53,10 +60,25 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
              ) -> list[RequestOutput]:
-        """One conversation (a list of message dicts) or a list of conversations."""
+        """One conversation (a list of message dicts) or a list of conversations. A message's `content`
+        may be a list of parts: `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url":
+        {"url": "data:image/png;base64,..."}}` or `{"type": "image", "image": <PIL image>}` (vision-language
+        models; see docs/multimodal.md)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tok.chat_prompt(c) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        inputs = [self._chat_input(c) for c in convs]
+        return self._generate(inputs, _params(sampling_params, len(inputs)), use_tqdm)
+
+    def _chat_input(self, conv: list[dict]) -> PromptInput:
+        if not has_images(conv):
+            flat, _ = split_images(conv, "")
+            return PromptInput(text=self.engine.tok.chat_prompt(flat))
+        return PromptInput(input_embeds=self.vision_encoder().chat(self.engine.tok, conv).input_embeds)
+
+    def vision_encoder(self) -> VisionEncoder:
+        """The driver's vision encoder (built on first use; a text-only model refuses images)."""
+        if self._vision is None:
+            self._vision = VisionEncoder(self.config.model, limits_of(self.config))
+        return self._vision
 
     def score(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[float]:
         """Log-likelihood of each continuation after its prompt: the sum of the continuation tokens'

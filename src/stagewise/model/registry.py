@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from stagewise.model.gpt2 import GPT2LMHeadModel
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from stagewise.model.vlm import LlavaForConditionalGeneration
 
 _MODELS: dict[str, type] = {}
 
@@ -45,5 +46,6 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel):
+for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel,
+             LlavaForConditionalGeneration):
     register_model(_cls.__name__, _cls)
