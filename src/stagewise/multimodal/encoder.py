@@ -52,6 +52,26 @@ class VisionEncoder:
         self._lock = threading.Lock()      # the server encodes from several threads
 
     @property
+    def tokens_per_image(self) -> int:
+        """Feature rows of one image: a patch grid, plus the CLS row under the 'full' strategy."""
+        vc = self.config.vision_config
+        return (vc.image_size // vc.patch_size) ** 2 + (self.config.vision_feature_select_strategy == "full")
+
+    def expand(self, token_ids: list[int]) -> list[int]:
+        """The prompt ids with each image token repeated `tokens_per_image` times (no image decoded)."""
+        out: list[int] = []
+        for t in token_ids:
+            out.extend([t] * self.tokens_per_image if t == self.image_token_id else [t])
+        return out
+
+    def load_images(self, sources: list[tuple]) -> list:
+        """[(source, where)] -> RGB images, each under the limits (ImageError naming its part)."""
+        if len(sources) > self.limits.max_images:
+            raise ImageError(f"The request has {len(sources)} images, over the limit of {self.limits.max_images} "
+                             f"(--max-images-per-request).", "messages")
+        return [load_image(src, self.limits, where) for src, where in sources]
+
+    @property
     def hidden_size(self) -> int:
         return int(self.embed_weight.shape[1])
 
@@ -91,12 +111,8 @@ class VisionEncoder:
 
     def chat(self, tok, messages: list[dict], **template_kwargs) -> ImagePrompt:
         """A conversation with image parts -> its prompt (`tok`: the engine's `Tokenizer`)."""
-        token = tok.tokenizer.convert_ids_to_tokens(self.image_token_id)
-        flat, sources = split_images(messages, token)
-        if len(sources) > self.limits.max_images:
-            raise ImageError(f"The request has {len(sources)} images, over the limit of {self.limits.max_images} "
-                             f"(--max-images-per-request).", "messages")
-        images = [load_image(src, self.limits, where) for src, where in sources]
+        flat, sources = split_images(messages, tok.tokenizer.convert_ids_to_tokens(self.image_token_id))
+        images = self.load_images(sources)
         text = tok.chat_prompt(flat, **template_kwargs)
         return self.encode(tok.encode(text), images)
 

@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
+from ..multimodal.images import limits_of
+from ..multimodal.intake import image_intake
 from ..serve.client import EngineClient
 from . import routes, utility
 from .errors import APIError, install_error_handlers
@@ -29,8 +31,9 @@ log = logging.getLogger("stagewise.server")
 BACKSTOP_SHUTDOWN_S = 5       # uvicorn's own wait after the drain (which already ended every request)
 
 
-def build_app(engine: EngineClient, options: ServerOptions | None = None) -> FastAPI:
-    """An app around a (not yet started) engine client; the app's lifespan starts and stops it."""
+def build_app(engine: EngineClient, options: ServerOptions | None = None, image_limits=None) -> FastAPI:
+    """An app around a (not yet started) engine client; the app's lifespan starts and stops it.
+    `image_limits` (multimodal.images.ImageLimits) bound the images of a vision-language model."""
     options = options or ServerOptions()
     model_path = engine.info.model_dir
     name = options.served_model_name or served_name_for(model_path)
@@ -41,6 +44,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None) -> Fas
     serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template,
                       options.tool_call_parser)
     serving.cache_isolation = options.cache_isolation
+    serving.images = image_intake(model_path, engine.info.tok, image_limits)
     serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
     serving.max_logprob_entries = options.max_logprob_entries
     serving.max_waiting_requests = options.max_waiting_requests
@@ -167,7 +171,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None, *, lo
     from .shutdown import DrainingServer
     engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
-        app = build_app(engine, options)
+        app = build_app(engine, options, limits_of(config))
         uv_config = uvicorn_config(app, options.host, options.port, log_level)
         DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
     finally:

@@ -308,26 +308,34 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None           # tool: the call this answers
     refusal: str | None = None                # assistant messages echoed back by SDKs
 
-    def text(self, i: int) -> str:
+    def text(self, i: int, images: Any = None) -> str:
+        """The content as text; image parts go to `images` (multimodal.intake.ImageParts, a vision-language
+        model's: each stands in the text as its image token), else they are refused."""
         if not isinstance(self.content, list):
             return self.content or ""
         texts = []
         for j, part in enumerate(self.content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and images is not None:
+                url = part.get("image_url")
+                images.append((url.get("url") if isinstance(url, dict) else url, f"messages[{i}].content[{j}]"))
+                texts.append(images.token)
+                continue
             if kind == "text" and not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content[{j}] is a text part without a 'text' string; write it as "
                                   f"{{\"type\": \"text\", \"text\": \"...\"}}.", f"messages.{i}.content.{j}.text")
             if kind != "text":
                 shown = repr(kind[:40]) if isinstance(kind, str) else "non-text"
+                also = "" if kind != "image_url" else " (this model takes no images)"
                 raise bad_request(f"messages[{i}].content[{j}] is a {shown} part; this server accepts only text "
-                                  f"parts.", f"messages.{i}.content", "unsupported")
+                                  f"parts{also}.", f"messages.{i}.content", "unsupported")
             texts.append(part["text"])
         return "".join(texts)
 
-    def as_template_dict(self, i: int) -> dict:
+    def as_template_dict(self, i: int, images: Any = None) -> dict:
         # NOTE: few chat templates know the "developer" role; it means system.
         role = "system" if self.role == "developer" else self.role
-        msg: dict[str, Any] = {"role": role, "content": self.text(i)}
+        msg: dict[str, Any] = {"role": role, "content": self.text(i, images)}
         if self.tool_calls:
             if self.role != "assistant":
                 raise bad_request(f"messages[{i}] has tool_calls but only assistant messages make calls.",

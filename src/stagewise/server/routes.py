@@ -138,13 +138,15 @@ def chat_job(serving: Serving, body: bytes) -> Job:
         raise bad_request(f"The conversation has {len(req.messages)} messages, more than the model's context of "
                           f"{serving.max_model_len} tokens can hold; shorten it.", "messages",
                           "context_length_exceeded")
-    messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
+    images = serving.images.parts() if serving.images is not None else None
+    messages = [m.as_template_dict(i, images) for i, m in enumerate(req.messages)]
     truncating = req.truncate_prompt_tokens is not None
     if not truncating:
         serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     options = req.template_options(serving.trust_request_chat_template)
-    prompt = serving.text_input(render_chat(serving, messages, options, tools if mode != "none" else None),
-                                "messages", req.add_special_tokens, truncating)
+    text = render_chat(serving, messages, options, tools if mode != "none" else None)
+    prompt = (image_prompt(serving, text, images) if images else
+              serving.text_input(text, "messages", req.add_special_tokens, truncating))
     prompt = serving.truncated(prompt, req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None,
                                         minimum=0 if req.prompt_logprobs is not None else 1)
@@ -187,6 +189,15 @@ def chat_prompt(serving: Serving, messages: list[dict], tools: list[dict] | None
                           "context_length_exceeded")
     serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     return serving.text_input(render_chat(serving, messages, None, tools), "messages")
+
+
+def image_prompt(serving: Serving, text: str, images) -> PromptInput:
+    """A conversation with images as prompt embeddings (multimodal/); a bad image is a 400 naming its part."""
+    from ..multimodal.images import ImageError
+    try:
+        return serving.images.prompt(text, images)
+    except ImageError as exc:
+        raise bad_request(str(exc), exc.where.replace("[", ".").replace("]", "")) from None
 
 
 def checked_grammar(serving: Serving, spec: StructuredOutputs | None, param: str) -> StructuredOutputs | None:

@@ -16,7 +16,7 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -62,6 +62,7 @@ class Serving:
         self.body_timeout_s = body_timeout_s
         self.trust_request_chat_template = trust_request_chat_template
         self.cache_isolation = "shared"          # or "api-key": see `isolate`
+        self.images: Any = None                  # multimodal.intake.ImageIntake of a vision-language model
         self.default_max_tokens: int | None = None    # ServerOptions': the server's default and largest max_tokens
         self.max_tokens_limit: int | None = None
         self.max_logprob_entries = DEFAULT_MAX_LOGPROB_ENTRIES

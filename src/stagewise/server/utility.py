@@ -38,11 +38,14 @@ def tokenize_body(serving: Serving, body: bytes) -> dict:
         raise bad_request("Give exactly one of prompt or messages.", "prompt" if req.prompt is None else "messages")
     if req.messages is not None:
         from .routes import render_chat
-        messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
+        images = serving.images.parts() if serving.images is not None else None
+        messages = [m.as_template_dict(i, images) for i, m in enumerate(req.messages)]
         serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
         text = render_chat(serving, messages, req.template_options(serving.trust_request_chat_template))
         special = False if req.add_special_tokens is None else req.add_special_tokens
         ids = serving.text_input(text, "messages", special).prompt_token_ids or []
+        if images:        # each image counts its feature tokens (images are not decoded here)
+            ids = serving.images.count(ids)
     else:
         assert req.prompt is not None
         ids = serving.text_input(req.prompt, "prompt", req.add_special_tokens).prompt_token_ids or []
