@@ -77,3 +77,19 @@ def hf_llava_greedy(model_dir, token_ids: list[int], pixel_values, max_new_token
                              do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(token_ids):].tolist()
 
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid-looking PNG header claiming `width` x `height` pixels with a few bytes of data: decoding it
+    would allocate width * height * 3 bytes; a bounded decoder refuses it from the header."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def raw_data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()

@@ -67,7 +67,10 @@ def decode(data: bytes, limits: ImageLimits, where: str = "image"):
             return img.convert("RGB")
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:   # Pillow's own guard, at open
+        raise ImageError(f"{where} is a decompression bomb ({_why(exc)}); the limit is {limits.max_image_pixels} "
+                         f"pixels (--max-image-pixels).", where) from None
+    except UnidentifiedImageError as exc:
         raise ImageError(f"{where} could not be decoded as an image ({_why(exc)}); send a PNG, JPEG, GIF or "
                          f"WebP file.", where) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
