@@ -32,6 +32,7 @@ MAGIC = b"SWKV"
 HEADER = struct.Struct("<4sI32sQI")
 SUFFIX = ".kvp"
 QUEUE_BYTES = 256 << 20           # pages waiting for the writer, at most; more are dropped (never block a step)
+WRITER_NICE = 10
 SAMPLE_BYTES = 1 << 20            # model identity: bytes hashed at each end of a weight file, and ...
 SAMPLES = 16                      # ... this many 64 KiB pieces spread between them
 COUNTERS = ("enabled", "writable", "budget_bytes", "bytes_on_disk", "pages_on_disk", "pages_written",
@@ -199,6 +200,12 @@ class DiskTier:
             done.wait(timeout_s)
 
     def _write_loop(self) -> None:
+        # NOTE: Linux: this thread only. Nice 10 weighs ~1/10 of a step thread when both want a core, so
+        # the steps keep theirs; not 19, which a busy shared machine starves (a shutdown's flush would time out)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             item = self.queue.get()
             if item is None:
