@@ -1,5 +1,6 @@
-"""The threads a CPU step uses (runtime/team.py): decode steps of a model with small matrices run on
-one thread, everything else on the whole team, and torch is told only when the count changes."""
+"""The threads a CPU step uses (runtime/team.py): few-row steps of a model whose linear layers run on
+the kernel team (quantized), or whose matrices are small, run torch on one thread, everything else
+on the whole team, and torch is told only when the count changes."""
 import torch
 
 from stagewise.graph.policy import GraphVerdict
@@ -25,5 +26,21 @@ def test_the_team_follows_the_verdict_and_changes_torch_only_on_a_change():
     for verdict, rows in steps:
         with team.scope(verdict, rows) as threads:
             used.append(threads)
-    assert used == [1, 1, 2, 1, 2, 2]
-    assert calls == [1, 2, 1, 2]
+    assert used == [1, 1, 2, 1, 2, 1]        # an eager step (no bucket) of 2 rows: by its rows
+    assert calls == [1, 2, 1, 2, 1]
+
+
+def test_a_quantized_model_runs_few_rows_on_one_torch_thread_while_the_kernel_team_splits(monkeypatch):
+    from stagewise.kernels import team as kernel_team
+    from stagewise.model.quantized import QuantLinear, Segment
+    from stagewise.kernels.quant import T
+    big = 64 << 20                                          # 64 MiB per matrix: the older rule keeps all
+    layer = QuantLinear(256, [Segment(0, 64, T.Q4_0)], False, torch.float32, exact=True)
+    model = torch.nn.Sequential(layer, torch.nn.ReLU())
+    monkeypatch.setattr(kernel_team, "size", lambda: 2)
+    assert decode_threads(model, weights_bytes=big, full=2) == 1
+    monkeypatch.setattr(kernel_team, "size", lambda: 0)     # no team: the kernels split over OpenMP
+    assert decode_threads(model, weights_bytes=big, full=2) == 2
+    mixed = torch.nn.Sequential(layer, torch.nn.Linear(256, 256))
+    monkeypatch.setattr(kernel_team, "size", lambda: 2)
+    assert decode_threads(mixed, weights_bytes=big, full=2) == 2

@@ -25,6 +25,7 @@ def library() -> ctypes.CDLL | None:
         lib.sw_keepers_start.restype = lib.sw_pin_team.restype = ctypes.c_int
         lib.sw_team_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.sw_team_start.restype = lib.sw_team_size.restype = ctypes.c_int
+        lib.sw_team_late_jobs.restype = ctypes.c_longlong
     return lib
 
 
@@ -41,6 +42,13 @@ def start(threads: int, cpus: list[int] | tuple[int, ...] = ()) -> int:
 def size() -> int:
     lib = library()
     return lib.sw_team_size() if lib is not None else 0
+
+
+def late_jobs() -> int:
+    """Jobs so far whose worker was descheduled (each made the team run on its caller alone for a
+    while: on a busy machine a step costs no more than one thread's)."""
+    lib = library()
+    return lib.sw_team_late_jobs() if lib is not None else 0
 
 
 def hand_to(lib: ctypes.CDLL, prefix: str) -> None:

@@ -1,16 +1,16 @@
-"""How many of a CPU stage's threads a step uses: all of them, except the decode steps of a model
-whose matrices are small, which run on one.
+"""How many of a CPU stage's torch threads a step uses: one for the steps of few rows where the
+model's linear layers run on the kernel team, all of them otherwise.
 
-Idle OpenMP threads wait passively (runtime/threads.py), so each parallel region pays a thread's
-wake-up (tens of microseconds on a VM), once per linear layer and attention call. A one-row step of
-the default model (SmolLM2-135M, ~0.8 MB per quantized matrix) reads each matrix in well under
-100 us: half of that saved by a second thread does not pay the wake-up, and batch-1 decode ran
-11.4 ms/token on one thread against 19.3 on two (benchmarks/RESULTS.md). A 1B model's matrices
-(~10 MB each) pay it many times over (39.7 against 68.2 ms/token); and on the small model a
-16-request decode batch made as many tokens per second on one thread as on two. So the steps of the
-decode kind (up to `--decode-graph-max-bs` tokens) of a small model run on one thread, and its
-decode graph is compiled for one (Dynamo guards the thread count: a graph called with another
-compiles again); prefill keeps the whole team. `STAGEWISE_ADAPT_THREADS=0` keeps the whole team.
+The quantized layers' and attention's C kernels split every call over the stage's kernel team
+(kernels/team.py) by the bytes it reads, whatever torch's setting: its threads stay awake through
+a step, so a second thread pays on a small model too. What torch itself runs in such a step
+(norms, rotary, residual adds, sampling; Inductor's fused loops) is a few microseconds per op at
+a few rows, less than waking an idle OpenMP thread costs (tens of microseconds on a VM), so the
+steps of up to DECODE_ROWS rows run torch on one thread, and the decode graph is compiled for one
+(Dynamo guards the thread count: a graph called with another compiles again). A model with
+unquantized linear layers (their kernels split over OpenMP) keeps the older rule: one thread only
+where its matrices are small (under 2 MiB on average). Prefill, and captured prefill graphs, keep
+the whole team. `STAGEWISE_ADAPT_THREADS=0` keeps the whole team for every step.
 """
 from __future__ import annotations
 
@@ -18,17 +18,21 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .. import envs
+from ..kernels import team as kernel_team
+from ..model.quantized import QuantEmbedding, QuantLinear
 
-DECODE_ROWS = 32                # a step of up to this many tokens counts as decode when no graph decides
+DECODE_ROWS = 32                # an eager step of up to this many rows runs torch on the decode threads
 SMALL_MATRIX_BYTES = 2 << 20    # mean bytes per linear layer below which decode steps run on one thread
 
 
 def decode_threads(model: Any, weights_bytes: int, full: int) -> int:
-    """Threads for the decode steps of `model` (its weights as held: `weights_bytes`) on a team of `full`."""
-    linears = sum(1 for m in model.modules() if hasattr(m, "in_features"))
+    """Torch threads for the few-row steps of `model` (its weights as held: `weights_bytes`) on a team of `full`."""
+    linears = [m for m in model.modules() if hasattr(m, "in_features")]
     if full < 2 or not linears or not envs.STAGEWISE_ADAPT_THREADS:
         return full
-    return 1 if weights_bytes / linears < SMALL_MATRIX_BYTES else full
+    if all(isinstance(m, (QuantLinear, QuantEmbedding)) for m in linears) and kernel_team.size() > 1:
+        return 1
+    return 1 if weights_bytes / len(linears) < SMALL_MATRIX_BYTES else full
 
 
 class StepTeam:
@@ -39,8 +43,11 @@ class StepTeam:
         self.current = full
 
     def threads_for(self, verdict: Any, rows: int) -> int:
-        is_decode = verdict.kind == "decode" if verdict is not None else rows <= DECODE_ROWS
-        return self.decode if is_decode else self.full
+        if verdict is not None and verdict.kind == "decode":
+            return self.decode
+        if verdict is not None and verdict.bucket is not None:
+            return self.full        # a captured prefill graph: compiled for the whole team
+        return self.decode if rows <= DECODE_ROWS else self.full
 
     @contextmanager
     def scope(self, verdict: Any, rows: int) -> Iterator[int]:

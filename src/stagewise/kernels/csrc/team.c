@@ -121,6 +121,16 @@ int sw_team_start(int threads, const int* cpus, int n) {
 
 int sw_team_size(void) { return team_size; }
 
+/* A job whose caller waited LATE_NS longer for a worker than it spent on its own tasks found a
+   worker descheduled (another process wants the CPU): the team's jobs then run on their callers
+   alone for a backoff, SOLO_NS at first, doubling while it keeps happening (up to SOLO_MAX_NS),
+   so a busy machine costs a step no more than one thread would. */
+#define LATE_NS 200000LL
+#define SOLO_NS 20000000LL
+#define SOLO_MAX_NS 1000000000LL
+static long long solo_until, solo_ns = SOLO_NS;
+static atomic_llong late_jobs;
+
 /* sw_team_for_fn (team.h). Jobs come from one thread at a time (a stage runs one step at a time);
    a job asked for while one runs (another thread's kernel) runs on its caller alone. */
 static atomic_flag busy = ATOMIC_FLAG_INIT;
@@ -132,6 +142,12 @@ int sw_team_for(sw_task_fn fn, void* ctx, int64_t total, int want) {
         fn(ctx, 0, total);
         return 0;
     }
+    long long t0 = now_ns();
+    if (t0 < solo_until) {
+        atomic_flag_clear(&busy);
+        fn(ctx, 0, total);
+        return 0;
+    }
     job_fn = fn, job_ctx = ctx, job_total = total;
     job_want = want < team_size ? want : team_size;
     atomic_store(&next_task, 0);
@@ -140,11 +156,23 @@ int sw_team_for(sw_task_fn fn, void* ctx, int64_t total, int want) {
     if (atomic_load(&sleepers) > 0)
         syscall(SYS_futex, &gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_tasks();
+    long long t1 = now_ns();
     for (unsigned i = 1; atomic_load(&done_tasks) < total; i++)     /* a worker's claimed task */
         i % 64 ? relax() : (void)sched_yield();
     atomic_fetch_add(&gen, 1);                          /* even: no worker may join now */
     for (unsigned i = 1; atomic_load(&active) > 0; i++)
         i % 64 ? relax() : (void)sched_yield();
+    long long t2 = now_ns();
+    if (t2 - t1 > LATE_NS + (t1 - t0)) {
+        atomic_fetch_add(&late_jobs, 1);
+        solo_until = t2 + solo_ns;
+        solo_ns = solo_ns * 2 < SOLO_MAX_NS ? solo_ns * 2 : SOLO_MAX_NS;
+    } else {
+        solo_ns = SOLO_NS;
+    }
     atomic_flag_clear(&busy);
     return 0;
 }
+
+/* jobs that found a worker descheduled so far (each began a backoff) */
+long long sw_team_late_jobs(void) { return atomic_load(&late_jobs); }
