@@ -13,8 +13,8 @@ LIMITS = ("--max-images-per-request", "2", "--max-image-pixels", "100000", "--ma
 
 
 def _serve(model_dir, tmp, *args):
-    srv = ServerProcess(model_dir, tmp / "server.log", "--dtype", "float32", "--prefill-graph", "off", "--served-model-name", "m",
-                        *LIMITS, *args)
+    srv = ServerProcess(model_dir, tmp / "server.log", "--dtype", "float32", "--prefill-graph", "off",
+                        "--served-model-name", "m", *LIMITS, *args)
     try:
         srv.wait_healthy(180.0)
     except BaseException:
