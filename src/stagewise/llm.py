@@ -77,7 +77,7 @@ class LLM:
     def vision_encoder(self) -> VisionEncoder:
         """The driver's vision encoder (built on first use; a text-only model refuses images)."""
         if self._vision is None:
-            self._vision = VisionEncoder(self.config.model, limits_of(self.config))
+            self._vision = VisionEncoder(str(self.engine.model_dir), limits_of(self.config))
         return self._vision
 
     def score(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[float]:

@@ -103,3 +103,17 @@ def test_text_only_model_refuses_images_with_one_sentence(llama_dir, tmp_path):
             _ask(client, _parts(data_url(make_image(0))))
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_image_chat_through_a_two_stage_pipeline_with_graphs(llava_dir, tmp_path):
+    """PP=2 with prefill graphs on (the image prompt's chunks replay with their live embeddings)."""
+    srv = _serve(llava_dir, tmp_path, "--pp-size", "2", "--prefill-graph", "breakable",
+                 "--prefill-graph-buckets", "8,16,32", "--chunked-prefill-size", "16")
+    try:
+        content = _parts(data_url(make_image(2)))
+        want, _ = _expected_text(llava_dir, content, [make_image(2)])
+        with _client(srv) as client:
+            assert _ask(client, content).choices[0].message.content == want
+    finally:
+        srv.stop()
