@@ -3,9 +3,11 @@ offline engine, greedy. With N live requests decoding, stage 1 is SIGKILLed; the
 kill to the next generated token is split into detection (kill -> the driver knows), teardown,
 start (processes + rendezvous), weight load and recompute (rebuilt -> first token, the KV of
 every live request recomputed from its tokens). Rows with warm spare stage processes (the
-default) and without (--no-pipeline-spares: fresh processes import torch and transformers).
+default) and without (--no-pipeline-spares: fresh processes import torch and transformers), and
+with the KV disk tier (`--pages off,on`: the rebuilt stages read the pages of the live requests'
+full blocks and recompute only the rest), the two interleaved over `--rounds`.
 
-    nice -n 19 python -m benchmarks.pipeline recovery [--live 1,8,32] [--prompt-len 64] [--out NAME]
+    nice -n 19 python -m benchmarks.pipeline recovery [--live 1,8,32] [--pages off,on] [--rounds 2]
 
 Writes benchmarks/results/recovery.md. The numbers depend on the load of the machine (printed).
 """
@@ -14,12 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import tempfile
 import time
 
 from benchmarks.common import RESULTS_DIR
 from stagewise import LLM, SamplingParams
 
-COLUMNS = ("spares", "live requests", "tokens to recompute", "detect s", "teardown s", "start s", "weights s",
+COLUMNS = ("spares", "pages", "live requests", "tokens to recompute", "detect s", "teardown s", "start s", "weights s",
            "recompute s", "kill to next token s")
 
 
@@ -49,7 +52,8 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     last = llm.stats()["recovery"]["last"]
     total = (next_token_at or time.monotonic()) - killed_at
     stages = last["teardown_s"] + last["spawn_s"] + last["load_s"] + last["recompute_s"]
-    return {"spares": "warm" if engine.config.pipeline_spares else "none", "live requests": live,
+    pages = "on" if engine.config.kv_cache_disk else "off"
+    return {"spares": "warm" if engine.config.pipeline_spares else "none", "pages": pages, "live requests": live,
             "tokens to recompute": recompute_tokens, "detect s": max(0.0, total - stages),
             "teardown s": last["teardown_s"], "start s": last["spawn_s"], "weights s": last["load_s"],
             "recompute s": last["recompute_s"], "kill to next token s": total}
@@ -73,15 +77,21 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--prefill-graph", default="auto", help="the engine's --prefill-graph (auto, off, ...)")
+    ap.add_argument("--pages", default="off", help="KV disk tier per row set: off, on or off,on (interleaved)")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="recovery")
     args = ap.parse_args()
     rows, loads = [], [load_line()]
     common = dict(pp_size=2, max_pipeline_restarts=100, pipeline_spares_delay_s=0, kv_cache_memory="256MiB",
                   max_model_len=1024, prefill_graph=args.prefill_graph)
-    with LLM(args.model, **common) as llm:
-        for live in (int(x) for x in args.live.split(",")):
-            rows.append(measure(llm, live, args.prompt_len, args.warmup_tokens))
-            print(rows[-1], flush=True)
+    for _ in range(args.rounds):
+        for pages in args.pages.split(","):
+            with tempfile.TemporaryDirectory(prefix="stagewise-recovery-pages-") as pages_dir:
+                tier = dict(kv_cache_disk="2GiB", kv_cache_dir=pages_dir) if pages == "on" else {}
+                with LLM(args.model, **common, **tier) as llm:
+                    for live in (int(x) for x in args.live.split(",")):
+                        rows.append(measure(llm, live, args.prompt_len, args.warmup_tokens))
+                        print(rows[-1], flush=True)
     if args.cold_live:
         with LLM(args.model, pipeline_spares=False, **common) as llm:
             rows.append(measure(llm, args.cold_live, args.prompt_len, args.warmup_tokens))

@@ -35,6 +35,9 @@ ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's he
 LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
 ALIVE_EVERY_S = 0.5
 SILENT_S = 2.5                 # a node whose counter stood still this long is taken for gone
+# A rebuilt pipeline's stages recompute the live requests first: this node's spares (seconds of CPU
+# importing torch) start this long after its new stages do (the driver waits for the first token).
+SPARES_AFTER_REBUILD_S = 10.0
 LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
@@ -183,8 +186,9 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
                     return _exit(config, 1, "a stage failed to start and --max-pipeline-restarts is 0")
                 continue
             spares_at = None
-            if heals and config.pipeline_spares:     # as on the driver: soon after start, at once after a rebuild
-                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1 else 0.0)
+            if heals and config.pipeline_spares:     # soon after start; after a rebuild, once it recomputed
+                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1
+                                                 else SPARES_AFTER_REBUILD_S)
             code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir),
                                  config.node_rank)
             for p in procs:

@@ -117,6 +117,11 @@ class RecoveryStats:
         if not num_requeued:
             self._done()
 
+    @property
+    def recomputing(self) -> bool:
+        """A rebuilt pipeline has not yet sampled its first token."""
+        return self._recompute_from is not None
+
     def token_applied(self) -> None:
         """A plan sampled a token: the first after a rebuild ends that recovery."""
         if self._recompute_from is not None:

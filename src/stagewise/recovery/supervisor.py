@@ -38,6 +38,9 @@ from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
 log = logging.getLogger("stagewise.engine")
 NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
+# After a rebuild the spares start this long after the new pipeline's first token: a spare's start
+# (importing torch) takes seconds of CPU that the stages need for the recompute.
+SPARES_AFTER_RECOVERY_S = 5.0
 NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
 NODE_LEAVING = "node_leaving"      # the cause of a rebuild without a node that asked to leave
 PLANNED = (NODE_RETURNED, NODE_LEAVING)     # rebuilds on purpose: no restart used, no suspects
@@ -157,10 +160,12 @@ class PipelineSupervisor:
         return poisoned
 
     def applied(self, plan: StepPlan, result: StepResult) -> None:
-        """A plan came back: its requests are no longer suspects; a token ends a recovery."""
+        """A plan came back: its requests are no longer suspects; a token ends a recovery (and the
+        spares start a little later)."""
         self.suspects.cleared(s.request_id for s in plan.seqs)
-        if result.sampled:
+        if result.sampled and self.recovery.recomputing:
             self.recovery.token_applied()
+            self._spares_due = time.monotonic() + SPARES_AFTER_RECOVERY_S
 
     def finished(self, request_id: str) -> None:
         self.suspects.cleared([request_id])
@@ -182,9 +187,9 @@ class PipelineSupervisor:
                     self.recovery.recovering = None
                     self.die(self.restarts.refusal(str(exc)))
                 log.error("%s Trying again.", exc)
-        self._start_spares()
         self.suspects.regroup([*self.requests.running, *self.requests.waiting])
         requeued = self.requests.restart(self.executor.num_blocks)
+        self._spares_due = None if requeued else time.monotonic()    # after the recompute's first token
         startup = {**self.executor.startup, "rejoin_s": self._rejoin_s}
         self.recovery.rebuilt(teardown_s, startup, requeued)
         log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, %sstart %.1f s, weights %.1f s); recomputing "
