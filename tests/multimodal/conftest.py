@@ -10,3 +10,8 @@ from mm_helpers import build_tiny_llava
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def llava_siglip_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-siglip"), tiny_tokenizer_dir, tower="siglip")

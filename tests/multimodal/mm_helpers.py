@@ -23,19 +23,22 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 
-def build_tiny_llava(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_llava(out_dir: Path, tokenizer_dir: Path, seed: int = 0, tower: str = "clip") -> Path:
+    """`tower`: "clip" (CLS dropped: the 'default' strategy) or "siglip" (every patch: 'full')."""
     import transformers as tf
     tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_tokens(["<image>"], special_tokens=True)
     tok.save_pretrained(out_dir)
     image_id = tok.convert_tokens_to_ids("<image>")
-    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 image_size=IMAGE_SIZE, patch_size=14, projection_dim=32)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 image_size=IMAGE_SIZE, patch_size=14)
+    vision = tf.CLIPVisionConfig(projection_dim=32, **shape) if tower == "clip" else tf.SiglipVisionConfig(**shape)
     text = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                           bos_token_id=0, eos_token_id=1, pad_token_id=2)
     config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
-                            vision_feature_layer=-2, vision_feature_select_strategy="default",
+                            vision_feature_layer=-2,
+                            vision_feature_select_strategy="default" if tower == "clip" else "full",
                             image_seq_length=(IMAGE_SIZE // 14) ** 2)
     torch.manual_seed(seed)
     model = tf.LlavaForConditionalGeneration(config).float().eval()

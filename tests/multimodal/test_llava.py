@@ -79,3 +79,19 @@ def test_llm_chat_with_image_equals_transformers_pp2(llava_dir, graphs):
         _, want = _oracle(llava_dir, llm, conv)
         got = llm.chat(conv, GREEDY)[0].outputs[0].token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("fixture", ["llava_dir", "llava_siglip_dir"])
+def test_token_count_without_decoding_matches_the_features(fixture, request):
+    enc = VisionEncoder(request.getfixturevalue(fixture))
+    ids = [0, enc.image_token_id, 9]
+    assert len(enc.expand(ids)) == len(enc.encode(ids, [make_image(0)]).token_ids) == 2 + enc.tokens_per_image
+
+
+@pytest.mark.slow
+def test_siglip_tower_equals_transformers(llava_siglip_dir):
+    with LLM(model=str(llava_siglip_dir), dtype="float32", prefill_graph="off") as llm:
+        conv = _chat(make_image(0))
+        prompt, want = _oracle(llava_siglip_dir, llm, conv)
+        got = llm.chat(conv, GREEDY)[0].outputs[0].token_ids
+    assert prompt.num_image_tokens == 16 and got == want

@@ -53,9 +53,12 @@ class VisionEncoder:
 
     @property
     def tokens_per_image(self) -> int:
-        """Feature rows of one image: a patch grid, plus the CLS row under the 'full' strategy."""
+        """Feature rows of one image: the tower's rows (patches, plus CLIP's CLS), less the first under the
+        'default' strategy (transformers' LLaVA drops it)."""
         vc = self.config.vision_config
-        return (vc.image_size // vc.patch_size) ** 2 + (self.config.vision_feature_select_strategy == "full")
+        has_cls = any(k.endswith("class_embedding") for k in self.tower.state_dict())     # CLIP yes, SigLIP no
+        grid = (vc.image_size // vc.patch_size) ** 2
+        return grid + int(has_cls) - int(self.config.vision_feature_select_strategy == "default")
 
     def expand(self, token_ids: list[int]) -> list[int]:
         """The prompt ids with each image token repeated `tokens_per_image` times (no image decoded)."""
