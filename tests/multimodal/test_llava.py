@@ -95,3 +95,8 @@ def test_siglip_tower_equals_transformers(llava_siglip_dir):
         prompt, want = _oracle(llava_siglip_dir, llm, conv)
         got = llm.chat(conv, GREEDY)[0].outputs[0].token_ids
     assert prompt.num_image_tokens == 16 and got == want
+
+
+def test_text_only_model_refuses_images_in_one_sentence(llama_dir):
+    with pytest.raises(ValueError, match="not a vision-language checkpoint"):
+        VisionEncoder(llama_dir)
