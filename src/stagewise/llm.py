@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from .config import EngineConfig
 from .errors import PromptTooLongError
 from .model.source import resolve_model
-from .multimodal.encoder import VisionEncoder
+from .multimodal.encoder import VisionEncoder, vision_encoder
 from .multimodal.images import limits_of
 from .multimodal.messages import has_images, split_images
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
@@ -77,7 +77,7 @@ class LLM:
     def vision_encoder(self) -> VisionEncoder:
         """The driver's vision encoder (built on first use; a text-only model refuses images)."""
         if self._vision is None:
-            self._vision = VisionEncoder(str(self.engine.model_dir), limits_of(self.config))
+            self._vision = vision_encoder(str(self.engine.model_dir), limits_of(self.config))
         return self._vision
 
     def score(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[float]:

@@ -96,3 +96,41 @@ def png_bomb(width: int, height: int) -> bytes:
 
 def raw_data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Idefics3 (SmolVLM's architecture): 56x56 tiles in 14-pixel patches, pixel shuffle by 2 -> 4 image
+    tokens per image (no splitting), 2-layer Llama text model, hidden 64."""
+    import transformers as tf
+    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(["<image>", "<fake_token_around_image>", "<global-img>"], special_tokens=True)
+    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=IMAGE_SIZE, patch_size=14)
+    text = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = tf.Idefics3Config(vision_config=vision, text_config=text,
+                               image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    torch.manual_seed(seed)
+    model = tf.Idefics3ForConditionalGeneration(config).float().eval()
+    _redraw(model, seed)
+    model.save_pretrained(out_dir)
+    images = tf.Idefics3ImageProcessor(size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
+                                       do_image_splitting=False)
+    tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_idefics3_greedy(model_dir, batch: dict, max_new_tokens: int) -> list[int]:
+    """transformers' generate on the processor's output (ids, pixel values and pixel mask)."""
+    from transformers import Idefics3ForConditionalGeneration
+    model = Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 2
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=batch["pixel_values"],
+                             pixel_attention_mask=batch["pixel_attention_mask"], do_sample=False,
+                             max_new_tokens=max_new_tokens)
+    return out[0, ids.shape[1]:].tolist()

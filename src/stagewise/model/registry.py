@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from stagewise.model.gpt2 import GPT2LMHeadModel
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from stagewise.model.vlm import LlavaForConditionalGeneration
+from stagewise.model.vlm import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
 
 _MODELS: dict[str, type] = {}
 
@@ -47,5 +47,5 @@ def supported_architectures() -> list[str]:
 
 
 for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel,
-             LlavaForConditionalGeneration):
+             LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)

@@ -35,3 +35,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if hf_name == "lm_head.weight":
             return _HEAD
         return hf_name
+
+
+class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+    """Idefics3 (SmolVLM's architecture): a Llama text model under `model.text_model.*`."""
+
+    def hf_name(self, param_name: str) -> str:
+        if param_name.startswith("lm_head."):
+            return "model.text_model.embed_tokens.weight" if self.tie_word_embeddings else param_name
+        return "model.text_model." + param_name

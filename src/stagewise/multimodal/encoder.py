@@ -46,8 +46,8 @@ class VisionEncoder:
             self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError) as exc:
             raise ValueError(f"{model_dir} has no usable image processor (preprocessor_config.json): {exc}") from exc
-        self.tower = AutoModel.from_config(cfg.vision_config).float().eval()
-        self.projector = LlavaMultiModalProjector(cfg).float().eval()
+        self.tower: torch.nn.Module = AutoModel.from_config(cfg.vision_config).float().eval()
+        self.projector: torch.nn.Module = LlavaMultiModalProjector(cfg).float().eval()
         self.embed_weight = _load(self, Path(model_dir))
         self._lock = threading.Lock()      # the server encodes from several threads
 
@@ -116,7 +116,10 @@ class VisionEncoder:
         """A conversation with image parts -> its prompt (`tok`: the engine's `Tokenizer`)."""
         flat, sources = split_images(messages, tok.tokenizer.convert_ids_to_tokens(self.image_token_id))
         images = self.load_images(sources)
-        text = tok.chat_prompt(flat, **template_kwargs)
+        return self.from_text(tok, tok.chat_prompt(flat, **template_kwargs), images)
+
+    def from_text(self, tok, text: str, images: list) -> ImagePrompt:
+        """A rendered prompt holding one image token per image, and the decoded images -> its prompt."""
         return self.encode(tok.encode(text), images)
 
 
@@ -125,8 +128,18 @@ def image_hash(image) -> str:
     return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
 
 
-def _load(enc: VisionEncoder, model_dir: Path) -> torch.Tensor:
-    """Copy the tower and projector weights in; return the token-embedding matrix (float32)."""
+def vision_encoder(model_dir: str | Path, limits: ImageLimits | None = None) -> VisionEncoder:
+    """The encoder of a checkpoint's family: LLaVA, or Idefics3 (SmolVLM's architecture)."""
+    from transformers import AutoConfig
+    if getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", "") == "idefics3":
+        from .idefics3 import Idefics3Encoder
+        return Idefics3Encoder(model_dir, limits)
+    return VisionEncoder(model_dir, limits)
+
+
+def _load(enc: VisionEncoder, model_dir: Path, target=None) -> torch.Tensor:
+    """Copy the tower and projector weights in; return the token-embedding matrix (float32).
+    `target(name, tower state dict)`: the checkpoint name's slot ("embed", "t:<tower key>", "p:<projector key>")."""
     from safetensors import safe_open
 
     from ..model.loader import tensor_locations
@@ -134,7 +147,7 @@ def _load(enc: VisionEncoder, model_dir: Path) -> torch.Tensor:
     targets = {**{f"t:{k}": v for k, v in tower.items()}, **{f"p:{k}": v for k, v in proj.items()}}
     embed = None
     for name, fpath in tensor_locations(model_dir).items():
-        key = _target(name.removeprefix("model."), tower)
+        key = (target or _target)(name.removeprefix("model."), tower)
         if key is None:
             continue
         with safe_open(str(fpath), framework="pt", device="cpu") as f:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .encoder import VisionEncoder
+from .encoder import vision_encoder
 from .images import ImageLimits
 
 
@@ -19,7 +19,7 @@ class ImageParts(list):
 
 class ImageIntake:
     def __init__(self, model_dir: str, tok: Any, limits: ImageLimits):
-        self.encoder = VisionEncoder(model_dir, limits)
+        self.encoder = vision_encoder(model_dir, limits)
         self.tok = tok
         self.token = tok.tokenizer.convert_ids_to_tokens(self.encoder.image_token_id)
 
@@ -30,7 +30,7 @@ class ImageIntake:
         """The rendered conversation and its images -> a prompt of embeddings (ImageError on a bad image)."""
         from ..serve.client import PromptInput
         images = self.encoder.load_images(list(parts))
-        return PromptInput(input_embeds=self.encoder.encode(self.tok.encode(text), images).input_embeds)
+        return PromptInput(input_embeds=self.encoder.from_text(self.tok, text, images).input_embeds)
 
     def count(self, token_ids: list[int]) -> list[int]:
         """Token ids with every image expanded to its feature tokens (for /tokenize)."""
