@@ -5,7 +5,7 @@ server keeps serving."""
 from __future__ import annotations
 
 import pytest
-from mm_helpers import data_url, hf_llava_greedy, make_image, png_bomb, raw_data_url
+from mm_helpers import data_url, hf_idefics3_greedy, hf_llava_greedy, make_image, png_bomb, raw_data_url
 
 from benchmarks.server_process import ServerProcess
 
@@ -115,5 +115,30 @@ def test_image_chat_through_a_two_stage_pipeline_with_graphs(llava_dir, tmp_path
         want, _ = _expected_text(llava_dir, content, [make_image(2)])
         with _client(srv) as client:
             assert _ask(client, content).choices[0].message.content == want
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_idefics3_through_a_two_stage_pipeline_server(idefics3_dir, tmp_path):
+    """The second family (SmolVLM's architecture) at PP=2 with prefill graphs: two images in one message."""
+    import httpx
+
+    from stagewise.engine.inputs import Tokenizer
+    from stagewise.multimodal.encoder import vision_encoder
+    srv = _serve(idefics3_dir, tmp_path, "--pp-size", "2", "--prefill-graph", "breakable",
+                 "--prefill-graph-buckets", "8,16,32", "--chunked-prefill-size", "8")
+    try:
+        images = [make_image(3), make_image(4, (90, 30))]
+        content = _parts(*(data_url(im) for im in images))
+        tok, enc = Tokenizer(str(idefics3_dir)), vision_encoder(idefics3_dir)
+        batch = enc.processed(tok, [{"role": "user", "content": content}])
+        want = tok.decode(hf_idefics3_greedy(idefics3_dir, batch, 6))
+        with _client(srv) as client:
+            got = _ask(client, content)
+        assert got.choices[0].message.content == want and got.usage.prompt_tokens == batch["input_ids"].shape[1]
+        counted = httpx.post(srv.url + "/tokenize", json={"model": "m", "messages": [
+            {"role": "user", "content": content}], "add_special_tokens": True}, timeout=30).json()
+        assert counted["count"] == batch["input_ids"].shape[1]
     finally:
         srv.stop()
