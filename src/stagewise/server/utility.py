@@ -45,7 +45,11 @@ def tokenize_body(serving: Serving, body: bytes) -> dict:
         special = False if req.add_special_tokens is None else req.add_special_tokens
         ids = serving.text_input(text, "messages", special).prompt_token_ids or []
         if images:        # each image counts its feature tokens (images are not decoded here)
-            ids = serving.images.count(ids)
+            from ..multimodal.images import ImageError
+            try:
+                ids = serving.images.count(ids)
+            except ImageError as exc:
+                raise bad_request(str(exc), exc.where) from None
     else:
         assert req.prompt is not None
         ids = serving.text_input(req.prompt, "prompt", req.add_special_tokens).prompt_token_ids or []
