@@ -137,13 +137,19 @@ def _cluster_rows(out: str) -> list[list[str]]:
 
 
 def test_plan_over_a_described_cluster(llama_dir, capsys):
-    # the tiny llama: a process's runtime dominates; node 2's budget holds none, node 0's the driver and a stage
+    # the tiny llama: a process's runtime dominates (with its spare); node 2's budget holds none, node 0's
+    # the driver and a stage
     args = ["plan", "--model", str(llama_dir), "--dtype", "float32"]
-    assert main([*args, "--cluster", "1.3GiB:1.0,1.3GiB:0.5,600MiB:0.3"]) == 0
+    assert main([*args, "--cluster", "1.6GiB:1.0,1.6GiB:0.5,600MiB:0.3"]) == 0
     out = capsys.readouterr().out
     rows = _cluster_rows(out)
     assert [r[1] for r in rows] == ["0", "1"] and out.startswith("cluster plan: 3 node(s), 2 stage(s)")
     assert "node 2 (600.0 MiB, speed 0.3) is left out: its budget" in out
+    # each stage's spare process counts on its node: at 1.3 GiB node 0 holds the driver and a stage only without it
+    assert main([*args, "--cluster", "1.3GiB:1.0,1.3GiB:0.5,600MiB:0.3", "--no-pipeline-spares"]) == 0
+    assert [r[1] for r in _cluster_rows(capsys.readouterr().out)] == ["0", "1"]
+    assert main([*args, "--cluster", "1.3GiB:1.0,1.3GiB:0.5,600MiB:0.3"]) == 0
+    assert [r[1] for r in _cluster_rows(capsys.readouterr().out)] == ["1"]
     assert main([*args, "--cluster", "2GiB,2GiB", "--pp-size", "4"]) == 0
     nodes = [r[1] for r in _cluster_rows(capsys.readouterr().out)]     # the head-heavy last stage alone
     assert len(nodes) == 4 and nodes == sorted(nodes) and set(nodes) == {"0", "1"}

@@ -22,6 +22,7 @@ from ..model.registry import get_model_class
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
 from .kv_cache import kv_bytes_per_block
+from .kv_disk import budget_line
 from .memory import (
     MemoryPlan,
     NotEnoughMemory,
@@ -202,7 +203,7 @@ def plan_report(config: EngineConfig) -> str:
     return (f"model {model_dir}: {hf.num_hidden_layers} layers, {config.pp_size} stage(s){ranks}, {dtype}, {device}\n"
             f"{_weights_line(config, model_dir, hf, dtype)}{_partition_text(config, hf)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
-            f"{format_memory_table(plans, labels)}\n{verdict}")
+            f"{format_memory_table(plans, labels)}\n{budget_line(config)}\n{verdict}")
 
 
 def _rank_plans(config: EngineConfig, hf, node_bytes: int | None) -> tuple[list[MemoryPlan], list[str] | None]:
