@@ -1,0 +1,125 @@
+"""Issue 45, first part: which ways of splitting the work give the same greedy tokens and logprob bits today.
+
+The same six mixed-length prompts (token ids, seeded) run greedy with logprobs under two splits of
+the work, and the two runs are compared exactly (token ids, and logprob floats with `==`). Only
+the invariances that hold today are asserted bit for bit; the splits that change logprob bits
+today (chunk size, a prefix-cache hit, n-gram speculation, the batch order that splits a long
+prompt over two steps) are asserted to keep the token ids in fp32 with logprobs close, and what
+they change is listed in docs/determinism.md.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stagewise import LLM, SamplingParams
+
+LENGTHS = (3, 9, 24, 57, 101, 190)     # 384 tokens together: one step at chunked_prefill_size 512
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Six prompts of LENGTHS (half of them a repeated 5-token pattern, for the n-gram proposer) and
+    six other prompts of random lengths, to fill a batch of 12."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        pattern = [rng.randrange(3, 990) for _ in range(5)]
+        if rng.random() < 0.5:
+            return [pattern[i % 5] for i in range(n)]
+        return [rng.randrange(3, 990) for _ in range(n)]
+    return [prompt(n) for n in LENGTHS], [prompt(rng.randrange(2, 160)) for _ in range(6)]
+
+
+PROMPTS, OTHERS = _prompts(45)
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """(token ids, logprob of each chosen token) per prompt."""
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def alone(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    return [run(llm, [p])[0] for p in PROMPTS]
+
+
+def first_difference(a, b) -> str | None:
+    """None when identical (ids and logprob bits); else where the first difference is."""
+    for i, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(a, b, strict=True)):
+        if ids_a != ids_b:
+            k = next(j for j, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+            return f"prompt {i} (length {LENGTHS[i]}): token ids differ at position {k}"
+        if lp_a != lp_b:
+            k = next(j for j, (x, y) in enumerate(zip(lp_a, lp_b)) if x != y)
+            return f"prompt {i} (length {LENGTHS[i]}): logprob bits differ at position {k}: {lp_a[k]!r} vs {lp_b[k]!r}"
+    return None
+
+
+def assert_same_ids_close_logprobs(a, b, tol: float = 1e-4) -> None:
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(a, b, strict=True):
+        assert ids_a == ids_b
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= tol
+
+
+# "auto" is fp32 for these tiny models (hidden < 256); bfloat16 is what "auto" picks for the default
+# model on CPUs with native bf16.
+@pytest.fixture(scope="module", params=["float32", "auto", "bfloat16"])
+def dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, dtype):
+    """One process, no prefix cache, each prompt alone; plus the same prompts as a batch of 6 and
+    inside a batch of 12 (first, so each prompt's prefill is one chunk of one step)."""
+    with LLM(model=str(llama_dir), dtype=dtype, enable_prefix_caching=False) as llm:
+        yield {"alone": alone(llm), "batch6": run(llm, PROMPTS), "batch12": run(llm, PROMPTS + OTHERS)[:6],
+               "again": alone(llm)}
+
+
+def test_the_same_run_twice_is_identical(reference):
+    assert first_difference(reference["alone"], reference["again"]) is None
+
+
+def test_alone_and_in_a_batch_are_identical(reference):
+    """Batch rows do not change a row's bits (while its prefill stays one chunk): alone = in a batch of
+    6 = in a batch of 12 with other prompts."""
+    assert first_difference(reference["alone"], reference["batch6"]) is None
+    assert first_difference(reference["alone"], reference["batch12"]) is None
+
+
+def test_cold_prefix_cache_is_identical_to_no_cache(llama_dir, dtype, reference):
+    """Prefix caching on, first sight of each prompt: the same bits as with the cache off."""
+    with LLM(model=str(llama_dir), dtype=dtype) as llm:
+        assert first_difference(reference["alone"], alone(llm)) is None
+
+
+@pytest.mark.parametrize("options", [{"chunked_prefill_size": 16}, {"enable_prefix_caching": True},
+                                     {"speculative_config": SPEC}], ids=["chunk16", "warm-cache", "ngram"])
+def test_chunk_cache_hit_and_speculation_keep_fp32_token_ids(llama_dir, reference, dtype, options):
+    """Not bit-identical today (docs/determinism.md): chunk size 16, a prefix-cache hit (the prompt
+    run twice, the second compared) and n-gram speculation change logprob bits in the last digits;
+    in fp32 the greedy ids stay the same on this model. (bf16 changes ids: not asserted.)"""
+    if dtype == "bfloat16":
+        pytest.skip("bf16 changes token ids under these splits today (docs/determinism.md)")
+    with LLM(model=str(llama_dir), dtype=dtype, **options) as llm:
+        got = alone(llm)
+        if options.get("enable_prefix_caching"):
+            got = alone(llm)          # the second sight: the prompt's full blocks come from the cache
+    assert_same_ids_close_logprobs(reference["alone"], got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp_dtype", ["float32"])  # bfloat16 holds too (checked by hand; ~30 s more)
+def test_two_pipeline_stages_are_identical_to_one(llama_dir, pp_dtype):
+    """PP=2 (two stage processes) gives the bits of one process, alone and in a batch of 12."""
+    with LLM(model=str(llama_dir), dtype=pp_dtype, enable_prefix_caching=False) as llm:
+        one = alone(llm), run(llm, PROMPTS + OTHERS)[:6]
+    with LLM(model=str(llama_dir), dtype=pp_dtype, enable_prefix_caching=False, pp_size=2) as llm:
+        two = alone(llm), run(llm, PROMPTS + OTHERS)[:6]
+    assert first_difference(one[0], two[0]) is None
+    assert first_difference(one[1], two[1]) is None
