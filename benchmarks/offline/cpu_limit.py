@@ -17,82 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import peer_python
+
 MARK = "CPU-LIMIT "
 DEFAULT_GGUF = Path("~/.cache/stagewise/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
-# NOTE: the default of benchmarks.common.peer_python("llamacpp"), spelled out: this module also runs
-# as its own worker (`--worker`) under llama.cpp's interpreter, which has no torch for benchmarks.common
-LLAMACPP_PY = os.environ.get("STAGEWISE_BENCH_LLAMACPP_PYTHON") or str(
-    Path(os.environ.get("STAGEWISE_CACHE") or Path.home() / ".cache" / "stagewise") / "peers/llamacpp/bin/python")
-PROMPT = [1, 504, 3458, 282, 4649, 314, 1978, 30, 216, 504, 3458, 282, 4649, 314]
-
-
-def stagewise_worker(spec: dict) -> dict:
-    import torch
-
-    from stagewise import LLM, SamplingParams
-    options = dict(device="cpu", kv_cache_memory="256MiB", max_model_len=1024, compile_in_background=False,
-                   threads_per_stage=spec["threads"])
-    if spec["eager"]:
-        options["prefill_graph"] = "off"
-    llm = LLM(model=spec["model"], **options)
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)   # noqa: E731
-
-    cpu: dict[int, list[float]] = {}
-
-    def timed(n: int) -> float:
-        t, c = time.perf_counter(), time.process_time()
-        llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy(n), use_tqdm=False)
-        cpu.setdefault(n, []).append(time.process_time() - c)
-        return time.perf_counter() - t
-    timed(8)
-    n = spec["tokens"]
-    ones = [timed(1) for _ in range(3)]
-    best = (min(timed(1 + n) for _ in range(3)) - min(ones)) / n
-    # CPU time per token (all threads, spinning included): at one thread, the work itself, little
-    # changed by a busy machine's load
-    out = {"ms": 1e3 * best, "cpu_ms": 1e3 * (min(cpu[1 + n]) - min(cpu[1])) / n, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
-           "rss_mb": peak_rss_mb()}
-    try:
-        from stagewise.kernels import team      # jobs whose worker was descheduled (each began a backoff)
-        out["late_jobs"] = team.late_jobs()
-    except ImportError:
-        pass
-    llm.shutdown()
-    return out
-
-
-def llamacpp_worker(spec: dict) -> dict:
-    import llama_cpp
-    default = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():                      # ggml's AMX path segfaults on Q4_1 here (cpu-peers note)
-        p = default()
-        p.use_extra_bufts = False
-        return p
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    llm = llama_cpp.Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                          n_ctx=1024, verbose=False)
-
-    def timed(n: int) -> float:
-        llm.reset()
-        t = time.perf_counter()
-        for i, _ in enumerate(llm.generate(PROMPT, top_k=1, temp=0.0, repeat_penalty=1.0)):
-            if i + 1 >= n:
-                break
-        return time.perf_counter() - t
-    timed(8)
-    n = spec["tokens"]
-    ones = [timed(1) for _ in range(3)]
-    best = (min(timed(1 + n) for _ in range(3)) - min(ones)) / n
-    return {"ms": 1e3 * best, "threads": spec["threads"], "load": os.getloadavg()[0],
-            "rss_mb": peak_rss_mb()}
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (VmHWM: unlike ru_maxrss it does not carry the parent's
-    peak across exec)."""
-    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
+# the worker runs as a script (llama.cpp's under its own venv, stagewise's under --before's tree)
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "cpu_limit_worker.py"
 
 
 def read_probe(threads: int) -> float:
@@ -115,7 +45,7 @@ def spawn(spec: dict, python: str = sys.executable) -> dict:
         env.pop(var, None)
     if spec.get("env"):
         env.update(spec["env"])
-    proc = subprocess.run([python, "-m", "benchmarks.offline", "cpu-limit", "--worker", json.dumps(spec)], env=env,
+    proc = subprocess.run([python, str(WORKER), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     if proc.returncode or not lines:
@@ -133,22 +63,16 @@ def cpu_line() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--model", default=str(DEFAULT_GGUF))
-    ap.add_argument("--llamacpp-python", default=str(LLAMACPP_PY))
+    ap.add_argument("--llamacpp-python", default=peer_python("llamacpp"))
     ap.add_argument("--only", default="")
     ap.add_argument("--env", default="", help="extra environment for the stagewise children, K=V,K=V")
     ap.add_argument("--before", default="", help="a `git archive REV src` tree: its stagewise runs beside "
                     "this one's, as 'before' cells in the same rounds")
     ap.add_argument("--json")
     args = ap.parse_args()
-    if args.worker:
-        spec = json.loads(args.worker)
-        fn = llamacpp_worker if spec["engine"] == "llama.cpp" else stagewise_worker
-        print(MARK + json.dumps(fn(spec)), flush=True)
-        return
     extra = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     cells = {}
     for threads in (1, 2):
@@ -199,8 +123,3 @@ def main() -> None:
               f"{best.get('cpu_ms', float('nan')):.1f} | {best.get('rss_mb', 0):.0f} | {best['load']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"cells": results, "bandwidth": bandwidth}, indent=1))
-
-
-
-if __name__ == "__main__":      # the workers run this file directly (llama.cpp's in its own venv)
-    main()
