@@ -153,7 +153,7 @@ def test_stagewise_serve_finds_its_prefix_after_a_restart(llama_dir, tmp_path, o
     from benchmarks.server_process import ServerProcess
     flags = ("--block-size", str(BLOCK), "--kv-cache-disk", "64MiB", "--kv-cache-dir", str(tmp_path / "kv"))
     body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_tokens": 6, "temperature": 0}}).encode()
-    answers = []
+    answers, disk_hits = [], []
     for run in range(2):                       # the same server command, started twice
         server = ServerProcess(llama_dir, tmp_path / f"server{run}.log", *flags)
         try:
@@ -161,7 +161,10 @@ def test_stagewise_serve_finds_its_prefix_after_a_restart(llama_dir, tmp_path, o
             request = urllib.request.Request(server.url + "/generate", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as r:
                 answers.append(json.loads(r.read()))
+            disk_hits.append(server.metric("stagewise_prefix_cache_disk_hits_total"))
+            assert server.metric("stagewise_kv_disk_budget_bytes") == [64 << 20]
         finally:
             assert server.stop() == 0, (tmp_path / f"server{run}.log").read_text()[-2000:]
     assert [a["token_ids"] for a in answers] == [oracle, oracle]
     assert [a["num_cached_tokens"] for a in answers] == [0, FULL_TOKENS]
+    assert disk_hits == [[0.0], [float(FULL_TOKENS)]]        # /metrics counts the tokens read from disk

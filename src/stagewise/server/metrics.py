@@ -166,6 +166,7 @@ class _EngineCollector:
                        s.get("prefix_cache_queries", 0))
         yield _counter("stagewise_prefix_cache_hits", "Tokens looked up in the prefix cache and found there.", m,
                        s.get("prefix_cache_hits", 0))
+        yield from _kv_disk_families(s, m)
         yield _counter("stagewise_num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", m,
                        s.get("num_preemptions", 0))
         yield _counter("stagewise_engine_steps", "Engine steps collected.", m, s.get("num_steps", 0))
@@ -191,6 +192,31 @@ class _EngineCollector:
         yield comm_s
         yield from _balance_families(s, m)
         yield from _recovery_families(s.get("recovery") or {}, m)
+
+
+# the prefix cache's disk tier (docs/kv-cache.md), summed over the stages: (stats key, metric, help, counter?)
+_KV_DISK = (
+    ("bytes_written", "stagewise_kv_disk_written_bytes", "Bytes of KV pages the stages wrote to the disk tier.", True),
+    ("bytes_read", "stagewise_kv_disk_read_bytes", "Bytes of KV pages the stages read back instead of recomputing.",
+     True),
+    ("pages_corrupt", "stagewise_kv_disk_corrupt_pages", "Pages dropped for a bad checksum or a torn write.", True),
+    ("pages_evicted", "stagewise_kv_disk_evicted_pages", "Pages removed to stay within --kv-cache-disk.", True),
+    ("pages_dropped", "stagewise_kv_disk_dropped_pages", "Pages not written because the writer was behind.", True),
+    ("write_errors", "stagewise_kv_disk_write_errors", "Page writes that failed (a full disk turns writing off).",
+     True),
+    ("bytes_on_disk", "stagewise_kv_disk_bytes", "Bytes of KV pages on disk now.", False),
+    ("budget_bytes", "stagewise_kv_disk_budget_bytes", "The disk tier's budget (0: off).", False),
+)
+
+
+def _kv_disk_families(s: dict, m: str):
+    yield _counter("stagewise_prefix_cache_disk_queries", "Tokens looked up in the prefix cache's disk tier "
+                   "(RAM misses).", m, s.get("prefix_cache_disk_queries", 0))
+    yield _counter("stagewise_prefix_cache_disk_hits", "Tokens read from the disk tier instead of recomputed.", m,
+                   s.get("prefix_cache_disk_hits", 0))
+    tier = s.get("kv_disk") or {}
+    for key, name, doc, counter in _KV_DISK:
+        yield (_counter if counter else _gauge)(name, doc, m, tier.get(key, 0) or 0)
 
 
 def _recovery_families(r: dict, m: str):
