@@ -9,7 +9,8 @@ from typing import Any, Sequence
 from .config import EngineConfig
 from .errors import PromptTooLongError
 from .model.source import resolve_model
-from .multimodal.encoder import VisionEncoder, vision_encoder
+from .multimodal.encoder import VisionEncoder
+from .multimodal.families import vision_encoder
 from .multimodal.images import limits_of
 from .multimodal.messages import has_images, split_images
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams

@@ -125,7 +125,7 @@ def test_idefics3_through_a_two_stage_pipeline_server(idefics3_dir, tmp_path):
     import httpx
 
     from stagewise.engine.inputs import Tokenizer
-    from stagewise.multimodal.encoder import vision_encoder
+    from stagewise.multimodal.families import vision_encoder
     srv = _serve(idefics3_dir, tmp_path, "--pp-size", "2", "--prefill-graph", "breakable",
                  "--prefill-graph-buckets", "8,16,32", "--chunked-prefill-size", "8")
     try:

@@ -128,15 +128,6 @@ def image_hash(image) -> str:
     return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
 
 
-def vision_encoder(model_dir: str | Path, limits: ImageLimits | None = None) -> VisionEncoder:
-    """The encoder of a checkpoint's family: LLaVA, or Idefics3 (SmolVLM's architecture)."""
-    from transformers import AutoConfig
-    if getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", "") == "idefics3":
-        from .idefics3 import Idefics3Encoder
-        return Idefics3Encoder(model_dir, limits)
-    return VisionEncoder(model_dir, limits)
-
-
 def _load(enc: VisionEncoder, model_dir: Path, target=None) -> torch.Tensor:
     """Copy the tower and projector weights in; return the token-embedding matrix (float32).
     `target(name, tower state dict)`: the checkpoint name's slot ("embed", "t:<tower key>", "p:<projector key>")."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .encoder import vision_encoder
+from .families import vision_encoder
 from .images import ImageLimits
 
 
