@@ -94,7 +94,8 @@ def test_a_prompt_too_long_for_the_context_prints_only_the_error(tmp_path, monke
                  "--prompt", long_prompt]) == 2
     out, err = capsys.readouterr()
     assert out == ""                                    # the prompt is not echoed before the error
-    assert "context is 128" in err and len(err.strip().splitlines()) == 1 and len(err) < 400
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("built the CPU kernels")]  # a first build
+    assert "context is 128" in err and len(lines) == 1 and len(lines[0]) < 400
 
 
 def test_help_shows_defaults_and_says_generate_is_greedy():
