@@ -82,9 +82,10 @@ VARIABLES: tuple[Variable, ...] = (
              "`0` starts no keeper threads: a CPU stage's idle CPUs may then halt within a step, and each parallel "
              "region pays their wake-up ([Performance](performance.md))", _on_unless_zero),
     Variable("STAGEWISE_ADAPT_THREADS", "`0`", "unset (adapted)",
-             "`0` runs every step of a CPU stage on all its threads; by default a step of up to 4 tokens of a model "
-             "whose matrices are small (under 2 MiB each on average) runs on one, where waking a second thread "
-             "costs more than it saves ([Performance](performance.md))", _on_unless_zero),
+             "`0` runs every step of a CPU stage on all its torch threads; by default a step of up to 32 rows "
+             "runs torch on one thread where every linear layer is quantized (their C kernels split over the "
+             "stage's kernel team anyway), or where the model's matrices are small (under 2 MiB each on "
+             "average) ([Memory and threads](memory-threads.md))", _on_unless_zero),
     Variable("STAGEWISE_BALANCE_MICRO_BATCHES", "`0`", "unset (balanced)",
              "benchmark lever: `0` fills the plans in flight first come first served instead of splitting the "
              "decode batch evenly over them ([Pipelines](pipelines.md))", _on_unless_zero),
