@@ -31,15 +31,23 @@ def get_model_class(architecture: str) -> type:
 def registered_models() -> dict[str, type]:
     """The classes a stage process can import by reference; stage processes re-register them,
     so user models work under PP. (A class defined inside a function cannot travel.)"""
-    import pickle
-    table = {}
-    for arch, cls in _MODELS.items():
-        try:
-            pickle.dumps(cls)
-            table[arch] = cls
-        except (pickle.PicklingError, AttributeError, TypeError):
-            pass
-    return table
+    return {arch: cls for arch, cls in _MODELS.items() if _importable(cls)}
+
+
+def _importable(cls: type) -> bool:
+    """Whether another process finds `cls` by its module and qualified name."""
+    import importlib
+    import sys
+    if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__" and not hasattr(sys.modules["__main__"],
+                                                                                       "__file__"):
+        return False
+    try:
+        found: object = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return False
+    return found is cls
 
 
 def supported_architectures() -> list[str]:
