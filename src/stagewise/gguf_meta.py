@@ -1,9 +1,10 @@
 """GGUF metadata (llama.cpp's format): the transformers config, the tokenizer and the tensor
 table a GGUF file describes, read from its header without dequantizing anything.
 
-The facts of a file are cached per process while the file is unchanged; a reader is not: its
-parsed fields (a Python object per tokenizer entry) take ~150 MB for a 49k-token vocabulary, which
-every stage, spare and driver process would otherwise keep. The converted tokenizer is cached on
+The facts of a file (metadata, and where each tensor's bytes are) are cached per process while
+the file is unchanged; the reader that parsed them is not: its parsed fields (a Python object per
+tokenizer entry) take ~150 MB and 3 s for a 49k-token vocabulary, so a process parses a file once
+(a spare does it before it is needed) and keeps only the facts. The converted tokenizer is cached on
 disk. Tensor data is read by `model.gguf`.
 """
 from __future__ import annotations
@@ -28,21 +29,26 @@ _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
 
 
+class GGUFTensor(NamedTuple):
+    """Where one tensor's bytes are in the file, and what they hold (what `model.gguf` reads by)."""
+    name: str
+    tensor_type: int      # GGMLQuantizationType value
+    shape: tuple          # GGUF order (dims reversed from torch's)
+    data_offset: int
+    n_bytes: int
+
+
 class GGUFFacts(NamedTuple):
     meta: dict            # metadata key -> value (the large tokenizer arrays left out)
     shapes: dict          # tensor name -> shape in torch order (GGUF stores dims reversed)
     types: dict           # tensor name -> GGML type name (F32, Q4_K, ...)
     rope_freqs: list | None  # per-frequency rope divisors (llama3-style long-context rope), if stored
+    tensors: tuple = ()   # GGUFTensor per tensor, in file order
 
 
 def _file_key(path: str | Path) -> tuple[str, int, int]:
     stat = Path(path).stat()
     return str(path), stat.st_size, stat.st_mtime_ns
-
-
-def gguf_reader(path: str | Path):
-    """A memory-mapped `gguf.GGUFReader` of the file (drop it once read: it is large)."""
-    return _open_gguf(*_file_key(path))
 
 
 def gguf_facts(path: str | Path) -> GGUFFacts:
@@ -70,7 +76,9 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> GGUFFacts:
     rope = tensors.get("rope_freqs.weight")
     return GGUFFacts(meta, {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()},
                      {name: t.tensor_type.name for name, t in tensors.items()},
-                     None if rope is None else rope.data.astype("float64").tolist())
+                     None if rope is None else rope.data.astype("float64").tolist(),
+                     tuple(GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset),
+                                      int(t.n_bytes)) for t in reader.tensors))
 
 
 def hf_config_from_gguf(path: Path):

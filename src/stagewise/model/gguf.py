@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from stagewise.gguf_meta import gguf_facts, gguf_reader
+from stagewise.gguf_meta import gguf_facts
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
 from stagewise.model.quantized import Scheme
@@ -117,9 +117,10 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     """Load this stage's tensors (`model.is_stage_weight`) from `path` into `model`: into its quantized
     layers as stored, the rest dequantized into the model's dtype."""
     started, kept, converted = time.perf_counter(), Counter[str](), Counter[str]()
-    arch = gguf_facts(path).meta["general.architecture"]
+    facts = gguf_facts(path)
+    arch = facts.meta["general.architecture"]
     table, dtype = model.weight_table(), cast(torch.dtype, model.dtype)
-    named = [(t, hf_tensor_name(t.name, arch)) for t in gguf_reader(path).tensors]
+    named = [(t, hf_tensor_name(t.name, arch)) for t in facts.tensors]
     mine = [(t, name) for t, name in named if name is not None and model.is_stage_weight(name)]
     _check_complete(model, table, [name for _, name in mine], path)
 
