@@ -30,9 +30,9 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     """One kill with `live` requests decoding (each `warmup_tokens` into its output)."""
     engine = llm.engine
     if engine.config.pipeline_spares:
-        engine.step()                          # starts the spares (due at once here)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120      # the spares: due at once, or a few seconds after a recovery
         while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
+            engine.fault()                     # an idle engine's supervisor starts them when due
             time.sleep(0.2)
     vocab = engine.tok.vocab_size
     params = SamplingParams(max_tokens=warmup_tokens + 32, temperature=0, ignore_eos=True)
