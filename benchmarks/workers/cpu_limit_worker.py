@@ -39,10 +39,10 @@ def stagewise_worker(spec: dict) -> dict:
     best = (min(timed(1 + n) for _ in range(3)) - min(ones)) / n
     # CPU time per token (all threads, spinning included): at one thread, the work itself, little
     # changed by a busy machine's load
-    out = {"ms": 1e3 * best, "cpu_ms": 1e3 * (min(cpu[1 + n]) - min(cpu[1])) / n, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
-           "rss_mb": peak_rss_mb()}
+    out = {"ms": 1e3 * best, "cpu_ms": 1e3 * (min(cpu[1 + n]) - min(cpu[1])) / n, "threads": torch.get_num_threads(),
+           "load": os.getloadavg()[0], "rss_mb": peak_rss_mb()}
     try:
-        from stagewise.kernels import team      # jobs whose worker was descheduled (each began a backoff)
+        from stagewise.kernels import team  # jobs whose worker was descheduled (each began a backoff)
         out["late_jobs"] = team.late_jobs()
     except ImportError:
         pass

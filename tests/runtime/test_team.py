@@ -32,8 +32,8 @@ def test_the_team_follows_the_verdict_and_changes_torch_only_on_a_change():
 
 def test_a_quantized_model_runs_few_rows_on_one_torch_thread_while_the_kernel_team_splits(monkeypatch):
     from stagewise.kernels import team as kernel_team
-    from stagewise.model.quantized import QuantLinear, Segment
     from stagewise.kernels.quant import T
+    from stagewise.model.quantized import QuantLinear, Segment
     big = 64 << 20                                          # 64 MiB per matrix: the older rule keeps all
     layer = QuantLinear(256, [Segment(0, 64, T.Q4_0)], False, torch.float32, exact=True)
     model = torch.nn.Sequential(layer, torch.nn.ReLU())
