@@ -412,7 +412,7 @@ model, master, port, timeout, rejoin_s, gate = sys.argv[1:7]
 options = dict(model=model, pp_size=2, nnodes=2, node_rank=0, master_addr=master, master_port=int(port),
                dist_timeout_s=float(timeout), node_rejoin_timeout_s=float(rejoin_s), pipeline_spares_delay_s=0)
 options.update(json.loads(sys.argv[7]) if len(sys.argv) > 7 else {})
-max_tokens = options.pop("max_tokens", 160)
+max_tokens = options.pop("max_tokens", 400)   # long enough for a leave (noticed within 1 s) to land mid-run
 prompts = [[5 + i, 6, 7 + i, 8, 9 + 2 * i] for i in range(6)]
 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
