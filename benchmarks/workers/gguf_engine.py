@@ -43,16 +43,9 @@ class LlamaCpp:
 
     def __init__(self, spec: dict):
         import llama_cpp
-        if spec.get("no_extra_bufts"):
-            # NOTE: ggml's AMX "extra buffer" kernel crashes on the first Q4_1 decode on AMX CPUs;
-            # the plain CPU buffers work. Off only where asked: the repack buffers speed up prefill.
-            default = llama_cpp.llama_cpp.llama_model_default_params
-
-            def params_without_extra_bufts():
-                p = default()
-                p.use_extra_bufts = False
-                return p
-            llama_cpp.llama_cpp.llama_model_default_params = params_without_extra_bufts
+        if spec.get("no_extra_bufts"):    # off only where asked: the repack buffers speed up prefill
+            from llamacpp_buffers import without_extra_buffers
+            without_extra_buffers(llama_cpp)
         self.llm = llama_cpp.Llama(model_path=spec["model"], n_threads=spec["threads"],
                                    n_threads_batch=spec["threads"], n_ctx=spec["max_model_len"], verbose=False,
                                    seed=0, logits_all=bool(spec.get("logprobs")))

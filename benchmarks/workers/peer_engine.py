@@ -75,15 +75,8 @@ class LlamaCpp:
     def __init__(self, spec: dict):
         import llama_cpp
         if spec["dtype"] == "q4_1":
-            # NOTE: ggml's AMX "extra buffer" kernel crashes on the first Q4_1 decode on this CPU;
-            # the plain CPU buffers work.
-            default = llama_cpp.llama_cpp.llama_model_default_params
-
-            def params_without_extra_bufts():
-                p = default()
-                p.use_extra_bufts = False
-                return p
-            llama_cpp.llama_cpp.llama_model_default_params = params_without_extra_bufts
+            from llamacpp_buffers import without_extra_buffers
+            without_extra_buffers(llama_cpp)
         self.llm = llama_cpp.Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                                    n_ctx=spec["max_model_len"], verbose=False, seed=0)
 
