@@ -17,7 +17,7 @@ from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
-from .hygiene import die_with_parent, exit_now, name_process
+from .hygiene import die_with_parent, exit_now, freeze_heap, name_process
 from .kv_pages import StagePages, before_plan, finish_result, pages_only
 from .layout import stage_rank
 from .links import PipelineLinks, join_pipeline
@@ -137,6 +137,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
             leader.close()
         raise
     pages = StagePages.open(config, model_dir, stage, worker)
+    freeze_heap()
     send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
     start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
     pending: list = []

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Connection
 
 from ..errors import EngineDeadError
+from ..executor.hygiene import freeze_heap
 from ..grammar.limits import GrammarLimits
 from ..request import CompletionOutput, RequestOutput
 from .deltas import DeltaEncoder
@@ -91,6 +92,7 @@ def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
             log.exception("the engine failed to start")
         _send_quietly(outbox, EngineFailed(ErrorRecord.of(exc)))
         return 1
+    freeze_heap()
     _send_quietly(outbox, ready)
     return EngineCore(engine, inbox, outbox).run()
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
+from ..executor.hygiene import freeze_heap
 from ..multimodal.images import limits_of
 from ..multimodal.intake import image_intake
 from ..serve.client import EngineClient
@@ -58,6 +59,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        freeze_heap()
         log.info("serving %s as %r (max_model_len %d)", model_path, name, serving.max_model_len)
         yield
         log.info("shutting down: stopping the engine")
