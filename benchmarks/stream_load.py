@@ -8,7 +8,7 @@ stream) and the next one when it ends, until a stop file appears; then the open 
 
 Prints `started <unix time>` once the server is healthy and the streams go. Every request in the
 log has its start, each content chunk's arrival (unix seconds), finish_reason, completion_tokens
-and the error if it failed; benchmarks/elastic.py reads it (a request is lost unless it ends with
+and the error if it failed; benchmarks/pipeline/elastic.py reads it (a request is lost unless it ends with
 finish_reason length/stop and the tokens asked for).
 """
 from __future__ import annotations

@@ -7,4 +7,6 @@ run_subcommand("benchmarks.pipeline", __doc__, {
     "prefill-graphs": ("benchmarks.pipeline.prefill_graphs", "prefill graphs vs eager: per-bucket latency, PP=2 TTFT"),
     "tp": ("benchmarks.pipeline.tp", "a stage's all-reduce, and TP=2 against one process"),
     "recovery": ("benchmarks.pipeline.recovery", "how long a PP=2 pipeline takes to heal a killed stage"),
+    "elastic": ("benchmarks.pipeline.elastic", "elastic pipelines on a simulated cluster: scaling, join/leave/kill"),
+    "link-crypto": ("benchmarks.pipeline.link_crypto", "what sealed links (authenticated encryption) cost a pipeline"),
 })

@@ -12,7 +12,7 @@ decode step streams a model's weights from memory: the table gives GB/s of the w
 stored by each method. At 32 and 512 rows it gives GFLOP/s. Activations are bf16 (the engine's
 dtype) except for the float32 baseline.
 
-    python -m benchmarks.quant_kernels [--threads 2] [--rounds 3] [--clock cpu] [--quick] [--variant avx2]
+    python -m benchmarks.kernels quant-kernels [--threads 2] [--rounds 3] [--clock cpu] [--quick] [--variant avx2]
 
 `--clock cpu` times a one-thread run by its CPU time, which a busy shared machine disturbs less.
 `--variant` runs our kernels from another instruction-set build (`avx512` without VNNI, `avx2`,
@@ -21,7 +21,6 @@ dtype) except for the float32 baseline.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -145,7 +144,3 @@ def main(argv=None) -> int:
     name = f"quant-kernels-{args.threads}thread" + ("" if args.variant == "native" else f"-{args.variant}")
     print(f"written to {write_result(name, text, quick=args.quick)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

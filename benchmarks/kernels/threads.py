@@ -9,7 +9,7 @@ background load on a shared machine falls on every policy alike; every cell is t
 The load is `python -c 'while True: pass'` pinned to
 core 0 with taskset, started and killed here. Writes benchmarks/results/threads.md.
 
-    python -m benchmarks.threads [--rounds 2] [--num-requests 16] [--only LABEL,...]
+    python -m benchmarks.kernels threads [--rounds 2] [--num-requests 16] [--only LABEL,...]
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "threads.md"
+# NOTE: benchmarks.common is imported in the parent only, late: importing it sets OMP_WAIT_POLICY,
+# which a policy child (this module, started through `python -m benchmarks.kernels threads --child`) must not get.
 MARK = "THREADS-RESULT "
 # label -> (environment for the child, extra engine options)
 NO_KEEPERS = {"STAGEWISE_KEEP_AWAKE": "0"}
@@ -43,23 +43,6 @@ POLICIES = {
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "STAGEWISE_KEEP_AWAKE", "STAGEWISE_PIN_THREADS",
             "STAGEWISE_ADAPT_THREADS")
 CELL_LIMIT_S = 30.0
-
-
-def cpu_line() -> str:
-    """CPU model and the avx512 / amx flags: results differ between machines."""
-    model = next((line.split(":", 1)[1].strip() for line in _lscpu() if line.startswith("Model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in _lscpu() if line.startswith("Flags")), [])
-    wide = sorted(f for f in flags if f.startswith(("avx512", "amx")))
-    avx2 = "avx2" in flags
-    return (f"CPU: {model}, {os.cpu_count()} CPUs; avx2 {'yes' if avx2 else 'no'}; "
-            f"avx512/amx flags: {' '.join(wide) or 'none'}")
-
-
-def _lscpu() -> list[str]:
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return []
 
 
 @contextmanager
@@ -136,8 +119,10 @@ class PolicyProcess:
     def __init__(self, env_extra: dict, options: dict, num_requests: int):
         env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
         env.update(env_extra, TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, __file__, "--child", json.dumps(options), "--num-requests", str(num_requests)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        from benchmarks.common import REPO
+        cmd = [sys.executable, "-m", "benchmarks.kernels", "threads", "--child", json.dumps(options),
+               "--num-requests", str(num_requests)]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.threads = None
 
     def ready(self) -> None:
@@ -208,7 +193,7 @@ def _fmt(values) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--only", default=None, help="comma-separated substrings of policy labels to run")
@@ -217,8 +202,10 @@ def main() -> int:
     if args.child is not None:
         child(args.num_requests, json.loads(args.child))
         return 0
+    from benchmarks.common import cpu_line, write_result
     header = ["# Threads on a busy machine: OpenMP wait policy, quiet vs one core kept busy", "",
-              cpu_line(), f"Default model (SmolLM2-135M GGUF, dtype auto), offline: {args.num_requests} requests "
+              f"CPU: {cpu_line()}; {os.cpu_count()} CPUs",
+              f"Default model (SmolLM2-135M GGUF, dtype auto), offline: {args.num_requests} requests "
               f"x 64 prompt / 32 output tokens, greedy; fresh prompts every cell, each cell cut at "
               f"{CELL_LIMIT_S:.0f} s (tok/s counts what was made by then); batch-1 decode: one 64-token prompt, "
               "32 decode steps. "
@@ -231,11 +218,6 @@ def main() -> int:
     labels = [label for label in POLICIES if not args.only or any(x in label for x in args.only.split(","))]
     results = run_rounds(labels, args)
     text = report(results, args, header)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text + "\n")
     print(text)
+    print(f"\nwritten to {write_result('threads', text)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

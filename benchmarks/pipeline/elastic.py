@@ -17,7 +17,7 @@ network namespaces with delayed / rate-limited links and cgroup CPU limits, the 
 Before each timed run it waits (up to --quiet-budget-s in all) for the 1-minute load average to
 drop below --quiet-load, and records the load before and after.
 
-    python -m benchmarks.elastic [--parts scaling,elastic] [--quick]
+    python -m benchmarks.pipeline elastic [--parts scaling,elastic] [--quick]
 
 Writes benchmarks/results/elastic.json and elastic.png (elastic-quick.* with --quick). Needs root
 (namespaces, cgroups).
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, cpu_line, machine_line
+from benchmarks.common import REPO, RESULTS_DIR, cpu_line, machine_line
 from benchmarks.harness.cluster import Cluster, NodeSpec, scrubbed_env
 
 TOKEN = "elastic-benchmark-token"
@@ -212,7 +212,7 @@ def elastic(args, quiet: Quiet, log_dir: Path) -> dict:
                                    "--prompt-len", str(args.prompt_len), "--stop-file", str(stop_file),
                                    "--out", str(out_file)],
                                   stdout=subprocess.PIPE, stderr=open(log_dir / "client.err", "w"), text=True,
-                                  env=scrubbed_env(), cwd=Path(__file__).resolve().parent.parent)
+                                  env=scrubbed_env(), cwd=REPO)
         assert client.stdout is not None
         line = client.stdout.readline().strip()
         if not line.startswith("started"):
@@ -434,7 +434,3 @@ def main(argv=None) -> None:
         plot(result, RESULTS_DIR / f"elastic{suffix}.png")
         print(json.dumps({k: v for k, v in result["elastic"].items() if k not in ("tok_per_s_bins",
                                                                                "max_gap_per_bin_s")}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

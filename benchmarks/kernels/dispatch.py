@@ -11,14 +11,13 @@ destroyed), so the load of a shared machine falls on both alike.
 - batch-1 decode of the default model with `--prefill-graph compiled`, ms per token, wall and
   process CPU time (the latter less sensitive to a busy machine).
 
-    python -m benchmarks.kernel_dispatch [--rounds 5] [--threads 1] [--no-decode]
+    python -m benchmarks.kernels dispatch [--rounds 5] [--threads 1] [--no-decode]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 import warnings
 
@@ -153,7 +152,3 @@ def main(argv=None) -> int:
     print(text)
     print(f"written to {write_result('kernel-dispatch', text)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

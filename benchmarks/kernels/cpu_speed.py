@@ -8,7 +8,7 @@ decode ms/token at batch 1 and ms/step at batch 32, offline throughput (32 reque
 work); the rest import the working tree. The parent measures memory read bandwidth (roofline)
 and, for the dtype `auto` rule, fp32 vs bf16 on narrower models.
 
-    python -m benchmarks.cpu_speed [--quick] [--rounds 2] [--before-rev REV]
+    python -m benchmarks.kernels cpu-speed [--quick] [--rounds 2] [--before-rev REV]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    REPO,
     RESULTS_DIR,
     build_llama_checkpoint,
     cpu_line,
@@ -35,7 +36,6 @@ from benchmarks.common import (
     write_result,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
 VOCAB = 49152
 CONFIGS = {   # name -> (code, engine options, patch); dtype auto everywhere (bf16 only on CPUs with native bf16)
@@ -127,8 +127,8 @@ def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -
         busy = (subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
                 if patch == "busy_core" else None)   # another process keeping one core busy
         try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_speed", "--worker", json.dumps(spec)], env=env,
-                                  capture_output=True, text=True, timeout=1800)
+            cmd = [sys.executable, "-m", "benchmarks.kernels", "cpu-speed", "--worker", json.dumps(spec)]
+            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
         finally:
             if busy is not None:
                 busy.kill()
@@ -359,6 +359,3 @@ def plot(raw: dict, quick: bool) -> None:
     fig.suptitle("stagewise CPU levers, SmolLM2-135M (best of rounds)")
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / f"cpu_speed{'-quick' if quick else ''}.png", dpi=110)
-
-if __name__ == "__main__":
-    raise SystemExit(main())

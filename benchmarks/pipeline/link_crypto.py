@@ -7,7 +7,7 @@
    PYTHONPATH sets `parallel.auth.SEAL_LINKS = False`: not a setting, the benchmark's baseline),
    rounds interleaved so drift on a shared machine hits both alike. Target: sealed within 2%.
 
-    python -m benchmarks.link_crypto [--quick] [--rounds 4] [--num-requests 32]
+    python -m benchmarks.pipeline link-crypto [--quick] [--rounds 4] [--num-requests 32]
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .common import cpu_line, load_line, markdown_table, met, random_workload, temp_checkpoint, write_result
-from .engine_process import EngineProcess
+from ..common import cpu_line, load_line, markdown_table, met, random_workload, temp_checkpoint, write_result
+from ..engine_process import EngineProcess
 
 TARGET = 0.98            # sealed decode throughput >= 98% of plain
 VOCAB = 8192
@@ -148,7 +148,3 @@ def main(argv=None) -> int:
     print(text)
     print(f"\nwritten to {write_result('link-crypto', text, args.quick)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,13 +9,12 @@ round (best of the rounds kept), weights streamed from memory as in a real step:
 - decode attention at batch 32 over contexts of 150-320 tokens, 30 layers;
 - causal prefill attention (bf16 kernel against SDPA) at 64, 200 and 512 tokens.
 
-    python -m benchmarks.cpu_kernels [--threads 1] [--rounds 3]
+    python -m benchmarks.kernels cpu-kernels [--threads 1] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 
 import torch
@@ -118,7 +117,3 @@ def main(argv=None) -> int:
     print(text)
     print(f"written to {write_result(f'cpu-kernels-{args.threads}thread', text)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

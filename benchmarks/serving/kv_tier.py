@@ -13,7 +13,7 @@
 Every engine runs --prefill-graph off (eager: no background compile lands mid-measurement) on the
 default model unless --model. Writes benchmarks/results/kv-tier-2026-12.md.
 
-    python -m benchmarks.kv_tier [--model PATH] [--prefix-len 4000] [--rounds 2] [--quick]
+    python -m benchmarks.serving kv-tier [--model PATH] [--prefix-len 4000] [--rounds 2] [--quick]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_line, load_line, machine_line, markdown_table, median, met, write_result
+from benchmarks.common import REPO, cpu_line, load_line, machine_line, markdown_table, median, met, write_result
 
 RESULT = "kv-tier-2026-12"
 COMMON = {"prefill_graph": "off", "chunked_prefill_size": 512}
@@ -73,8 +73,8 @@ def child(spec: dict) -> dict:
 
 
 def _spawn(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.kv_tier", "--child", json.dumps(spec)],
-                         capture_output=True, text=True, timeout=3600)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serving", "kv-tier", "--child", json.dumps(spec)],
+                         cwd=REPO, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"a benchmark engine process failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -204,7 +204,7 @@ def main() -> int:
         ["a disk hit <= 0.2x recomputing, working set 4x RAM", f"{pressure:.3f}x", met(pressure, 0.2, False)],
         ["decode slowdown while writing <= 2% (the steps' copy-out time / decode time)", f"{100 * slowdown:.2f}%",
          met(slowdown, 0.02, False)]])
-    text = (f"# The prefix cache's disk tier (issue 46)\n\n`python -m benchmarks.kv_tier"
+    text = (f"# The prefix cache's disk tier (issue 46)\n\n`python -m benchmarks.serving kv-tier"
             f"{' --quick' if args.quick else ''}` on {Path(model).name}, --prefill-graph off (eager), "
             f"{time.strftime('%Y-%m-%d')}.\n\n{cpu_line()}; {machine_line()}; {load_line()} at the end.\n\n"
             f"Issue 46 states its targets on a 1B-class Q4_K_M file; the ratios here are of the model named above "
@@ -216,7 +216,3 @@ def main() -> int:
             f"## 3. Decode while pages are written\n\n{decode_text}\n")
     print(f"wrote {write_result(RESULT, text, args.quick)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
