@@ -1,11 +1,11 @@
-"""Issue 45, first part: which ways of splitting the work give the same greedy tokens and logprob bits today.
+"""Which ways of splitting the work give the same greedy tokens and logprob bits (docs/determinism.md).
 
 The same six mixed-length prompts (token ids, seeded) run greedy with logprobs under two splits of
-the work, and the two runs are compared exactly (token ids, and logprob floats with `==`). Only
-the invariances that hold today are asserted bit for bit; the splits that change logprob bits
-today (chunk size, a prefix-cache hit, n-gram speculation, the batch order that splits a long
-prompt over two steps) are asserted to keep the token ids in fp32 with logprobs close, and what
-they change is listed in docs/determinism.md.
+the work, and the two runs are compared exactly (token ids, and logprob floats with `==`): the
+same run twice, alone vs in a batch, the prefix cache cold vs off, and (since attention runs every
+row through one per-row kernel, model/attention.py `invariant_paged_attention`) chunk sizes 512
+vs 16 vs 7, the prefix cache cold vs warm, a prompt whose prefill spans two steps, and n-gram
+speculation on vs off; in float32 and bfloat16.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import random
 import pytest
 
 from stagewise import LLM, SamplingParams
+from stagewise.model import attention
 
 LENGTHS = (3, 9, 24, 57, 101, 190)     # 384 tokens together: one step at chunked_prefill_size 512
 MAX_TOKENS = 24
@@ -74,11 +75,13 @@ def dtype(request) -> str:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir, dtype):
-    """One process, no prefix cache, each prompt alone; plus the same prompts as a batch of 6 and
-    inside a batch of 12 (first, so each prompt's prefill is one chunk of one step)."""
+    """One process, no prefix cache, each prompt alone; plus the same prompts as a batch of 6, inside
+    a batch of 12 (first, so each prompt's prefill is one chunk of one step), and after the six
+    others (459 tokens: the step budget of 512 runs out 17 tokens into the 57-token prompt, whose
+    prefill then spans two steps)."""
     with LLM(model=str(llama_dir), dtype=dtype, enable_prefix_caching=False) as llm:
         yield {"alone": alone(llm), "batch6": run(llm, PROMPTS), "batch12": run(llm, PROMPTS + OTHERS)[:6],
-               "again": alone(llm)}
+               "again": alone(llm), "after_others": run(llm, OTHERS + PROMPTS)[6:]}
 
 
 def test_the_same_run_twice_is_identical(reference):
@@ -98,19 +101,40 @@ def test_cold_prefix_cache_is_identical_to_no_cache(llama_dir, dtype, reference)
         assert first_difference(reference["alone"], alone(llm)) is None
 
 
-@pytest.mark.parametrize("options", [{"chunked_prefill_size": 16}, {"enable_prefix_caching": True},
-                                     {"speculative_config": SPEC}], ids=["chunk16", "warm-cache", "ngram"])
-def test_chunk_cache_hit_and_speculation_keep_fp32_token_ids(llama_dir, reference, dtype, options):
-    """Not bit-identical today (docs/determinism.md): chunk size 16, a prefix-cache hit (the prompt
-    run twice, the second compared) and n-gram speculation change logprob bits in the last digits;
-    in fp32 the greedy ids stay the same on this model. (bf16 changes ids: not asserted.)"""
-    if dtype == "bfloat16":
-        pytest.skip("bf16 changes token ids under these splits today (docs/determinism.md)")
+def test_a_prompt_split_across_two_steps_is_identical(reference):
+    """The batch of 12 in the other order: the 57-token prompt's prefill is cut where the step's
+    token budget runs out, its second chunk attends over the cache; the same bits as alone."""
+    assert sum(map(len, OTHERS)) + sum(LENGTHS[:3]) < 512 < sum(map(len, OTHERS)) + sum(LENGTHS[:4])
+    assert first_difference(reference["alone"], reference["after_others"]) is None
+
+
+@pytest.mark.parametrize("options", [{"chunked_prefill_size": 16}, {"chunked_prefill_size": 7},
+                                     {"enable_prefix_caching": True}, {"speculative_config": SPEC}],
+                         ids=["chunk16", "chunk7", "warm-cache", "ngram"])
+def test_chunk_size_cache_hit_and_speculation_are_identical(llama_dir, reference, dtype, options):
+    """Chunk sizes 16 and 7 (vs 512), a prefix-cache hit (the prompt run twice, the second compared:
+    its full blocks come from the cache, only the rest is prefilled) and n-gram speculation (verify
+    steps are short prefills over the cache): the same token ids and logprob bits as the reference,
+    in float32 and bfloat16."""
+    if dtype == "auto":
+        pytest.skip("auto is float32 on this model: the float32 case covers it")
     with LLM(model=str(llama_dir), dtype=dtype, **options) as llm:
         got = alone(llm)
         if options.get("enable_prefix_caching"):
             got = alone(llm)          # the second sight: the prompt's full blocks come from the cache
-    assert_same_ids_close_logprobs(reference["alone"], got)
+    assert first_difference(reference["alone"], got) is None
+
+
+def test_the_old_split_paths_change_bits(llama_dir, monkeypatch):
+    """The check above can fail: with the split attention paths (INVARIANT off) chunk size 16 moves
+    logprob bits in float32 (the per-row kernel is what makes the splits invariant)."""
+    monkeypatch.setattr(attention, "INVARIANT", False)
+    with LLM(model=str(llama_dir), dtype="float32", enable_prefix_caching=False) as llm:
+        whole = alone(llm)
+    with LLM(model=str(llama_dir), dtype="float32", enable_prefix_caching=False, chunked_prefill_size=16) as llm:
+        chunked = alone(llm)
+    assert first_difference(whole, chunked) is not None
+    assert_same_ids_close_logprobs(whole, chunked)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from stagewise.kernels import attention as cpu_attention
 from stagewise.kernels import build
-from stagewise.model.attention import AttentionMetadata, ForwardBatch, sdpa_paged_attention
+from stagewise.model.attention import AttentionMetadata, ForwardBatch, invariant_paged_attention, sdpa_paged_attention
 
 pytestmark = pytest.mark.skipif(build.mode() == "off", reason="STAGEWISE_KERNELS=off")
 # where the CPU has AVX512-BF16 the prefill kernel must exist: skipped only where the CPU lacks it
@@ -120,3 +120,64 @@ def test_engine_attention_uses_the_kernel(monkeypatch):
     q, k, v = torch.randn(2, HQ, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     ForwardBatch(meta, [cache]).attention(0, q, k, v, 1.0)
     assert calls == [1]
+
+
+def _chunked(n, cuts, dtype, d, seed=3):
+    """One prompt of n rows attended as chunks ending at `cuts` (+ n) through `invariant_paged_attention`;
+    the rows in prompt order."""
+    gen = torch.Generator().manual_seed(seed)
+    table = _tables([n], seed)
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
+    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, d, dtype=dtype)
+    outs, start = [], 0
+    for end in [*cuts, n]:
+        meta = AttentionMetadata.build([end - start], [end], table, BS)
+        outs.append(invariant_paged_attention(meta, cache, q[start:end], k[start:end], v[start:end], d ** -0.5))
+        start = end
+    return torch.cat(outs), (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [24, 32])       # 8-lane vectors; 16 lanes on AVX-512 CPUs
+def test_invariant_attention_does_not_depend_on_the_chunks(dtype, d):
+    """A prompt of 57 rows in one chunk, in chunks of 16 and of 7, and with a decode-sized last chunk:
+    every row the same bits (and close to causal SDPA)."""
+    whole, (q, k, v) = _chunked(57, [], dtype, d)
+    for cuts in ([16, 32, 48], list(range(7, 57, 7)), [56], [1, 2, 40]):
+        assert torch.equal(_chunked(57, cuts, dtype, d)[0], whole), cuts
+    ref = F.scaled_dot_product_attention(*(x.float().transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                         scale=d ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), ref, rtol=tol, atol=tol)
+
+
+def test_invariant_attention_rows_do_not_depend_on_the_batch():
+    """A mixed step (decode rows, a continued prefill, a fresh prompt, padding rows): each row equals
+    the same query attended alone as a one-token decode, and padding rows are zero."""
+    query_lens, seq_lens = [1, 6, 1, 9], [20, 30, 77, 9]
+    gen = torch.Generator().manual_seed(9)
+    tables = _tables(seq_lens, 9)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BS)
+    cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=gen)
+    q, k, v = (torch.randn(meta.num_tokens + 2, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    got = invariant_paged_attention(meta, cache, q, k, v, 0.2)
+    assert got[-2:].abs().max() == 0
+    row = 0
+    for tab, q_len, s_len in zip(tables, query_lens, seq_lens):
+        for pos in range(s_len - q_len, s_len):
+            alone = cpu_attention.decode_attention(q[row:row + 1], cache, torch.tensor([tab]), torch.tensor([pos + 1]),
+                                                   0.2)
+            assert torch.equal(got[row:row + 1], alone)
+            row += 1
+
+
+def test_engine_attention_takes_the_invariant_path(monkeypatch):
+    """Steps that are not plain decode go through `invariant_paged_attention` (one kernel call)."""
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    meta = AttentionMetadata.build([1, 7], [5, 7], _tables([5, 7], 1), BS)
+    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
+    q, k, v = torch.randn(8, HQ, D), torch.randn(8, HKV, D), torch.randn(8, HKV, D)
+    ForwardBatch(meta, [cache]).attention(0, q, k, v, 1.0)
+    assert calls == [8]

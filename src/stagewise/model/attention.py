@@ -54,6 +54,10 @@ class AttentionMetadata:
     groups: list[_Group | _DecodeGroup] = field(default_factory=list)
     # (first row, length) of each prefill with no cached prefix: causal SDPA on its own rows
     causal_spans: list[tuple[int, int]] = field(default_factory=list)
+    # per live row, for steps that are not plain decode: its sequence's blocks [T, nblk] (0-padded)
+    # and the keys it attends [T] (its position + 1); the position-invariant path's arguments
+    row_block_ids: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
 
     @property
     def is_plain_decode(self) -> bool:
@@ -89,6 +93,9 @@ class AttentionMetadata:
         if cached_prefill:
             meta.groups.append(_prefill_group(cached_prefill, starts, q_lens, s_lens, tables, bs, meta.num_tokens,
                                               device))
+        if not meta.is_plain_decode and meta.num_tokens:
+            meta.row_block_ids = tables[seq_of_row].to(device)                # [T, MB]
+            meta.row_lens = (pos + 1).to(device)                              # [T]
         return meta
 
 
@@ -177,13 +184,51 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
+# Every live row through the one per-row kernel (see `invariant_paged_attention`): a row's bits
+# depend only on its query, the keys at positions 0..pos and the model, never on how the prompt was
+# cut into chunks. False: the older split paths (SDPA within a fresh prompt's chunk, the bf16
+# prefill kernel, SDPA over gathered KV for continued prefills), which sum in other orders.
+INVARIANT = True
+
+
 def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """What the engine runs: `sdpa_paged_attention`, with one-token sequences attended in place
-    by the CPU kernel (no KV gather) and fresh prompts by the CPU prefill kernel where they are
-    available."""
-    return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=cpu_attention.supports(q, kv_cache),
+    """What the engine runs. Where the CPU kernel serves the dtype and head size: one-token
+    sequences are attended in place (no KV gather), and with `INVARIANT` (the default) every other
+    row too (`invariant_paged_attention`). Elsewhere `sdpa_paged_attention`, with fresh prompts on
+    the CPU prefill kernel where it is available."""
+    in_place = cpu_attention.supports(q, kv_cache)
+    if in_place and INVARIANT and not meta.is_plain_decode:
+        return invariant_paged_attention(meta, kv_cache, q, k, v, scale)
+    return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=in_place,
                                 prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k))
+
+
+def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Paged attention whose every live row is one query of the in-place decode kernel: the step's
+    K/V are written to the cache first, then row r at position p attends the keys at positions
+    0..p through its sequence's block table. The kernel's reduction over keys runs in chunks of 8
+    aligned to position 0, in order, whatever the task split, so a row gives the same bits in a
+    one-chunk prefill, a later chunk, over a cached prefix, in a verify step or as a decode row.
+    q/k/v: `[rows, H, D]`, rows >= T; padding rows get zeros."""
+    T = meta.num_tokens
+    if T == 0:
+        return q.new_zeros(q.shape)
+    write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
+    tables, lens = meta.row_block_ids, meta.row_lens
+    if meta.is_plain_decode:               # one decode group, rows in batch order
+        grp = meta.groups[0]
+        assert isinstance(grp, _DecodeGroup)
+        tables, lens = grp.block_ids, grp.seq_lens
+    if tables is None or lens is None:
+        raise ValueError("invariant_paged_attention: the metadata has no per-row block tables.")
+    live = cpu_attention.decode_attention(q[:T], kv_cache, tables, lens, scale)
+    if q.shape[0] == T:
+        return live
+    out = q.new_zeros(q.shape)
+    out[:T] = live
+    return out
 
 
 def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
