@@ -1,14 +1,16 @@
 """Engine counters: graph verdicts (counted by the driver, which decides them for all stages),
 finished requests, per-stage busy time, and pipeline balance: each stage's bubble fraction (the
 share of the time plans were in flight that the stage spent not computing) and its predicted
-(cost model) vs measured share of the compute, and the prefix cache per tier (RAM, and the disk
-tier's per-stage counters as the last plan brought them). `snapshot()` is what `LLM.stats()` returns."""
+(cost model) vs measured share of the compute, the prefix cache per tier (RAM, and the disk
+tier's per-stage counters as the last plan brought them), and which kernels each stage runs
+(`kernels`: kernels/report.py). `snapshot()` is what `LLM.stats()` returns."""
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
 from collections import Counter
 
+from ..kernels.report import as_dicts
 from ..runtime.kv_disk import COUNTERS as KV_DISK_COUNTERS
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
@@ -51,6 +53,7 @@ class EngineStats:
         self.busy_offset: list[float] = []            # busy seconds of stage processes that were replaced
         self.comm_offset: list[float] = []
         self.kv_disk: list[list[int]] = []            # each stage's disk-tier counters (KV_DISK_COUNTERS order)
+        self._kernels: tuple[object, list[dict]] = (None, [])    # (executor, its stages' kernel report)
 
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
@@ -108,6 +111,12 @@ class EngineStats:
         return {"enabled": bool(stages) and all(st["enabled"] for st in stages),
                 "writable": bool(stages) and all(st["writable"] for st in stages), **totals, "stages": stages}
 
+    def kernels(self, executor) -> list[dict]:
+        """Which kernels each stage runs (kernels/report.py), as each stage reported it at start-up."""
+        if self._kernels[0] is not executor:         # a rebuilt pipeline reports its own
+            self._kernels = (executor, as_dicts(getattr(executor, "kernels", None) or []))
+        return self._kernels[1]
+
     def snapshot(self, scheduler, executor) -> dict:
         wall = time.monotonic() - self.started
         return {
@@ -131,5 +140,6 @@ class EngineStats:
             "iteration_tokens": {"buckets": list(ITERATION_TOKEN_BUCKETS), "counts": list(self.iteration_counts),
                                  "sum": self.iteration_tokens},
             "stage_busy_fraction": [b / wall if wall > 0 else 0.0 for b in self.stage_busy_s],
+            "kernels": self.kernels(executor),
             **self.balance(),
         }

@@ -26,6 +26,8 @@ class LocalExecutor:
         self.generation: int | None = None
         self.layout: tuple[int, ...] = (0,)
         self.partition: tuple[int, ...] = (stage.num_layers,)
+        from ..kernels.report import announce
+        self.kernels = announce(self.worker.model, self.worker.device, 0)     # logged once: which kernels run
 
     def submit(self, plan: StepPlan) -> None:
         before_plan(self.pages, plan, failed=False)          # the disk tier's page work (kv_pages.py)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..graph.policy import GraphVerdict
+from ..kernels.report import KernelInfo
 from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
 from ..parallel.transport import Link, PendingSend
 from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
@@ -46,10 +47,12 @@ class ResultMsg:
 
 @dataclass
 class ReadyMsg:
-    """A stage loaded its weights (its memory plan and how long that took), or could not (`error`)."""
+    """A stage loaded its weights (its memory plan and how long that took), or could not (`error`);
+    `kernels`: which kernels it runs (kernels/report.py)."""
     memory_plan: MemoryPlan | None = None
     load_s: float = 0.0
     error: str | None = None
+    kernels: list[KernelInfo] = field(default_factory=list)
 
 
 @dataclass
@@ -73,7 +76,7 @@ RING = (PlanMsg, PlanFailedMsg, ResultMsg, Heartbeat, Shutdown)
 CONTROL = (ReadyMsg, StageAlive)
 CODEC = Codec(
     [*RING, *CONTROL, StepPlan, ScheduledSeq, NewRequestData, CachedRequestData, TokenBitmask, StepResult, KVPages,
-     SamplingParams, StructuredOutputs, TokenLogprob, GraphVerdict, MemoryPlan],
+     SamplingParams, StructuredOutputs, TokenLogprob, GraphVerdict, MemoryPlan, KernelInfo],
     # NOTE: plan.py and request.py import neither torch nor graph/: their fields of those types say Any
     overrides={(NewRequestData, "input_embeds"): OrNone(TensorSpec(FLOATS, ndim=2)),
                (TokenBitmask, "bits"): TensorSpec((torch.int32,), ndim=2),

@@ -16,10 +16,12 @@ import multiprocessing as mp
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from multiprocessing.connection import wait as wait_sentinels
 from typing import NoReturn
 
 from ..errors import EngineDeadError, describe_exit
+from ..kernels.report import KernelInfo
 from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
 from .generations import control_store, next_generation, nodes_gone, publish_layout
@@ -49,6 +51,7 @@ REAP_WAIT_S = 1.0             # a stage's pipe closed: time for its exit status 
 
 class MultiprocExecutor:
     cause: str | None = None              # once dead: stage_died, timeout, link, interrupted or a stop's
+    kernels: list[KernelInfo] = []        # which kernels each stage runs, from its ReadyMsg (kernels/report.py)
 
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...], generation: int | None = None,
                  layout: tuple[int, ...] | None = None):
@@ -95,7 +98,7 @@ class MultiprocExecutor:
                 self.links = join_pipeline(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, key_of(token),
                                            self.generation, control_store(addr, port) if self.generation else None,
                                            config.dist_ifname)
-            self.memory_plans, load_s = self._await_ready()
+            self.memory_plans, load_s, self.kernels = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
             if self.links is not None:
@@ -108,18 +111,20 @@ class MultiprocExecutor:
         threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
 
-    def _await_ready(self) -> tuple[list, float]:
-        """Every stage's memory plan, and the longest weight load (the stages load in parallel)."""
+    def _await_ready(self) -> tuple[list, float, list[KernelInfo]]:
+        """Every stage's memory plan, the longest weight load (the stages load in parallel), and
+        which kernels each stage runs (tagged with its stage)."""
         assert self.links is not None, "joined"
-        plans, load_s = [], 0.0
-        for link in self.links.controls:
+        plans, load_s, kernels = [], 0.0, []
+        for stage, link in enumerate(self.links.controls):
             msg = recv_message(link, max(self.timeout, READY_WAIT_S), CONTROL)
             assert isinstance(msg, ReadyMsg), "a stage's first control message says it is ready"
             if msg.error is not None or msg.memory_plan is None:
                 raise RuntimeError(msg.error)
             plans.append(msg.memory_plan)
             load_s = max(load_s, msg.load_s)
-        return plans, load_s
+            kernels += [replace(k, stage=stage) for k in msg.kernels]
+        return plans, load_s, kernels
 
     # the links
     def submit(self, plan: StepPlan) -> None:

@@ -138,7 +138,9 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
         raise
     pages = StagePages.open(config, model_dir, stage, worker)
     freeze_heap()
-    send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
+    from ..kernels.report import announce
+    kernels = announce(worker.model, worker.device, stage_idx)      # the INFO line, and the driver's stats
+    send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0, kernels=kernels)).wait()
     start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
     pending: list = []
     crash_token = _crash_token(stage)

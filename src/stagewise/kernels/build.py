@@ -98,6 +98,8 @@ _libs: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ctypes.CDLL | None] = 
 built_seconds: list[float] = []
 _lock = threading.Lock()
 _logged: set[str] = set()
+# why each library that failed to build is missing (by name), for the kernel report (report.py)
+failures: dict[str, str] = {}
 
 
 def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -117,6 +119,7 @@ def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, .
                 _libs[key] = _load(name, tuple(sources), current, tuple(flags))
             except BuildFailed as exc:
                 _libs[key] = None
+                failures.setdefault(name, exc.reason)
                 unavailable("CPU kernels", exc, "PyTorch's own ops run instead")
         lib = _libs[key]
     if lib is None and current == "required":
@@ -165,6 +168,11 @@ def _load(name: str, sources: tuple[str, ...], current: str, flags: tuple[str, .
             raise KernelError(f"{message} (STAGEWISE_KERNELS=required).")
         log.warning("%s: a newer compiler makes them faster.", message)
     return lib
+
+
+def isa_of(lib: ctypes.CDLL) -> frozenset[str]:
+    """The instruction sets `lib` was built for (isa.c's `stagewise_isa`, as /proc/cpuinfo spells them)."""
+    return frozenset(lib.stagewise_isa().decode().split())
 
 
 def digest(files: list[Path], extra: list[str]) -> str:

@@ -2,7 +2,7 @@
 
 Per-request counters and latency histograms are observed by the engine client as final outputs arrive
 (on the event loop when the engine runs in its own process); engine state (queues, KV, prefix
-cache, graph replays, stage busy time) is read at scrape time from the latest `stats()` snapshot
+cache, graph replays, stage busy time, which kernels run) is read at scrape time from the latest `stats()` snapshot
 the engine published.
 """
 from __future__ import annotations
@@ -192,6 +192,20 @@ class _EngineCollector:
         yield comm_s
         yield from _balance_families(s, m)
         yield from _recovery_families(s.get("recovery") or {}, m)
+        yield _kernel_info(s.get("kernels") or [], m)
+
+
+KERNEL_LABELS = ("stage", "family", "impl", "isa", "op", "reason")
+
+
+def _kernel_info(kernels: list[dict], m: str) -> GaugeMetricFamily:
+    """Which kernel runs each family on each stage (kernels/report.py), one series of value 1 each."""
+    family = GaugeMetricFamily("stagewise_kernel_info", "1 for each kernel family a stage runs: impl 'c' (stagewise's "
+                               "C kernel; isa: its instruction-set path) or 'torch' (PyTorch's op `op`; reason: off, "
+                               "not_built, no_kernel or device).", labels=["model_name", *KERNEL_LABELS])
+    for k in kernels:
+        family.add_metric([m, *(str(k.get(label, "")) for label in KERNEL_LABELS)], 1.0)
+    return family
 
 
 # the prefix cache's disk tier (docs/kv-cache.md), summed over the stages: (stats key, metric, help, counter?)
