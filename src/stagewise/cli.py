@@ -268,7 +268,10 @@ def cmd_generate(args) -> int:
             print(prompt, end="\n" if chat else "", flush=True)
             num_tokens += _stream(engine, req.request_id)
         generate_s = time.perf_counter() - t_ready
+        kernels = llm.stats().get("kernels") or []
     total_s = time.perf_counter() - _STARTED
+    from .kernels.report import summary
+    print(summary(kernels), file=sys.stderr)      # which kernels ran: ours (and their ISA) or PyTorch's
     print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s); "
           f"{total_s:.1f} s in all since the command started ({total_s - generate_s:.1f} s of it start-up)",
           file=sys.stderr)

@@ -51,7 +51,7 @@ class KernelInfo:
     stage: int = 0
 
     def describe(self) -> str:
-        """`q4_k gemm C/avx512_vnni`, `attention prefill PyTorch sdpa (no_kernel: ...)`."""
+        """`q4_k gemm C/avx512_vnni`, `attention prefill PyTorch sdpa (no kernel for f16, head size 64)`."""
         kind, _, rest = self.family.partition("_")
         name = f"{rest} {kind}" if kind == "gemm" else f"{kind} {rest}".strip()
         if self.impl == C:
@@ -59,7 +59,7 @@ class KernelInfo:
             extra = ", ".join(x for x in (self.note, f"{self.op} beyond" if self.op else "") if x)
         else:
             text = f"{name} PyTorch {self.op}".rstrip()
-            extra = ": ".join(x for x in (self.reason, self.note) if x)
+            extra = self.note or self.reason
         return f"{text} ({extra})" if extra else text
 
 
@@ -89,13 +89,13 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
                      floats={d: [gemm.layout(d) is not None] for d in (torch.float32, torch.bfloat16)},
                      attention=(torch.float32, 64), tp_group=None)
     if device.type != "cpu":
-        out = [KernelInfo(f"gemm_{q}", TORCH, op="dequantize+linear", reason="device", note=device.type)
+        out = [KernelInfo(f"gemm_{q}", TORCH, op="dequantize+linear", reason="device", note=f"on {device.type}")
                for q in sorted(used.quant)]
-        out += [KernelInfo(f"gemm_{_dtype_name(d)}", TORCH, op="linear", reason="device", note=device.type)
+        out += [KernelInfo(f"gemm_{_dtype_name(d)}", TORCH, op="linear", reason="device", note=f"on {device.type}")
                 for d in used.floats]
         if used.attention is not None:
-            out.append(KernelInfo("attention_decode", TORCH, op="sdpa", reason="device", note=device.type))
-            out.append(KernelInfo("attention_prefill", TORCH, op="sdpa", reason="device", note=device.type))
+            out.append(KernelInfo("attention_decode", TORCH, op="sdpa", reason="device", note=f"on {device.type}"))
+            out.append(KernelInfo("attention_prefill", TORCH, op="sdpa", reason="device", note=f"on {device.type}"))
         return [replace(k, stage=stage) for k in out]
     out = [_quant(q) for q in sorted(used.quant)]
     out += [_float_gemm(d, packed) for d, packed in used.floats.items()]
@@ -157,7 +157,8 @@ def _why_missing(name: str) -> tuple[str, str]:
     """(reason, note) for a library `name` that is not loaded."""
     if build.mode() == "off":
         return "off", "STAGEWISE_KERNELS=off"
-    return "not_built", build.failures.get(name, "")
+    why = build.failures.get(name)
+    return "not_built", f"not built: {why}" if why else "not built"
 
 
 def _vector_isa(isa: frozenset[str]) -> str:
@@ -211,7 +212,7 @@ def _float_gemm(dtype: torch.dtype, layers: list[bool | None]) -> KernelInfo:
     if dtype not in (torch.float32, torch.bfloat16):
         return KernelInfo(family, TORCH, op="linear", reason="no_kernel", note=f"no kernel for {_dtype_name(dtype)}")
     if layers and all(p is None for p in layers):
-        return KernelInfo(family, TORCH, op="linear", reason="no_kernel", note="the model's own linear layers")
+        return KernelInfo(family, TORCH, op="linear", reason="no_kernel", note="plain nn.Linear layers")
     lib = _loaded(gemm._load)
     if lib is None:
         reason, note = _why_missing("gemm")
@@ -301,3 +302,13 @@ def as_dicts(report: list[KernelInfo]) -> list[dict]:
     """The report as plain dicts (the engine's stats snapshot)."""
     return [dict(family=k.family, impl=k.impl, isa=k.isa, op=k.op, reason=k.reason, note=k.note, stage=k.stage)
             for k in report]
+
+
+def summary(kernels: list[dict]) -> str:
+    """`stats()["kernels"]` as one line for people: `kernels: <stage 0's>` (`; stage 1: ...` per stage)."""
+    stages: dict[int, list[KernelInfo]] = {}
+    for k in kernels:
+        stages.setdefault(int(k.get("stage", 0)), []).append(KernelInfo(**k))
+    if len(stages) <= 1:
+        return f"kernels: {describe(next(iter(stages.values()), []))}"
+    return "kernels: " + "; ".join(f"stage {i}: {describe(ks)}" for i, ks in sorted(stages.items()))
