@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 HOST = "127.0.0.1"             # loopback only, by design
@@ -24,7 +25,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path | None, log_path: Path, *args: str, log_level: str = "warning"):
+    def __init__(self, model_dir: str | Path | None, log_path: Path, *args: str, log_level: str = "warning",
+                 env: dict[str, str] | None = None):
+        """`stagewise serve` on a free port; `env` (default: this process's) is the server's environment."""
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
@@ -33,21 +36,10 @@ class ServerProcess:
                "--host", HOST, "--port", str(self.port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                                     env=dict(os.environ if env is None else env, TOKENIZERS_PARALLELISM="false"))
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
+        wait_healthy(self.url, timeout_s, self.proc.poll, lambda: ":\n" + self.log_path.read_text()[-3000:])
 
     def metric(self, name: str) -> list[float]:
         """The values of the counter or gauge `name` on /metrics, one per label set, in its order."""
@@ -70,6 +62,25 @@ class ServerProcess:
                 self.proc.wait(5)
         self.log.close()
         return self.proc.returncode
+
+
+def wait_healthy(url: str, timeout_s: float, exited: Callable[[], int | None], detail: Callable[[], str] = lambda: "",
+                 interval_s: float = 0.2) -> None:
+    """Poll `url`/health until it answers 200. RuntimeError, `detail()` appended, once `exited()`
+    returns the server's exit code (None while it runs) or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = exited()
+        if code is not None:
+            raise RuntimeError(f"server exited with {code}{detail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2.0) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(interval_s)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s{detail()}")
 
 
 def descendants(pid: int) -> list[int]:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from benchmarks.common import (
     random_workload,
     write_result,
 )
+from benchmarks.kernels.threads import busy_core
 
 PEERS_HF = Path("~/.cache/stagewise/peers/smollm2-135m-instruct/hf").expanduser()
 VOCAB = 49152
@@ -124,15 +126,9 @@ def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -
     with tempfile.TemporaryDirectory(prefix="stagewise-inductor-") as cold:
         if patch == "cold_cache":                    # nothing compiled yet: the first start's cost
             env["TORCHINDUCTOR_CACHE_DIR"] = cold
-        busy = (subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
-                if patch == "busy_core" else None)   # another process keeping one core busy
-        try:
-            cmd = [sys.executable, "-m", "benchmarks.kernels", "cpu-speed", "--worker", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "benchmarks.kernels", "cpu-speed", "--worker", json.dumps(spec)]
+        with busy_core() if patch == "busy_core" else nullcontext():
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise RuntimeError(f"configuration {name!r} failed")

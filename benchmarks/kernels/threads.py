@@ -47,7 +47,8 @@ CELL_LIMIT_S = 30.0
 
 @contextmanager
 def busy_core(core: int = 0):
-    """Another process keeping one core busy for the duration."""
+    """Another process keeping one core busy for the duration (`python -c 'while True: pass'` pinned
+    with taskset); standard library only, so the policy children can use it too."""
     proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"])
     time.sleep(0.5)
     try:

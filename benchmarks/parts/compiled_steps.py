@@ -27,6 +27,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS_DIR, cpu_line, markdown_table, random_workload, write_result
+from benchmarks.kernels.threads import busy_core
 
 VOCAB = 49152
 CONFIGS = ("compiled", "compiled one graph", "compiled, MKL GEMMs", "eager", "eager, MKL GEMMs",
@@ -134,11 +135,8 @@ def main(argv=None) -> int:
     bench = Bench(args.model, args.threads)
     results = {"quiet": rounds(bench, args.rounds, "quiet")}
     if args.busy:
-        busy = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
-        try:
+        with busy_core():
             results["one core busy"] = rounds(bench, args.rounds, "busy")
-        finally:
-            busy.kill()
     bench.llm.shutdown()
     starts = {}
     if not args.no_startup:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from benchmarks.common import percentile
 from benchmarks.peer_process import VLLM_CLI, ProcTree, stagewise_env, vllm_env
+from benchmarks.server_process import free_port, wait_healthy
 
 HOST = "127.0.0.1"             # loopback only
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 128, 64, 16
@@ -21,12 +22,11 @@ SERVED_NAME = "smollm2-135m-instruct"
 
 
 def serving(args, paths: dict, num_prompts: int, tmp: Path, notes: list[str]) -> dict:
-    from benchmarks.server_process import free_port
     hf_dir = paths["hf_dir"]
     have_vllm = bool(args.vllm_python) and Path(args.vllm_python).exists()
     if not have_vllm:
         notes.append("Serving: no vLLM venv, so no `vllm serve` and no `vllm bench serve`; stagewise was "
-                     "driven by the built-in load generator of peers_serving.py.")
+                     "driven by the serving benchmarks' load generator (benchmarks/serving/load.py).")
     servers = {"stagewise serve": [sys.executable, "-m", "stagewise", "serve", "--model", str(hf_dir),
                                    "--dtype", args.serve_dtype, "--threads-per-stage", str(args.threads),
                                    "--kv-cache-memory", "2GiB", "--max-model-len", "2048",
@@ -88,19 +88,12 @@ def _drive(args, server: ProcTree, url: str, hf_dir: Path, num_prompts: int, tmp
 
 
 def _wait_healthy(server: ProcTree, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def exited() -> int | None:                     # polled: the server's peak RSS sampled meanwhile
         if not server.alive():
-            raise RuntimeError(f"server exited with code {server.proc.returncode}")
+            return server.proc.returncode
         server.sample()
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
+        return None
+    wait_healthy(url, timeout_s, exited, interval_s=0.5)
 
 
 def _post(url: str, body: dict) -> dict:

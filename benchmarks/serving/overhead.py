@@ -145,14 +145,8 @@ def engine_counters(server: ServerProcess) -> tuple[float, float]:
 
 
 def serve_run(args, model: str, layout: str, prompts, tmp: Path) -> dict:
-    saved = dict(os.environ)
-    os.environ.update(child_env(args, layout))
-    try:
-        server = ServerProcess(model, tmp / f"server-{layout}.log", *engine_flags(args), "--max-request-bytes",
-                               f"{max(2.0, 2 * args.heavy_mb):.0f}MiB")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    server = ServerProcess(model, tmp / f"server-{layout}.log", *engine_flags(args), "--max-request-bytes",
+                           f"{max(2.0, 2 * args.heavy_mb):.0f}MiB", env=child_env(args, layout))
     try:
         server.wait_healthy(900)
         asyncio.run(load(server.url, WARMUP, 8, 2))                 # warm-up, not counted

@@ -90,15 +90,8 @@ def measure(args) -> dict:
     if args.src:
         env["PYTHONPATH"] = os.pathsep.join([args.src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory(prefix="stagewise-serve-profile-") as tmp:
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)
-        try:
-            server = ServerProcess(args.model, Path(tmp) / "server.log", "--served-model-name", SERVED_NAME,
-                                   log_level="info")
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        server = ServerProcess(args.model, Path(tmp) / "server.log", "--served-model-name", SERVED_NAME,
+                               log_level="info", env=env)
         try:
             server.wait_healthy(1800)
             pids = [p for p in children(server.proc.pid) if "python" in Path(f"/proc/{p}/exe").resolve().name]

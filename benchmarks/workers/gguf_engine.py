@@ -44,7 +44,7 @@ class LlamaCpp:
     def __init__(self, spec: dict):
         import llama_cpp
         if spec.get("no_extra_bufts"):    # off only where asked: the repack buffers speed up prefill
-            from llamacpp_buffers import without_extra_buffers
+            from llamacpp import without_extra_buffers
             without_extra_buffers(llama_cpp)
         self.llm = llama_cpp.Llama(model_path=spec["model"], n_threads=spec["threads"],
                                    n_threads_batch=spec["threads"], n_ctx=spec["max_model_len"], verbose=False,
@@ -52,15 +52,8 @@ class LlamaCpp:
         self.info = {"version": llama_cpp.__version__, "system": llama_cpp.llama_print_system_info().decode().strip()}
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        outs = []
-        for prompt in prompts:
-            tokens: list[int] = []
-            for tok in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-                tokens.append(int(tok))
-                if len(tokens) == n:
-                    break
-            outs.append(tokens)
-        return outs
+        from llamacpp import greedy
+        return greedy(self.llm, prompts, n)
 
     def logprobs(self, tokens: list[int]) -> list[float]:
         import numpy as np

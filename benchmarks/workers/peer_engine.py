@@ -75,21 +75,14 @@ class LlamaCpp:
     def __init__(self, spec: dict):
         import llama_cpp
         if spec["dtype"] == "q4_1":
-            from llamacpp_buffers import without_extra_buffers
+            from llamacpp import without_extra_buffers
             without_extra_buffers(llama_cpp)
         self.llm = llama_cpp.Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                                    n_ctx=spec["max_model_len"], verbose=False, seed=0)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        outs = []
-        for prompt in prompts:
-            tokens = []
-            for tok in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-                tokens.append(int(tok))
-                if len(tokens) == n:
-                    break
-            outs.append(tokens)
-        return outs
+        from llamacpp import greedy
+        return greedy(self.llm, prompts, n)
 
 
 ENGINES = {"stagewise": Stagewise, "hf": HF, "vllm": VLLM, "llamacpp": LlamaCpp}
