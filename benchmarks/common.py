@@ -161,6 +161,20 @@ def machine_line() -> str:
             f"{os.cpu_count()} CPUs (shared), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
 
 
+def read_gbps(threads: int, reps: int = 5) -> float:
+    """Memory read bandwidth in GB/s at `threads` torch threads (which stay set): a sum over 1 GiB of
+    fp32, far beyond every cache (a STREAM-like read), best of `reps`."""
+    torch.set_num_threads(threads)
+    x = torch.ones(256 << 20)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
 def _spin(_=None) -> float:
     """A fixed single-thread compute task; returns its own wall seconds."""
     torch.set_num_threads(1)

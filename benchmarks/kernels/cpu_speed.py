@@ -34,6 +34,7 @@ from benchmarks.common import (
     export_src,
     markdown_table,
     random_workload,
+    read_gbps,
     write_result,
 )
 from benchmarks.kernels.threads import busy_core
@@ -135,14 +136,6 @@ def spawn(name: str, src: Path, model: str, options: dict, patch, quick: bool) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def read_gbs(threads: int) -> float:
-    torch.set_num_threads(threads)
-    x = torch.ones(256 << 20)                                    # 1 GiB fp32
-    x.sum()
-    best = min(timed_s(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
 def gemv_rows(model_dir: str) -> list[list]:
     """One-row GEMMs over every matrix of the model (weights far larger than the cache, as in batch-1
     decode): torch's native bf16 GEMV, oneDNN bf16, weight-only int8 (`aten._weight_int8pack_mm`,
@@ -233,7 +226,7 @@ def main(argv=None) -> int:
         results: dict[str, list[dict]] = {name: [] for name in configs}
         machine = []
         for r in range(rounds):
-            machine.append({"read_gbs_2t": read_gbs(2), "read_gbs_1t": read_gbs(1), "load": os.getloadavg()[0],
+            machine.append({"read_gbs_2t": read_gbps(2), "read_gbs_1t": read_gbps(1), "load": os.getloadavg()[0],
                             "gemv": gemv_rows(args.model)})
             names = list(configs) if r % 2 == 0 else list(reversed(configs))
             for name in names:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks import peer_process
-from benchmarks.common import cache_dir, cpu_line
+from benchmarks.common import cache_dir, cpu_line, read_gbps
 from benchmarks.peer_process import ProcTree, base_env, stagewise_env
 from benchmarks.quantized import numerics as quantized_numerics
 from benchmarks.quantized.models import DEFAULTS, model_paths
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
             "omp_wait_policy": args.omp_wait_policy, "threads": args.threads,
             "files": {k: rep.file_info(v) for k, v in files.items() if k not in ("tokenizer", CHECKPOINT)}}
     print(f"{meta['cpu']}\n{meta['machine']}\n{meta['stagewise']}", flush=True)
-    meta["bandwidth_gbps"] = {str(t): rep.read_bandwidth_gbps(t) for t in args.threads}
+    meta["bandwidth_gbps"] = {str(t): read_gbps(t) for t in args.threads}
     saved: dict = {"meta": meta, "results": {}, "numerics": None}
     save_dir = cache_dir("quantized")
     path = save_dir / f"last-run{'-quick' if args.quick else ''}{'-numerics' if args.numerics_only else ''}.json"

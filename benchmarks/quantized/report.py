@@ -33,21 +33,6 @@ def file_info(path: Path) -> dict:
             "decode_bytes": tensor_bytes - gathered, "types": types}
 
 
-def read_bandwidth_gbps(threads: int) -> float:
-    """Memory read bandwidth: sum over 1 GiB of fp32 (far beyond cache), best of 5."""
-    import time
-
-    import torch
-    torch.set_num_threads(threads)
-    x = torch.ones(1 << 28, dtype=torch.float32)
-    best = math.inf
-    for _ in range(6):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
-
-
 def stagewise_line(src: str | None) -> str:
     from importlib.util import find_spec
     spec = None if src else find_spec("stagewise")

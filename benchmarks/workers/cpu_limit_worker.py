@@ -52,13 +52,8 @@ def stagewise_worker(spec: dict) -> dict:
 
 def llamacpp_worker(spec: dict) -> dict:
     import llama_cpp
-    default = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():                      # ggml's AMX path segfaults on Q4_1 here (cpu-peers note)
-        p = default()
-        p.use_extra_bufts = False
-        return p
-    llama_cpp.llama_cpp.llama_model_default_params = params
+    from llamacpp import without_extra_buffers
+    without_extra_buffers(llama_cpp)   # ggml's AMX path segfaults on Q4_1 (workers/llamacpp.py)
     llm = llama_cpp.Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                           n_ctx=1024, verbose=False)
 
