@@ -1,0 +1,42 @@
+"""The engine's stats say which kernels each stage runs (kernels/report.py): the one-stage engine
+logs the report at start-up and `stats()["kernels"]` carries it; a PP=2 pipeline's stages send
+theirs in their ready messages, so the driver's stats describe both stages."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from stagewise import LLM
+from stagewise.kernels import build
+from stagewise.kernels.report import KernelInfo, describe
+
+
+def _expected_impl() -> str:
+    from stagewise.kernels import gemm
+    return "c" if gemm.available() else "torch"
+
+
+def test_one_stage_logs_and_reports_its_kernels(llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="stagewise"):
+        with LLM(model=str(llama_dir), prefill_graph="off") as llm:
+            kernels = llm.stats()["kernels"]
+    entries = [KernelInfo(**k) for k in kernels]
+    lines = [r.getMessage() for r in caplog.records if r.name == "stagewise.kernels" and " kernels: " in r.getMessage()]
+    assert lines == [f"stage 0 kernels: {describe(entries)}"], lines
+    by_family = {k.family: k for k in entries}
+    assert {k.stage for k in entries} == {0} and {"gemm_f32", "attention_decode", "team"} <= set(by_family)
+    assert by_family["gemm_f32"].impl == _expected_impl()
+    if build.mode() == "required":          # CI: every library builds: PyTorch only where we have no kernel
+        assert all(k.impl == "c" or k.reason == "no_kernel" for k in entries), entries
+
+
+@pytest.mark.slow
+def test_every_stage_of_a_pipeline_reports_its_kernels(llama_dir):
+    with LLM(model=str(llama_dir), pp_size=2, prefill_graph="off") as llm:
+        kernels = llm.stats()["kernels"]
+    stages = {k["stage"] for k in kernels}
+    assert stages == {0, 1}, kernels
+    for stage in stages:
+        families = {k["family"]: k for k in kernels if k["stage"] == stage}
+        assert families["gemm_f32"]["impl"] == _expected_impl() and "attention_decode" in families, families
