@@ -41,8 +41,9 @@ def test_a_burst_is_refused_early_with_flat_memory(limited, long_run):
     outs, health = run_burst(limited.url, total, KEYS, 64)
     after = tree_pss_bytes(limited.proc.pid)
     q = sorted(health)
-    print(f"\nburst of {total}: {[o['status'] for o in outs]}; /health x{len(q)}: median {statistics.median(q) * 1e3:.1f} ms, "
-          f"p99 {q[int(len(q) * 0.99)] * 1e3:.1f} ms, max {q[-1] * 1e3:.1f} ms; PSS {before / MIB:.0f} -> {after / MIB:.0f} MiB")
+    print(f"\nburst of {total}: {[o['status'] for o in outs]}; /health x{len(q)}: "
+          f"median {statistics.median(q) * 1e3:.1f} ms, p99 {q[int(len(q) * 0.99)] * 1e3:.1f} ms, "
+          f"max {q[-1] * 1e3:.1f} ms; PSS {before / MIB:.0f} -> {after / MIB:.0f} MiB")
     statuses = [o["status"] for o in outs]
     assert all(set(s) <= {"200", "429"} for s in statuses) and all(s.get("200") for s in statuses), statuses
     assert sum(s.get("429", 0) for s in statuses) >= total * 0.6, statuses

@@ -46,7 +46,7 @@ REFUSAL_LOG_S = 10.0                  # at most one log line per listener per th
 MAX_HANDSHAKES = 32                   # connections a listener lets prove the token at once (a flood costs no more)
 STORE, RING, CONTROL = 1, 2, 3        # purposes: the rendezvous store, a ring link, a stage's control link
 KEYS_INFO = b"stagewise link keys/1\0"
-# NOTE: not a setting. benchmarks/link_crypto.py turns it off in every process of a run to measure the
+# NOTE: not a setting. benchmarks/pipeline/link_crypto.py turns it off in every process of a run to measure the
 # cost of sealing; both ends of a link must agree (a sealed frame is not a message frame to a plain end)
 SEAL_LINKS = True
 _warned = False
