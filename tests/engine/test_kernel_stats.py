@@ -40,3 +40,14 @@ def test_every_stage_of_a_pipeline_reports_its_kernels(llama_dir):
     for stage in stages:
         families = {k["family"]: k for k in kernels if k["stage"] == stage}
         assert families["gemm_f32"]["impl"] == _expected_impl() and "attention_decode" in families, families
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_stage_reports_its_collectives(llama_dir):
+    from stagewise.kernels import comm
+    with LLM(model=str(llama_dir), tp_size=2, prefill_graph="off") as llm:
+        kernels = llm.stats()["kernels"]
+    found = {k["family"]: k for k in kernels}
+    assert {k["stage"] for k in kernels} == {0}, kernels
+    expected = ("c", "") if comm.available() else ("torch", "gloo")
+    assert (found["comm"]["impl"], found["comm"]["op"]) == expected, found["comm"]
