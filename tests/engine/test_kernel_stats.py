@@ -32,11 +32,16 @@ def test_one_stage_logs_and_reports_its_kernels(llama_dir, caplog):
 
 
 @pytest.mark.slow
-def test_every_stage_of_a_pipeline_reports_its_kernels(llama_dir):
-    with LLM(model=str(llama_dir), pp_size=2, prefill_graph="off") as llm:
-        kernels = llm.stats()["kernels"]
+def test_every_stage_of_a_pipeline_reports_its_kernels(llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="stagewise"):
+        with LLM(model=str(llama_dir), pp_size=2, prefill_graph="off") as llm:
+            kernels = llm.stats()["kernels"]
     stages = {k["stage"] for k in kernels}
     assert stages == {0, 1}, kernels
+    # stage processes log warnings only: the driver logs each stage's line as its ready message arrives
+    lines = [r.getMessage() for r in caplog.records if " kernels: " in r.getMessage()]
+    assert lines == [f"stage {i} kernels: {describe([KernelInfo(**k) for k in kernels if k['stage'] == i])}"
+                     for i in (0, 1)], lines
     for stage in stages:
         families = {k["family"]: k for k in kernels if k["stage"] == stage}
         assert families["gemm_f32"]["impl"] == _expected_impl() and "attention_decode" in families, families

@@ -21,7 +21,7 @@ from multiprocessing.connection import wait as wait_sentinels
 from typing import NoReturn
 
 from ..errors import EngineDeadError, describe_exit
-from ..kernels.report import KernelInfo
+from ..kernels.report import KernelInfo, describe
 from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
 from .generations import control_store, next_generation, nodes_gone, publish_layout
@@ -124,6 +124,8 @@ class MultiprocExecutor:
             plans.append(msg.memory_plan)
             load_s = max(load_s, msg.load_s)
             kernels += [replace(k, stage=stage) for k in msg.kernels]
+            # the stage logged it too, but stage processes log warnings only: the driver says it
+            log.info("stage %d kernels: %s", stage, describe(msg.kernels))
         return plans, load_s, kernels
 
     # the links
