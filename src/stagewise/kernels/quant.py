@@ -3,8 +3,7 @@ checkpoints), and the ops that read them: `linear`, `dequantize`, `dequantize_ro
 
 A `QuantizedWeight` is one `[N, K]` matrix: the file's blocks as `[N, bytes_per_row]` uint8 rows
 until `pack()` reorders them into the kernels' panels (`quant_pack`). Row selection (`take_rows`:
-llama.cpp's Q/K row order, tensor-parallel shards) and whole-block column ranges (`take_columns`:
-row-parallel shards) work on the file rows, before packing.
+llama.cpp's Q/K row order, tensor-parallel shards) works on the file rows, before packing.
 `linear` is the opaque op `stagewise::qlinear` (the C kernels where built; otherwise dequantize and
 `F.linear`), so a compiled graph calls it as one node.
 """
@@ -65,20 +64,6 @@ class QuantizedWeight:
             raise ValueError("take_rows works on file rows: select rows before pack().")
         data = self.data[index].contiguous()
         return replace(self, shape=(data.shape[0], self.shape[1]), data=data)
-
-    def take_columns(self, start: int, count: int) -> QuantizedWeight:
-        """The matrix of columns [start, start + count) (a row-parallel shard): whole blocks only, so
-        both must be multiples of the type's block size (32; 256 for the K types)."""
-        if self.packed:
-            raise ValueError("take_columns works on file rows: select columns before pack().")
-        n, k = self.shape
-        block = formats.block_size(self.qtype)
-        if start % block or count % block or start < 0 or count <= 0 or start + count > k:
-            raise ValueError(f"Columns {start}..{start + count} of a {n}x{k} {self.qtype.name} matrix do not fall "
-                             f"on its {block}-column blocks; only whole blocks can be taken.")
-        per_block = formats.row_bytes(self.qtype, block)
-        data = self.data[:, start // block * per_block:(start + count) // block * per_block].contiguous()
-        return replace(self, shape=(n, count), data=data)
 
     def fields(self) -> formats.Fields:
         n, k = self.shape

@@ -130,8 +130,6 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
         model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
         tensor_parallel.shard(model, *tp)
-        if scheme is not None:
-            scheme = tensor_parallel.aligned_scheme(model, scheme)
     if scheme is not None:
         quantize_modules(model, scheme, exact)
     return model
@@ -160,11 +158,6 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     model.eval()
     model.requires_grad_(False)
     _log_quantized(model, stage, quantization)
-    floats = model.__dict__.get("tp_floats")
-    if floats:
-        log.info("stage %d tensor-parallel rank %d: %d quantized tensors held as %s, their rank's columns not on "
-                 "whole blocks: %s", stage.rank, tp[0] if tp else 0, len(floats), str(resolved).removeprefix("torch."),
-                 ", ".join(floats))
     packed = cpu_gemm.pack_linears(model)
     if packed:
         log.info("stage %d: %d %s linear weights prepacked for the CPU kernels (STAGEWISE_PACKED_WEIGHTS=0: off)",

@@ -3,13 +3,17 @@ collectives that join the slices (Megatron's layout, applied to a built model as
 the model files stay as they are).
 
 Column-parallel by output rows: q/k/v (whole KV groups per rank, so every rank keeps the model's q
-heads per KV head; `head_ranges`) and gate/up. Row-parallel by input columns: the attention output
-(its columns follow the rank's q heads) and down projections, one all-reduce after each (their bias
-counts once: rank 0 holds it, the others zeros). Vocabulary-parallel: the token embedding (each rank
-looks up its own rows, one all-reduce joins them) and the LM head (each rank's logits, gathered
-where sampling runs). `shard` narrows a model's parameters, on the meta device before loading or
-loaded ones, and records each checkpoint tensor's `Slice` for the loader; `connect` adds the
-collectives.
+heads per KV head; `head_ranges`) and gate/up. The attention output and down projections (Megatron
+splits them by input columns and all-reduces partial sums) are *gathered* instead: their input is
+all-gathered (the attention output's columns follow the ranks' q heads), each rank computes an even
+share of the output rows over the whole input, and the rows are all-gathered. Every output is then
+one chain over the whole input in one kernel, as in one process (the kernels sum a row's output in
+an order that depends neither on the rows nor on the columns of a call), so every tensor-parallel
+size gives the one-process bits; partial sums added after the fact would not. Vocabulary-parallel:
+the token embedding (each rank looks up its own rows, one all-reduce of zeros and one row each joins
+them, exactly) and the LM head (each rank's logits, gathered where sampling runs). `shard` narrows a
+model's parameters, on the meta device before loading or loaded ones, and records each checkpoint
+tensor's `Slice` for the loader; `connect` adds the collectives.
 """
 from __future__ import annotations
 
@@ -19,11 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.quant_formats import block_size
-
-# OUT: row-parallel like ROW, its input columns following the rank's q heads (the attention output)
+# ROW, OUT: gathered (input all-gathered, output rows split, outputs all-gathered); OUT's input columns
+# follow the ranks' q heads (the attention output)
+ROWS_BLOCK = 16     # a gathered layer's rows split in blocks of 16: every rank's share stays packable
 QKV, COLUMN, ROW, OUT, VOCAB = "qkv", "column", "row", "out", "vocab"
 # module paths (fnmatch patterns) of each family -> style; families are named by their class
 RULES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -47,61 +52,25 @@ class Group(Protocol):
 @dataclass(frozen=True)
 class Slice:
     """This rank's part of one checkpoint tensor: the `ranges` (start, length) along `dim`,
-    concatenated, of a dimension `full` long; `zero`: the rank holds zeros of the whole tensor;
-    `k`: `dim` is the weight's input features (a row-parallel layer), else its output rows."""
+    concatenated, of a dimension `full` long (a weight's output rows, or a vocabulary's)."""
     dim: int
     full: int
     ranges: tuple[tuple[int, int], ...]
-    zero: bool = False
-    k: bool = False
 
     def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.full if d == self.dim else n for d, n in enumerate(local))
 
     def take(self, tensor: Any) -> Any:
-        """This rank's part of the whole `tensor` (a torch tensor, or a kernels.quant.QuantizedWeight)."""
-        if self.zero:
-            return torch.zeros_like(tensor)
+        """This rank's part of the whole `tensor` (a torch tensor, or a kernels.quant.QuantizedWeight:
+        its rows, which never split a block)."""
         if isinstance(tensor, torch.Tensor):
             return _cat(tensor, self.dim, self.ranges)
-        return _take_quantized(tensor, self)
+        return tensor.take_rows(torch.cat([torch.arange(s, s + n) for s, n in self.ranges]))
 
 
 def _cat(t: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
     parts = [t.narrow(dim, start, n) for start, n in ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-
-def _take_quantized(weight: Any, piece: Slice) -> Any:
-    """A quantized `[N, K]` matrix's rows by index (blocks run along a row, so rows never split one),
-    or its columns (a row-parallel layer) as whole blocks (`aligned_scheme` keeps others float)."""
-    if not piece.k:
-        return weight.take_rows(torch.cat([torch.arange(s, s + n) for s, n in piece.ranges]))
-    ((start, count),) = piece.ranges
-    return weight.take_columns(start, count)
-
-
-def aligned_scheme(model: nn.Module, scheme: Callable[[str, tuple[int, int]], Any]) -> Callable[..., Any]:
-    """A quantization scheme (model.quantized.Scheme) for a sharded `model`, deciding as for the whole
-    tensor: one split along its columns stays quantized only where this rank's columns start and end
-    on the whole tensor's blocks (so it holds the one-process blocks; Q4_K's 256-wide blocks do not
-    fit 192 columns); otherwise it is held float, dequantized at load (named in `model.tp_floats`)."""
-    slices: dict[str, Slice] = model.__dict__.get("tp_slices", {})
-    floats: list[str] = model.__dict__.setdefault("tp_floats", [])
-
-    def sharded(hf_name: str, shape: tuple[int, int]) -> Any:
-        piece = slices.get(hf_name)
-        if piece is None or not piece.k:
-            return scheme(hf_name, shape)
-        qtype = scheme(hf_name, (shape[0], piece.full))
-        if qtype is None:
-            return None
-        block = block_size(qtype)
-        if all(start % block == 0 and count % block == 0 for start, count in piece.ranges):
-            return qtype
-        floats.append(f"{hf_name} ({qtype.name})")
-        return None
-    return sharded
 
 
 def family_of(model_or_class: Any) -> str | None:
@@ -135,7 +104,7 @@ def heaviest_rank(num_heads: int, num_kv_heads: int, size: int) -> int:
 
 
 def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int, vocab: int, intermediate: int,
-                size: int) -> None:
+                size: int, hidden: int = 0) -> None:
     """One sentence, before any process starts, if `size` ranks cannot split this model."""
     if size == 1:
         return
@@ -145,6 +114,9 @@ def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int
     if num_heads < size:
         raise ValueError(f"tp_size {size} is more than the model's {num_heads} attention heads (each rank needs "
                          f"one); use a tp_size of at most {num_heads}.")
+    if hidden and hidden < size * ROWS_BLOCK:
+        raise ValueError(f"tp_size {size} is too many ranks for the model's hidden size {hidden} (each rank computes "
+                         f"at least {ROWS_BLOCK} of its rows); use a tp_size of at most {hidden // ROWS_BLOCK}.")
     for what, count in (("vocabulary entries", vocab), ("MLP columns (intermediate size)", intermediate)):
         if count % size:
             raise ValueError(f"tp_size {size} does not divide the model's {count} {what}; use a tp_size that does.")
@@ -160,7 +132,7 @@ def check_model(hf_config: Any, model_cls: type, size: int) -> None:
     intermediate = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
                     or 4 * hf_config.hidden_size)
     check_sizes(family_of(model_cls), model_cls.__name__, heads, getattr(hf_config, "num_key_value_heads", None)
-                or heads, hf_config.vocab_size, intermediate, size)
+                or heads, hf_config.vocab_size, intermediate, size, hf_config.hidden_size)
 
 
 def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
@@ -171,6 +143,7 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
         raise ValueError(f"Tensor parallelism has no rules for {type(model).__name__}.")
     heads, head_dim = model.kv_cache_spec()            # type: ignore[operator]  # the model contract
     slices: dict[str, Slice] = {}
+    gathers: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     attentions: dict[int, Any] = {}
     for path, module in list(model.named_modules()):
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
@@ -179,6 +152,10 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
         if getattr(module, "packed", False):
             raise ValueError(f"{path} holds packed weights; shard a model before its weights are packed.")
         attn = model.get_submodule(path.rsplit(".", 1)[0]) if style in (QKV, OUT) else None
+        if style in (ROW, OUT):
+            rows = module.weight.shape[1 if _in_out(module) else 0]
+            gathers[path] = (_input_columns(module, style, size, attn),
+                             tuple(row_share(rows, r, size)[1] for r in range(size)))
         for leaf in ("bias", "weight"):          # the weight last: it rewrites hf_parts to this rank's rows
             if isinstance(getattr(module, leaf, None), torch.Tensor):
                 _shard_param(model, path, module, leaf, _Cut(style, rank, size, attn), slices)
@@ -189,9 +166,36 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
         kv_heads = _localize_heads(attn, rank, size)
     model.__dict__["kv_cache_spec"] = lambda: (kv_heads, head_dim)
     model.__dict__["tp_slices"] = slices
+    model.__dict__["tp_gathers"] = gathers         # by module path: quantizing replaces the modules
     model.__dict__["tp_rank"], model.__dict__["tp_size"] = rank, size
     model.__dict__.pop("_weight_table", None)           # the slots changed
     return model
+
+
+def _input_columns(module: Any, style: str, size: int, attn: Any) -> tuple[int, ...]:
+    """A gathered layer's input columns on each rank, in order: the attention output's follow the
+    ranks' q heads; the down projection's are the ranks' even shares of the intermediate columns."""
+    if style == OUT:
+        hq, d = attn.num_heads, attn.head_dim
+        heads = [head_ranges(hq, getattr(attn, "num_kv_heads", hq), r, size)[0] for r in range(size)]
+        assert all(heads[r][0] + heads[r][1] == heads[r + 1][0] for r in range(size - 1)), heads
+        return tuple(n * d for _, n in heads)
+    k = module.weight.shape[0 if _in_out(module) else 1]
+    return (k // size,) * size
+
+
+def row_share(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """(first row, rows) of `rank`'s share of a gathered layer's output rows: whole blocks of
+    ROWS_BLOCK as even as they go (the last rank also takes a partial block at the end), so each
+    rank's weight keeps the packed kernels' layout where the whole one has it."""
+    blocks = -(-rows // ROWS_BLOCK)
+    first = rank * blocks // size * ROWS_BLOCK
+    return first, min(rows, (rank + 1) * blocks // size * ROWS_BLOCK) - first
+
+
+def _in_out(module: Any) -> bool:
+    """The weight is stored [in, out] (GPT-2's Conv1D)."""
+    return type(module).__name__ == "Conv1D" or bool(getattr(module, "in_out_layout", False))
 
 
 @dataclass(frozen=True)
@@ -202,24 +206,20 @@ class _Cut:
     size: int
     attn: Any                     # the attention module (q/k/v, attention output), else None
 
-    def dim(self, module: nn.Module, leaf: str) -> int | None:
-        """The dim of our parameter (= of its checkpoint tensor) that is split; None: not split."""
-        in_out = type(module).__name__ == "Conv1D" or bool(getattr(module, "in_out_layout", False))
-        if leaf == "bias":
-            return 0 if self.style in (QKV, COLUMN) else None
-        rows = 1 if in_out else 0
-        return 1 - rows if self.style in (ROW, OUT) else rows
+    def dim(self, module: nn.Module, leaf: str) -> int:
+        """The dim of our parameter (= of its checkpoint tensor) that is split: the output rows."""
+        return 1 if _in_out(module) and leaf == "weight" else 0
 
     def ranges(self, part: str, extent: int) -> tuple[tuple[int, int], ...]:
-        if self.style not in (QKV, OUT):
+        if self.style in (ROW, OUT):
+            return (row_share(extent, self.rank, self.size),)
+        if self.style != QKV:          # an even share of the rows
             n = extent // self.size
             return ((self.rank * n, n),)
         attn = self.attn
         hq, d = attn.num_heads, attn.head_dim
         hkv = getattr(attn, "num_kv_heads", hq)
         (q0, qn), (k0, kn) = head_ranges(hq, hkv, self.rank, self.size)
-        if self.style == OUT:                           # the input columns of this rank's q heads
-            return ((q0 * d, qn * d),)
         if extent == (hq + 2 * hkv) * d:                # q | k | v in one tensor (GPT-2's c_attn)
             return ((q0 * d, qn * d), ((hq + k0) * d, kn * d), ((hq + hkv + k0) * d, kn * d))
         is_kv = part.rsplit(".", 2)[-2] in ("k_proj", "v_proj")
@@ -238,13 +238,9 @@ def _shard_param(model: Any, path: str, module: Any, leaf: str, cut: _Cut, slice
     for name, rows in parts:
         part = param.narrow(0, offset, rows)
         offset += rows
-        if dim is None:              # a row-parallel bias: rank 0 adds it once, the others hold zeros
-            piece = Slice(0, rows, (), zero=True) if cut.rank else None
-        else:
-            piece = Slice(dim, part.shape[dim], cut.ranges(name, part.shape[dim]), k=cut.style in (ROW, OUT))
-        if piece is not None:
-            slices[model.hf_name(name)] = piece
-        pieces.append(part if piece is None else piece.take(part))
+        piece = Slice(dim, part.shape[dim], cut.ranges(name, part.shape[dim]))
+        slices[model.hf_name(name)] = piece
+        pieces.append(piece.take(part))
     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
     module._parameters[leaf] = nn.Parameter(value.clone(), requires_grad=False)
     if leaf == "weight":
@@ -268,8 +264,8 @@ def _localize_heads(attn: Any, rank: int, size: int) -> int:
 
 
 def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
-    """Add the collectives to a sharded model: an all-reduce after every row-parallel layer and
-    around the vocabulary-parallel embedding, and `compute_logits` gathering the vocabulary on rank
+    """Add the collectives to a sharded model: every gathered layer's input and output all-gathered,
+    an all-reduce around the vocabulary-parallel embedding, and `compute_logits` gathering the vocabulary on rank
     `logits_to` (the rank that samples; -1: every rank; elsewhere the logits are not meaningful)."""
     family = family_of(model)
     assert family is not None and model.__dict__.get("tp_size") == group.size, "connect a model sharded for the group"
@@ -277,7 +273,9 @@ def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
     for path, module in model.named_modules():
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
         if style in (ROW, OUT):
-            module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+            ins, outs = model.__dict__["tp_gathers"][path]
+            module.register_forward_pre_hook(_gather_input(group, ins))
+            module.register_forward_hook(_gather_output(group, outs))
         elif style == VOCAB and hasattr(module, "num_embeddings"):       # the token embedding
             module.forward = _vocab_lookup(module, group)
     base = model.compute_logits
@@ -302,6 +300,29 @@ class Clocked:
         out = self.group.all_gather(x, dst)
         self.seconds += time.perf_counter() - t0
         return out
+
+
+def _gather_columns(group: Any, x: torch.Tensor, counts: tuple[int, ...] | None) -> torch.Tensor:
+    """Every rank's columns of `x [..., C_r]` side by side, in rank order (`counts`: each rank's C_r
+    where they differ, padded to the widest for the gather; None: all alike)."""
+    rows = x.reshape(-1, x.shape[-1])
+    width = max(counts) if counts else rows.shape[1]
+    if rows.shape[1] < width:
+        rows = F.pad(rows, (0, width - rows.shape[1]))
+    out = group.all_gather(rows.contiguous())
+    if counts and any(c != width for c in counts):
+        out = torch.cat([out[:, r * width:r * width + c] for r, c in enumerate(counts)], dim=1)
+    return out.view(*x.shape[:-1], out.shape[1])
+
+
+def _gather_input(group: Any, counts: tuple[int, ...]) -> Callable[..., tuple]:
+    uneven = counts if len(set(counts)) > 1 else None
+    return lambda _m, args: (_gather_columns(group, args[0], uneven), *args[1:])
+
+
+def _gather_output(group: Any, counts: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    uneven = counts if len(set(counts)) > 1 else None
+    return lambda _m, _args, out: _gather_columns(group, out, uneven)
 
 
 def _vocab_lookup(module: Any, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
