@@ -6,4 +6,5 @@ run_subcommand("benchmarks.offline", __doc__, {
     "startup": ("benchmarks.offline.startup", "`stagewise generate` wall time as a new user runs it"),
     "speculative": ("benchmarks.offline.speculative", "n-gram speculative decoding on and off (and llama.cpp's)"),
     "cpu-limit": ("benchmarks.offline.cpu_limit", "batch-1 decode at the machine's limit, vs llama.cpp"),
+    "invariance": ("benchmarks.offline.invariance", "split-invariant attention on vs off: throughput, prefill, decode"),
 })
