@@ -134,3 +134,12 @@ def test_summary_names_every_stage():
     assert report.summary(two) == ("kernels: stage 0: f32 gemm C/avx2 (unpacked up to 32 rows, mkldnn beyond); "
                                    "stage 1: f32 gemm PyTorch mkldnn (STAGEWISE_KERNELS=off)")
     assert report.summary([]) == "kernels: none"
+
+
+def test_without_a_model_every_family_is_reported():
+    from stagewise.kernels.quant_formats import SUPPORTED
+    found = _by_family(report.kernel_report())
+    assert {f"gemm_{t.name.lower()}" for t in SUPPORTED} | {"gemm_f32", "gemm_bf16", "attention_decode",
+                                                             "attention_prefill", "comm", "team"} == set(found)
+    if build.mode() == "required":
+        assert all(k.impl == "c" or k.reason == "no_kernel" for k in found.values()), found

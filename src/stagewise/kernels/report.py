@@ -88,15 +88,13 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
         used = _Used(quant={str(t.name).lower() for t in quant_kernels.SUPPORTED},
                      floats={d: [gemm.layout(d) is not None] for d in (torch.float32, torch.bfloat16)},
                      attention=(torch.float32, 64), tp_group=None)
-    if device.type != "cpu":
-        out = [KernelInfo(f"gemm_{q}", TORCH, op="dequantize+linear", reason="device", note=f"on {device.type}")
-               for q in sorted(used.quant)]
-        out += [KernelInfo(f"gemm_{_dtype_name(d)}", TORCH, op="linear", reason="device", note=f"on {device.type}")
-                for d in used.floats]
+    if device.type != "cpu":          # the kernels are CPU kernels (a GGUF file is dequantized there)
+        ops = [(f"gemm_{_dtype_name(d)}", "linear") for d in used.floats]
+        ops += [(f"gemm_{q}", "dequantize+linear") for q in sorted(used.quant)]
         if used.attention is not None:
-            out.append(KernelInfo("attention_decode", TORCH, op="sdpa", reason="device", note=f"on {device.type}"))
-            out.append(KernelInfo("attention_prefill", TORCH, op="sdpa", reason="device", note=f"on {device.type}"))
-        return [replace(k, stage=stage) for k in out]
+            ops += [("attention_decode", "sdpa"), ("attention_prefill", "sdpa")]
+        return [KernelInfo(family, TORCH, op=op, reason="device", note=f"on {device.type}", stage=stage)
+                for family, op in ops]
     out = [_quant(q) for q in sorted(used.quant)]
     out += [_float_gemm(d, packed) for d, packed in used.floats.items()]
     if used.attention is not None:
@@ -123,10 +121,9 @@ def _used(model: Any) -> _Used:
     for m in model.modules():
         segments = getattr(m, "segments", None)
         if isinstance(segments, tuple) and hasattr(m, "in_features"):       # QuantLinear
-            for seg in segments:
-                if seg.qtype is None:
-                    dtype = getattr(m, f"segment{segments.index(seg)}").dtype
-                    floats.setdefault(dtype, []).append(False)
+            for i, seg in enumerate(segments):
+                if seg.qtype is None:             # float rows of a mixed layer: the unpacked float kernel
+                    floats.setdefault(getattr(m, f"segment{i}").dtype, []).append(False)
                 else:
                     quant.add(seg.qtype.name.lower())
         elif type(m).__name__ == "QuantEmbedding":
