@@ -53,7 +53,7 @@ class EngineStats:
         self.busy_offset: list[float] = []            # busy seconds of stage processes that were replaced
         self.comm_offset: list[float] = []
         self.kv_disk: list[list[int]] = []            # each stage's disk-tier counters (KV_DISK_COUNTERS order)
-        self._kernels: tuple[object, list[dict]] = (None, [])    # (executor, its stages' kernel report)
+        self._kernels: tuple[object, list[dict]] = (None, [])    # (an executor's report, as dicts)
 
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
@@ -113,8 +113,9 @@ class EngineStats:
 
     def kernels(self, executor) -> list[dict]:
         """Which kernels each stage runs (kernels/report.py), as each stage reported it at start-up."""
-        if self._kernels[0] is not executor:         # a rebuilt pipeline reports its own
-            self._kernels = (executor, as_dicts(getattr(executor, "kernels", None) or []))
+        report = getattr(executor, "kernels", None)
+        if self._kernels[0] is not report:           # a rebuilt pipeline reports its own
+            self._kernels = (report, as_dicts(report or []))
         return self._kernels[1]
 
     def snapshot(self, scheduler, executor) -> dict:
