@@ -174,10 +174,81 @@ def test_invariant_attention_rows_do_not_depend_on_the_batch():
 def test_engine_attention_takes_the_invariant_path(monkeypatch):
     """Steps that are not plain decode go through `invariant_paged_attention` (one kernel call)."""
     calls = []
-    real = cpu_attention.decode_attention
-    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = cpu_attention.rows_attention
+    monkeypatch.setattr(cpu_attention, "rows_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     meta = AttentionMetadata.build([1, 7], [5, 7], _tables([5, 7], 1), BS)
     cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
     q, k, v = torch.randn(8, HQ, D), torch.randn(8, HKV, D), torch.randn(8, HKV, D)
     ForwardBatch(meta, [cache]).attention(0, q, k, v, 1.0)
     assert calls == [8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [24, 32])
+def test_rows_kernel_gives_each_row_its_decode_bits(dtype, d):
+    """Rows in spans sharing a block table (up to 64 rows, lengths rising, a decode row of another
+    sequence, per-span and per-head tasks) = each row alone through the decode kernel, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    tables = _tables([100, 60], 11)
+    cache = torch.randn(2, NUM_BLOCKS, BS, HKV, d, generator=gen).to(dtype)
+    lens = list(range(31, 101)) + [60]                  # 70 rows of one prompt (positions 30..99), a decode row
+    q = torch.randn(len(lens), HQ, d, generator=gen).to(dtype)
+    width = max(map(len, tables))
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    for spans, owners in (([0, 64, 70, 71], [0, 0, 1]), ([0, 1, 17, 70, 71], [0, 0, 0, 1])):
+        got = cpu_attention.rows_attention(q, cache, torch.tensor([padded[o] for o in owners]), torch.tensor(spans),
+                                           torch.tensor(lens), 0.3)
+        for i, n in enumerate(lens):
+            alone = cpu_attention.decode_attention(q[i:i + 1], cache, torch.tensor([padded[0 if i < 70 else 1]]),
+                                                   torch.tensor([n]), 0.3)
+            assert torch.equal(got[i:i + 1], alone), (spans, i)
+
+
+@pytest.mark.parametrize("spans,lens,words", [
+    ([0, 65], list(range(1, 66)), "by 1..64"),          # a span of more than 64 rows
+    ([0, 2, 2, 3], [3, 4, 5], "by 1..64"),              # an empty span
+    ([0, 2], [3, 4, 5], "rise from 0"),                 # spans that do not cover the rows
+    ([0, 3], [3, 400, 5], "length outside"),            # a row longer than its table
+])
+def test_rows_kernel_refuses_bad_spans(spans, lens, words):
+    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
+    n_spans = len(spans) - 1
+    tables = torch.tensor([[1, 2, 3]] * n_spans)
+    q = torch.zeros(len(lens), HQ, D)
+    with pytest.raises(ValueError, match=words):
+        cpu_attention.rows_attention(q, cache, tables, torch.tensor(spans), torch.tensor(lens), 0.3)
+
+
+def test_rows_kernel_refuses_blocks_outside_the_pool():
+    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
+    with pytest.raises(ValueError, match="blocks outside"):
+        cpu_attention.rows_attention(torch.zeros(2, HQ, D), cache, torch.tensor([[1, NUM_BLOCKS]]),
+                                     torch.tensor([0, 2]), torch.tensor([3, 20]), 0.3)
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx2", "portable"])
+def test_narrower_builds_keep_rows_equal_to_decode(flags):
+    """The AVX2 and portable builds of attention.c: the rows entry gives each row its decode bits too."""
+    import ctypes
+    lib = build.library("attention", ["attention.c"], flags)
+    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    gen = torch.Generator().manual_seed(2)
+    table = torch.tensor(_tables([100], 2)[0])
+    lens = torch.arange(31, 101)
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        dec, rows = getattr(lib, f"decode_attention_{name}"), getattr(lib, f"decode_attention_{name}_rows")
+        dec.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
+        rows.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
+        dec.restype = rows.restype = i64
+        cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=gen).to(dtype)
+        q = torch.randn(70, HQ, D, generator=gen).to(dtype)
+        got, ref = q.new_empty(q.shape), q.new_empty(q.shape)
+        spans, per_span = torch.tensor([0, 16, 32, 64, 70]), table[None].expand(4, -1).contiguous()
+        per_row = table[None].expand(70, -1).contiguous()
+        common = (q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(), BS * HKV * D, NUM_BLOCKS)
+        assert rows(*common, per_span.data_ptr(), per_span.stride(0), table.numel(), lens.data_ptr(), 70,
+                    spans.data_ptr(), 4, HQ, HKV, D, BS, 0.3, HKV, got.data_ptr()) == 0
+        assert dec(*common, per_row.data_ptr(), per_row.stride(0), table.numel(), lens.data_ptr(), 70, HQ, HKV, D, BS,
+                   0.3, 1, ref.data_ptr()) == 0
+        assert torch.equal(got, ref), name

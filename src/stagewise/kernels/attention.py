@@ -6,6 +6,9 @@ the sequence's block table, scores chunks of 8 keys against the query heads shar
 takes a vectorised softmax and sums the values; no `[G, L, Hkv, D]` copy of the keys is made, and
 both task layouts give the same results bit for bit. float32 and bfloat16 (computed in float32,
 rounded once on output). The kernel checks the block tables against the pool before reading.
+`rows_attention`: the same kernel for many query rows of a few sequences (prompt chunks, verify
+steps): rows of one sequence share a task's key tiles, and each row gets exactly the bits
+`decode_attention` gives it alone (the split-invariant attention path, model/attention.py).
 Prefill (`prefill_attention`, bf16 on AVX512-BF16 CPUs): a fresh prompt's causal attention on
 packed key and value panels. `supports` / `prefill_supports` are False where the kernel is
 missing: callers keep the SDPA path.
@@ -30,6 +33,12 @@ def _load() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16", "decode_attention16_f32", "decode_attention16_bf16"):
         if hasattr(lib, name):       # the 16-lane kernels exist on AVX-512 CPUs only
             getattr(lib, name).argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
+            getattr(lib, name).restype = i64
+    for name in ("decode_attention_f32_rows", "decode_attention_bf16_rows", "decode_attention16_f32_rows",
+                 "decode_attention16_bf16_rows"):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64, f32,
+                                           i64, p]
             getattr(lib, name).restype = i64
     if hasattr(lib, "prefill_attention_bf16"):
         lib.prefill_attention_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64]
@@ -117,6 +126,63 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     if bad:
         raise _bad_table(bad - 1, kv_cache, tables, lens)
     return out
+
+
+def _check_rows(q: torch.Tensor, kv_cache: torch.Tensor, span_tables: torch.Tensor, spans: torch.Tensor,
+                seq_lens: torch.Tensor) -> None:
+    # q, the cache and seq_lens as for decode (a zero-width stand-in for the per-row tables)
+    _check_decode(q, kv_cache, torch.empty(q.shape[0] if q.dim() else 0, 0, dtype=torch.int64), seq_lens)
+    if span_tables.dtype != torch.int64 or span_tables.dim() != 2:
+        raise ValueError(f"stagewise rows attention: span_tables must be int64 [S, max_blocks]; got "
+                         f"{list(span_tables.shape)} {span_tables.dtype}.")
+    if spans.dtype != torch.int64 or spans.dim() != 1 or spans.numel() != span_tables.shape[0] + 1:
+        raise ValueError(f"stagewise rows attention: spans must be int64 [S + 1], one more than the table rows "
+                         f"({span_tables.shape[0]}); got {list(spans.shape)} {spans.dtype}.")
+
+
+def rows_attention(q: torch.Tensor, kv_cache: torch.Tensor, span_tables: torch.Tensor, spans: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query rows in spans that share a block table: q `[G, Hq, D]`, span_tables `[S, nblk]` int64,
+    spans `[S + 1]` int64 (rows spans[s] .. spans[s + 1], at most MAX_SPAN of them, read table row
+    s), seq_lens `[G]` int64 (each row's keys) -> `[G, Hq, D]`; row by row the bits of
+    `decode_attention`."""
+    return torch.ops.stagewise.rows_attention(q, kv_cache, span_tables, spans, seq_lens, scale)
+
+
+MAX_SPAN = 64       # rows of one span, at most (attention.c)
+
+
+def _rows(q: torch.Tensor, kv_cache: torch.Tensor, span_tables: torch.Tensor, spans: torch.Tensor,
+          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_rows(q, kv_cache, span_tables, spans, seq_lens)
+    g, hq, d = q.shape
+    _, nb, bs, hkv, _ = kv_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables, lens, spans = span_tables.contiguous(), seq_lens.contiguous(), spans.contiguous()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("The in-place attention kernel is not available on this machine.")
+    out = q.new_empty(g, hq, d)
+    n_spans = tables.shape[0]
+    per_seq = n_spans >= 2 * torch.get_num_threads()
+    name = "f32" if q.dtype == torch.float32 else "bf16"
+    fn = getattr(lib, f"decode_attention16_{name}_rows", None) if d % 16 == 0 else None
+    fn = fn or getattr(lib, f"decode_attention_{name}_rows")
+    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d, nb,
+             tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), g, spans.data_ptr(), n_spans,
+             hq, hkv, d, bs, scale, hkv if per_seq else 1, out.data_ptr())
+    if bad:
+        span = bad - 1
+        rows = spans.tolist()[span:span + 2]
+        raise ValueError(f"stagewise rows attention: span {span} of {n_spans} (rows {rows}, spans must rise from 0 "
+                         f"to {g} by 1..{MAX_SPAN}) has a row length outside 1..{tables.shape[1] * bs} "
+                         f"(lengths {lens[rows[0]:rows[-1]].tolist()}) or reads blocks outside 0..{nb - 1}.")
+    return out
+
+
+define("rows_attention(Tensor q, Tensor kv_cache, Tensor span_tables, Tensor spans, Tensor seq_lens, float scale) "
+       "-> Tensor", _rows, lambda q, *args: q.new_empty(q.shape))
 
 
 define("decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "

@@ -54,9 +54,12 @@ class AttentionMetadata:
     groups: list[_Group | _DecodeGroup] = field(default_factory=list)
     # (first row, length) of each prefill with no cached prefix: causal SDPA on its own rows
     causal_spans: list[tuple[int, int]] = field(default_factory=list)
-    # per live row, for steps that are not plain decode: its sequence's blocks [T, nblk] (0-padded)
-    # and the keys it attends [T] (its position + 1); the position-invariant path's arguments
-    row_block_ids: torch.Tensor | None = None
+    # for steps that are not plain decode, the split-invariant path's arguments: the live rows cut
+    # into spans of at most SPAN_ROWS rows of one sequence (`span_rows` [S + 1] row offsets), each
+    # span's block table (`span_block_ids` [S, nblk], 0-padded) and each row's keys (`row_lens`
+    # [T], its position + 1)
+    span_rows: torch.Tensor | None = None
+    span_block_ids: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
 
     @property
@@ -94,7 +97,12 @@ class AttentionMetadata:
             meta.groups.append(_prefill_group(cached_prefill, starts, q_lens, s_lens, tables, bs, meta.num_tokens,
                                               device))
         if not meta.is_plain_decode and meta.num_tokens:
-            meta.row_block_ids = tables[seq_of_row].to(device)                # [T, MB]
+            per_seq = -(-q_lens // SPAN_ROWS)                                 # [N] spans of each sequence
+            seq_of_span = torch.repeat_interleave(torch.arange(n), per_seq)   # [S]
+            first = torch.arange(seq_of_span.numel()) - (torch.cumsum(per_seq, 0) - per_seq)[seq_of_span]
+            begin = starts[seq_of_span] + first * SPAN_ROWS                   # [S] first row of each span
+            meta.span_rows = torch.cat([begin, torch.tensor([meta.num_tokens])]).to(device)
+            meta.span_block_ids = tables[seq_of_span].to(device)              # [S, MB]
             meta.row_lens = (pos + 1).to(device)                              # [T]
         return meta
 
@@ -111,6 +119,7 @@ def _padded_tables(seq_lens: list[int], block_tables: list[list[int]], bs: int) 
     return torch.tensor(rows, dtype=torch.long).view(len(rows), width)
 
 
+SPAN_ROWS = 16                 # rows of one sequence sharing the invariant kernel's key tiles (<= 64)
 MAX_DECODE_GROUPS = 4          # decode SDPA calls per layer at most
 MIN_SPLIT_SAVING = 0.2         # split a decode group only if it cuts the padded key area by this much
 
@@ -216,14 +225,15 @@ def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q
     if T == 0:
         return q.new_zeros(q.shape)
     write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
-    tables, lens = meta.row_block_ids, meta.row_lens
     if meta.is_plain_decode:               # one decode group, rows in batch order
         grp = meta.groups[0]
         assert isinstance(grp, _DecodeGroup)
-        tables, lens = grp.block_ids, grp.seq_lens
-    if tables is None or lens is None:
-        raise ValueError("invariant_paged_attention: the metadata has no per-row block tables.")
-    live = cpu_attention.decode_attention(q[:T], kv_cache, tables, lens, scale)
+        live = cpu_attention.decode_attention(q[:T], kv_cache, grp.block_ids, grp.seq_lens, scale)
+    elif meta.span_rows is None or meta.span_block_ids is None or meta.row_lens is None:
+        raise ValueError("invariant_paged_attention: the metadata has no per-row spans (built by hand?).")
+    else:
+        live = cpu_attention.rows_attention(q[:T], kv_cache, meta.span_block_ids, meta.span_rows, meta.row_lens,
+                                            scale)
     if q.shape[0] == T:
         return live
     out = q.new_zeros(q.shape)

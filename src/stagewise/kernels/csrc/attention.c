@@ -25,6 +25,7 @@ static int threads_for(int64_t bytes) {
 #define IDENT(x) (x)
 typedef int32_t v8i __attribute__((vector_size(32)));
 #define CHUNK 8          /* keys scored, and values summed, per pass over a [CHUNK, D] tile */
+#define MAX_SPAN 64      /* query rows sharing one task's key tiles, at most */
 
 /* e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, 2^n from the exponent bits and a
    degree-6 polynomial for e^r (Cephes' expf, ~1 ulp); 0 below -87 (under float32's normals).
@@ -110,18 +111,43 @@ static int64_t check_tables(const int64_t* tables, int64_t tab_stride, const int
     return 0;
 }
 
-/* One task per sequence and run of `hpt` KV heads (hpt = Hkv: a task per sequence, each key's
-   row of all its KV heads, [Hkv, D] contiguous in its block, read once and in order; hpt = 1: a
-   task per (sequence, KV head), for batches too small to keep every thread busy otherwise).
-   Keys come in chunks of CHUNK rows, widened to float32 once per KV head; every query head
-   sharing it scores the chunk (CHUNK independent 8-lane chains, reduced by one transposing tree),
-   a vectorised softmax per query head, then the values are summed chunk by chunk with those
-   weights. Each head's arithmetic is the same whatever hpt is, so results do not depend on it. */
+/* 0 if every span sp < S (rows spans[sp] .. spans[sp + 1], increasing, spans[0] = 0, spans[S] =
+   G) has rows of 1 <= seq_lens[m] <= nblk * bs keys and the blocks its longest row reads (the first
+   ceil(L / bs) entries of table row sp) lie in [0, num_blocks); else 1 + the first span that does not. */
+static int64_t check_spans(const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G,
+                           const int64_t* spans, int64_t S, int64_t nblk, int64_t num_blocks, int64_t bs) {
+    if (S < 1 || spans[0] != 0 || spans[S] != G) return 1;
+    for (int64_t sp = 0; sp < S; sp++) {
+        int64_t L = 0;
+        if (spans[sp + 1] <= spans[sp] || spans[sp + 1] - spans[sp] > MAX_SPAN) return sp + 1;
+        for (int64_t m = spans[sp]; m < spans[sp + 1]; m++) {
+            if (seq_lens[m] < 1 || seq_lens[m] > nblk * bs) return sp + 1;
+            L = seq_lens[m] > L ? seq_lens[m] : L;
+        }
+        for (int64_t i = 0; i < (L + bs - 1) / bs; i++) {
+            int64_t id = tables[sp * tab_stride + i];
+            if (id < 0 || id >= num_blocks) return sp + 1;
+        }
+    }
+    return 0;
+}
+
+/* One task per span of query rows and run of `hpt` KV heads. A span is up to MAX_SPAN rows that
+   read one block table (a decode call: every row its own span; the rows of one prompt chunk
+   share their sequence's table); each row has its own length. hpt = Hkv: each key's row of all
+   its KV heads, [Hkv, D] contiguous in its block, read once and in order; hpt = 1: a task per
+   (span, KV head), for calls too small to keep every thread busy otherwise.
+   Keys come in chunks of CHUNK rows aligned to position 0, widened to float32 once per KV head
+   and shared by the span's rows; every query head of every row scores the chunk (CHUNK
+   independent chains, reduced by one transposing tree), a vectorised softmax per row and query
+   head, then the values are summed chunk by chunk with those weights, a row's keys past its own
+   length taken as zeros. A row's arithmetic is the same whatever the span, hpt or thread split:
+   it depends only on its query, its length and its keys. */
 #define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                     \
 typedef struct {                                                                                    \
     const T *q, *k, *v;                                                                             \
     int64_t q_row, blk_stride, tab_stride;                                                          \
-    const int64_t *tables, *seq_lens;                                                               \
+    const int64_t *tables, *seq_lens, *spans;                                                       \
     int64_t Hq, Hkv, D, bs, hpt, grp, nd, runs, nq;                                                 \
     float scale;                                                                                    \
     T* out;                                                                                         \
@@ -130,76 +156,118 @@ static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                   
     const NAME##_job* j_ = (const NAME##_job*)ctx;                                                  \
     const T *q = j_->q, *k = j_->k, *v = j_->v;                                                     \
     int64_t q_row = j_->q_row, blk_stride = j_->blk_stride, tab_stride = j_->tab_stride;            \
-    const int64_t *tables = j_->tables, *seq_lens = j_->seq_lens;                                   \
+    const int64_t *tables = j_->tables, *seq_lens = j_->seq_lens, *spans = j_->spans;               \
     int64_t Hq = j_->Hq, Hkv = j_->Hkv, D = j_->D, bs = j_->bs, hpt = j_->hpt, grp = j_->grp;      \
     int64_t nd = j_->nd;                                                                            \
     int64_t runs = j_->runs, nq = j_->nq;                                                           \
     float scale = j_->scale;                                                                        \
     T* out = j_->out;                                                                               \
     for (int64_t t = t0; t < t1; t++) {                                                             \
-        int64_t b = t / runs, h0 = (t % runs) * hpt, L = seq_lens[b];                               \
-        int64_t Lp = (L + CHUNK - 1) / CHUNK * CHUNK;                                               \
-        VT* qv = (VT*)aligned_alloc(64, sizeof(VT) * (size_t)(2 * nq * nd + CHUNK * nd + nq * Lp / 8 + 1)); \
-        VT* acc = qv + nq * nd;                                                                     \
-        VT* tile = acc + nq * nd;                                                                   \
-        float* s = (float*)(tile + CHUNK * nd);                                                     \
-        const T* qb = q + b * q_row + h0 * grp * D;                                                 \
-        for (int64_t i = 0; i < nq; i++)                                                            \
-            for (int64_t c = 0; c < nd; c++) {                                                      \
-                qv[i * nd + c] = LD(qb + i * D + LANES * c) * scale;                                \
-                acc[i * nd + c] = (VT){0};                                                          \
-            }                                                                                       \
+        int64_t b = t / runs, h0 = (t % runs) * hpt;          /* b: the span, its table row */      \
+        int64_t m0 = spans ? spans[b] : b, nr = spans ? spans[b + 1] - m0 : 1, L = 0;               \
+        for (int64_t m = 0; m < nr; m++) L = seq_lens[m0 + m] > L ? seq_lens[m0 + m] : L;           \
+        int64_t Lp = (L + CHUNK - 1) / CHUNK * CHUNK;     /* the tiles hold keys [0, L): the longest row */ \
+        VT* qv = (VT*)aligned_alloc(64, sizeof(VT) * (size_t)(2 * nr * nq * nd + (CHUNK + 1) * nd       \
+                                                              + nr * nq * Lp / 8 + 1));             \
+        VT* acc = qv + nr * nq * nd;                                                                \
+        VT* tile = acc + nr * nq * nd;                                                              \
+        VT* zero = tile + CHUNK * nd;                                                               \
+        float* s = (float*)(zero + nd);                   /* [nr, nq, Lp] */                        \
+        for (int64_t c = 0; c < nd; c++) zero[c] = (VT){0};                                         \
+        for (int64_t m = 0; m < nr; m++) {                                                          \
+            const T* qb = q + (m0 + m) * q_row + h0 * grp * D;                                      \
+            for (int64_t i = 0; i < nq; i++)                                                        \
+                for (int64_t c = 0; c < nd; c++) {                                                  \
+                    qv[(m * nq + i) * nd + c] = LD(qb + i * D + LANES * c) * scale;                 \
+                    acc[(m * nq + i) * nd + c] = (VT){0};                                           \
+                }                                                                                   \
+        }                                                                                           \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
             const T* rp[CHUNK];                                                                     \
             CHUNK_ROWS(T, k, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
                 WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
-                for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
-                    VT dot[CHUNK] = {{0}};                                                          \
-                    v8 part[CHUNK];                                                                 \
-                    for (int64_t c = 0; c < nd; c++) {                                              \
-                        VT qc = qv[i * nd + c];                                                     \
-                        for (int r = 0; r < CHUNK; r++) dot[r] = FMA(qc, tile[r * nd + c], dot[r]); \
+                for (int64_t m = 0; m < nr; m++) {                                                  \
+                    if (j0 >= seq_lens[m0 + m]) continue;     /* past this row's keys */            \
+                    for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                 \
+                        const VT* qi = qv + (m * nq + i) * nd;                                      \
+                        VT dot[CHUNK] = {{0}};                                                      \
+                        v8 part[CHUNK];                                                             \
+                        for (int64_t c = 0; c < nd; c++) {                                          \
+                            VT qc = qi[c];                                                          \
+                            for (int r = 0; r < CHUNK; r++) dot[r] = FMA(qc, tile[r * nd + c], dot[r]); \
+                        }                                                                           \
+                        for (int r = 0; r < CHUNK; r++) part[r] = FOLD(dot[r]);                     \
+                        *(v8*)(s + (m * nq + i) * Lp + j0) = hsum8x8(part);                         \
                     }                                                                               \
-                    for (int r = 0; r < CHUNK; r++) part[r] = FOLD(dot[r]);                         \
-                    *(v8*)(s + i * Lp + j0) = hsum8x8(part);                                        \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        for (int64_t i = 0; i < nq; i++) softmax_row(s + i * Lp, L, Lp);                            \
+        for (int64_t m = 0; m < nr; m++) {                                                          \
+            int64_t Lm = seq_lens[m0 + m];                                                          \
+            for (int64_t i = 0; i < nq; i++)                                                        \
+                softmax_row(s + (m * nq + i) * Lp, Lm, (Lm + CHUNK - 1) / CHUNK * CHUNK);           \
+        }                                                                                           \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
             const T* rp[CHUNK];                                                                     \
             CHUNK_ROWS(T, v, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
                 WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
-                for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                     \
-                    VT w[CHUNK];                                                                    \
-                    for (int r = 0; r < CHUNK; r++) w[r] = (VT){0} + s[i * Lp + j0 + r];            \
-                    for (int64_t c = 0; c < nd; c++) {                                              \
-                        VT a = acc[i * nd + c];                                                     \
-                        for (int r = 0; r < CHUNK; r++) a = FMA(w[r], tile[r * nd + c], a);         \
-                        acc[i * nd + c] = a;                                                        \
+                for (int64_t m = 0; m < nr; m++) {                                                  \
+                    int64_t left = seq_lens[m0 + m] - j0;                                           \
+                    if (left <= 0) continue;                                                        \
+                    const VT* tr[CHUNK];                  /* keys past the row's length: zeros */   \
+                    for (int r = 0; r < CHUNK; r++) tr[r] = r < left ? tile + r * nd : zero;        \
+                    for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                 \
+                        VT w[CHUNK];                                                                \
+                        VT* ai = acc + (m * nq + i) * nd;                                           \
+                        for (int r = 0; r < CHUNK; r++) w[r] = (VT){0} + s[(m * nq + i) * Lp + j0 + r]; \
+                        for (int64_t c = 0; c < nd; c++) {                                          \
+                            VT a = ai[c];                                                           \
+                            for (int r = 0; r < CHUNK; r++) a = FMA(w[r], tr[r][c], a);             \
+                            ai[c] = a;                                                              \
+                        }                                                                           \
                     }                                                                               \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        T* ob = out + (b * Hq + h0 * grp) * D;                                                      \
-        for (int64_t i = 0; i < nq; i++)                                                            \
-            for (int64_t c = 0; c < nd; c++)                                                        \
-                for (int d = 0; d < LANES; d++) ob[i * D + LANES * c + d] = STORE(acc[i * nd + c][d]); \
+        for (int64_t m = 0; m < nr; m++) {                                                          \
+            T* ob = out + ((m0 + m) * Hq + h0 * grp) * D;                                           \
+            for (int64_t i = 0; i < nq; i++)                                                        \
+                for (int64_t c = 0; c < nd; c++)                                                    \
+                    for (int d = 0; d < LANES; d++)                                                 \
+                        ob[i * D + LANES * c + d] = STORE(acc[(m * nq + i) * nd + c][d]);           \
+        }                                                                                           \
         free(qv);                                                                                   \
     }                                                                                               \
+}                                                                                                   \
+static void NAME##_run(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,       \
+                       const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G, \
+                       const int64_t* spans, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, \
+                       float scale, int64_t hpt, T* out) {                                          \
+    int64_t grp = Hq / Hkv, keys = 0;                                                               \
+    NAME##_job job = {q, k, v, q_row, blk_stride, tab_stride, tables, seq_lens, spans, Hq, Hkv, D, bs, \
+                      hpt, grp, D / LANES, Hkv / hpt, hpt * grp, scale, out};                       \
+    for (int64_t b = 0; b < G; b++) keys += seq_lens[b];                                            \
+    parallel_for(NAME##_tasks, &job, S * job.runs, threads_for(keys * Hkv * D * 2 * (int64_t)sizeof(T))); \
 }                                                                                                   \
 int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks, \
              const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,  \
              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
     int64_t bad = check_tables(tables, tab_stride, seq_lens, G, nblk, num_blocks, bs);              \
     if (bad) return bad;                                                                            \
-    int64_t grp = Hq / Hkv, keys = 0;                                                               \
-    NAME##_job job = {q, k, v, q_row, blk_stride, tab_stride, tables, seq_lens, Hq, Hkv, D, bs, hpt,  \
-                      grp, D / LANES, Hkv / hpt, hpt * grp, scale, out};                            \
-    for (int64_t b = 0; b < G; b++) keys += seq_lens[b];                                            \
-    parallel_for(NAME##_tasks, &job, G * job.runs, threads_for(keys * Hkv * D * 2 * (int64_t)sizeof(T))); \
+    NAME##_run(q, q_row, k, v, blk_stride, tables, tab_stride, seq_lens, G, NULL, G, Hq, Hkv, D, bs, scale, \
+               hpt, out);                                                                           \
+    return 0;                                                                                       \
+}                                                                                                   \
+int64_t NAME##_rows(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,           \
+                    int64_t num_blocks, const int64_t* tables, int64_t tab_stride, int64_t nblk,    \
+                    const int64_t* seq_lens, int64_t G, const int64_t* spans, int64_t S, int64_t Hq, \
+                    int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {        \
+    int64_t bad = check_spans(tables, tab_stride, seq_lens, G, spans, S, nblk, num_blocks, bs);     \
+    if (bad) return bad;                                                                            \
+    NAME##_run(q, q_row, k, v, blk_stride, tables, tab_stride, seq_lens, G, spans, S, Hq, Hkv, D, bs, scale, \
+               hpt, out);                                                                           \
     return 0;                                                                                       \
 }
 

@@ -20,6 +20,19 @@ int64_t decode_attention_f32(STAGEWISE_DECODE_ARGS(float));
 int64_t decode_attention_bf16(STAGEWISE_DECODE_ARGS(uint16_t));
 int64_t decode_attention16_f32(STAGEWISE_DECODE_ARGS(float));
 int64_t decode_attention16_bf16(STAGEWISE_DECODE_ARGS(uint16_t));
+/* The same per row, for rows in spans that share a block table: rows spans[s] .. spans[s + 1]
+   (at most 64) read table row s; seq_lens [G] is per row. A row's result is the bits the decode
+   entry gives it alone. Returns 0, or 1 + the first span whose rows, lengths or blocks are out of
+   range (nothing is read then). */
+#define STAGEWISE_ROWS_ARGS(T)                                                                      \
+    const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks,      \
+    const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,    \
+    const int64_t* spans, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,   \
+    int64_t hpt, T* out
+int64_t decode_attention_f32_rows(STAGEWISE_ROWS_ARGS(float));
+int64_t decode_attention_bf16_rows(STAGEWISE_ROWS_ARGS(uint16_t));
+int64_t decode_attention16_f32_rows(STAGEWISE_ROWS_ARGS(float));
+int64_t decode_attention16_bf16_rows(STAGEWISE_ROWS_ARGS(uint16_t));
 /* causal attention of one fresh prompt: q [n, Hq, D] (row stride q_row), k, v [n, Hkv, D] (row
    stride kv_row) -> out [n, Hq, D] (row stride o_row); D % 16 == 0 */
 void prefill_attention_bf16(const uint16_t* q, int64_t q_row, const uint16_t* k, const uint16_t* v, int64_t kv_row,
