@@ -253,12 +253,12 @@ def _attention(dtype: torch.dtype, head_dim: int) -> list[KernelInfo]:
                             note=_ops_note("attention"))
     else:
         decode = KernelInfo("attention_decode", TORCH, op="sdpa", reason="no_kernel", note=f"no kernel for {what}")
-    # NOTE: model/attention.py may send every row of a prefill through the decode kernel (its
+    # NOTE: model/attention.py may attend every row of a prefill as a decode row (its
     # INVARIANT switch); read, not imported (kernels/ imports nothing of model/)
     invariant = getattr(sys.modules.get("stagewise.model.attention"), "INVARIANT", False)
     if decode.impl == C and invariant:
         prefill = replace(decode, family="attention_prefill", note=", ".join(
-            x for x in ("the decode kernel per row", decode.note) if x))
+            x for x in ("each row as a decode row", decode.note) if x))
     elif attention.prefill_supports(q, q):
         prefill = KernelInfo("attention_prefill", C, isa="avx512_bf16" if "avx512_bf16" in built else
                              _vector_isa(built), op="sdpa", note="fresh prompts; cached prefixes on sdpa")
