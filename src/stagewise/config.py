@@ -136,6 +136,10 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
     chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
+    invariant_attention: bool = flag(False, "attend every row of a prefill or verify step with the per-row decode "
+                                     "kernel: chunk size, prefix-cache hits, the step budget and speculation then "
+                                     "leave token ids and logprob bits unchanged (docs/determinism.md); prefills "
+                                     "over 512 tokens take longer")
     # the prefix cache's disk tier (docs/kv-cache.md)
     kv_cache_disk: int | None = flag(None, "disk bytes the prefix cache may keep KV pages in, e.g. 20GiB, split "
                                      "over the stages by their layers; pages survive restarts (default: off — they "

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from stagewise.kernels import attention as cpu_attention
 from stagewise.kernels import build
+from stagewise.model import attention as model_attention
 from stagewise.model.attention import AttentionMetadata, ForwardBatch, invariant_paged_attention, sdpa_paged_attention
 
 pytestmark = pytest.mark.skipif(build.mode() == "off", reason="STAGEWISE_KERNELS=off")
@@ -172,7 +173,9 @@ def test_invariant_attention_rows_do_not_depend_on_the_batch():
 
 
 def test_engine_attention_takes_the_invariant_path(monkeypatch):
-    """Steps that are not plain decode go through `invariant_paged_attention` (one kernel call)."""
+    """With INVARIANT (the engine's invariant_attention), steps that are not plain decode go through
+    `invariant_paged_attention` (one kernel call)."""
+    monkeypatch.setattr(model_attention, "INVARIANT", True)
     calls = []
     real = cpu_attention.rows_attention
     monkeypatch.setattr(cpu_attention, "rows_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))

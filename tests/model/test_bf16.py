@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from stagewise import LLM, SamplingParams
 from stagewise.kernels import attention as cpu_attention
-from stagewise.model import attention as model_attention
 from stagewise.model import cpu_gemm as model_gemm
 from stagewise.model import gpt2
 
@@ -39,10 +38,8 @@ def hf_logits(model_dir, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
 def test_prefill_logits_sit_inside_bf16_noise_of_hf_bf16(family_dir, eager_pipeline, monkeypatch):
     """SDPA here, as in HF: the bf16 prefill attention kernel sums in another order (one bf16 ulp
     apart on an attention output, which the tiny random models amplify to about one noise); its
-    own test holds it to SDPA's accuracy against float32. The split-invariant per-row attention
-    (float32 inside) is kept out too: as close to float32 as HF bf16, but not to HF bf16's bits."""
+    own test holds it to SDPA's accuracy against float32."""
     monkeypatch.setattr(cpu_attention, "prefill_supports", lambda q, k: False)
-    monkeypatch.setattr(model_attention, "INVARIANT", False)
     pipe = eager_pipeline(family_dir, dtype=torch.bfloat16)
     for ids in PROMPTS:
         ours = pipe.prefill_logits(ids).float()
@@ -60,14 +57,12 @@ def test_bf16_prefill_is_hf_bf16_bit_for_bit(family_dir, eager_pipeline, monkeyp
     dtype, GPT-2's gelu formula op by op), so a one-chunk prefill gives HF bf16's logits exactly.
     The GEMMs are torch's bf16 F.linear, as in HF: the small-row kernel sums in another order, and on
     CPUs without native bf16 the engine widens bf16 weights to float32 for MKL (their own tests
-    bound both), so they are kept out here, and so are the packed weights, the bf16 prefill
-    attention kernel (it rounds the probabilities where SDPA's math does not) and the
-    split-invariant per-row attention (float32 inside, rounded once: SDPA's causal path instead)."""
+    bound both), so they are kept out here, and so are the packed weights and the bf16 prefill
+    attention kernel (it rounds the probabilities where SDPA's math does not)."""
     monkeypatch.setattr(model_gemm, "linear", F.linear)     # Linear layers and the LM head
     monkeypatch.setattr(gpt2, "linear", F.linear)
     monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")
     monkeypatch.setattr(cpu_attention, "prefill_supports", lambda q, k: False)
-    monkeypatch.setattr(model_attention, "INVARIANT", False)
     pipe = eager_pipeline(family_dir, dtype=torch.bfloat16)
     for ids in PROMPTS:
         assert torch.equal(pipe.prefill_logits(ids).float(), hf_logits(family_dir, ids, torch.bfloat16))

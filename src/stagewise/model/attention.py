@@ -193,19 +193,21 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.T
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
-# Every live row through the one per-row kernel (see `invariant_paged_attention`): a row's bits
-# depend only on its query, the keys at positions 0..pos and the model, never on how the prompt was
-# cut into chunks. False: the older split paths (SDPA within a fresh prompt's chunk, the bf16
-# prefill kernel, SDPA over gathered KV for continued prefills), which sum in other orders.
-INVARIANT = True
+# True: every live row through the one per-row kernel (see `invariant_paged_attention`): a row's
+# bits depend only on its query, the keys at positions 0..pos and the model, never on how the
+# prompt was cut into chunks. False (the default): the split paths (SDPA within a fresh prompt's
+# chunk, the bf16 prefill kernel, SDPA over gathered KV for continued prefills), which sum in other
+# orders but are faster on long prompts. Set per process from EngineConfig.invariant_attention
+# when a stage is built (runtime/setup.py).
+INVARIANT = False
 
 
 def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """What the engine runs. Where the CPU kernel serves the dtype and head size: one-token
-    sequences are attended in place (no KV gather), and with `INVARIANT` (the default) every other
-    row too (`invariant_paged_attention`). Elsewhere `sdpa_paged_attention`, with fresh prompts on
-    the CPU prefill kernel where it is available."""
+    sequences are attended in place (no KV gather), and with `INVARIANT` (the engine's
+    `invariant_attention`) every other row too (`invariant_paged_attention`). Elsewhere
+    `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available."""
     in_place = cpu_attention.supports(q, kv_cache)
     if in_place and INVARIANT and not meta.is_plain_decode:
         return invariant_paged_attention(meta, kv_cache, q, k, v, scale)

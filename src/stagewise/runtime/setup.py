@@ -14,6 +14,7 @@ import torch
 from ..checkpoint import load_hf_config, max_model_len
 from ..config import EngineConfig
 from ..graph.policy import policy_for
+from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
 from ..model.quantized import weight_bytes
@@ -76,6 +77,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
         # NOTE: every rank gathers the logits, so every rank's sampler draws the same tokens
         tensor_parallel.connect(model, tp_group, logits_to=-1)
     policy = policy_for(config, device.type)
+    model_attention.INVARIANT = config.invariant_attention   # process-wide: one engine's stages per process
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))
