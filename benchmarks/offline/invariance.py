@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         *(["_--quick smoke run: numbers not representative._"] if args.quick else []),
     ])
     print(text)
-    print(f"\nwritten to {write_result('invariance', text, args.quick)}")
+    print(f"\nwritten to {write_result('invariance-2026-12', text, args.quick)}")
     return 0
 
 
