@@ -18,6 +18,7 @@ import random
 import pytest
 
 from stagewise import LLM, SamplingParams
+from stagewise.kernels import attention as cpu_attention
 
 LENGTHS = (3, 9, 24, 57, 101, 190)     # 384 tokens together: one step at chunked_prefill_size 512
 MAX_TOKENS = 24
@@ -78,6 +79,8 @@ def dtype(request) -> str:
 
 @pytest.fixture(scope="module", params=["default", "invariant"])
 def mode(request) -> dict:
+    if request.param == "invariant" and not cpu_attention.available():
+        pytest.skip("invariant_attention needs the C attention kernel (STAGEWISE_KERNELS=off or no compiler)")
     return {"invariant_attention": request.param == "invariant"}
 
 
