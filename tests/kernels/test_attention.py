@@ -123,6 +123,12 @@ def test_engine_attention_uses_the_kernel(monkeypatch):
     assert calls == [1]
 
 
+@pytest.fixture
+def invariant(monkeypatch):
+    """INVARIANT on (as with the engine's invariant_attention): metadata carries the per-row spans."""
+    monkeypatch.setattr(model_attention, "INVARIANT", True)
+
+
 def _chunked(n, cuts, dtype, d, seed=3):
     """One prompt of n rows attended as chunks ending at `cuts` (+ n) through `invariant_paged_attention`;
     the rows in prompt order."""
@@ -140,7 +146,7 @@ def _chunked(n, cuts, dtype, d, seed=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [24, 32])       # 8-lane vectors; 16 lanes on AVX-512 CPUs
-def test_invariant_attention_does_not_depend_on_the_chunks(dtype, d):
+def test_invariant_attention_does_not_depend_on_the_chunks(dtype, d, invariant):
     """A prompt of 57 rows in one chunk, in chunks of 16 and of 7, and with a decode-sized last chunk:
     every row the same bits (and close to causal SDPA)."""
     whole, (q, k, v) = _chunked(57, [], dtype, d)
@@ -152,7 +158,7 @@ def test_invariant_attention_does_not_depend_on_the_chunks(dtype, d):
     torch.testing.assert_close(whole.float(), ref, rtol=tol, atol=tol)
 
 
-def test_invariant_attention_rows_do_not_depend_on_the_batch():
+def test_invariant_attention_rows_do_not_depend_on_the_batch(invariant):
     """A mixed step (decode rows, a continued prefill, a fresh prompt, padding rows): each row equals
     the same query attended alone as a one-token decode, and padding rows are zero."""
     query_lens, seq_lens = [1, 6, 1, 9], [20, 30, 77, 9]
@@ -172,10 +178,9 @@ def test_invariant_attention_rows_do_not_depend_on_the_batch():
             row += 1
 
 
-def test_engine_attention_takes_the_invariant_path(monkeypatch):
+def test_engine_attention_takes_the_invariant_path(monkeypatch, invariant):
     """With INVARIANT (the engine's invariant_attention), steps that are not plain decode go through
     `invariant_paged_attention` (one kernel call)."""
-    monkeypatch.setattr(model_attention, "INVARIANT", True)
     calls = []
     real = cpu_attention.rows_attention
     monkeypatch.setattr(cpu_attention, "rows_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -54,7 +54,7 @@ class AttentionMetadata:
     groups: list[_Group | _DecodeGroup] = field(default_factory=list)
     # (first row, length) of each prefill with no cached prefix: causal SDPA on its own rows
     causal_spans: list[tuple[int, int]] = field(default_factory=list)
-    # for steps that are not plain decode, the split-invariant path's arguments: the live rows cut
+    # with INVARIANT, for steps that are not plain decode, the invariant path's arguments: the live rows cut
     # into spans of at most SPAN_ROWS rows of one sequence (`span_rows` [S + 1] row offsets), each
     # span's block table (`span_block_ids` [S, nblk], 0-padded) and each row's keys (`row_lens`
     # [T], its position + 1)
@@ -96,7 +96,7 @@ class AttentionMetadata:
         if cached_prefill:
             meta.groups.append(_prefill_group(cached_prefill, starts, q_lens, s_lens, tables, bs, meta.num_tokens,
                                               device))
-        if not meta.is_plain_decode and meta.num_tokens:
+        if INVARIANT and not meta.is_plain_decode and meta.num_tokens:    # the invariant path's spans
             per_seq = -(-q_lens // SPAN_ROWS)                                 # [N] spans of each sequence
             seq_of_span = torch.repeat_interleave(torch.arange(n), per_seq)   # [S]
             first = torch.arange(seq_of_span.numel()) - (torch.cumsum(per_seq, 0) - per_seq)[seq_of_span]
@@ -209,7 +209,7 @@ def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Te
     `invariant_attention`) every other row too (`invariant_paged_attention`). Elsewhere
     `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available."""
     in_place = cpu_attention.supports(q, kv_cache)
-    if in_place and INVARIANT and not meta.is_plain_decode:
+    if in_place and INVARIANT and meta.span_rows is not None:      # spans: built with INVARIANT on
         return invariant_paged_attention(meta, kv_cache, q, k, v, scale)
     return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=in_place,
                                 prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k))
@@ -232,7 +232,7 @@ def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q
         assert isinstance(grp, _DecodeGroup)
         live = cpu_attention.decode_attention(q[:T], kv_cache, grp.block_ids, grp.seq_lens, scale)
     elif meta.span_rows is None or meta.span_block_ids is None or meta.row_lens is None:
-        raise ValueError("invariant_paged_attention: the metadata has no per-row spans (built by hand?).")
+        raise ValueError("invariant_paged_attention: the metadata has no per-row spans (built with INVARIANT off).")
     else:
         live = cpu_attention.rows_attention(q[:T], kv_cache, meta.span_block_ids, meta.span_rows, meta.row_lens,
                                             scale)
