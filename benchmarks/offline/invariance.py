@@ -144,7 +144,3 @@ def main(argv=None) -> int:
     print(text)
     print(f"\nwritten to {write_result('invariance-2026-12', text, args.quick)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
