@@ -15,7 +15,8 @@ from .messages import split_images
 
 
 class Idefics3Encoder(VisionEncoder):
-    def __init__(self, model_dir: str | Path, limits: ImageLimits | None = None):   # noqa: super() not called
+    # NOTE: VisionEncoder.__init__ is not called: this encoder sets its own fields
+    def __init__(self, model_dir: str | Path, limits: ImageLimits | None = None):
         from transformers import AutoConfig, AutoProcessor
         from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
         self.config = cfg = AutoConfig.from_pretrained(str(model_dir))
