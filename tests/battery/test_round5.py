@@ -36,7 +36,7 @@ def limited(llama_dir, tmp_path_factory):
 
 
 def test_a_burst_is_refused_early_with_flat_memory(limited, long_run):
-    total = 5000 if long_run else 400          # CI: tests/server/test_overload_burst.py sends 1,000
+    total = 5000 if long_run else 400          # CI: tests/server/test_overload_burst.py sends 2,000
     before = tree_pss_bytes(limited.proc.pid)
     outs, health = run_burst(limited.url, total, KEYS, 64)
     after = tree_pss_bytes(limited.proc.pid)
