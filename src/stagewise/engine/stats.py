@@ -113,9 +113,9 @@ class EngineStats:
 
     def kernels(self, executor) -> list[dict]:
         """Which kernels each stage runs (kernels/report.py), as each stage reported it at start-up."""
-        report = getattr(executor, "kernels", None)
+        report = executor.kernels
         if self._kernels[0] is not report:           # a rebuilt pipeline reports its own
-            self._kernels = (report, as_dicts(report or []))
+            self._kernels = (report, as_dicts(report))
         return self._kernels[1]
 
     def snapshot(self, scheduler, executor) -> dict:

@@ -21,6 +21,7 @@ class Executor(Protocol):
     generation: int | None       # across nodes, the pipeline's generation in the cluster's store
     layout: tuple[int, ...]      # the node of each stage
     partition: tuple[int, ...]   # the layers of each stage
+    kernels: list                # which kernels each stage runs (kernels.report.KernelInfo), from its start
 
     def submit(self, plan: StepPlan) -> None: ...
     def collect(self) -> StepResult: ...          # the oldest submitted plan's result (FIFO)

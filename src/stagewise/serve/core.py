@@ -66,7 +66,7 @@ def engine_main(config, engine_factory, log_level: int, inbox: Connection, outbo
     _thread_lock_for_progress_bars()
     code = 1
     try:
-        code = serve(config, engine_factory, inbox, outbox)
+        code = serve(config, engine_factory, inbox, outbox, own_process=True)
     finally:
         exit_now(code)        # skips interpreter teardown (seconds with torch loaded)
 
@@ -81,9 +81,10 @@ def _thread_lock_for_progress_bars() -> None:
     tqdm.tqdm.set_lock(threading.RLock())
 
 
-def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
+def serve(config, engine_factory, inbox: Connection, outbox: Connection, own_process: bool = False) -> int:
     """Build the engine with `engine_factory(config)`, say ready (or why not), serve until stopped.
-    Returns the exit code: 0 stopped, 1 failed."""
+    Returns the exit code: 0 stopped, 1 failed. `own_process`: the engine process (its heap is
+    frozen once loaded; a core thread leaves its host process's collector alone)."""
     try:
         engine = engine_factory(config)
         ready = EngineReady(engine_facts(engine), engine.stats())
@@ -92,7 +93,8 @@ def serve(config, engine_factory, inbox: Connection, outbox: Connection) -> int:
             log.exception("the engine failed to start")
         _send_quietly(outbox, EngineFailed(ErrorRecord.of(exc)))
         return 1
-    freeze_heap()
+    if own_process:
+        freeze_heap()
     _send_quietly(outbox, ready)
     return EngineCore(engine, inbox, outbox).run()
 

@@ -59,7 +59,6 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        freeze_heap()
         log.info("serving %s as %r (max_model_len %d)", model_path, name, serving.max_model_len)
         yield
         log.info("shutting down: stopping the engine")
@@ -175,6 +174,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None, *, lo
     try:
         app = build_app(engine, options, limits_of(config))
         uv_config = uvicorn_config(app, options.host, options.port, log_level)
+        freeze_heap()          # this process's own: what it loaded leaves the collector's scans
         DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
     finally:
         engine.stop()          # a no-op after the lifespan hook; needed if uvicorn failed to start
