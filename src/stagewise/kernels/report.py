@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import build
@@ -268,10 +268,7 @@ def _attention(dtype: torch.dtype, head_dim: int) -> list[KernelInfo]:
 
 
 def _comm(group: Any, hypothetical: bool) -> KernelInfo:
-    if hypothetical:
-        lib = _comm_lib()
-    else:
-        lib = _comm_lib() if type(group).__name__ == "ShmGroup" else None
+    lib = _comm_lib() if hypothetical or type(group).__name__ == "ShmGroup" else None
     if lib is None:
         reason, note = _why_missing("comm")
         if not hypothetical and build.mode() != "off" and "comm" not in build.failures:
@@ -297,8 +294,7 @@ def _team() -> KernelInfo:
 
 def as_dicts(report: list[KernelInfo]) -> list[dict]:
     """The report as plain dicts (the engine's stats snapshot)."""
-    return [dict(family=k.family, impl=k.impl, isa=k.isa, op=k.op, reason=k.reason, note=k.note, stage=k.stage)
-            for k in report]
+    return [asdict(k) for k in report]
 
 
 def summary(kernels: list[dict]) -> str:

@@ -274,8 +274,8 @@ def connect(model: Any, group: Group, logits_to: int = 0) -> nn.Module:
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
         if style in (ROW, OUT):
             ins, outs = model.__dict__["tp_gathers"][path]
-            module.register_forward_pre_hook(_gather_input(group, ins))
-            module.register_forward_hook(_gather_output(group, outs))
+            module.register_forward_pre_hook(lambda _m, args, c=ins: (_gather_columns(group, args[0], c), *args[1:]))
+            module.register_forward_hook(lambda _m, _args, out, c=outs: _gather_columns(group, out, c))
         elif style == VOCAB and hasattr(module, "num_embeddings"):       # the token embedding
             module.forward = _vocab_lookup(module, group)
     base = model.compute_logits
@@ -302,27 +302,17 @@ class Clocked:
         return out
 
 
-def _gather_columns(group: Any, x: torch.Tensor, counts: tuple[int, ...] | None) -> torch.Tensor:
-    """Every rank's columns of `x [..., C_r]` side by side, in rank order (`counts`: each rank's C_r
-    where they differ, padded to the widest for the gather; None: all alike)."""
+def _gather_columns(group: Any, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """Every rank's columns of `x [..., C_r]` side by side, in rank order (`counts`: each rank's C_r;
+    where they differ, each is padded to the widest for the gather)."""
     rows = x.reshape(-1, x.shape[-1])
-    width = max(counts) if counts else rows.shape[1]
+    width = max(counts)
     if rows.shape[1] < width:
         rows = F.pad(rows, (0, width - rows.shape[1]))
     out = group.all_gather(rows.contiguous())
-    if counts and any(c != width for c in counts):
+    if any(c != width for c in counts):
         out = torch.cat([out[:, r * width:r * width + c] for r, c in enumerate(counts)], dim=1)
     return out.view(*x.shape[:-1], out.shape[1])
-
-
-def _gather_input(group: Any, counts: tuple[int, ...]) -> Callable[..., tuple]:
-    uneven = counts if len(set(counts)) > 1 else None
-    return lambda _m, args: (_gather_columns(group, args[0], uneven), *args[1:])
-
-
-def _gather_output(group: Any, counts: tuple[int, ...]) -> Callable[..., torch.Tensor]:
-    uneven = counts if len(set(counts)) > 1 else None
-    return lambda _m, _args, out: _gather_columns(group, out, uneven)
 
 
 def _vocab_lookup(module: Any, group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
