@@ -125,10 +125,10 @@ def test_sizes_and_lists_share_one_rule_and_one_sentence(capsys, args, message):
 def test_generate_compiles_only_jobs_that_can_win_it_back():
     from stagewise.cli import GENERATE_COMPILE_MIN_TOKENS, _small_jobs_skip_compiling
     from stagewise.config import EngineConfig
-    auto = EngineConfig(model="x")
-    assert _small_jobs_skip_compiling(auto, 64).prefill_graph == "off"
-    assert _small_jobs_skip_compiling(auto, GENERATE_COMPILE_MIN_TOKENS).prefill_graph == "auto"
-    assert _small_jobs_skip_compiling(auto.replace(prefill_graph="compiled"), 64).prefill_graph == "compiled"
+    auto = EngineConfig.from_kwargs(model="x")
+    assert _small_jobs_skip_compiling(auto, 64).graphs.prefill_graph == "off"
+    assert _small_jobs_skip_compiling(auto, GENERATE_COMPILE_MIN_TOKENS).graphs.prefill_graph == "auto"
+    assert _small_jobs_skip_compiling(auto.replace(prefill_graph="compiled"), 64).graphs.prefill_graph == "compiled"
 
 
 def _cluster_rows(out: str) -> list[list[str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stagewise.cli import build_parser
+from stagewise.cli import build_parser, engine_config_of
 from stagewise.cli_flags import values_of
 from stagewise.config import EngineConfig
 from stagewise.server.options import ServerOptions
@@ -95,7 +95,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, EngineConfig]:
         pytest.fail(f"not a valid stagewise command (see the error above): stagewise {shlex.join(argv)}")
     assert args.command == "serve", argv
     ServerOptions(**values_of(ServerOptions, args))
-    return args, EngineConfig(**values_of(EngineConfig, args))
+    return args, engine_config_of(args)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -157,8 +157,8 @@ def test_the_leader_worker_set_starts_one_pipeline_per_group():
         assert re.fullmatch(r"\$\{?LWS_WORKER_INDEX\}?", _flag(argv, "--node-rank"))
         assert re.fullmatch(r"\$\{?LWS_LEADER_ADDRESS\}?", _flag(argv, "--master-addr"))
         _, config = _parse(argv)
-        assert config.nnodes == size and config.pp_size % size == 0
-        assert config.min_nodes is not None and config.min_nodes < size
+        assert config.cluster.nnodes == size and config.parallel.pp_size % size == 0
+        assert config.cluster.min_nodes is not None and config.cluster.min_nodes < size
         configs[role] = config.replace(node_rank=0)
     assert configs["leaderTemplate"] == configs["workerTemplate"], "every node runs the same command line"
 
@@ -195,5 +195,5 @@ def test_the_slurm_script_starts_one_node_per_task():
     # each task expands its own rank: the command is in single quotes, not expanded by the batch shell
     assert re.search(r"'[^']*--node-rank \"?\$\{?SLURM_(NODEID|PROCID)\b[^']*'", script)
     _, config = _parse(argv)
-    assert config.nnodes == nodes and config.pp_size % nodes == 0
-    assert config.min_nodes is not None and config.min_nodes < nodes
+    assert config.cluster.nnodes == nodes and config.parallel.pp_size % nodes == 0
+    assert config.cluster.min_nodes is not None and config.cluster.min_nodes < nodes

@@ -39,7 +39,8 @@ def _no_executor(*args, **kwargs):
                                                ("1,3", "partition: explicit: 1,3")])
 def test_a_pipeline_logs_how_its_partition_was_chosen(llama_dir, monkeypatch, caplog, partition, logged):
     monkeypatch.setattr(supervisor_mod, "make_executor", _no_executor)     # everything before the stages start
-    config = EngineConfig(model=str(llama_dir), pp_size=2, pp_layer_partition=partition, prefill_graph="off")
+    config = EngineConfig.from_kwargs(model=str(llama_dir), pp_size=2, pp_layer_partition=partition,
+                                      prefill_graph="off")
     with caplog.at_level(logging.INFO, logger="stagewise"), pytest.raises(_Stop):
         engine_mod.Engine(config)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partition: ")]
@@ -56,6 +57,6 @@ def test_graphs_under_pp_suggest_what_pays_on_the_device():
 
 def test_a_headless_node_names_its_stages_and_layers(llama_dir):
     from stagewise.executor.generations import _stages_text
-    config = EngineConfig(model=str(llama_dir), pp_size=2, nnodes=2, node_rank=1, master_port=29500,
+    config = EngineConfig.from_kwargs(model=str(llama_dir), pp_size=2, nnodes=2, node_rank=1, master_port=29500,
                           pp_layer_partition="1,3")
     assert _stages_text(config, str(llama_dir), [1]) == "stage(s) 1 (layers 1-3)"

@@ -29,7 +29,7 @@ COLUMNS = ("spares", "pages", "live requests", "tokens to recompute", "detect s"
 def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     """One kill with `live` requests decoding (each `warmup_tokens` into its output)."""
     engine = llm.engine
-    if engine.config.pipeline_spares:
+    if engine.config.recovery.pipeline_spares:
         deadline = time.monotonic() + 120      # the spares: due at once, or a few seconds after a recovery
         while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
             engine.fault()                     # an idle engine's supervisor starts them when due
@@ -52,8 +52,9 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     last = llm.stats()["recovery"]["last"]
     total = (next_token_at or time.monotonic()) - killed_at
     stages = last["teardown_s"] + last["spawn_s"] + last["load_s"] + last["recompute_s"]
-    pages = "on" if engine.config.kv_cache_disk else "off"
-    return {"spares": "warm" if engine.config.pipeline_spares else "none", "pages": pages, "live requests": live,
+    pages = "on" if engine.config.cache.kv_cache_disk else "off"
+    spares = "warm" if engine.config.recovery.pipeline_spares else "none"
+    return {"spares": spares, "pages": pages, "live requests": live,
             "tokens to recompute": recompute_tokens, "detect s": max(0.0, total - stages),
             "teardown s": last["teardown_s"], "start s": last["spawn_s"], "weights s": last["load_s"],
             "recompute s": last["recompute_s"], "kill to next token s": total}

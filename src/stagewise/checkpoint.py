@@ -111,11 +111,11 @@ def eos_token_ids_of(model_dir: str | Path, hf_config) -> tuple[int, ...]:
 
 
 def max_model_len(config: EngineConfig, hf_config) -> int:
-    """The context length: `config.max_model_len`, at most the model's position limit."""
+    """The context length: `config.scheduler.max_model_len`, at most the model's position limit."""
     limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions.")
-    return config.max_model_len or limit
+    if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.scheduler.max_model_len} exceeds the model's {limit} positions.")
+    return config.scheduler.max_model_len or limit
 
 
 def load_tokenizer(path: str | Path):

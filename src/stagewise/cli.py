@@ -7,14 +7,13 @@ flags from ServerOptions; each field carries its help text and default.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 import time
 
 from .cli_flags import HelpFormatter, add_dataclass_args, values_of
-from .config import EngineConfig
+from .config import CONCERNS, EngineConfig
 from .errors import EngineDeadError
 
 # NOTE: SamplingParams' defaults are the API's (OpenAI's temperature 1, max_tokens 16), which the
@@ -28,14 +27,21 @@ SAMPLING_NOTE = ("`generate` is greedy by default (temperature 0, up to 64 token
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
+    """One flag group per concern of EngineConfig (model and load, KV cache, scheduler, ...)."""
+    for _, cls, title in CONCERNS:
+        add_dataclass_args(parser.add_argument_group(title), cls)
+
+
+def engine_config_of(args: argparse.Namespace) -> EngineConfig:
+    """The engine config the flags of `add_engine_args` parsed, as given."""
+    return EngineConfig.from_kwargs(**{k: v for _, cls, _ in CONCERNS for k, v in values_of(cls, args).items()})
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of a command, with `--model` resolved to a local path (default model if absent)."""
     from .model.source import resolve_model
-    config = EngineConfig(**values_of(EngineConfig, args))
-    config = config.replace(model=resolve_model(config.model))
+    config = engine_config_of(args)
+    config = config.replace(model=resolve_model(config.load.model))
     check_before_loading(config)
     return config
 
@@ -43,13 +49,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def check_before_loading(config: EngineConfig) -> None:
     """Refuse, in one sentence, what the model's config alone shows cannot run, before anything loads."""
     from .checkpoint import load_hf_config, num_layers_of
-    hf = load_hf_config(str(config.model))
-    layers = num_layers_of(hf, str(config.model))
-    if config.pp_size > layers:
-        raise ValueError(f"--pp-size {config.pp_size} asks for more stages than the model's {layers} layers; "
+    hf = load_hf_config(str(config.load.model))
+    layers = num_layers_of(hf, str(config.load.model))
+    if config.parallel.pp_size > layers:
+        raise ValueError(f"--pp-size {config.parallel.pp_size} asks for more stages than the model's {layers} layers; "
                          f"use --pp-size {layers} or fewer.")
-    if config.tp_size > 1:
-        _check_tp_size(hf, str(config.model), config.tp_size)
+    if config.parallel.tp_size > 1:
+        _check_tp_size(hf, str(config.load.model), config.parallel.tp_size)
 
 
 def _check_tp_size(hf, model_dir: str, size: int) -> None:
@@ -221,17 +227,17 @@ def _worker_role(config: EngineConfig) -> int | None:
     from .executor.watchdog import install as install_stop_watchdog
     install_stop_watchdog()
     env = torchrun_env()
-    if config.pp_size > 1 or env:
-        use_interface(env["addr"] if env else config.master_addr, config.dist_ifname)
-    if not (env and env["rank"] > 0) and config.node_rank == 0:
+    if config.parallel.pp_size > 1 or env:
+        use_interface(env["addr"] if env else config.cluster.master_addr, config.cluster.dist_ifname)
+    if not (env and env["rank"] > 0) and config.cluster.node_rank == 0:
         return None
-    model_dir = str(config.model)        # resolved by config_from_args
+    model_dir = str(config.load.model)        # resolved by config_from_args
     eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
     if env and env["rank"] > 0:
         from .executor.netif import master_ip
         from .executor.stage_proc import stage_main
         from .parallel.auth import cluster_token, warn_if_open
-        warn_if_open(cluster_token(config.cluster_token), master_ip(env["addr"]), True)
+        warn_if_open(cluster_token(config.cluster.cluster_token), master_ip(env["addr"]), True)
         stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], eos_ids, spawned=False)
         return 0
     exit_now(run_headless(config, model_dir, eos_ids))    # a headless node has nothing to tear down
@@ -254,9 +260,9 @@ def cmd_generate(args) -> int:
         return role
     config = _small_jobs_skip_compiling(config, len(args.prompt or [None]) * params.max_tokens)
     build_kernels(config)
-    logging.getLogger("stagewise").info("loading %s (checkpoint, tokenizer, weights) ...", config.model)
+    logging.getLogger("stagewise").info("loading %s (checkpoint, tokenizer, weights) ...", config.load.model)
     num_tokens, generate_s = 0, 0.0
-    with LLM(**dataclasses.asdict(config)) as llm:
+    with LLM(**config.options()) as llm:
         engine, t_ready = llm.engine, time.perf_counter()
         chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
         prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
@@ -282,14 +288,14 @@ def build_kernels(config: EngineConfig) -> None:
     """Build (or load from the cache) the CPU kernels the model will run before any prompt is shown:
     a first run's builds are then reported as such, not counted in tokens/s. Stage processes find
     the built libraries in the shared cache."""
-    if config.resolved_device != "cpu":
+    if config.load.resolved_device != "cpu":
         return
     from .checkpoint import gguf_file_of
     from .kernels import attention, build, gemm, quant_kernels
     before = len(build.built_seconds)
     gemm.available()
     attention.available()
-    if config.quantization or gguf_file_of(str(config.model)) is not None:
+    if config.load.quantization or gguf_file_of(str(config.load.model)) is not None:
         quant_kernels.available()
     built = build.built_seconds[before:]
     if built:
@@ -298,7 +304,7 @@ def build_kernels(config: EngineConfig) -> None:
 
 
 def _small_jobs_skip_compiling(config: EngineConfig, max_new_tokens: int) -> EngineConfig:
-    if config.prefill_graph != "auto" or max_new_tokens >= GENERATE_COMPILE_MIN_TOKENS:
+    if config.graphs.prefill_graph != "auto" or max_new_tokens >= GENERATE_COMPILE_MIN_TOKENS:
         return config
     logging.getLogger("stagewise").info(
         "at most %d new tokens: too few to win back compiling the graphs, so this run is eager "
@@ -372,7 +378,7 @@ def cmd_bench(args) -> int:
     if role is not None:
         return role
     build_kernels(config)
-    with LLM(**dataclasses.asdict(config)) as llm:
+    with LLM(**config.options()) as llm:
         waited_s = _wait_for_compiled_graphs(llm)
         vocab = llm.engine.tok.vocab_size
         rng = random.Random(0)
@@ -385,7 +391,7 @@ def cmd_bench(args) -> int:
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         replayed, eager = (after - was for after, was in zip(_graph_steps(llm.stats()), before))
         print(f"{args.num_requests} requests, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s "
-              f"({_steps_text(replayed, eager, waited_s, config.prefill_graph)})")
+              f"({_steps_text(replayed, eager, waited_s, config.graphs.prefill_graph)})")
     return 0
 
 
@@ -425,8 +431,8 @@ def cmd_plan(args) -> int:
     if args.cluster:
         from .checkpoint import load_hf_config
         from .runtime.cluster_plan import cluster_report, parse_cluster
-        assert config.model is not None, "resolved by config_from_args"
-        print(cluster_report(config, load_hf_config(config.model), parse_cluster(args.cluster)))
+        assert config.load.model is not None, "resolved by config_from_args"
+        print(cluster_report(config, load_hf_config(config.load.model), parse_cluster(args.cluster)))
         return 0
     print(plan_report(config))
     if args.measure_rate:

@@ -1,5 +1,7 @@
-"""EngineConfig: one frozen, validated description of an engine; CLI flags are projections of it
-(each field carries its help text, see `flag`). `parse_size` is the one size rule of every option.
+"""EngineConfig: one frozen, validated description of an engine, split by concern (load, cache,
+scheduler, parallel, cluster, recovery, graphs, request limits); CLI flags are projections of the
+concerns' fields (each carries its help text, see `flag`). `parse_size` is the one size rule of
+every option.
 
 Derived values are properties. Policy that needs the model (graph buckets, memory) is
 resolved later by the pieces that own it, from these fields.
@@ -112,7 +114,8 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class LoadConfig:
+    """The checkpoint and how it loads: which file, tokenizer, dtype, device, weight quantization."""
     model: str | None = flag(None, "HF checkpoint directory or .gguf file; 'demo' for the tiny random demo model "
                              "(default: SmolLM2-135M-Instruct, downloaded once)")
     tokenizer: str | None = flag(None, "tokenizer directory (default: the model's)")
@@ -124,7 +127,26 @@ class EngineConfig:
                                     "head at 8 bits); GGUF files keep their own types (default: off)")
     device: str = flag("auto", "auto | cpu | cuda; auto: cuda when available")
     seed: int = flag(0, "seed of the engine's random state")
-    # KV cache and scheduling
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: block size, its memory, the prefix cache and its disk tier."""
     block_size: int = flag(16, "tokens per KV cache block")
     kv_cache_memory: int | None = flag(None, "KV cache bytes per stage, e.g. 2GiB (default: what is left of the "
                                        "memory this process may use — MemAvailable and the cgroup limit, less a margin "
@@ -132,21 +154,51 @@ class EngineConfig:
                                        "activations, at most what max_num_seqs full-length sequences need)", size=True)
     node_memory_bytes: int | None = flag(None, "bytes the engine may use on each node (measured once before any "
                                          "stage loads)", cli=False)
-    max_num_seqs: int = flag(64, "requests in the running batch, at most")
-    max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
-    chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = flag(True, "share KV blocks of common prompt prefixes")
-    invariant_attention: bool = flag(False, "attend every row of a prefill or verify step with the per-row decode "
-                                     "kernel: chunk size, prefix-cache hits, the step budget and speculation then "
-                                     "leave token ids and logprob bits unchanged (docs/determinism.md); prefills "
-                                     "over 512 tokens take longer")
-    # the prefix cache's disk tier (docs/kv-cache.md)
     kv_cache_disk: int | None = flag(None, "disk bytes the prefix cache may keep KV pages in, e.g. 20GiB, split "
                                      "over the stages by their layers; pages survive restarts (default: off — they "
                                      "hold prompts at rest; 0 is off too)", size=True)
     kv_cache_dir: str | None = flag(None, "directory of the KV disk tier (default: $STAGEWISE_CACHE/kv); made "
                                     "private (0700), its files 0600")
-    # pipeline
+
+    def __post_init__(self):
+        if self.kv_cache_memory is not None:
+            _set(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        if self.kv_cache_disk is not None:            # 0: off, as no size
+            disk = None if str(self.kv_cache_disk).strip() == "0" else parse_size(self.kv_cache_disk, "kv_cache_disk")
+            _set(self, "kv_cache_disk", disk)
+        _positive(self, "block_size")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step holds: the running batch, the token budget, chunking, speculation."""
+    max_num_seqs: int = flag(64, "requests in the running batch, at most")
+    max_model_len: int | None = flag(None, "context length (default: the model's max_position_embeddings)")
+    chunked_prefill_size: int = flag(512, "token budget of one step (prefill chunks + decodes)")
+    enable_dynamic_chunking: bool | None = flag(
+        None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
+        "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")
+    invariant_attention: bool = flag(False, "attend every row of a prefill or verify step with the per-row decode "
+                                     "kernel: chunk size, prefix-cache hits, the step budget and speculation then "
+                                     "leave token ids and logprob bits unchanged (docs/determinism.md); prefills "
+                                     "over 512 tokens take longer")
+    speculative_config: SpeculativeConfig | None = flag(
+        None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
+
+    def __post_init__(self):
+        _set(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        _positive(self, "max_num_seqs", "chunked_prefill_size")
+
+    @property
+    def dynamic_chunking(self) -> bool:
+        """Whether long prompts get cost-sized chunks (`enable_dynamic_chunking`; unset: off)."""
+        return bool(self.enable_dynamic_chunking)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model splits: pipeline stages, tensor-parallel ranks, layers per stage, threads."""
     pp_size: int = flag(1, "pipeline stages (processes)", aliases=("--pipeline-parallel-size",))
     tp_size: int = flag(1, "tensor-parallel ranks (processes) per stage, on the stage's node; they split every "
                         "layer's heads, MLP columns and vocabulary (docs/tensor-parallel.md)",
@@ -165,10 +217,37 @@ class EngineConfig:
         "it joined (its available memory and a 50 ms speed probe): memory (every stage fits its node; speeds taken "
         "as equal, or --pp-node-rates), speed (also each node's measured speed), off (the command line's "
         "partition, its stages spread evenly over the nodes present)")
-    enable_dynamic_chunking: bool | None = flag(
-        None, "later chunks of a long prompt shrink so each costs about the first's (cost model fitted by a "
-        "start-up profile; default: off — the benchmark did not show a win, benchmarks/RESULTS.md)")
     pp_depth: int | None = flag(None, "plans in flight (default: pp_size; 1: no micro-batching)")
+    threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "
+                                         "pp_size > 1, else torch's)")
+
+    def __post_init__(self):
+        value = self.pp_layer_partition
+        if isinstance(value, str) and value.strip().lower() in PARTITION_MODES:
+            _set(self, "pp_layer_partition", value.strip().lower())
+        elif isinstance(value, str):
+            _set(self, "pp_layer_partition", _parse_int_list("pp_layer_partition", value))
+        elif value is not None:
+            _set(self, "pp_layer_partition", tuple(int(v) for v in value))
+        if isinstance(self.pp_node_rates, str):
+            _set(self, "pp_node_rates", _parse_float_list("pp_node_rates", self.pp_node_rates))
+        elif self.pp_node_rates is not None:
+            _set(self, "pp_node_rates", tuple(float(v) for v in self.pp_node_rates))
+        _positive(self, "pp_size", "tp_size")
+        if self.pp_node_fit not in PP_NODE_FIT_CHOICES:
+            raise ValueError(f"pp_node_fit must be one of {', '.join(PP_NODE_FIT_CHOICES)}, got {self.pp_node_fit!r}.")
+        if self.pp_cost_mix not in ("decode", "prefill"):
+            raise ValueError(f"pp_cost_mix must be decode or prefill, got {self.pp_cost_mix!r}.")
+
+    @property
+    def depth(self) -> int:
+        """Plans the driver keeps in flight."""
+        return self.pp_depth or self.pp_size
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The nodes a pipeline spans and the links between them."""
     nnodes: int = flag(1, "nodes of the pipeline")
     node_rank: int = flag(0, "this node's rank in [0, nnodes)")
     local_stages: tuple[int, ...] | None = flag(None, "the stages this node runs in the current pipeline (set "
@@ -186,6 +265,24 @@ class EngineConfig:
     cluster_token: str | None = field(default=None, repr=False, metadata={
         "help": "secret every node of a pipeline must present on each of its connections (default: "
                 "$STAGEWISE_CLUSTER_TOKEN, which keeps it out of `ps`; a one-node pipeline makes its own)"})
+    dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
+                                   "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
+
+    def __post_init__(self):
+        _positive(self, "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"min_nodes {self.min_nodes} must be between 1 and nnodes ({self.nnodes}).")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s!r}.")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("A multi-node run needs --master-port (and --master-addr) on every node.")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How a pipeline heals when a stage dies, hangs or loses its link."""
     max_pipeline_restarts: int = flag(3, "pipeline rebuilds allowed within --pipeline-restart-window-s after a stage "
                                       "dies, hangs or loses its link (live requests are recomputed); more fail every "
                                       "request as before; 0: never rebuild")
@@ -197,11 +294,20 @@ class EngineConfig:
                                  "one (rebuilds skip seconds of process start-up; ~300 MB of memory each)")
     pipeline_spares_delay_s: float = flag(30.0, "start the spare stage processes this long after the pipeline is "
                                           "up (short runs never pay for them); after a rebuild at once")
-    dist_ifname: str | None = flag(None, "network interface for traffic between pipeline ranks (default: the one "
-                                   "routing to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win when set)")
-    threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "
-                                         "pp_size > 1, else torch's)")
-    # captured graphs (docs/graphs.md)
+
+    def __post_init__(self):
+        if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:
+            raise ValueError(f"max_pipeline_restarts must be a non-negative integer, "
+                             f"got {self.max_pipeline_restarts!r}.")
+        if not self.node_rejoin_timeout_s > 0:
+            raise ValueError(f"node_rejoin_timeout_s must be positive, got {self.node_rejoin_timeout_s!r}.")
+        if not self.pipeline_restart_window_s > 0:
+            raise ValueError(f"pipeline_restart_window_s must be positive, got {self.pipeline_restart_window_s!r}.")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Captured graphs (docs/graphs.md): which prefill and decode steps replay a graph, and when they compile."""
     prefill_graph: str = flag("auto", " | ".join(PREFILL_GRAPH_CHOICES))
     prefill_graph_max_tokens: int | None = flag(None, "largest captured prefill bucket (default: from the policy)")
     prefill_graph_buckets: tuple[int, ...] | None = flag(None, "explicit bucket list, e.g. 16,32,64")
@@ -209,10 +315,21 @@ class EngineConfig:
     decode_graph_max_bs: int = flag(32, "largest batch size with a decode graph")
     compile_in_background: bool = flag(True, "compiled graphs build on a background thread while steps run eager, "
                                        "and replace them between steps once ready; off: compile before serving")
-    # speculative decoding (README: Speculative decoding)
-    speculative_config: SpeculativeConfig | None = flag(
-        None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
-    # structured outputs: what a constraint may be and what compiling it may cost (docs/security.md)
+
+    def __post_init__(self):
+        if isinstance(self.prefill_graph_buckets, str):
+            _set(self, "prefill_graph_buckets", _parse_int_list("prefill_graph_buckets", self.prefill_graph_buckets))
+        elif self.prefill_graph_buckets is not None:
+            _set(self, "prefill_graph_buckets", tuple(int(v) for v in self.prefill_graph_buckets))
+        _positive(self, "decode_graph_max_bs")
+        if self.prefill_graph not in PREFILL_GRAPH_CHOICES:
+            raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, "
+                             f"got {self.prefill_graph!r}.")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: constraint sizes and their compile budget (docs/security.md), images."""
     grammar_max_bytes: int = flag(64 << 10, "largest JSON schema, regex, grammar or choice list a request may "
                                   "constrain its output with, e.g. 256KiB; larger ones get 400", size=True)
     grammar_max_depth: int = flag(64, "deepest nesting of a constraint (JSON schema objects and arrays, regex or "
@@ -228,7 +345,6 @@ class EngineConfig:
     grammar_cache_entries: int = flag(256, "compiled grammars kept for reuse (least recently used out)")
     grammar_cache_memory: int = flag(256 << 20, "memory the kept compiled grammars may use; also the largest "
                                      "compiled grammar a request may need", size=True)
-    # Images (vision-language models: stagewise.multimodal)
     max_image_bytes: int = flag(10 << 20, "largest encoded image a request may send, in bytes")
     max_image_pixels: int = flag(16_000_000, "most pixels (width x height, read from the header before decoding) "
                                  "of one image")
@@ -237,118 +353,100 @@ class EngineConfig:
                                            "fetch (default: none; images come as data URLs)")
 
     def __post_init__(self):
-        if self.kv_cache_memory is not None:
-            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
-        if self.kv_cache_disk is not None:            # 0: off, as no size
-            disk = None if str(self.kv_cache_disk).strip() == "0" else parse_size(self.kv_cache_disk, "kv_cache_disk")
-            object.__setattr__(self, "kv_cache_disk", disk)
         for name in ("grammar_max_bytes", "grammar_memory", "grammar_cache_memory"):
-            object.__setattr__(self, name, parse_size(getattr(self, name), name))
-        for name in ("pp_layer_partition", "prefill_graph_buckets"):
-            value = getattr(self, name)
-            if name == "pp_layer_partition" and isinstance(value, str) and value.strip().lower() in PARTITION_MODES:
-                object.__setattr__(self, name, value.strip().lower())
-            elif isinstance(value, str):
-                object.__setattr__(self, name, _parse_int_list(name, value))
-            elif value is not None:
-                object.__setattr__(self, name, tuple(int(v) for v in value))
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if isinstance(self.pp_node_rates, str):
-            object.__setattr__(self, "pp_node_rates", _parse_float_list("pp_node_rates", self.pp_node_rates))
-        elif self.pp_node_rates is not None:
-            object.__setattr__(self, "pp_node_rates", tuple(float(v) for v in self.pp_node_rates))
-        self._validate()
-
-    def _validate(self) -> None:
-        positive = ("block_size", "max_num_seqs", "chunked_prefill_size", "pp_size", "tp_size", "nnodes",
-                    "decode_graph_max_bs", "grammar_max_depth", "grammar_max_alternatives", "grammar_compile_workers",
-                    "grammar_cache_entries")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
-        if self.prefill_graph not in PREFILL_GRAPH_CHOICES:
-            raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, "
-                             f"got {self.prefill_graph!r}.")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4, got {self.quantization!r}.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
-        if self.tp_size > 1 and (self.prefill_graph not in ("auto", "off") or self.decode_graph):
-            raise ValueError(f"tp_size {self.tp_size} runs its stages eager for now; leave --prefill-graph auto "
-                             f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")
-        if self.pp_size % self.nnodes and self.min_nodes is None:
-            raise ValueError(f"pp_size {self.pp_size} must be a multiple of nnodes {self.nnodes} (equal stages per "
-                             f"node), or give --min-nodes: the driver then places the stages on the nodes it has.")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be in [0, {self.nnodes}).")
-        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
-            raise ValueError(f"min_nodes {self.min_nodes} must be between 1 and nnodes ({self.nnodes}).")
-        if self.pp_node_fit not in PP_NODE_FIT_CHOICES:
-            raise ValueError(f"pp_node_fit must be one of {', '.join(PP_NODE_FIT_CHOICES)}, got {self.pp_node_fit!r}.")
-        if self.pp_cost_mix not in ("decode", "prefill"):
-            raise ValueError(f"pp_cost_mix must be decode or prefill, got {self.pp_cost_mix!r}.")
-        rates = self.pp_node_rates
-        if rates is not None and (len(rates) != self.nnodes or any(not r > 0 for r in rates)):
-            raise ValueError(f"pp_node_rates needs {self.nnodes} positive numbers (one per node), got "
-                             f"{','.join(map(str, rates))}; measure each node with `stagewise plan --measure-rate`.")
-        if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:
-            raise ValueError(f"max_pipeline_restarts must be a non-negative integer, "
-                             f"got {self.max_pipeline_restarts!r}.")
+            _set(self, name, parse_size(getattr(self, name), name))
+        _positive(self, "grammar_max_depth", "grammar_max_alternatives", "grammar_compile_workers",
+                  "grammar_cache_entries")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s!r}.")
-        if not self.node_rejoin_timeout_s > 0:
-            raise ValueError(f"node_rejoin_timeout_s must be positive, got {self.node_rejoin_timeout_s!r}.")
-        if not self.heartbeat_timeout_s > 0:
-            raise ValueError(f"heartbeat_timeout_s must be positive, got {self.heartbeat_timeout_s!r}.")
-        if not self.pipeline_restart_window_s > 0:
-            raise ValueError(f"pipeline_restart_window_s must be positive, got {self.pipeline_restart_window_s!r}.")
-        if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("A multi-node run needs --master-port (and --master-addr) on every node.")
 
-    @property
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
-    @property
-    def depth(self) -> int:
-        """Plans the driver keeps in flight."""
-        return self.pp_depth or self.pp_size
+# the concerns of an engine, in the order `--help` shows their flag groups: (attribute, class, group title)
+CONCERNS = (("load", LoadConfig, "model and load"), ("cache", CacheConfig, "KV cache"),
+            ("scheduler", SchedulerConfig, "scheduler"), ("parallel", ParallelConfig, "parallelism"),
+            ("cluster", ClusterConfig, "cluster: nodes and links"), ("recovery", RecoveryConfig, "recovery"),
+            ("graphs", GraphConfig, "captured graphs"), ("limits", RequestLimits, "request limits"))
+# option name -> the concern holding it; every option name is unique across concerns (they are the flags)
+CONCERN_OF = {f.name: attr for attr, cls, _ in CONCERNS for f in fields(cls)}
 
-    @property
-    def dynamic_chunking(self) -> bool:
-        """Whether long prompts get cost-sized chunks (`enable_dynamic_chunking`; unset: off)."""
-        return bool(self.enable_dynamic_chunking)
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine's whole configuration: one frozen, validated record per concern. Each part goes to
+    the piece that owns it (the scheduler reads `scheduler`, the supervisor `recovery` and `cluster`).
+    Built from flat options (`from_kwargs`, the flags, `LLM(**options)`), whose names are unique
+    across concerns; `replace` takes flat names too."""
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self):
+        """What crosses concerns; each concern checked its own fields."""
+        p, c = self.parallel, self.cluster
+        if p.tp_size > 1 and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
+            raise ValueError(f"tp_size {p.tp_size} runs its stages eager for now; leave --prefill-graph auto "
+                             f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")
+        if p.pp_size % c.nnodes and c.min_nodes is None:
+            raise ValueError(f"pp_size {p.pp_size} must be a multiple of nnodes {c.nnodes} (equal stages per "
+                             f"node), or give --min-nodes: the driver then places the stages on the nodes it has.")
+        rates = p.pp_node_rates
+        if rates is not None and (len(rates) != c.nnodes or any(not r > 0 for r in rates)):
+            raise ValueError(f"pp_node_rates needs {c.nnodes} positive numbers (one per node), got "
+                             f"{','.join(map(str, rates))}; measure each node with "
+                             f"`stagewise plan --measure-rate`.")
+
+    @classmethod
+    def from_kwargs(cls, **options) -> "EngineConfig":
+        """Build from flat option names (the flags' names), refusing unknown ones with a clear error."""
+        return cls().replace(**options)
+
+    def replace(self, **options) -> "EngineConfig":
+        """A copy with these options changed: flat option names, or whole concerns by attribute."""
+        unknown = sorted(set(options) - set(CONCERN_OF) - {attr for attr, _, _ in CONCERNS})
+        if unknown:
+            raise ValueError(f"Unknown engine option(s): {', '.join(unknown)}; see `stagewise serve --help`.")
+        parts = {attr: options[attr] for attr, _, _ in CONCERNS if attr in options}
+        for attr, _, _ in CONCERNS:
+            mine = {k: v for k, v in options.items() if CONCERN_OF.get(k) == attr}
+            if mine:
+                parts[attr] = dataclasses.replace(parts.get(attr, getattr(self, attr)), **mine)
+        return dataclasses.replace(self, **parts) if parts else self
+
+    def options(self) -> dict:
+        """Every option by its flat name: `LLM(**config.options())` builds the same engine."""
+        return {f.name: getattr(getattr(self, attr), f.name) for attr, cls, _ in CONCERNS for f in fields(cls)}
 
     @property
     def stages_per_node(self) -> int:
-        return len(self.local_stages) if self.local_stages else max(1, self.pp_size // self.nnodes)
+        c = self.cluster
+        return len(c.local_stages) if c.local_stages else max(1, self.parallel.pp_size // c.nnodes)
 
     def local_slot(self, stage_rank: int) -> int:
         """The place of `stage_rank` among this node's stages (its share of the node's CPUs)."""
-        return self.local_stages.index(stage_rank) if self.local_stages and stage_rank in self.local_stages \
-            else stage_rank % self.stages_per_node
+        local = self.cluster.local_stages
+        return local.index(stage_rank) if local and stage_rank in local else stage_rank % self.stages_per_node
 
     @property
     def ranks_per_node(self) -> int:
         """Stage processes on one node: its stages times the tensor-parallel ranks of each."""
-        return self.stages_per_node * self.tp_size
+        return self.stages_per_node * self.parallel.tp_size
 
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from keyword arguments, refusing unknown names with a clear error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"Unknown engine option(s): {', '.join(unknown)}; see `stagewise serve --help`.")
-        return cls(**kwargs)
+def _set(record, name: str, value) -> None:
+    """Normalise a field of a frozen record while it is built (sizes, lists given as text)."""
+    object.__setattr__(record, name, value)
+
+
+def _positive(record, *names: str) -> None:
+    for name in names:
+        value = getattr(record, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
 def cache_root() -> Path:
@@ -361,7 +459,6 @@ def _parse_int_list(name: str, text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
         raise ValueError(f"{name} must be a comma-separated list of integers, got {text!r}.") from None
-
 
 
 def _parse_float_list(name: str, text: str) -> tuple[float, ...]:

@@ -78,7 +78,7 @@ class LLM:
     def vision_encoder(self) -> VisionEncoder:
         """The driver's vision encoder (built on first use; a text-only model refuses images)."""
         if self._vision is None:
-            self._vision = vision_encoder(str(self.engine.model_dir), limits_of(self.config))
+            self._vision = vision_encoder(str(self.engine.model_dir), limits_of(self.config.limits))
         return self._vision
 
     def score(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[float]:

@@ -61,10 +61,11 @@ def test_auto_partitions_are_valid_for_every_family(tiny_model_dirs, family):
     hf = load_hf_config(model_dir)
     n = hf.num_hidden_layers
     for pp in range(2, n + 1):
-        sizes = resolve_partition(EngineConfig(model=model_dir, pp_size=pp), hf)
+        sizes = resolve_partition(EngineConfig.from_kwargs(model=model_dir, pp_size=pp), hf)
         assert len(sizes) == pp and all(s >= 1 for s in sizes) and sum(sizes) == n
     explicit = tuple([1] * (n - 1) + [1]) if n == 2 else (n - 1, 1)
-    assert resolve_partition(EngineConfig(model=model_dir, pp_size=2, pp_layer_partition=explicit), hf) == explicit
+    given = EngineConfig.from_kwargs(model=model_dir, pp_size=2, pp_layer_partition=explicit)
+    assert resolve_partition(given, hf) == explicit
 
 
 def _heavy_head(family: str, tied: bool):
@@ -103,11 +104,11 @@ def test_cost_model_counts_layer_weights():
 
 def test_node_rates_shift_layers_to_the_fast_node(llama_dir):
     cfg = dict(model=str(llama_dir), pp_size=2, nnodes=2, master_port=29999)
-    even_speed = resolve_partition(EngineConfig(**cfg))
-    slow_second = resolve_partition(EngineConfig(**cfg, pp_node_rates="1,0.25"))
+    even_speed = resolve_partition(EngineConfig.from_kwargs(**cfg))
+    slow_second = resolve_partition(EngineConfig.from_kwargs(**cfg, pp_node_rates="1,0.25"))
     assert slow_second[1] <= even_speed[1] and slow_second[0] > slow_second[1]
     with pytest.raises(ValueError, match="pp_node_rates needs 2 positive"):
-        EngineConfig(**cfg, pp_node_rates="1,0")
+        EngineConfig.from_kwargs(**cfg, pp_node_rates="1,0")
 
 
 # dynamic chunk sizing

@@ -59,10 +59,10 @@ def test_dtype_auto_keeps_small_models_in_float32(llama_dir):
 
 
 def test_threads_per_stage_default():
-    assert intra_op_threads(EngineConfig(model="x")) is None                # PP=1: the caller's setting
-    assert intra_op_threads(EngineConfig(model="x", threads_per_stage=3)) == 3
+    assert intra_op_threads(EngineConfig.from_kwargs(model="x")) is None                # PP=1: the caller's setting
+    assert intra_op_threads(EngineConfig.from_kwargs(model="x", threads_per_stage=3)) == 3
     cores = len(os.sched_getaffinity(0))
-    assert intra_op_threads(EngineConfig(model="x", pp_size=2)) == max(1, cores // 2)
+    assert intra_op_threads(EngineConfig.from_kwargs(model="x", pp_size=2)) == max(1, cores // 2)
 
 
 def test_one_row_bf16_steps_use_native_gemv_and_restore_onednn():

@@ -173,11 +173,12 @@ def test_a_salt_changes_every_probed_digest():
 def test_the_budget_splits_by_layers_and_plan_says_so(tmp_path):
     from stagewise.config import EngineConfig
     from stagewise.parallel.partition import StageInfo
-    config = EngineConfig(kv_cache_disk="3GiB", kv_cache_dir=str(tmp_path))
+    config = EngineConfig.from_kwargs(kv_cache_disk="3GiB", kv_cache_dir=str(tmp_path))
     assert kv_disk.disk_tier_on(config) and kv_disk.kv_dir(config) == tmp_path
     assert kv_disk.stage_budget(config, StageInfo(0, 2, 0, 10, 30)) == 1 << 30
     assert f"3.00 GiB in {tmp_path}" in kv_disk.budget_line(config)
-    assert "off" in kv_disk.budget_line(EngineConfig()) and EngineConfig(kv_cache_disk=0).kv_cache_disk is None
+    assert "off" in kv_disk.budget_line(EngineConfig())
+    assert EngineConfig.from_kwargs(kv_cache_disk=0).cache.kv_cache_disk is None
     assert not kv_disk.disk_tier_on(config.replace(tp_size=2))
     assert "tensor parallelism" in kv_disk.budget_line(config.replace(tp_size=2))
 

@@ -24,7 +24,7 @@ def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
     from stagewise.recovery.placement import plan_over_nodes
     from stagewise.runtime.cluster_plan import NodeReport
     hf = load_hf_config(llama_dir)
-    config = EngineConfig(model=str(llama_dir), dtype="float32", pp_size=2, nnodes=2, master_port=29999,
+    config = EngineConfig.from_kwargs(model=str(llama_dir), dtype="float32", pp_size=2, nnodes=2, master_port=29999,
                           pp_layer_partition=(2, 2), pp_node_fit="speed")
     gib = 1 << 30
     # node 1 is gone; node 3 joined; node 2 is too small for any stage

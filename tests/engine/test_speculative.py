@@ -108,7 +108,7 @@ def test_backoff_pauses_a_request_with_low_acceptance_then_resumes():
 ])
 def test_bad_speculative_config_is_one_sentence(bad, words):
     with pytest.raises(ValueError) as exc:
-        EngineConfig(speculative_config=bad)
+        EngineConfig.from_kwargs(speculative_config=bad)
     text = str(exc.value)
     assert words in text and "\n" not in text and text.endswith(".")
 
@@ -118,7 +118,7 @@ def test_cli_flag_reaches_the_config(llama_dir, command):
     from stagewise.cli import build_parser, config_from_args
     args = build_parser().parse_args([command, "--model", str(llama_dir), "--speculative-config",
                                       '{"method": "ngram", "num_speculative_tokens": 3}'])
-    spec = config_from_args(args).speculative_config
+    spec = config_from_args(args).scheduler.speculative_config
     assert spec is not None and spec.num_speculative_tokens == 3
 
 

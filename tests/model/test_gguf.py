@@ -221,7 +221,7 @@ def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2):
     # no model: the default, resolved to the same file; float32 because the reference is HF fp32
     # (dtype auto picks bfloat16 for this model on CPUs with native bf16)
     with LLM(dtype="float32") as llm:
-        assert llm.config.model == str(smollm2)
+        assert llm.config.load.model == str(smollm2)
         tok = llm.engine.tok.tokenizer
         ids = [tok.encode(p) for p in prompts]
         ours = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=params,

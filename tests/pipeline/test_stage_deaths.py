@@ -7,10 +7,10 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from stagewise.config import EngineConfig
 from stagewise.executor import multiproc
 from stagewise.executor.layout import default_layout, stages_of
 from stagewise.executor.multiproc import MultiprocExecutor
@@ -18,7 +18,7 @@ from stagewise.executor.multiproc import MultiprocExecutor
 
 def _executor(procs, nnodes: int = 1) -> MultiprocExecutor:
     ex = MultiprocExecutor.__new__(MultiprocExecutor)
-    ex.config = SimpleNamespace(pp_size=2, tp_size=1, nnodes=nnodes, stages_per_node=2 // nnodes)
+    ex.config = EngineConfig.from_kwargs(pp_size=2, nnodes=nnodes, master_port=29500 if nnodes > 1 else None)
     ex.timeout, ex.procs, ex.dead, ex.closing = 20.0, procs, None, False
     ex.layout = default_layout(2, nnodes)               # the node of each stage
     ex.local_stages = stages_of(ex.layout, 0)

@@ -89,7 +89,7 @@ def _smallest_fitting(config: EngineConfig, hf) -> int:
 @pytest.fixture(scope="module")
 def budgets(llama_dir):
     """Least budgets for the tiny llama: one machine, two machines (one stage each), one machine in int8."""
-    hf, config = load_hf_config(llama_dir), EngineConfig(model=str(llama_dir))
+    hf, config = load_hf_config(llama_dir), EngineConfig.from_kwargs(model=str(llama_dir))
     two = config.replace(pp_size=2, nnodes=2, master_port=1)
     return (_smallest_fitting(config, hf), _smallest_fitting(two, hf),
             _smallest_fitting(config.replace(quantization="int8"), hf))

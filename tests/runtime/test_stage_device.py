@@ -13,7 +13,7 @@ from stagewise.runtime.setup import stage_device
 def test_cuda_without_a_visible_device_says_use_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match=r"no CUDA device is visible.*--device cpu"):
-        stage_device(EngineConfig(model="x", device="cuda"), StageInfo.single(2))
+        stage_device(EngineConfig.from_kwargs(model="x", device="cuda"), StageInfo.single(2))
 
 
 def test_generate_with_device_cuda_and_no_gpu_prints_one_line(llama_dir, monkeypatch, capsys):

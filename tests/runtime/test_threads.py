@@ -79,13 +79,14 @@ def test_cgroup_v1_quota(tmp_path):
 
 def test_thread_choice_follows_budget_stages_and_flag():
     one, four = CpuBudget(1, "cgroup CPU quota 1"), CpuBudget(4, "affinity 4 CPUs")
-    assert thread_choice(EngineConfig(model="x"), one, current=2) == (1, "cgroup CPU quota 1, 1 stage")
-    assert thread_choice(EngineConfig(model="x"), four, current=8)[0] == 4      # torch's cpu_count default, capped
-    assert thread_choice(EngineConfig(model="x"), four, current=1)[0] == 1      # a caller that chose fewer keeps them
-    assert thread_choice(EngineConfig(model="x", pp_size=2), four) == (2, "affinity 4 CPUs / 2 stages on this node")
-    assert thread_choice(EngineConfig(model="x", pp_size=2), one)[0] == 1
-    assert thread_choice(EngineConfig(model="x", pp_size=4, nnodes=2, master_port=29500), four)[0] == 2
-    assert thread_choice(EngineConfig(model="x", threads_per_stage=3), one) == (3, "--threads-per-stage")
+    make = EngineConfig.from_kwargs
+    assert thread_choice(make(model="x"), one, current=2) == (1, "cgroup CPU quota 1, 1 stage")
+    assert thread_choice(make(model="x"), four, current=8)[0] == 4      # torch's cpu_count default, capped
+    assert thread_choice(make(model="x"), four, current=1)[0] == 1      # a caller that chose fewer keeps them
+    assert thread_choice(make(model="x", pp_size=2), four) == (2, "affinity 4 CPUs / 2 stages on this node")
+    assert thread_choice(make(model="x", pp_size=2), one)[0] == 1
+    assert thread_choice(make(model="x", pp_size=4, nnodes=2, master_port=29500), four)[0] == 2
+    assert thread_choice(make(model="x", threads_per_stage=3), one) == (3, "--threads-per-stage")
 
 
 def test_configure_threads_at_pp1_obeys_a_quota(tmp_path, monkeypatch):
@@ -95,7 +96,7 @@ def test_configure_threads_at_pp1_obeys_a_quota(tmp_path, monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert configure_threads(EngineConfig(model="x")) == 1
+        assert configure_threads(EngineConfig.from_kwargs(model="x")) == 1
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -106,8 +107,8 @@ def test_configure_threads_at_pp1_obeys_a_quota(tmp_path, monkeypatch):
 def test_threads_follow_the_affinity_mask():
     cpu = min(os.sched_getaffinity(0))
     code = ("import os, torch; from stagewise.config import EngineConfig; "
-            "from stagewise.runtime.threads import configure_threads; pp1, pp2 = EngineConfig(model='x'), "
-            "EngineConfig(model='x', pp_size=2); torch.set_num_threads({n}); a = configure_threads(pp1); "
+            "from stagewise.runtime.threads import configure_threads; pp1, pp2 = EngineConfig.from_kwargs(model='x'), "
+            "EngineConfig.from_kwargs(model='x', pp_size=2); torch.set_num_threads({n}); a = configure_threads(pp1); "
             "b = configure_threads(pp2); os.sched_setaffinity(0, {{{cpu}}}); torch.set_num_threads({n}); "
             "print(a, b, configure_threads(pp1), configure_threads(pp2))")
     assert _run(code.format(n=AFFINITY, cpu=cpu)) == f"{AFFINITY} {AFFINITY // 2} 1 1"
@@ -204,7 +205,7 @@ import os
 {torch}
 from stagewise.config import EngineConfig
 from stagewise.runtime import cpu_pool
-pool = cpu_pool.for_stage(EngineConfig(model="x"), 0, 2)
+pool = cpu_pool.for_stage(EngineConfig.from_kwargs(model="x"), 0, 2)
 tasks = [int(t) for t in os.listdir("/proc/self/task")]
 idle = sorted(sorted(os.sched_getaffinity(t)) for t in tasks if os.sched_getscheduler(t) == os.SCHED_IDLE)
 others = [sorted(os.sched_getaffinity(t)) for t in tasks

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stagewise.config import EngineConfig
 from stagewise.grammar.limits import GrammarLimits
 from stagewise.request import SamplingParams
 from stagewise.serve.client import InprocClient, PromptInput
@@ -16,7 +17,7 @@ from stagewise.serve.client import InprocClient, PromptInput
 
 class RecordingEngine:
     max_model_len, kv_capacity_tokens, model_dir = 64, 256, "/m"
-    config = SimpleNamespace(model="m")
+    config = EngineConfig.from_kwargs(model="m")
     tok = SimpleNamespace(vocab_size=100)
     grammar_limits = GrammarLimits()
 

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 
+from stagewise.config import EngineConfig
 from stagewise.errors import CheckpointNotFoundError, EngineDeadError
 from stagewise.grammar.limits import GrammarLimits
 from stagewise.request import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
@@ -172,7 +173,7 @@ def test_serve_imports_no_pickle():
 class IdleEngine:
     """Just enough of an Engine for a core that never gets a request."""
     max_model_len, kv_capacity_tokens, model_dir, recovering = 64, 256, "/m", None
-    config = SimpleNamespace(model="m")
+    config = EngineConfig.from_kwargs(model="m")
     tok = SimpleNamespace(vocab_size=100)
 
     def has_unfinished(self) -> bool:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stagewise.config import EngineConfig
 from stagewise.engine.outputs import StepOutputs
 from stagewise.errors import EngineDeadError
 from stagewise.executor.rendezvous import free_port
@@ -63,7 +64,7 @@ class FakeEngine:
 
     def __init__(self, die_at_step: int, bug: bool = False, dead_flag: str = "/nonexistent"):
         self.tok, self.max_model_len, self.model_dir = FakeTok(), 4096, "/fake"
-        self.config = SimpleNamespace(model="fake", block_size=16)
+        self.config = EngineConfig.from_kwargs(model="fake")
         self.kv_capacity_tokens = (FakeExecutor.num_blocks - 1) * 16
         self.executor = FakeExecutor(dead_flag)
         self.requests: dict[str, list] = {}

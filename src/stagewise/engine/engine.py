@@ -42,13 +42,13 @@ log = logging.getLogger("stagewise.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        if config.model is None:
+        if config.load.model is None:
             raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
-        self.model_dir = config.model
-        self.tok = Tokenizer(self.model_dir, config.tokenizer)
+        self.model_dir = config.load.model
+        self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
         self.max_model_len = max_model_len(config, self.tok.hf_config)
         self.config = config = resolved_for_stages(config, self.tok.hf_config)
-        self.policy = policy_for(config, config.resolved_device)
+        self.policy = policy_for(config, config.load.resolved_device)
         for line in self.policy.log_lines:
             log.info(line)
         # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
@@ -56,25 +56,25 @@ class Engine:
         self.dead: str | None = None
         executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
-        blocks = BlockManager(executor.num_blocks, config.block_size, config.enable_prefix_caching,
+        blocks = BlockManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                               disk_tier_on(config))
         # NOTE: one request can never hold more than the whole cache (block 0 is reserved), so
         # a request stops with "length" there instead of waiting forever for blocks.
-        self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.block_size
+        self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.cache.block_size
         self.max_len = min(self.max_model_len, self.kv_capacity_tokens)
-        spec = config.speculative_config
+        spec = config.scheduler.speculative_config
         self.speculator = NgramProposer(spec, self.max_len) if spec is not None else None
-        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.chunked_prefill_size,
+        self.scheduler = Scheduler(blocks, config.scheduler.max_num_seqs, config.scheduler.chunked_prefill_size,
                                    stop_rule=self._stop_rule, speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
         self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler)
-        clocks = balance_scheduler(self.scheduler, executor, self.policy, config.depth, config.dynamic_chunking,
-                                   self.tok.vocab_size, self.max_len)
+        clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
+                                   config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
         self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.hf_config), clocks)
         self._ids = itertools.count()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
-        self.grammar_limits = GrammarLimits.of(config)
+        self.grammar_limits = GrammarLimits.of(config.limits)
 
     @property
     def executor(self) -> Executor:
@@ -145,7 +145,7 @@ class Engine:
 
     def _submit_plans(self) -> None:
         """Schedule and submit plans until `depth` are in flight or nothing more can be scheduled."""
-        while len(self.inflight) < self.config.depth and (plan := self.scheduler.schedule()) is not None:
+        while len(self.inflight) < self.config.parallel.depth and (plan := self.scheduler.schedule()) is not None:
             decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
             plan.verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
             if plan.seqs:                        # a plan of disk-tier page work only runs no forward

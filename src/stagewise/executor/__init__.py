@@ -31,10 +31,10 @@ class Executor(Protocol):
 
 def make_executor(config, model_dir: str, eos_token_ids: tuple[int, ...], **placement) -> Executor:
     """`placement`: a multi-node pipeline's `generation` and `layout` (MultiprocExecutor)."""
-    if config.tp_size > 1:
+    if config.parallel.tp_size > 1:
         from .tp_ranks import check_tp
         check_tp(config, model_dir)
-    if config.pp_size == 1 and config.tp_size == 1:
+    if config.parallel.pp_size == 1 and config.parallel.tp_size == 1:
         from .local import LocalExecutor
         return LocalExecutor(config, model_dir, eos_token_ids)
     from .multiproc import MultiprocExecutor

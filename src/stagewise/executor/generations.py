@@ -151,34 +151,34 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     When this node's stages fail, or the driver starts a new pipeline, the old stages are
     killed and new ones join the new pipeline. The first stage processes start (import) at once,
     while the driver may still be starting."""
-    addr, port, k = config.master_addr, config.master_port, config.ranks_per_node
-    heals = config.max_pipeline_restarts > 0
-    token = cluster_token(config.cluster_token)
+    addr, port, k = config.cluster.master_addr, config.cluster.master_port, config.ranks_per_node
+    heals = config.recovery.max_pipeline_restarts > 0
+    token = cluster_token(config.cluster.cluster_token)
     warn_if_open(token, master_ip(addr), True)
     config = config.replace(node_memory_bytes=measured_node_bytes())    # before this node loads anything
     prepare_stage_env(config, addr)
     start_spares(k, model_dir)
-    wait_s = max(config.dist_timeout_s, 300.0)
+    wait_s = max(config.cluster.dist_timeout_s, 300.0)
     try:
-        store = join_store(addr, port, config.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
-        publish_report(store, config.node_rank)      # what the driver plans this node's share by
-        _serve_until_told(store, config.node_rank, lambda: join_store(addr, port, config.pp_size + 1,
+        store = join_store(addr, port, config.parallel.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
+        publish_report(store, config.cluster.node_rank)      # what the driver plans this node's share by
+        _serve_until_told(store, config.cluster.node_rank, lambda: join_store(addr, port, config.parallel.pp_size + 1,
                                                                       time.monotonic() + wait_s, wait_s, key_of(token)))
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation
-            stages, partition = _join_generation(store, generation, config.node_rank)
+            stages, partition = _join_generation(store, generation, config.cluster.node_rank)
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
             if partition is not None:     # the driver re-partitioned the layers over the nodes it has
                 config = config.replace(pp_layer_partition=partition)
             if generation > 1:
-                log.warning("node %d joins the driver's pipeline %d with %s", config.node_rank, generation,
+                log.warning("node %d joins the driver's pipeline %d with %s", config.cluster.node_rank, generation,
                             _stages_text(config, model_dir, stages))
             else:
-                log.info("node %d runs %s", config.node_rank, _stages_text(config, model_dir, stages))
+                log.info("node %d runs %s", config.cluster.node_rank, _stages_text(config, model_dir, stages))
             try:
-                procs = spawn_stages(config, model_dir, config.node_rank, addr, port, eos_token_ids,
+                procs = spawn_stages(config, model_dir, config.cluster.node_rank, addr, port, eos_token_ids,
                                      generation=generation, stages=stages)
             except RuntimeError as exc:      # a stage died while starting: the driver sees it too
                 log.error("%s", exc)
@@ -186,11 +186,11 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
                     return _exit(config, 1, "a stage failed to start and --max-pipeline-restarts is 0")
                 continue
             spares_at = None
-            if heals and config.pipeline_spares:     # soon after start; after a rebuild, once it recomputed
-                spares_at = time.monotonic() + (config.pipeline_spares_delay_s if generation == 1
+            if heals and config.recovery.pipeline_spares:     # soon after start; after a rebuild, once it recomputed
+                spares_at = time.monotonic() + (config.recovery.pipeline_spares_delay_s if generation == 1
                                                  else SPARES_AFTER_REBUILD_S)
             code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir),
-                                 config.node_rank)
+                                 config.cluster.node_rank)
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -217,13 +217,13 @@ def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     from ..runtime.stage_cost import with_resolved_partition
     hf = load_hf_config(model_dir)
     resolved = with_resolved_partition(config.replace(model=model_dir), hf)
-    infos = stage_infos(num_layers_of(hf, model_dir), config.pp_size, resolved.pp_layer_partition)
+    infos = stage_infos(num_layers_of(hf, model_dir), config.parallel.pp_size, resolved.parallel.pp_layer_partition)
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 
 
 def _exit(config, code: int, why: str) -> int:
-    log.log(logging.INFO if code == 0 else logging.WARNING, "node %d exits with code %d: %s", config.node_rank,
+    log.log(logging.INFO if code == 0 else logging.WARNING, "node %d exits with code %d: %s", config.cluster.node_rank,
             code, why)
     return code
 

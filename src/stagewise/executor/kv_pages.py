@@ -37,9 +37,9 @@ class StagePages:
         caches, layers = worker.batch.kv_caches, range(stage.start, stage.end)
         first = caches[stage.start]
         key = {"format": FORMAT_VERSION, "model": model_identity(model_dir), "kv_dtype": str(first.dtype),
-               "weights_dtype": str(worker.dtype), "quantization": config.quantization,
+               "weights_dtype": str(worker.dtype), "quantization": config.load.quantization,
                "block": list(first.shape[2:]), "layers": [stage.start, stage.end], "num_layers": stage.num_layers,
-               "device": worker.device.type, "tp": [0, config.tp_size]}
+               "device": worker.device.type, "tp": [0, config.parallel.tp_size]}
         tier = DiskTier(kv_dir(config), key, page_layout(caches, layers)[1], stage_budget(config, stage))
         return cls(caches, layers, tier)
 

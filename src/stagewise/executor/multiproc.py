@@ -57,12 +57,12 @@ class MultiprocExecutor:
                  layout: tuple[int, ...] | None = None):
         """Across nodes, `generation` is the pipeline's number if the caller opened it already
         (generations.next_generation), and `layout` the node of each stage (default: the command line's)."""
-        self.config, self.timeout = config, config.dist_timeout_s
-        self.layout = layout or default_layout(config.pp_size, config.nnodes)
+        self.config, self.timeout = config, config.cluster.dist_timeout_s
+        self.layout = layout or default_layout(config.parallel.pp_size, config.cluster.nnodes)
         self.local_stages = stages_of(self.layout, 0)
         # NOTE: resolved by the engine before any stage starts (a tuple), unless a caller passed a mode
-        self.partition: tuple[int, ...] = tuple(config.pp_layer_partition) \
-            if isinstance(config.pp_layer_partition, tuple) else ()
+        self.partition: tuple[int, ...] = tuple(config.parallel.pp_layer_partition) \
+            if isinstance(config.parallel.pp_layer_partition, tuple) else ()
         self.procs: list[mp.Process] = []
         self.lock = threading.Lock()          # one user of the links at a time
         self.pending: deque = deque()         # sends not yet known complete
@@ -75,18 +75,18 @@ class MultiprocExecutor:
         from ..model.registry import registered_models
         models = registered_models()      # NOTE: spawned stages import user classes by reference
         env = torchrun_env()
-        addr = env["addr"] if env else config.master_addr
-        port = env["port"] if env else (config.master_port or free_port())
-        token = cluster_token(config.cluster_token)
-        warn_if_open(token, master_ip(addr), config.nnodes > 1 or env is not None)
-        if not token and config.nnodes == 1 and not env:
+        addr = env["addr"] if env else config.cluster.master_addr
+        port = env["port"] if env else (config.cluster.master_port or free_port())
+        token = cluster_token(config.cluster.cluster_token)
+        warn_if_open(token, master_ip(addr), config.cluster.nnodes > 1 or env is not None)
+        if not token and config.cluster.nnodes == 1 and not env:
             token = new_token()           # every process of this pipeline starts here: they inherit it
         wait_s = max(self.timeout, 300.0)
         self.links: PipelineLinks | None = None
         try:
             # NOTE: across nodes every pipeline is a new generation of the same store (generations.py)
             self.generation = None
-            if config.nnodes > 1 and not env:
+            if config.cluster.nnodes > 1 and not env:
                 self.generation = generation or next_generation(addr, port, key_of(token))
                 publish_layout(addr, port, self.generation, self.layout, self.partition or None)
             if not env:
@@ -95,9 +95,9 @@ class MultiprocExecutor:
                                           stages=self.local_stages)
             remote = sorted(set(self.layout) - {0}) if self.generation else []
             with abandon_when(nodes_gone(addr, port, remote)):     # a node gone meanwhile: retry without it
-                self.links = join_pipeline(DRIVER_RANK, config.pp_size + 1, addr, port, wait_s, key_of(token),
+                self.links = join_pipeline(DRIVER_RANK, config.parallel.pp_size + 1, addr, port, wait_s, key_of(token),
                                            self.generation, control_store(addr, port) if self.generation else None,
-                                           config.dist_ifname)
+                                           config.cluster.dist_ifname)
             self.memory_plans, load_s, self.kernels = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
@@ -107,7 +107,7 @@ class MultiprocExecutor:
         self.num_blocks = min(p.num_blocks for p in self.memory_plans)
         total = time.monotonic() - t0
         self.startup = {"spawn_s": max(0.0, total - load_s), "load_s": load_s, "total_s": total}
-        self.watch = Watch(self.links.controls, config.heartbeat_timeout_s, self._silent)
+        self.watch = Watch(self.links.controls, config.cluster.heartbeat_timeout_s, self._silent)
         threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
 
@@ -146,7 +146,7 @@ class MultiprocExecutor:
 
     def _send(self, msg: Message) -> None:
         try:
-            while len(self.pending) > 2 * self.config.pp_size:
+            while len(self.pending) > 2 * self.config.parallel.pp_size:
                 self.pending.popleft().wait(self.timeout)
             assert self.links is not None, "joined"
             self.pending.append(send_message(self.links.next, msg))
@@ -158,7 +158,7 @@ class MultiprocExecutor:
         self.last_traffic = time.monotonic()
 
     def _recv(self) -> Message:
-        last = self.config.pp_size - 1
+        last = self.config.parallel.pp_size - 1
         try:
             assert self.links is not None, "joined"
             msg = recv_message(self.links.prev, self.timeout)
@@ -186,18 +186,19 @@ class MultiprocExecutor:
         return f"{doing} {where} failed: the link closed; a stage process died or lost its connection{self._hint()}."
 
     def _hint(self) -> str:
-        return " (see the other nodes' logs)" if self.config.nnodes > 1 else ""
+        return " (see the other nodes' logs)" if self.config.cluster.nnodes > 1 else ""
 
     def _death_message(self, p) -> str:
         """Why a local stage process ended. Exit code 1 is a stage that stopped because a link to a
         neighbour failed: the cause is that neighbour (on another node, when there are several)."""
         index = self.procs.index(p)
-        where = self._where(self.local_stages[index // self.config.tp_size])
-        if self.config.tp_size > 1:
-            where += f" tensor-parallel rank {index % self.config.tp_size}"
+        where = self._where(self.local_stages[index // self.config.parallel.tp_size])
+        if self.config.parallel.tp_size > 1:
+            where += f" tensor-parallel rank {index % self.config.parallel.tp_size}"
         if p.exitcode == 1:
+            elsewhere = "on another node " if self.config.cluster.nnodes > 1 else ""
             return (f"{where} stopped because its link to a neighbouring stage failed; a stage "
-                    f"{'on another node ' if self.config.nnodes > 1 else ''}died or became unreachable{self._hint()}.")
+                    f"{elsewhere}died or became unreachable{self._hint()}.")
         return f"{where} (pid {p.pid}) died unexpectedly: it {describe_exit(p.exitcode)}."
 
     def _interrupted(self) -> None:
@@ -243,8 +244,8 @@ class MultiprocExecutor:
         if self.closing or self.dead:
             return
         self.dead = (f"{self._where(stage)} stopped answering: no heartbeat for {silent_s:.1f} s "
-                     f"(--heartbeat-timeout-s {self.config.heartbeat_timeout_s:g}); it is stopped, frozen or cut "
-                     f"off from the network{self._hint()}.")
+                     f"(--heartbeat-timeout-s {self.config.cluster.heartbeat_timeout_s:g}); it is stopped, frozen "
+                     f"or cut off from the network{self._hint()}.")
         self.cause = "timeout"
         log.error(self.dead)
         self._kill_all()

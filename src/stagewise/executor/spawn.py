@@ -31,9 +31,9 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     procs: list = []
     readers: list[Connection] = []        # a pipe per stage: its first message says the stage code runs
     if stages is None:
-        stages = stages_of(default_layout(config.pp_size, config.nnodes), node_rank)
+        stages = stages_of(default_layout(config.parallel.pp_size, config.cluster.nnodes), node_rank)
     config = config.replace(local_stages=tuple(stages))     # their share of this node's memory and CPUs
-    for s, tp in ((s, tp) for s in stages for tp in _tp_ranks(config.tp_size)):
+    for s, tp in ((s, tp) for s in stages for tp in _tp_ranks(config.parallel.tp_size)):
         args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation, tp)
         name = f"stagewise-stage-{s}" + (f"-rank-{tp[0]}" if tp else "")
         spare = _take_spare()
@@ -86,7 +86,7 @@ def prepare_stage_env(config, addr: str) -> None:
     wait = spawn_env_defaults()
     threads, why = thread_choice(config)
     log_once(f"CPU threads: {threads} per stage process ({why}); OpenMP wait in stages: {wait}")
-    use_interface(addr, config.dist_ifname)
+    use_interface(addr, config.cluster.dist_ifname)
 
 
 def start_spares(count: int, model_dir: str) -> None:

@@ -53,7 +53,7 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver shuts us down in order
     tp_rank = tp[0] if tp else 0
-    name_process(f"stagewise-st{stage_idx}" + (f"r{tp_rank}" if config.tp_size > 1 else ""))
+    name_process(f"stagewise-st{stage_idx}" + (f"r{tp_rank}" if config.parallel.tp_size > 1 else ""))
     if started is not None:
         started.send(True)
         started.close()
@@ -72,9 +72,10 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
                            _handle)
         else:
             # NOTE: nodes start in any order; like the driver, wait minutes (not one link timeout) for the others.
-            links = join_pipeline(stage_rank(stage_idx), config.pp_size + 1, addr, port,
-                                  max(config.dist_timeout_s, 300.0), key_of(cluster_token(config.cluster_token)),
-                                  generation, dist_ifname=config.dist_ifname)
+            cluster = config.cluster
+            links = join_pipeline(stage_rank(stage_idx), config.parallel.pp_size + 1, addr, port,
+                                  max(cluster.dist_timeout_s, 300.0), key_of(cluster_token(cluster.cluster_token)),
+                                  generation, dist_ifname=cluster.dist_ifname)
             _serve(config, model_dir, stage_idx, eos_ids, links, tp[1] if tp else None)
     except Exception as exc:  # noqa: BLE001 (a peer died or timed out: exit and let the cascade reach the driver)
         log.error("%s stopped: %s", where, exc)
@@ -115,7 +116,8 @@ def _stage_of(config, model_dir: str, stage_idx: int):
     from ..runtime.stage_cost import with_resolved_partition
     hf = load_hf_config(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
-    return stage_infos(num_layers_of(hf, model_dir), config.pp_size, config.pp_layer_partition)[stage_idx]
+    parallel = config.parallel
+    return stage_infos(num_layers_of(hf, model_dir), parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:
@@ -127,7 +129,7 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
     try:
         if tp_dir is not None:
             from .tp_ranks import Leader
-            leader = Leader(tp_dir, config.tp_size, config.dist_timeout_s)
+            leader = Leader(tp_dir, config.parallel.tp_size, config.cluster.dist_timeout_s)
         worker = Worker(config, model_dir, stage, eos_ids, tp_group=leader.group if leader else None)
         if leader is not None:
             leader.await_ready(worker.memory_plan)
@@ -141,26 +143,26 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
     from ..kernels.report import announce
     kernels = announce(worker.model, worker.device, stage_idx)      # the INFO line, and the driver's stats
     send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0, kernels=kernels)).wait()
-    start_beating(links.control, stage_idx, config.heartbeat_timeout_s)
+    start_beating(links.control, stage_idx, config.cluster.heartbeat_timeout_s)
     pending: list = []
     crash_token = _crash_token(stage)
-    wait_s = max(config.dist_timeout_s, READY_WAIT_S)      # the first message comes once every stage is ready
+    wait_s = max(config.cluster.dist_timeout_s, READY_WAIT_S)      # the first message comes once every stage is ready
     while True:
         msg = recv_message(links.prev, wait_s)
-        wait_s = config.dist_timeout_s
+        wait_s = config.cluster.dist_timeout_s
         if crash_token is not None and isinstance(msg, PlanMsg):
             _crash_if_asked(msg.plan, crash_token)
         if leader is not None:
-            leader.forward(msg, config.dist_timeout_s)
+            leader.forward(msg, config.cluster.dist_timeout_s)
         out = _handle(worker, stage, msg, pages)
         if leader is not None:
             leader.check_in_step(msg, out)
         for p in pending:        # sends of two messages ago must be done before we reuse anything
-            p.wait(config.dist_timeout_s)
+            p.wait(config.cluster.dist_timeout_s)
         pending = pending[-1:] + [send_message(links.next, out)]
         if isinstance(msg, Shutdown):
             for p in pending:
-                p.wait(config.dist_timeout_s)
+                p.wait(config.cluster.dist_timeout_s)
             return
 
 

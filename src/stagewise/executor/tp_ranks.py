@@ -144,7 +144,7 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
     from ..runtime.worker import Worker
     link = connect_to_leader(directory, rank, READY_WAIT_S)
     try:
-        group = groups.open_group(directory, rank, config.tp_size, config.dist_timeout_s)
+        group = groups.open_group(directory, rank, config.parallel.tp_size, config.cluster.dist_timeout_s)
         t0 = time.monotonic()
         try:
             worker = Worker(config, model_dir, stage, eos_ids, tp_group=group)
@@ -152,10 +152,10 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
             send_message(link, ReadyMsg(error=str(exc))).wait()
             raise
         send_message(link, ReadyMsg(worker.memory_plan, time.monotonic() - t0)).wait()
-        wait_s = max(config.dist_timeout_s, READY_WAIT_S)   # the first message comes once every stage is ready
+        wait_s = max(config.cluster.dist_timeout_s, READY_WAIT_S)   # the first message comes once every stage is ready
         while True:
             msg = recv_message(link, wait_s)
-            wait_s = config.dist_timeout_s
+            wait_s = config.cluster.dist_timeout_s
             check_in_step(group, msg, handle(worker, stage, msg))
             if isinstance(msg, Shutdown):
                 return
@@ -164,7 +164,7 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
 
 
 def check_tp(config, model_dir: str) -> None:
-    """One sentence, before any process starts, when `config.tp_size` ranks cannot split this model here."""
+    """One sentence, before any process starts, when `config.parallel.tp_size` ranks cannot split this model here."""
     from ..checkpoint import load_hf_config
     from ..model.loader import _architecture
     from ..model.registry import get_model_class
@@ -175,8 +175,8 @@ def check_tp(config, model_dir: str) -> None:
         raise ValueError("torchrun starts one process per stage; run tensor parallelism (--tp-size) without "
                          "torchrun, with --nnodes for several machines.")
     hf = load_hf_config(model_dir)
-    tp.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.tp_size)
+    tp.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.parallel.tp_size)
     cpus = usable_cpus()
-    if config.tp_size > cpus.cpus:
-        raise ValueError(f"--tp-size {config.tp_size} needs a CPU per rank, but this machine gives {cpus.cpus} "
-                         f"({cpus.why}); use --tp-size {cpus.cpus} or less.")
+    if config.parallel.tp_size > cpus.cpus:
+        raise ValueError(f"--tp-size {config.parallel.tp_size} needs a CPU per rank, but this machine gives "
+                         f"{cpus.cpus} ({cpus.why}); use --tp-size {cpus.cpus} or less.")

@@ -27,10 +27,11 @@ class GrammarLimits:
     cache_memory: int = 256 << 20         # kept compiled grammars together; also the largest one
 
     @classmethod
-    def of(cls, config) -> "GrammarLimits":
-        return cls(config.grammar_max_bytes, config.grammar_max_depth, config.grammar_max_alternatives,
-                   config.grammar_compile_timeout_s, config.grammar_memory, config.grammar_compile_workers,
-                   config.grammar_cache_entries, config.grammar_cache_memory)
+    def of(cls, lim) -> "GrammarLimits":
+        """From the engine's request limits (`EngineConfig.limits`)."""
+        return cls(lim.grammar_max_bytes, lim.grammar_max_depth, lim.grammar_max_alternatives,
+                   lim.grammar_compile_timeout_s, lim.grammar_memory, lim.grammar_compile_workers,
+                   lim.grammar_cache_entries, lim.grammar_cache_memory)
 
     @property
     def quick_memory(self) -> int:

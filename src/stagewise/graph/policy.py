@@ -65,13 +65,13 @@ COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden s
 
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
-    prefill_graph = "off" if config.tp_size > 1 else config.prefill_graph
+    prefill_graph = "off" if config.parallel.tp_size > 1 else config.graphs.prefill_graph
     return resolve_graph_policy(
-        prefill_graph=prefill_graph, max_tokens=config.prefill_graph_max_tokens,
-        buckets=config.prefill_graph_buckets, chunked_prefill_size=config.chunked_prefill_size,
-        pp_size=config.pp_size, device_type=device_type, decode_graph=config.decode_graph,
-        decode_graph_max_bs=config.decode_graph_max_bs,
-        hidden_size=_hidden_size(config.model) if prefill_graph == "auto" and device_type == "cpu" else None)
+        prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,
+        buckets=config.graphs.prefill_graph_buckets, chunked_prefill_size=config.scheduler.chunked_prefill_size,
+        pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph,
+        decode_graph_max_bs=config.graphs.decode_graph_max_bs,
+        hidden_size=_hidden_size(config.load.model) if prefill_graph == "auto" and device_type == "cpu" else None)
 
 
 @lru_cache(maxsize=8)

@@ -115,11 +115,12 @@ def _fetch(url: str, limits: ImageLimits, where: str) -> bytes:
     return data
 
 
-def limits_of(config) -> ImageLimits:
-    """The image limits an `EngineConfig` sets (its max_image_* fields and allowed_image_hosts)."""
-    hosts = tuple(h.strip().lower() for h in (config.allowed_image_hosts or "").split(",") if h.strip())
+def limits_of(limits) -> ImageLimits:
+    """The image limits of the engine's request limits (`EngineConfig.limits`: max_image_* and
+    allowed_image_hosts)."""
+    hosts = tuple(h.strip().lower() for h in (limits.allowed_image_hosts or "").split(",") if h.strip())
     for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
-        if int(getattr(config, name)) < 1:
-            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}.")
-    return ImageLimits(int(config.max_image_bytes), int(config.max_image_pixels),
-                       int(config.max_images_per_request), hosts)
+        if int(getattr(limits, name)) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(limits, name)}.")
+    return ImageLimits(int(limits.max_image_bytes), int(limits.max_image_pixels), int(limits.max_images_per_request),
+                       hosts)

@@ -50,12 +50,13 @@ def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeRepo
     much memory is missing) when the nodes cannot hold the model."""
     assert 0 in reports, "node 0 runs the driver: its own report is measured there"
     ranks = sorted(reports)
-    partition = config.pp_layer_partition if keep_partition and isinstance(config.pp_layer_partition, tuple) else None
+    given = config.parallel.pp_layer_partition
+    partition = given if keep_partition and isinstance(given, tuple) else None
     listed = [reports[r] for r in ranks]
-    if config.pp_node_rates is not None:        # given on the command line: they win over the probes
-        listed = [NodeReport(rep.available_bytes, config.pp_node_rates[r]) for rep, r in zip(listed, ranks)]
-    plan = plan_cluster(model_facts(config, hf_config), listed, num_stages or config.pp_size,
-                        use_speed=config.pp_node_fit == "speed" or config.pp_node_rates is not None,
+    if config.parallel.pp_node_rates is not None:        # given on the command line: they win over the probes
+        listed = [NodeReport(rep.available_bytes, config.parallel.pp_node_rates[r]) for rep, r in zip(listed, ranks)]
+    plan = plan_cluster(model_facts(config, hf_config), listed, num_stages or config.parallel.pp_size,
+                        use_speed=config.parallel.pp_node_fit == "speed" or config.parallel.pp_node_rates is not None,
                         partition=partition, ranks=ranks)
     return NodePlan(plan.partition, tuple(ranks[j] for j in plan.layout), tuple(ranks[j] for j in plan.left_out),
                     plan.shares)
@@ -68,9 +69,9 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = T
     command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
     before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
     nodes cannot hold the model."""
-    if c.pp_node_fit == "off" or c.master_port is None:
-        return c, spread_stages(c.pp_size, nodes)
-    store = control_store(c.master_addr, c.master_port)
+    if c.parallel.pp_node_fit == "off" or c.cluster.master_port is None:
+        return c, spread_stages(c.parallel.pp_size, nodes)
+    store = control_store(c.cluster.master_addr, c.cluster.master_port)
     if measure or not _node0:
         here = NodeReport.measure()
         # NOTE: the driver runs already, so its memory is in use, not available; the planner takes

@@ -68,24 +68,24 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
     (all --nnodes, or at least --min-nodes within --node-rejoin-timeout-s), over the partition and
     layout their reported memory and speed give (`plan_on`)."""
     c = config
-    if c.nnodes == 1 or torchrun_env() is not None:
+    if c.cluster.nnodes == 1 or torchrun_env() is not None:
         return make_executor(config, model_dir, eos_token_ids)
-    assert c.master_port is not None, "validated: a multi-node pipeline has a fixed --master-port"
-    token = cluster_token(c.cluster_token)
-    warn_if_open(token, master_ip(c.master_addr), True)
-    generation = next_generation(c.master_addr, c.master_port, key_of(token))
-    need = c.min_nodes or c.nnodes
-    wait_s = c.node_rejoin_timeout_s if need < c.nnodes else max(c.dist_timeout_s, 300.0)
-    present = await_nodes(c.master_addr, c.master_port, generation, list(range(1, c.nnodes)), wait_s,
-                          first=need - 1)
+    assert c.cluster.master_port is not None, "validated: a multi-node pipeline has a fixed --master-port"
+    token = cluster_token(c.cluster.cluster_token)
+    warn_if_open(token, master_ip(c.cluster.master_addr), True)
+    generation = next_generation(c.cluster.master_addr, c.cluster.master_port, key_of(token))
+    need = c.cluster.min_nodes or c.cluster.nnodes
+    wait_s = c.recovery.node_rejoin_timeout_s if need < c.cluster.nnodes else max(c.cluster.dist_timeout_s, 300.0)
+    present = await_nodes(c.cluster.master_addr, c.cluster.master_port, generation, list(range(1, c.cluster.nnodes)),
+                          wait_s, first=need - 1)
     if len(present) + 1 < need:
-        lower = ", or lower --min-nodes" if c.min_nodes else ""
+        lower = ", or lower --min-nodes" if c.cluster.min_nodes else ""
         raise EngineDeadError(f"The pipeline failed to start: only {len(present) + 1} of the {need} nodes it needs "
                               f"were ready within {wait_s:.0f} s; start the other nodes' commands (the same "
                               f"--master-addr, --master-port and cluster token){lower}.")
-    if len(present) + 1 < c.nnodes:
+    if len(present) + 1 < c.cluster.nnodes:
         log.warning("the first pipeline runs on node(s) %s of %d; the others join when they start",
-                    ", ".join(map(str, [0, *present])), c.nnodes)
+                    ", ".join(map(str, [0, *present])), c.cluster.nnodes)
     try:
         c, layout = plan_on(c, model_dir, [0, *present])
     except ValueError as exc:
@@ -102,11 +102,11 @@ class PipelineSupervisor:
         self.executor, self.requests = executor, requests
         # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
         # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
-        self.heals = (config.pp_size > 1 or config.tp_size > 1) and torchrun_env() is None
-        self.restarts = RestartBudget(config.max_pipeline_restarts, config.pipeline_restart_window_s)
+        self.heals = (config.parallel.pp_size > 1 or config.parallel.tp_size > 1) and torchrun_env() is None
+        self.restarts = RestartBudget(config.recovery.max_pipeline_restarts, config.recovery.pipeline_restart_window_s)
         self.suspects = Suspects()
         self.recovery = RecoveryStats()
-        self._spares_due: float | None = time.monotonic() + config.pipeline_spares_delay_s
+        self._spares_due: float | None = time.monotonic() + config.recovery.pipeline_spares_delay_s
         self._node_check_at = 0.0
         self._rejoin_s = 0.0           # the last rebuild's wait for the other nodes to be ready
         self._no_room = False          # the nodes left cannot hold the model (fatal)
@@ -141,7 +141,7 @@ class PipelineSupervisor:
         fail the poisoned requests alone and mark it recovering. Returns the failed requests."""
         cause = self.executor.cause or "unknown"
         planned = cause in PLANNED                 # not a failure: no restart used, no suspects
-        if not self.heals or self.config.max_pipeline_restarts == 0:
+        if not self.heals or self.config.recovery.max_pipeline_restarts == 0:
             self.die(why)
         if not planned and not self.restarts.take():
             self.die(self.restarts.refusal(why))
@@ -194,7 +194,7 @@ class PipelineSupervisor:
         self.recovery.rebuilt(teardown_s, startup, requeued)
         log.warning("pipeline rebuilt in %.1f s (teardown %.1f s, %sstart %.1f s, weights %.1f s); recomputing "
                     "%d request(s)", time.monotonic() - t0, teardown_s,
-                    f"waiting for nodes {self._rejoin_s:.1f} s, " if self.config.nnodes > 1 else "",
+                    f"waiting for nodes {self._rejoin_s:.1f} s, " if self.config.cluster.nnodes > 1 else "",
                     startup.get("spawn_s", 0.0), startup.get("load_s", 0.0), requeued)
 
     def _new_executor(self) -> Executor:
@@ -202,13 +202,14 @@ class PipelineSupervisor:
         while). Several: a new generation in the same store (executor/generations.py), on the nodes that
         are ready for it within --node-rejoin-timeout-s; the stages of the others run on node 0."""
         c = self.config
-        if c.nnodes == 1:
+        if c.cluster.nnodes == 1:
             return make_executor(c.replace(master_port=None), self.model_dir, self.eos_token_ids)
-        addr, port = c.master_addr, c.master_port
-        assert port is not None and isinstance(c.pp_layer_partition, tuple), "validated, resolved by the engine"
+        addr, port = c.cluster.master_addr, c.cluster.master_port
+        assert port is not None and isinstance(c.parallel.pp_layer_partition, tuple), "resolved by the engine"
         generation = next_generation(addr, port)        # the first pipeline serves the store
         t0 = time.monotonic()
-        present = await_nodes(addr, port, generation, list(range(1, c.nnodes)), c.node_rejoin_timeout_s)
+        present = await_nodes(addr, port, generation, list(range(1, c.cluster.nnodes)),
+                              c.recovery.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
         try:
             c, layout = plan_on(c, self.model_dir, [0, *present])
@@ -216,7 +217,7 @@ class PipelineSupervisor:
             self.recovery.recovering, self._no_room = None, True
             self.die(f"The pipeline cannot be rebuilt on the nodes left: {exc}")
         self.standby = set(present) - set(layout)       # ready but not needed: they wait as standbys
-        if layout != self.executor.layout or c.pp_layer_partition != self.executor.partition:
+        if layout != self.executor.layout or c.parallel.pp_layer_partition != self.executor.partition:
             self._log_move(c, layout, present)
         return make_executor(c, self.model_dir, self.eos_token_ids, generation=generation,
                              layout=layout)
@@ -224,19 +225,19 @@ class PipelineSupervisor:
     def _log_move(self, c: EngineConfig, layout: tuple[int, ...], present: list[int]) -> None:
         """Say where the stages went and why: nodes that left or are gone, nodes that joined."""
         before = set(self.executor.layout)
-        assert c.master_port is not None and isinstance(c.pp_layer_partition, tuple)
+        assert c.cluster.master_port is not None and isinstance(c.parallel.pp_layer_partition, tuple)
         gone = sorted(before - set(layout))
-        left = [n for n in gone if leaving(c.master_addr, c.master_port, n)]
+        left = [n for n in gone if leaving(c.cluster.master_addr, c.cluster.master_port, n)]
         lost = [n for n in gone if n not in left]
         joined = sorted(set(layout) - before)
         why = "; ".join(part for part in (
-            f"node {', '.join(map(str, lost))} did not rejoin within {c.node_rejoin_timeout_s:.0f} s "
+            f"node {', '.join(map(str, lost))} did not rejoin within {c.recovery.node_rejoin_timeout_s:.0f} s "
             f"(or stopped beating)" if lost else "",
             f"node {', '.join(map(str, left))} left" if left else "",
             f"node {', '.join(map(str, joined))} joined" if joined else "") if part)
-        self.moves.append({"why": why, "layout": list(layout), "partition": list(c.pp_layer_partition),
+        self.moves.append({"why": why, "layout": list(layout), "partition": list(c.parallel.pp_layer_partition),
                            "at": time.time()})
-        log.warning("%s; the pipeline runs on: %s", why, layout_line(layout, c.pp_layer_partition))
+        log.warning("%s; the pipeline runs on: %s", why, layout_line(layout, c.parallel.pp_layer_partition))
 
     def _welcome_returned_nodes(self) -> None:
         """Across nodes, once a second: a node left out of the pipeline (it did not rejoin in time, or
@@ -246,17 +247,17 @@ class PipelineSupervisor:
         rebuild goes on without it."""
         ex, c = self.executor, self.config
         generation = ex.generation
-        if generation is None or not self.heals or self.recovering or c.master_port is None \
+        if generation is None or not self.heals or self.recovering or c.cluster.master_port is None \
                 or ex.dead or time.monotonic() < self._node_check_at:
             return
         self._node_check_at = time.monotonic() + NODE_CHECK_S
-        going = [n for n in sorted(set(ex.layout) - {0}) if leaving(c.master_addr, c.master_port, n)]
+        going = [n for n in sorted(set(ex.layout) - {0}) if leaving(c.cluster.master_addr, c.cluster.master_port, n)]
         if going:
             ex.stop(f"node {', '.join(map(str, going))} asked to leave.", NODE_LEAVING)
             return
-        left_out = sorted(set(range(1, c.nnodes)) - set(ex.layout) - self.standby)
-        back = ready_nodes(c.master_addr, c.master_port, generation, left_out) if left_out else []
-        back = [n for n in back if not leaving(c.master_addr, c.master_port, n)]
+        left_out = sorted(set(range(1, c.cluster.nnodes)) - set(ex.layout) - self.standby)
+        back = ready_nodes(c.cluster.master_addr, c.cluster.master_port, generation, left_out) if left_out else []
+        back = [n for n in back if not leaving(c.cluster.master_addr, c.cluster.master_port, n)]
         if back and self._changes_plan(back):
             ex.stop(f"node {', '.join(map(str, back))} is back.", NODE_RETURNED)
 
@@ -267,7 +268,7 @@ class PipelineSupervisor:
             c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False)
         except ValueError:
             return True        # (it cannot hold now: a rebuild says so in one sentence)
-        if layout != ex.layout or c.pp_layer_partition != ex.partition:
+        if layout != ex.layout or c.parallel.pp_layer_partition != ex.partition:
             return True
         self.standby |= set(back)
         log.warning("node %s joined as a standby: the pipeline is as fast without it; a rebuild will use it",
@@ -276,7 +277,7 @@ class PipelineSupervisor:
 
     def _start_spares(self) -> None:
         self._spares_due = None
-        if self.heals and self.config.pipeline_spares and self.config.max_pipeline_restarts:
+        if self.heals and self.config.recovery.pipeline_spares and self.config.recovery.max_pipeline_restarts:
             start_spares(self.config.ranks_per_node, self.model_dir)
 
     def _start_spares_when_due(self) -> None:
@@ -293,7 +294,7 @@ class PipelineSupervisor:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        if self.config.nnodes > 1:
+        if self.config.cluster.nnodes > 1:
             end_generations()
         if self.heals:
             stop_spares()

@@ -100,28 +100,28 @@ class ModelFacts:
 
 def model_facts(config: EngineConfig, hf) -> ModelFacts:
     """Costs from the cost model; bytes as held; per stage the activation peak and runtime."""
-    dtype = resolve_dtype(config.dtype, hf, "cpu")
+    dtype = resolve_dtype(config.load.dtype, hf, "cpu")
     weights, costs = _weights_of(config, hf), cost_model_for(config, hf)
     hidden = int(getattr(hf, "hidden_size", 0) or hf.n_embd)
-    activation = estimate_activation_bytes(config.chunked_prefill_size, hidden,
+    activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, hidden,
                                            getattr(hf, "intermediate_size", None) or 4 * hidden, hf.vocab_size,
-                                           config.max_num_seqs, torch.empty((), dtype=dtype).element_size())
+                                           config.scheduler.max_num_seqs, torch.empty((), dtype=dtype).element_size())
     max_len = max_model_len(config, hf)
     per_layer = kv_bytes_per_block(StageInfo(0, 1, 0, 1, 1), weights.kv_heads, weights.head_dim,
-                                   config.block_size, dtype)
-    floor = min_kv_blocks(max_len, config.block_size) * per_layer
+                                   config.cache.block_size, dtype)
+    floor = min_kv_blocks(max_len, config.cache.block_size) * per_layer
     needs = ModelNeeds(costs.layer_costs, tuple(b + floor for b in weights.layers), costs.first_extra,
                        costs.last_extra, weights.first_extra, weights.last_extra,
                        activation + STAGE_RUNTIME_BYTES + spare_bytes(config),
                        weights.single + floor * len(weights.layers))
-    return ModelFacts(needs, weights, per_layer, config.block_size,
-                      config.max_num_seqs * -(-max_len // config.block_size) + 1)
+    return ModelFacts(needs, weights, per_layer, config.cache.block_size,
+                      config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1)
 
 
 def spare_bytes(config: EngineConfig) -> int:
     """What each stage's idle spare process (--pipeline-spares) holds beside it on its node: a
     process with torch and the stage code imported, no weights (0 where no spares run)."""
-    return STAGE_RUNTIME_BYTES if config.pipeline_spares and config.max_pipeline_restarts > 0 else 0
+    return STAGE_RUNTIME_BYTES if config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0 else 0
 
 
 def plan_cluster(facts: ModelFacts, reports: list[NodeReport], num_stages: int | None = None,
@@ -152,8 +152,8 @@ def cluster_report(config: EngineConfig, hf, reports: list[NodeReport]) -> str:
     """`stagewise plan --cluster`: one row per stage (node, layers, weights, KV, predicted share),
     then the nodes left out."""
     facts = model_facts(config, hf)
-    partition = config.pp_layer_partition if isinstance(config.pp_layer_partition, tuple) else None
-    num_stages = len(partition) if partition else (config.pp_size if config.pp_size > 1 else None)
+    partition = config.parallel.pp_layer_partition if isinstance(config.parallel.pp_layer_partition, tuple) else None
+    num_stages = len(partition) if partition else (config.parallel.pp_size if config.parallel.pp_size > 1 else None)
     plan = plan_partition(facts.needs, nodes_of(reports), num_stages, None, partition)    # left-out nodes: below
     rows = [["stage", "node", "node memory", "speed", "layers", "weights MiB", "KV tokens", "share"]]
     start = 0

@@ -66,7 +66,7 @@ class CpuPool:
 def for_stage(config, stage_rank: int, threads: int, tp_rank: int = 0) -> CpuPool | None:
     """The pool of a stage (its tensor-parallel rank `tp_rank`) running in this process with `threads`
     threads (its slice of this node's CPUs)."""
-    k, slot = config.ranks_per_node, config.local_slot(stage_rank) * config.tp_size + tp_rank
+    k, slot = config.ranks_per_node, config.local_slot(stage_rank) * config.parallel.tp_size + tp_rank
     cpus = stage_cpus(os.sched_getaffinity(0), threads, slot, k) if hasattr(os, "sched_getaffinity") else []
     # NOTE: one thread opens no parallel region, so there is no wake-up to save
     pool = start(cpus, keep_awake=None if threads > 1 else False)

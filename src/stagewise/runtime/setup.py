@@ -48,7 +48,7 @@ class StageParts:
 
 
 def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
-    if config.resolved_device == "cuda":
+    if config.load.resolved_device == "cuda":
         count = torch.cuda.device_count()
         if count == 0:
             raise ValueError("--device cuda was given but no CUDA device is visible to this process; "
@@ -68,29 +68,29 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
         pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config), tp_group.rank if tp_group else 0)
         keep_freed_memory()
     hf_config = load_hf_config(model_dir)
-    dtype = resolve_dtype(config.dtype, hf_config, device.type)
-    if device.type == "cpu" and config.node_memory_bytes is None:   # torchrun: no driver measured it
+    dtype = resolve_dtype(config.load.dtype, hf_config, device.type)
+    if device.type == "cpu" and config.cache.node_memory_bytes is None:   # torchrun: no driver measured it
         config = config.replace(node_memory_bytes=measured_node_bytes())
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
-                       quantization=config.quantization, exact=exact_mode(config.dtype, hf_config))
+                       quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
     if tp_group is not None:
         # NOTE: every rank gathers the logits, so every rank's sampler draws the same tokens
         tensor_parallel.connect(model, tp_group, logits_to=-1)
     policy = policy_for(config, device.type)
-    model_attention.INVARIANT = config.invariant_attention   # process-wide: one engine's stages per process
+    model_attention.INVARIANT = config.scheduler.invariant_attention   # process-wide: one engine's stages per process
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=max_model_len(config, hf_config))
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
-    block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.block_size, dtype)
+    block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype)
     plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
     if tp_group is not None:
         plan = _agreed(plan, tp_group)
-    batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.block_size, num_kv_heads,
+    batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.cache.block_size, num_kv_heads,
                                          head_dim, dtype, device)
     if device.type == "cpu":                # decode steps' team; their graph is compiled for it
         runner.decode_threads = decode_threads(model, plan.weights_bytes, torch.get_num_threads())
-    runner.capture(background=config.compile_in_background)
+    runner.capture(background=config.graphs.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
     return StageParts(model, runner, plan, device, batch, pool)
 
@@ -108,17 +108,17 @@ def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -
     itemsize = torch.empty((), dtype=dtype).element_size()
     hidden = model.hidden_size
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
-    activation = estimate_activation_bytes(config.chunked_prefill_size, hidden, intermediate,
-                                           hf_config.vocab_size, config.max_num_seqs, itemsize)
+    activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, hidden, intermediate,
+                                           hf_config.vocab_size, config.scheduler.max_num_seqs, itemsize)
     if device.type == "cuda":
         budget = stage_budget_bytes(node_bytes=None, stages_on_node=1,
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
-        budget = stage_budget_bytes(node_bytes=config.node_memory_bytes, stages_on_node=config.ranks_per_node)
+        budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
     max_len = max_model_len(config, hf_config)
     return plan_kv(stage.rank, (stage.start, stage.end), weights=weight_bytes(model),
                    graph_buffers=runner.static_bytes(), graph_pools=0, activation=activation, block_bytes=block_bytes,
-                   explicit_kv=config.kv_cache_memory, budget=budget,
-                   cap_blocks=config.max_num_seqs * -(-max_len // config.block_size) + 1,
-                   min_blocks=min_kv_blocks(max_len, config.block_size))
+                   explicit_kv=config.cache.kv_cache_memory, budget=budget,
+                   cap_blocks=config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1,
+                   min_blocks=min_kv_blocks(max_len, config.cache.block_size))

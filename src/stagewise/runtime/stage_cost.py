@@ -67,76 +67,76 @@ def cost_model(hf_config, model_cls, dtype: torch.dtype, mix: str = "decode", ch
 
 
 def cost_model_for(config: EngineConfig, hf_config=None) -> CostModel:
-    model_dir = config.model
+    model_dir = config.load.model
     assert model_dir is not None, "the cost model needs the resolved model path"
     hf = hf_config if hf_config is not None else load_hf_config(model_dir)
-    dtype = resolve_dtype(config.dtype, hf, config.resolved_device)
+    dtype = resolve_dtype(config.load.dtype, hf, config.load.resolved_device)
     cls = get_model_class(_architecture(hf, model_dir))
-    return cost_model(hf, cls, dtype, config.pp_cost_mix, config.chunked_prefill_size)
+    return cost_model(hf, cls, dtype, config.parallel.pp_cost_mix, config.scheduler.chunked_prefill_size)
 
 
 def stage_rates(config: EngineConfig) -> list[float] | None:
     """Each stage's relative speed: its node's entry of `pp_node_rates` (None: all alike)."""
-    if config.pp_node_rates is None:
+    if config.parallel.pp_node_rates is None:
         return None
-    return [config.pp_node_rates[s // config.stages_per_node] for s in range(config.pp_size)]
+    return [config.parallel.pp_node_rates[s // config.stages_per_node] for s in range(config.parallel.pp_size)]
 
 
 def resolve_partition(config: EngineConfig, hf_config=None) -> tuple[int, ...]:
     """The layer counts per stage: `auto` from the cost model (weighted by the node rates), `even`
     (or unset) by the even rule, explicit counts as given after validation. Deterministic, so the
     driver and every node's stages resolve the same split from the same flags."""
-    model_dir = config.model
+    model_dir = config.load.model
     assert model_dir is not None, "resolve_partition needs the resolved model path"
     hf = hf_config if hf_config is not None else load_hf_config(model_dir)
     num_layers = num_layers_of(hf, model_dir)
-    choice = config.pp_layer_partition
-    if choice == "auto" and config.pp_size > 1:
-        if config.pp_size > num_layers:
-            partition_layers(num_layers, config.pp_size)      # raises the even rule's clear error
-        return cost_model_for(config, hf).partition(config.pp_size, stage_rates(config))
-    ranges = partition_layers(num_layers, config.pp_size, None if choice == "auto" else choice)
+    choice = config.parallel.pp_layer_partition
+    if choice == "auto" and config.parallel.pp_size > 1:
+        if config.parallel.pp_size > num_layers:
+            partition_layers(num_layers, config.parallel.pp_size)      # raises the even rule's clear error
+        return cost_model_for(config, hf).partition(config.parallel.pp_size, stage_rates(config))
+    ranges = partition_layers(num_layers, config.parallel.pp_size, None if choice == "auto" else choice)
     return tuple(b - a for a, b in ranges)
 
 
 def predicted_shares(config: EngineConfig, hf_config=None) -> list[float]:
     """Each stage's predicted share of a step (the cost model of the resolved partition)."""
-    if config.pp_size == 1:
+    if config.parallel.pp_size == 1:
         return [1.0]
-    assert isinstance(config.pp_layer_partition, tuple), "resolved first (with_resolved_partition)"
-    return cost_model_for(config, hf_config).shares(config.pp_layer_partition, stage_rates(config))
+    assert isinstance(config.parallel.pp_layer_partition, tuple), "resolved first (with_resolved_partition)"
+    return cost_model_for(config, hf_config).shares(config.parallel.pp_layer_partition, stage_rates(config))
 
 
 def resolved_for_stages(config: EngineConfig, hf_config) -> EngineConfig:
     """`config` with its layer partition resolved (how it was chosen is logged). A bad partition is a
     clear error here, before any stage process starts; stages get the counts (`auto` runs once)."""
-    model = config.model
+    model = config.load.model
     assert model is not None, "resolve the model path first"
-    if config.pp_size > 1:
+    if config.parallel.pp_size > 1:
         for line in partition_lines(config, hf_config):
             logging.getLogger("stagewise.engine").info(line)      # the engine's start-up lines
         config = with_resolved_partition(config, hf_config)
-    stage_infos(num_layers_of(hf_config, model), config.pp_size, config.pp_layer_partition)
+    stage_infos(num_layers_of(hf_config, model), config.parallel.pp_size, config.parallel.pp_layer_partition)
     return config
 
 
 def with_resolved_partition(config: EngineConfig, hf_config=None) -> EngineConfig:
     """`config` with `pp_layer_partition` as explicit counts (what stage processes are given)."""
-    if isinstance(config.pp_layer_partition, tuple):
+    if isinstance(config.parallel.pp_layer_partition, tuple):
         return config
     return config.replace(pp_layer_partition=resolve_partition(config, hf_config))
 
 
 def partition_lines(config: EngineConfig, hf_config=None) -> list[str]:
     """The chosen split, each stage's predicted share, and the even split for comparison."""
-    assert config.model is not None, "partition_lines needs the resolved model path"
-    hf = hf_config if hf_config is not None else load_hf_config(config.model)
+    assert config.load.model is not None, "partition_lines needs the resolved model path"
+    hf = hf_config if hf_config is not None else load_hf_config(config.load.model)
     model = cost_model_for(config, hf)
     rates = stage_rates(config)
     chosen = resolve_partition(config, hf)
-    even = tuple(b - a for a, b in partition_layers(len(model.layer_costs), config.pp_size))
+    even = tuple(b - a for a, b in partition_layers(len(model.layer_costs), config.parallel.pp_size))
     how = {"auto": f"auto (cost model, {model.mix} mix)", "even": "even"}.get(
-        config.pp_layer_partition if isinstance(config.pp_layer_partition, str) else "", "explicit")
+        config.parallel.pp_layer_partition if isinstance(config.parallel.pp_layer_partition, str) else "", "explicit")
 
     def describe(sizes):
         shares = model.shares(sizes, rates)

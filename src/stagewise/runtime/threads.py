@@ -103,7 +103,7 @@ def intra_op_threads(config, budget: CpuBudget | None = None) -> int | None:
     """Threads for one stage process: `threads_per_stage`, else under PP the usable CPUs shared evenly by
     the node's stages (one stage per core on a 2-core box). None at PP=1: the stage runs in the caller's
     process, whose own setting stands, only capped to the usable CPUs (see `configure_threads`)."""
-    if config.pp_size == 1 and config.tp_size == 1 and not config.threads_per_stage:
+    if config.parallel.pp_size == 1 and config.parallel.tp_size == 1 and not config.parallel.threads_per_stage:
         return None
     return thread_choice(config, budget)[0]
 
@@ -111,12 +111,12 @@ def intra_op_threads(config, budget: CpuBudget | None = None) -> int | None:
 def thread_choice(config, budget: CpuBudget | None = None, current: int | None = None) -> tuple[int, str]:
     """(threads, why) for a stage of `config` in a process whose torch setting is `current`."""
     budget = budget or usable_cpus()
-    if config.threads_per_stage:
-        return config.threads_per_stage, "--threads-per-stage"
-    if config.pp_size > 1 or config.tp_size > 1:
+    if config.parallel.threads_per_stage:
+        return config.parallel.threads_per_stage, "--threads-per-stage"
+    if config.parallel.pp_size > 1 or config.parallel.tp_size > 1:
         k = config.ranks_per_node
         threads = max(1, budget.cpus // k)
-        what = "stage" if config.tp_size == 1 else "stage rank"
+        what = "stage" if config.parallel.tp_size == 1 else "stage rank"
         return threads, f"{budget.why} / {k} {what}{'s' * (k != 1)} on this node"
     if current is not None and current < budget.cpus:
         return current, f"the caller's torch setting ({budget.why})"

@@ -55,7 +55,7 @@ class Worker:
         if self.device.type == "cpu":
             self.team = StepTeam(torch.get_num_threads(), self.runner.decode_threads, torch.set_num_threads)
         self.dtype = next(self.model.parameters()).dtype
-        self.sampler = Sampler(config.seed + 1, self.eos_token_ids)
+        self.sampler = Sampler(config.load.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
         self.busy_s = 0.0
 
@@ -156,7 +156,7 @@ class Worker:
             if seq.sample:      # the last row, and one more per draft (verified rows)
                 sample_rows.extend(range(len(ids) - 1 - len(seq.draft_token_ids), len(ids)))
         dev = self.device
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.block_size, dev)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.cache.block_size, dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         embeds = self._embeds(ids_t, embed_parts) if embed_parts and ids_t is not None else None

@@ -113,7 +113,7 @@ def _real_engine(config):
 
 def _tokenizer(config):
     from ..engine.inputs import Tokenizer
-    return Tokenizer(config.model, config.tokenizer)
+    return Tokenizer(config.load.model, config.load.tokenizer)
 
 
 class EngineClient:

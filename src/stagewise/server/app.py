@@ -172,7 +172,7 @@ def run_server(config: EngineConfig, options: ServerOptions | None = None, *, lo
     from .shutdown import DrainingServer
     engine = EngineClient(config)      # blocks while the engine loads and captures
     try:
-        app = build_app(engine, options, limits_of(config))
+        app = build_app(engine, options, limits_of(config.limits))
         uv_config = uvicorn_config(app, options.host, options.port, log_level)
         freeze_heap()          # this process's own: what it loaded leaves the collector's scans
         DrainingServer(uv_config, engine, options.graceful_timeout_s).run()
