@@ -83,8 +83,8 @@ def wait_healthy(url: str, timeout_s: float, exited: Callable[[], int | None], d
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s{detail()}")
 
 
-def descendants(pid: int) -> list[int]:
-    """Pids of every living process below `pid` (read from /proc; Linux)."""
+def process_parents() -> dict[int, int]:
+    """pid -> parent pid of every living process (read from /proc; Linux)."""
     parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -92,6 +92,12 @@ def descendants(pid: int) -> list[int]:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every living process below `pid`."""
+    parents = process_parents()
     found, frontier = [], [pid]
     while frontier:
         kids = [p for p, parent in parents.items() if parent in frontier]

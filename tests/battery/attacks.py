@@ -12,6 +12,8 @@ from pathlib import Path
 
 from http_checks import httpx
 
+from benchmarks.server_process import descendants, process_parents
+
 C, CHAT, GEN, RESP = "/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"
 MSG = [{"role": "user", "content": "hi"}]
 PLAIN = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -177,20 +179,9 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def parents() -> dict[int, int]:
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                out[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
 def processes(server_pid: int) -> tuple[int | None, int | None, list[int]]:
     """(the engine process, the grammar compile supervisor, its compile children) below the server."""
-    tree = parents()
+    tree = process_parents()
     engine = next((p for p, parent in tree.items() if parent == server_pid and "spawn_main" in _cmdline(p)), None)
     supervisor = next((p for p, parent in tree.items() if parent == engine and _is_supervisor(p)), None)
     children = [p for p, parent in tree.items() if supervisor is not None and parent == supervisor]
@@ -222,12 +213,7 @@ def pss_bytes(pid: int | None) -> int:
 
 
 def tree_pss_bytes(server_pid: int) -> int:
-    tree = parents()
-    pids, frontier = [server_pid], [server_pid]
-    while frontier:
-        frontier = [p for p, parent in tree.items() if parent in frontier]
-        pids += frontier
-    return sum(pss_bytes(p) for p in pids)
+    return sum(pss_bytes(p) for p in [server_pid, *descendants(server_pid)])
 
 
 @dataclass
