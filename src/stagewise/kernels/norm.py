@@ -13,6 +13,7 @@ import ctypes
 import functools
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import build, native, team
 from .registry import define
@@ -93,7 +94,8 @@ define("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tenso
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`(norm(x + residual), x + residual)` for rows `[M, N]` (`sum` empty without a residual):
-    the C++ op where it is registered, else the Python one called directly (no dispatcher)."""
-    if native.loaded("norm"):
+    the C++ op where it is registered (or a dispatch mode records ops), else the Python one called
+    directly (no dispatcher)."""
+    if native.loaded("norm") or _get_current_dispatch_mode() is not None:
         return torch.ops.stagewise.rms_norm(x, residual, weight, eps)
     return _rms_norm(x, residual, weight, eps)
