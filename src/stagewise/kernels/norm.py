@@ -4,8 +4,9 @@
 residual (same shape and dtype, or None) added first, `sum` = x + residual (an empty tensor
 without a residual); the rounding points are those of model/layers.py `RMSNorm` (HF's): float32
 `(s * rsqrt(mean(s^2) + eps)) * w`; bfloat16 `bf16(w * bf16(s * rsqrt(mean(s^2) + eps)))` with
-`s = bf16(x + residual)`. One call instead of the ~10 PyTorch ops of the eager path; sums of
-squares in float32 in a fixed order (each row on its own, the same bits on every build).
+`s = bf16(x + residual)`. One call instead of the ~10 PyTorch ops of the eager path. The sum of
+squares is float32 in PyTorch's own order (its cascade sum at its vector width), so the results
+are PyTorch's bits (each row on its own, on every build).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import build, native, team
@@ -27,6 +29,7 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     bind(lib)
+    lib.norm_set_lanes(torch_lanes(lib))
     team.hand_to(lib, "norm")      # many rows split over the stage's kernel team
     native.load("norm", lib)
     return lib
@@ -39,6 +42,23 @@ def bind(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64, i64, ctypes.c_float]
         fn.restype = None
+    lib.norm_set_lanes.argtypes, lib.norm_set_lanes.restype = [ctypes.c_int], None
+
+
+def torch_lanes(lib: ctypes.CDLL) -> int:
+    """The vector width of PyTorch's float sums in this process (8 lanes or 16: its AVX-512 sum
+    kernels), found once by asking both of the kernel on a probe that tells them apart; the kernel
+    then sums squares in PyTorch's order. 8 where neither matches (another PyTorch build)."""
+    x = torch.linspace(-3.0, 5.0, 4 * 61).reshape(4, 61).pow(3).contiguous()
+    w = torch.ones(61)
+    ref = F.rms_norm(x, (61,), w, 1e-6)
+    for lanes in (8, 16):
+        lib.norm_set_lanes(lanes)
+        out = torch.empty_like(x)
+        lib.rms_norm_f32(x.data_ptr(), 61, None, 0, w.data_ptr(), out.data_ptr(), 61, None, 0, 4, 61, 1e-6)
+        if torch.equal(out, ref):
+            return lanes
+    return 8
 
 
 def available() -> bool:

@@ -2,9 +2,8 @@
    (and its squares), one for the output; float32 and bfloat16.
 
    16-lane float vectors (GCC vector extensions): one zmm register on AVX-512 builds, two ymm on
-   AVX2, SSE or scalar code on a portable build. The squares are summed without FMA (as PyTorch's
-   pow then sum), lane i taking elements i, i + 16, ..., the row's tail padded with zeros, and the
-   16 lanes added in a fixed tree: the same bits on every build, for every row count. Rows are
+   AVX2, SSE or scalar code on a portable build. The sum of squares follows PyTorch's own order
+   (`sumsq`), so the results are PyTorch's bits, on every build and for every row count. Rows are
    independent (a row's result never depends on the batch); many rows split over the kernel team.
    Callers check shapes, dtypes and strides (kernels/norm.py). */
 #include <math.h>
@@ -45,13 +44,71 @@ static inline v16 ld_bf16_tail(const uint16_t* p, int64_t m) {
 static inline void st_f32_tail(float* p, v16 v, int64_t m) { memcpy(p, &v, m * 4); }
 static inline void st_bf16_tail(uint16_t* p, v16 v, int64_t m) { uint16_t b[16]; st_bf16(b, v); memcpy(p, b, m * 2); }
 
-static inline float hsum16(const v16* p) {
-    v16 v = *p;
-    v16 a = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    float s[4];
-    for (int i = 0; i < 4; i++) s[i] = a[i] + a[i + 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint32_t u8x __attribute__((vector_size(32)));
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2), may_alias));
+static inline v8 ld8_f32(const float* p) { return *(const v8u*)p; }
+static inline v8 ld8_bf16(const uint16_t* p) { return (v8)(__builtin_convertvector(*(const h8u*)p, u8x) << 16); }
+static inline float bf(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float f32(float f) { return f; }
+
+/* PyTorch's vector width for float sums (torch.backends.cpu.get_cpu_capability(): 16 lanes on
+   AVX-512, else 8), set by kernels/norm.py at load */
+static int torch_lanes = 8;
+void norm_set_lanes(int lanes) { torch_lanes = lanes == 16 ? 16 : 8; }
+
+static inline int64_t ceil_log2(int64_t x) {      /* c10 utils::CeilLog2 */
+    if (x <= 2) return 1;
+    int64_t b = 0;
+    for (uint64_t v = (uint64_t)x - 1; v; v >>= 1) b++;
+    return b;
 }
+
+/* The sum of squares of a row in PyTorch's order, so that the norm has its bits: `pow(2)` then
+   aten's float sum of a contiguous row (SumKernel.cpp cascade_sum: rows of at least W values by
+   vectorized_inner_sum, W-lane vectors in four interleaved cascades of at most four levels, the
+   rest of the vectors into the first, the four added, then the scalar tail and the W lanes in
+   order; shorter rows by scalar_inner_sum, the same with scalars). Plain multiplies and adds: every build of
+   this file gives the same bits. */
+#define SUMSQ(NAME, T, VT, W, LOAD, WIDEN)                                                          \
+static float NAME(const T* p, int64_t n) {                                                          \
+    if (n < W) {                         /* scalar_inner_sum: four interleaved sums, then the rest */ \
+        float a[4] = {0.f, 0.f, 0.f, 0.f};                                                         \
+        int64_t q = n / 4;                                                                          \
+        for (int64_t i = 0; i < q; i++)                                                             \
+            for (int k = 0; k < 4; k++) { float v = WIDEN(p[i * 4 + k]); a[k] += v * v; }          \
+        for (int64_t i = q * 4; i < n; i++) { float v = WIDEN(p[i]); a[0] += v * v; }              \
+        return ((a[0] + a[1]) + a[2]) + a[3];                                                      \
+    }                                                                                               \
+    int64_t nv = n / W, nilp = nv / 4;                                                              \
+    int64_t lp = ceil_log2(nilp) / 4 > 4 ? ceil_log2(nilp) / 4 : 4, step = (int64_t)1 << lp, mask = step - 1; \
+    VT acc[4][4];                                                                                   \
+    memset(acc, 0, sizeof acc);                                                                     \
+    int64_t i = 0;                                                                                  \
+    while (i + step <= nilp) {                                                                      \
+        for (int64_t j = 0; j < step; j++, i++)                                                     \
+            for (int k = 0; k < 4; k++) { VT v = LOAD(p + (i * 4 + k) * W); acc[0][k] += v * v; }  \
+        for (int j = 1; j < 4; j++) {                                                               \
+            for (int k = 0; k < 4; k++) { acc[j][k] += acc[j - 1][k]; acc[j - 1][k] = (VT){0}; }    \
+            if (i & (mask << (j * lp))) break;                                                      \
+        }                                                                                           \
+    }                                                                                               \
+    for (; i < nilp; i++)                                                                           \
+        for (int k = 0; k < 4; k++) { VT v = LOAD(p + (i * 4 + k) * W); acc[0][k] += v * v; }      \
+    for (int j = 1; j < 4; j++)                                                                     \
+        for (int k = 0; k < 4; k++) acc[0][k] += acc[j][k];                                         \
+    for (i = nilp * 4; i < nv; i++) { VT v = LOAD(p + i * W); acc[0][0] += v * v; }                  \
+    for (int k = 1; k < 4; k++) acc[0][0] += acc[0][k];                                             \
+    float f = 0.f;                                                                                  \
+    for (int64_t k = nv * W; k < n; k++) { float v = WIDEN(p[k]); f += v * v; }                     \
+    for (int l = 0; l < W; l++) f += acc[0][0][l];                                                  \
+    return f;                                                                                       \
+}
+SUMSQ(sumsq16_f32, float, v16, 16, ld_f32, f32)
+SUMSQ(sumsq8_f32, float, v8, 8, ld8_f32, f32)
+SUMSQ(sumsq16_bf16, uint16_t, v16, 16, ld_bf16, bf)
+SUMSQ(sumsq8_bf16, uint16_t, v8, 8, ld8_bf16, bf)
 
 /* rsqrt(mean + eps) as PyTorch spells it: sum / n, + eps, 1 / sqrt */
 static inline float inv_rms(float sumsq, int64_t n, float eps) { return 1.f / sqrtf(sumsq / (float)n + eps); }
@@ -59,7 +116,6 @@ static inline float inv_rms(float sumsq, int64_t n, float eps) { return 1.f / sq
 /* one row, float32 */
 static void row_f32(const float* x, const float* res, const float* w, float* out, float* sum, int64_t n, float eps) {
     int64_t n16 = n & ~(int64_t)15, m = n - n16;
-    v16 acc = {0};
     const float* s = x;
     if (res) {              /* the sum first, into `sum` (or `out`, when the caller keeps no sum) */
         float* dst = sum ? sum : out;
@@ -67,9 +123,7 @@ static void row_f32(const float* x, const float* res, const float* w, float* out
         if (m) st_f32_tail(dst + n16, ld_f32_tail(x + n16, m) + ld_f32_tail(res + n16, m), m);
         s = dst;
     }
-    for (int64_t j = 0; j < n16; j += 16) { v16 v = ld_f32(s + j); acc += v * v; }
-    if (m) { v16 v = ld_f32_tail(s + n16, m); acc += v * v; }
-    float r = inv_rms(hsum16(&acc), n, eps);
+    float r = inv_rms(torch_lanes == 16 ? sumsq16_f32(s, n) : sumsq8_f32(s, n), n, eps);
     for (int64_t j = 0; j < n16; j += 16) st_f32(out + j, (ld_f32(s + j) * r) * ld_f32(w + j));
     if (m) st_f32_tail(out + n16, (ld_f32_tail(s + n16, m) * r) * ld_f32_tail(w + n16, m), m);
 }
@@ -78,7 +132,6 @@ static void row_f32(const float* x, const float* res, const float* w, float* out
 static void row_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out, uint16_t* sum,
                      int64_t n, float eps) {
     int64_t n16 = n & ~(int64_t)15, m = n - n16;
-    v16 acc = {0};
     const uint16_t* s = x;
     if (res) {
         uint16_t* dst = sum ? sum : out;
@@ -86,9 +139,7 @@ static void row_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
         if (m) st_bf16_tail(dst + n16, ld_bf16_tail(x + n16, m) + ld_bf16_tail(res + n16, m), m);
         s = dst;
     }
-    for (int64_t j = 0; j < n16; j += 16) { v16 v = ld_bf16(s + j); acc += v * v; }
-    if (m) { v16 v = ld_bf16_tail(s + n16, m); acc += v * v; }
-    float r = inv_rms(hsum16(&acc), n, eps);
+    float r = inv_rms(torch_lanes == 16 ? sumsq16_bf16(s, n) : sumsq8_bf16(s, n), n, eps);
     uint16_t b[16];
     for (int64_t j = 0; j < n16; j += 16) {
         st_bf16(b, ld_bf16(s + j) * r);
