@@ -147,7 +147,7 @@ def test_every_build_gives_the_same_bits(isa):
 
 @pytest.mark.parametrize("registration", ["python", "op"])
 def test_bad_arguments_are_refused(registration):
-    if registration == "op" and not native.loaded("norm"):
+    if registration == "op" and not (cpu_norm.available() and native.loaded("norm")):
         pytest.skip("the C++ registration did not build")
     call = cpu_norm._rms_norm if registration == "python" else torch.ops.stagewise.rms_norm
     x, r, w = _inputs(4, 64, torch.float32)
@@ -193,3 +193,12 @@ def test_rmsnorm_layer_uses_the_kernel_in_eager_mode(dtype, monkeypatch):
     assert torch.equal(total, ref_total)
     assert out3.shape == heads.shape
     _assert_same(out3, ref3)
+
+
+def test_the_op_runs_the_cpp_registration():
+    """Wherever the C kernel builds (and a C++ compiler exists), the op's CPU kernel is norm_ops.cpp's."""
+    if build.cxx_compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert cpu_norm.available() and native.loaded("norm")
+    dump = torch._C._dispatch_dump("stagewise::rms_norm")
+    assert "norm_ops.cpp" in dump.split("\nCPU: ")[1].splitlines()[0]
