@@ -140,6 +140,6 @@ def test_without_a_model_every_family_is_reported():
     from stagewise.kernels.quant_formats import SUPPORTED
     found = _by_family(report.kernel_report())
     assert {f"gemm_{t.name.lower()}" for t in SUPPORTED} | {"gemm_f32", "gemm_bf16", "attention_decode",
-                                                             "attention_prefill", "comm", "team"} == set(found)
+                                                             "attention_prefill", "norm", "comm", "team"} == set(found)
     if build.mode() == "required":
         assert all(k.impl == "c" or k.reason == "no_kernel" for k in found.values()), found

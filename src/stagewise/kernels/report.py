@@ -9,8 +9,8 @@ run it. Each stage computes its report once its weights are loaded, logs it as o
 
 Families: `gemm_<type>` (a GGUF/quantized type: `gemm_q4_k`, `gemm_q8_0`, ...; lookups of a
 quantized embedding included), `gemm_f32` / `gemm_bf16` / `gemm_f16` (float linear layers),
-`attention_decode`, `attention_prefill`, `comm` (tensor-parallel collectives, with --tp-size only)
-and `team` (the kernel threads). Reasons for PyTorch: `off` (STAGEWISE_KERNELS=off), `not_built`
+`attention_decode`, `attention_prefill`, `norm` (RMSNorm, eager steps; compiled graphs run PyTorch's
+ops), `comm` (tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads). Reasons for PyTorch: `off` (STAGEWISE_KERNELS=off), `not_built`
 (the library did not build: no compiler, a compiler error), `no_kernel` (none for this dtype, format
 or shape), `device` (the model is not on the CPU).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import build
@@ -87,18 +87,22 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
     else:
         used = _Used(quant={str(t.name).lower() for t in quant_kernels.SUPPORTED},
                      floats={d: [gemm.layout(d) is not None] for d in (torch.float32, torch.bfloat16)},
-                     attention=(torch.float32, 64), tp_group=None)
+                     attention=(torch.float32, 64), tp_group=None, norms={torch.float32, torch.bfloat16})
     if device.type != "cpu":          # the kernels are CPU kernels (a GGUF file is dequantized there)
         ops = [(f"gemm_{_dtype_name(d)}", "linear") for d in used.floats]
         ops += [(f"gemm_{q}", "dequantize+linear") for q in sorted(used.quant)]
         if used.attention is not None:
             ops += [("attention_decode", "sdpa"), ("attention_prefill", "sdpa")]
+        if used.norms:
+            ops.append(("norm", "rms_norm"))
         return [KernelInfo(family, TORCH, op=op, reason="device", note=f"on {device.type}", stage=stage)
                 for family, op in ops]
     out = [_quant(q) for q in sorted(used.quant)]
     out += [_float_gemm(d, packed) for d, packed in used.floats.items()]
     if used.attention is not None:
         out += _attention(*used.attention)
+    if used.norms:
+        out.append(_norm(used.norms))
     if used.tp_group is not None or model is None:
         out.append(_comm(used.tp_group, model is None))
     out.append(_team())
@@ -111,6 +115,7 @@ class _Used:
     floats: dict[torch.dtype, list[bool | None]]     # dtype -> each float layer: packed? (None: nn.Linear's op)
     attention: tuple[torch.dtype, int] | None        # (KV dtype, head size)
     tp_group: Any
+    norms: set[torch.dtype] = field(default_factory=set)    # RMSNorm weights' dtypes
 
 
 def _used(model: Any) -> _Used:
@@ -118,7 +123,10 @@ def _used(model: Any) -> _Used:
     import torch
     quant: set[str] = set()
     floats: dict[torch.dtype, list[bool | None]] = {}
+    norms: set[torch.dtype] = set()
     for m in model.modules():
+        if type(m).__name__ == "RMSNorm" and isinstance(getattr(m, "weight", None), torch.Tensor):
+            norms.add(m.weight.dtype)
         segments = getattr(m, "segments", None)
         if isinstance(segments, tuple) and hasattr(m, "in_features"):       # QuantLinear
             for i, seg in enumerate(segments):
@@ -142,7 +150,7 @@ def _used(model: Any) -> _Used:
         except (StopIteration, TypeError, ValueError):
             attention_of = None
     clock = model.__dict__.get("tp_clock")
-    return _Used(quant, floats, attention_of, getattr(clock, "group", None))
+    return _Used(quant, floats, attention_of, getattr(clock, "group", None), norms)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -265,6 +273,21 @@ def _attention(dtype: torch.dtype, head_dim: int) -> list[KernelInfo]:
     else:
         prefill = KernelInfo("attention_prefill", TORCH, op="sdpa", reason="no_kernel", note=f"no kernel for {what}")
     return [decode, prefill]
+
+
+def _norm(dtypes: set[torch.dtype]) -> KernelInfo:
+    import torch
+
+    from . import norm
+    lib = _loaded(norm._load)
+    if lib is None:
+        reason, note = _why_missing("norm")
+        return KernelInfo("norm", TORCH, op="rms_norm", reason=reason, note=note)
+    others = sorted(_dtype_name(d) for d in dtypes - {torch.float32, torch.bfloat16})
+    if others and len(others) == len(dtypes):
+        return KernelInfo("norm", TORCH, op="rms_norm", reason="no_kernel", note=f"no kernel for {', '.join(others)}")
+    note = ", ".join(x for x in ("eager steps", _ops_note("norm")) if x)
+    return KernelInfo("norm", C, isa=_vector_isa(build.isa_of(lib)), note=note)
 
 
 def _comm(group: Any, hypothetical: bool) -> KernelInfo:

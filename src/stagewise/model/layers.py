@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.kernels import norm as cpu_norm
 from stagewise.model.cpu_gemm import Linear
 from stagewise.parallel.partition import StageInfo
 
@@ -54,11 +55,29 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)   # HF rounds the normed value before the weight product
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: `norm(x)`. With residual: `(norm(x + residual), x + residual)`."""
+        """Without residual: `norm(x)`. With residual: `(norm(x + residual), x + residual)`.
+        Eager on the CPU, one call of the C kernel (kernels/norm.py: the same rounding points)
+        instead of ~10 PyTorch ops; compiled graphs trace the PyTorch ops below."""
+        if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and self.weight.dtype == x.dtype and x.dim() >= 2 and x.stride(-1) == 1 and cpu_norm.available()
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))
+                and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))):
+            return self._kernel(x, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None):
+        shape, n = x.shape, x.shape[-1]
+        rows = x if x.dim() == 2 else x.reshape(-1, n)     # q_norm / k_norm: [T, H, D] (a copy where needed)
+        res = None if residual is None else (residual if residual.dim() == 2 else residual.reshape(-1, n))
+        if res is not None and res.stride(-1) != 1:
+            res = res.contiguous()
+        out, total = cpu_norm.rms_norm(rows, res, self.weight, self.eps)
+        if x.dim() != 2:
+            out, total = out.view(shape), (total.view(shape) if residual is not None else total)
+        return out if residual is None else (out, total)
 
 
 def rope_parameters(hf_config) -> dict:
