@@ -2,7 +2,6 @@
 model/layers.py `RMSNorm` (HF's rounding points), in every build: the same bits, as it sums squares
 in PyTorch's order (within a tolerance for rows PyTorch sums over several threads); rows
 independent of the batch; bad arguments refused with a ValueError; RMSNorm in eager mode using it."""
-import ctypes
 
 import pytest
 import torch
