@@ -37,7 +37,7 @@ _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
 _ERROR_PREFIX = "stagewise-error: "    # marks the tokenizer converter's one-sentence error line
 # What transformers' config class of each architecture fills in for the attributes the model code
-# reads and the metadata does not give (tests/model/test_gguf.py compares them with transformers).
+# reads and the metadata does not give (tests/model/test_gguf_tokenizer.py compares them with transformers).
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", dtype=None, pad_token_id=None),
     "qwen2": dict(model_type="qwen2", dtype=None, pad_token_id=None, sliding_window=None, use_sliding_window=False),
@@ -62,6 +62,7 @@ class GGUFConfig(SimpleNamespace):
             for alias, name in _GPT2_ALIASES.items():
                 setattr(config, alias, fields[name])
         return config
+
 
 class GGUFTensor(NamedTuple):
     """Where one tensor's bytes are in the file, and what they hold (what `model.gguf` reads by)."""

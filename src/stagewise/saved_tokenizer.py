@@ -192,9 +192,13 @@ def _plain(value: Any) -> Any:
     message never edits the caller's."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
-        if isinstance(value, base):     # subclasses (enums, ...) carry methods: back to the base type
-            return plain(value)
+    # subclasses (enums, ...) carry methods of their own: back to the base type
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
