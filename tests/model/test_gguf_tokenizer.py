@@ -189,6 +189,18 @@ def test_tokenizer_matches_transformers_on_a_sentencepiece_gguf(tmp_path):
     _same_as_transformers(ours, theirs, [None, TOOL_TEMPLATE])
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_structured_outputs_see_the_vocabulary_transformers_gives(kind, tiny_gguf, tmp_path):
+    """xgrammar reads a transformers tokenizer: a SavedTokenizer goes to it as one, to the same effect."""
+    from stagewise.grammar.matchers import XGrammarBackend
+    path = tiny_gguf("llama") if kind == "byte-level" else _write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours, theirs = load_tokenizer(path), _transformers_tokenizer(path)
+    size = len(theirs.get_vocab())
+    got, want = (XGrammarBackend(tok, size, (2,)).info for tok in (ours, theirs))
+    assert (got.vocab_type, got.add_prefix_space, got.stop_token_ids) == (want.vocab_type, want.add_prefix_space, [2])
+    assert got.decoded_vocab == want.decoded_vocab
+
+
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2"])
 def test_config_record_reads_as_transformers_config(family, tiny_gguf):
     _same_config_as_transformers(tiny_gguf(family, "Q8_0"))
