@@ -45,11 +45,12 @@ def gguf_file_of(model_path: str | Path) -> Path | None:
 
 
 def load_hf_config(model_dir: str | Path):
-    """The transformers config of a checkpoint directory or GGUF file, with clear errors for a missing/bad one."""
-    from transformers import AutoConfig
+    """The config of a checkpoint directory (transformers') or GGUF file (a `GGUFConfig` under the same
+    attribute names, no transformers import), with clear errors for a missing/bad one."""
     gguf_path = gguf_file_of(model_dir)
     if gguf_path is not None:
         return hf_config_from_gguf(gguf_path)
+    from transformers import AutoConfig
     path = Path(model_dir)
     require(path, "Model directory")
     require(path / "config.json", "Config file")
@@ -119,11 +120,12 @@ def max_model_len(config: EngineConfig, hf_config) -> int:
 
 
 def load_tokenizer(path: str | Path):
-    """The HF (fast) tokenizer of a checkpoint or tokenizer directory, or the one a GGUF file's metadata describes."""
-    from transformers import AutoTokenizer
+    """The HF (fast) tokenizer of a checkpoint or tokenizer directory, or the one a GGUF file's metadata
+    describes (a `saved_tokenizer.SavedTokenizer`: tokenizers and jinja2, no transformers import)."""
     gguf_path = gguf_file_of(path)
     if gguf_path is not None:
         return tokenizer_from_gguf(gguf_path)
+    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:

@@ -1,11 +1,16 @@
-"""GGUF metadata (llama.cpp's format): the transformers config, the tokenizer and the tensor
-table a GGUF file describes, read from its header without dequantizing anything.
+"""GGUF metadata (llama.cpp's format): the model config, the tokenizer and the tensor table a GGUF
+file describes, read from its header without dequantizing anything.
 
 The facts of a file (metadata, and where each tensor's bytes are) are cached per process while
 the file is unchanged; the reader that parsed them is not: its parsed fields (a Python object per
 tokenizer entry) take ~150 MB and 3 s for a 49k-token vocabulary, so a process parses a file once
-(a spare does it before it is needed) and keeps only the facts. The converted tokenizer is cached on
-disk. Tensor data is read by `model.gguf`.
+(a spare does it before it is needed) and keeps only the facts. Tensor data is read by `model.gguf`.
+
+Nothing here imports transformers into the process that runs the model (it costs ~190 MB resident
+with the torch._dynamo, sympy and accelerate modules it pulls in, twice the default model's weights):
+the config is a `GGUFConfig` record, and the tokenizer is converted from the metadata once, by
+transformers in a child process (`python -m stagewise.gguf_meta`), cached on disk and read back
+with the `tokenizers` library (`saved_tokenizer.SavedTokenizer`).
 """
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from .config import cache_root
@@ -27,6 +35,33 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "gpt2": "GPT2LMHeadModel"}
 _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
+_ERROR_PREFIX = "stagewise-error: "    # marks the tokenizer converter's one-sentence error line
+# What transformers' config class of each architecture fills in for the attributes the model code
+# reads and the metadata does not give (tests/model/test_gguf_tokenizer.py compares them with transformers).
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", dtype=None, pad_token_id=None),
+    "qwen2": dict(model_type="qwen2", dtype=None, pad_token_id=None, sliding_window=None, use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", dtype=None, pad_token_id=None, sliding_window=None, use_sliding_window=False),
+    "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
+                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
+}
+# GPT-2's own names and the common ones transformers' GPT2Config answers to as well
+_GPT2_ALIASES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+                 "max_position_embeddings": "n_positions"}
+
+
+class GGUFConfig(SimpleNamespace):
+    """A GGUF model's config under transformers' attribute names: what the metadata says, plus
+    transformers' defaults for the rest the model code reads. A plain record, so the process that
+    runs a GGUF model never imports transformers for its config."""
+
+    @classmethod
+    def build(cls, arch: str, fields: dict[str, Any]) -> GGUFConfig:
+        config = cls(**_CONFIG_DEFAULTS[arch], **fields)
+        if arch == "gpt2":
+            for alias, name in _GPT2_ALIASES.items():
+                setattr(config, alias, fields[name])
+        return config
 
 
 class GGUFTensor(NamedTuple):
@@ -81,9 +116,15 @@ def _gguf_facts(path: str, size: int, mtime_ns: int) -> GGUFFacts:
                                       int(t.n_bytes)) for t in reader.tensors))
 
 
-def hf_config_from_gguf(path: Path):
-    """A transformers config built from GGUF metadata (what llama.cpp's converter wrote from config.json)."""
-    import transformers
+def hf_config_from_gguf(path: Path) -> GGUFConfig:
+    """The model config built from GGUF metadata (what llama.cpp's converter wrote from config.json)."""
+    arch, fields = config_fields_from_gguf(path)
+    return GGUFConfig.build(arch, fields)
+
+
+def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
+    """The file's architecture and the config values its metadata gives, under transformers' names
+    (transformers' config class of that architecture, given these, builds the same config)."""
     facts = gguf_facts(path)
     arch = facts.meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -99,8 +140,7 @@ def hf_config_from_gguf(path: Path):
                   bos_token_id=facts.meta.get("tokenizer.ggml.bos_token_id"),
                   eos_token_id=facts.meta.get("tokenizer.ggml.eos_token_id"))
     kwargs = _gpt2_kwargs(facts, path) if arch == "gpt2" else _llama_kwargs(facts, arch, path)
-    config_class = GGUF_ARCHITECTURES[arch].replace("LMHeadModel", "Config").replace("ForCausalLM", "Config")
-    return getattr(transformers, config_class)(**kwargs, **common)
+    return arch, {**kwargs, **common}
 
 
 def _metadata_getter(facts: GGUFFacts, arch: str, path: Path):
@@ -176,34 +216,73 @@ def _llama3_rope(divisors: list, theta: float, head_dim: int, path: Path) -> dic
 
 
 def tokenizer_from_gguf(path: Path):
-    """transformers' fast tokenizer built from the GGUF metadata, converted once and cached on disk."""
-    from transformers import AutoTokenizer
+    """The tokenizer and chat template the GGUF metadata describes (a `SavedTokenizer`): transformers
+    converts them once, in a child process, and the result is cached on disk."""
+    from .saved_tokenizer import SavedTokenizer
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
     if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"Could not build a tokenizer from the metadata of {path} ({exc}); pass --tokenizer DIR "
-                         f"with the model's tokenizer files.") from None
-    _save_tokenizer(tokenizer, cached)
-    return tokenizer
+        return SavedTokenizer.from_dir(cached)
+    return _convert_tokenizer(path, cached)
 
 
-def _save_tokenizer(tokenizer, target: Path) -> None:
-    """Write into a temp dir, then rename, so concurrent first starts never see half a tokenizer."""
+def _convert_tokenizer(path: Path, target: Path):
+    """Convert into a temp dir, read it, then rename it to `target`, so concurrent first starts never
+    see half a tokenizer; a cache that cannot be written only costs the next start a conversion."""
+    from .saved_tokenizer import SavedTokenizer
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
     except OSError as exc:
         log.warning("Not caching the converted tokenizer (%s); the next start converts it again.", exc)
-        return
+        tmp = Path(tempfile.mkdtemp(prefix="stagewise-tokenizer-"))
     try:
-        tokenizer.save_pretrained(str(tmp))
-        os.rename(tmp, target)
-    except OSError:
-        pass  # another process cached it first (rename onto a non-empty dir fails), or the disk is read-only
+        _run_converter(path, tmp)
+        tokenizer = SavedTokenizer.from_dir(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            pass  # another process cached it first (rename onto a non-empty dir fails), or no cache dir
+        return tokenizer
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_converter(path: Path, out: Path) -> None:
+    """`python -m stagewise.gguf_meta PATH OUT` in a child process: transformers (and the seconds and
+    ~190 MB it costs) stays out of this one. Its one-sentence error becomes this process's."""
+    log.info("converting the tokenizer in %s's metadata (once; cached in %s)", path.name, out.parent)
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "stagewise.gguf_meta", str(path), str(out)], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    said = [line.removeprefix(_ERROR_PREFIX) for line in lines if line.startswith(_ERROR_PREFIX)]
+    if said:
+        raise ValueError(said[-1])
+    last = lines[-1] if lines else "no output"
+    raise ValueError(f"Converting the tokenizer in the metadata of {path} failed (exit status {done.returncode}: "
+                     f"{last}); pass --tokenizer DIR with the model's tokenizer files.")
+
+
+def _convert_main(argv: list[str]) -> int:
+    """The child process of `_run_converter`: transformers' fast tokenizer from the metadata of
+    `argv[0]`, saved (tokenizer.json, tokenizer_config.json, chat_template.jinja) into `argv[1]`."""
+    from transformers import AutoTokenizer
+    path, out = Path(argv[0]), Path(argv[1])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        why = " ".join(str(exc).split())
+        print(f"{_ERROR_PREFIX}Could not build a tokenizer from the metadata of {path} ({why}); pass "
+              f"--tokenizer DIR with the model's tokenizer files.", file=sys.stderr)
+        return 2
+    tokenizer.save_pretrained(str(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_convert_main(sys.argv[1:]))

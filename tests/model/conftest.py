@@ -95,7 +95,7 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_tokenizer(writer, hf_dir: Path) -> None:
+def _write_tokenizer(writer, hf_dir: Path, add_bos: bool = False) -> None:
     import gguf
     data = json.loads((hf_dir / "tokenizer.json").read_text())
     config = json.loads((hf_dir / "tokenizer_config.json").read_text())
@@ -110,14 +110,15 @@ def _write_tokenizer(writer, hf_dir: Path) -> None:
     writer.add_bos_token_id(vocab[config["bos_token"]])
     writer.add_eos_token_id(vocab[config["eos_token"]])
     writer.add_pad_token_id(vocab[config["pad_token"]])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(config["chat_template"])
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool = True,
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool = True, add_bos: bool = False,
                tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Write `hf_dir` as a GGUF file; `qtype` other than F32 stores every 2-D tensor in that type (norms stay F32).
-    `tensors` replaces the checkpoint's; a `(raw bytes, GGMLQuantizationType)` value is written as is."""
+    `tensors` replaces the checkpoint's; a `(raw bytes, GGMLQuantizationType)` value is written as is;
+    `add_bos`: the tokenizer metadata says to add the BOS token."""
     import gguf
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(hf_dir)
@@ -126,7 +127,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool =
     writer.add_name(f"tiny {config.model_type}")
     _write_hparams(writer, config, arch)
     if tokenizer:
-        _write_tokenizer(writer, hf_dir)
+        _write_tokenizer(writer, hf_dir, add_bos)
     quant = gguf.GGMLQuantizationType[qtype]
     for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
         if isinstance(array, tuple):

@@ -30,6 +30,16 @@ class Matcher(Protocol):
     def is_terminated(self) -> bool: ...
 
 
+def _as_transformers(tokenizer):
+    """xgrammar reads a transformers fast tokenizer (and imports transformers itself): a GGUF model's
+    `SavedTokenizer` goes to it as one over a copy of the same backend and special tokens."""
+    from ..saved_tokenizer import SavedTokenizer
+    if not isinstance(tokenizer, SavedTokenizer):
+        return tokenizer
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, **tokenizer.special_tokens_map)
+
+
 class XGrammarBackend:
     """xgrammar's tokenizer info for this model (built once: seconds for a large vocabulary), the
     tokens JSON may hold, matchers and bitmasks."""
@@ -37,7 +47,7 @@ class XGrammarBackend:
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         import xgrammar as xgr
         self.xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+        self.info = xgr.TokenizerInfo.from_huggingface(_as_transformers(hf_tokenizer), vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
         self.vocab_size = vocab_size
         self.json_tokens = self._packed(self._json_keep())

@@ -49,6 +49,13 @@ class Embedding(torch.nn.Embedding):
     serves_head = False
     layout = (1, 1)       # (panel width, k per pair) once packed
 
+    def reset_parameters(self) -> None:
+        """nn.Embedding's random init, skipped on the meta device (where stages are built before
+        loading): a meta weight has no values to draw, and there normal_ runs torch._refs' Python
+        version, whose first call imports torch._dynamo (~115 MB resident with sympy and triton)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def pack_(self) -> bool:
         found = layout(self.weight.dtype)
         if (self.packed or not self.serves_head or found is None or not packable(self.weight)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.cpu_gemm import linear
+from stagewise.model.cpu_gemm import Embedding, linear
 from stagewise.model.layers import StageModel, activation, build_layers
 from stagewise.model.quantized import QuantEmbedding, QuantLinear
 from stagewise.parallel.partition import StageInfo
@@ -24,7 +24,8 @@ class Conv1D(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype))
-        nn.init.normal_(self.weight, std=0.02)  # only paid when not built on the meta device
+        if not self.weight.is_meta:      # on meta normal_ runs torch._refs, which imports torch._dynamo
+            nn.init.normal_(self.weight, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +98,9 @@ class GPT2LMHeadModel(StageModel):
         self.wte: nn.Embedding | None
         self.wpe: nn.Embedding | None
         if stage.is_first:
-            self.wte = nn.Embedding(vocab, self.hidden_size, dtype=dtype)
-            self.wpe = nn.Embedding(hf_config.max_position_embeddings, self.hidden_size, dtype=dtype)
+            # cpu_gemm's: nn.Embedding that skips its random init on the meta device
+            self.wte = Embedding(vocab, self.hidden_size, dtype=dtype)
+            self.wpe = Embedding(hf_config.max_position_embeddings, self.hidden_size, dtype=dtype)
         else:
             self.wte = self.wpe = None
         self.layers = build_layers(stage, lambda i: GPT2Block(hf_config, i, dtype))

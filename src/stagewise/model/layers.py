@@ -144,7 +144,12 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
+        """The tables, unless on the meta device (where stages are built before loading): there is
+        nothing to compute there, and meta pow runs torch._refs' Python version, whose first call
+        imports torch._dynamo (~115 MB resident with sympy and triton)."""
         device = self.cos_cache.device
+        if device.type == "meta":
+            return
         inv = rope_inv_freq(self.head_dim, self.params, device)
         pos = torch.arange(self.max_positions, device=device).float()
         freqs = pos[:, None] * inv[None, :]  # [P, D/2] float32, same product as HF

@@ -147,7 +147,7 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     resolved = resolve_dtype(dtype, hf_config, device)
     model = stage_skeleton(model_dir, stage, resolved, quantization=quantization,
                            exact=exact_mode(dtype, hf_config) if exact is None else exact, tp=tp, device=device)
-    model.to_empty(device=device)
+    _to_empty(model, device)
     model.reset_buffers()
     with _one_thread():
         if gguf_path is not None:
@@ -184,6 +184,12 @@ def _log_quantized(model, stage: StageInfo, quantization: str | None) -> None:
         mode = "exact (float32 activations)" if held[0].exact else "fast (8-bit activations)"
         log.info("stage %d: %d layers held quantized%s, %.1f MiB of weights; kernels in %s mode", stage.rank,
                  len(held), f" ({quantization} at load)" if quantization else "", weight_bytes(model) / 2**20, mode)
+
+
+def _to_empty(model: nn.Module, device: str | torch.device) -> None:
+    """`model.to_empty(device=device)` by `torch.empty_strided`: torch.empty_like of a meta tensor runs
+    torch._refs' Python version, whose first call imports sympy (~34 MB resident, ~450 modules)."""
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 def _architecture(hf_config, model_dir) -> str:
