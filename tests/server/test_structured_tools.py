@@ -45,17 +45,9 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    from conftest import ServerProcess
-
+def default_server(launch, tmp_path_factory):
     from stagewise.model.source import resolve_model
-    srv = ServerProcess(resolve_model(None), tmp_path_factory.mktemp("structured") / "server.log",
-                        "--prefill-graph", "off")
-    try:
-        srv.wait_healthy(600)          # the default model loads in seconds, but CI boxes can be busy
-    except BaseException:
-        srv.stop()
-        raise
+    srv = launch(resolve_model(None), tmp_path_factory.mktemp("structured"), "--prefill-graph", "off")
     yield srv
     srv.stop()
 
