@@ -9,22 +9,28 @@ the compile budgets bound (grammar/compiler.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
+from ..config import RequestLimits
 from .refusals import GrammarRefused, check_repetitions
 from .schema import depth_message, json_shape
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in fields(RequestLimits)}
+
+
 @dataclass(frozen=True)
 class GrammarLimits:
-    max_bytes: int = 64 << 10
-    max_depth: int = 64
-    max_alternatives: int = 1024
-    compile_timeout_s: float = 10.0
-    memory: int = 1 << 30                 # all compile workers together
-    workers: int = 2
-    cache_entries: int = 256
-    cache_memory: int = 256 << 20         # kept compiled grammars together; also the largest one
+    """The grammar part of `RequestLimits` under short names; its defaults are RequestLimits' own."""
+    max_bytes: int = _DEFAULT["grammar_max_bytes"]
+    max_depth: int = _DEFAULT["grammar_max_depth"]
+    max_alternatives: int = _DEFAULT["grammar_max_alternatives"]
+    compile_timeout_s: float = _DEFAULT["grammar_compile_timeout_s"]
+    memory: int = _DEFAULT["grammar_memory"]                 # all compile workers together
+    workers: int = _DEFAULT["grammar_compile_workers"]
+    cache_entries: int = _DEFAULT["grammar_cache_entries"]
+    cache_memory: int = _DEFAULT["grammar_cache_memory"]     # kept compiled grammars together; also the largest one
 
     @classmethod
     def of(cls, lim) -> "GrammarLimits":
