@@ -5,6 +5,10 @@ heap top, so every large temporary (a [512, 1536] activation is 3 MiB) comes bac
 that fault on first touch: an RMSNorm over 512x576 fp32 takes ~1 ms instead of ~0.1 ms. Raising
 both thresholds keeps those pages mapped for the next step (vLLM gets the same by preloading
 tcmalloc). A no-op where the C library is not glibc.
+
+The thresholds also keep what loading the weights freed (file bytes read, unpacking temporaries:
+~50 MiB for the default model), so a stage returns that once, when its weights are in place
+(`release_load_temporaries`); the step temporaries are kept from then on.
 """
 from __future__ import annotations
 
@@ -35,3 +39,13 @@ def keep_freed_memory() -> bool:
     if not _done:
         log.debug("mallopt refused the thresholds; large temporaries keep faulting fresh pages")
     return _done
+
+
+def release_load_temporaries() -> bool:
+    """Hand the free pages of the C heap back to the kernel (glibc's malloc_trim; what step
+    temporaries later need faults in once and is kept). True if the C library released any."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
