@@ -6,9 +6,10 @@ that fault on first touch: an RMSNorm over 512x576 fp32 takes ~1 ms instead of ~
 both thresholds keeps those pages mapped for the next step (vLLM gets the same by preloading
 tcmalloc). A no-op where the C library is not glibc.
 
-The thresholds also keep what loading the weights freed (file bytes read, unpacking temporaries:
-~50 MiB for the default model), so a stage returns that once, when its weights are in place
-(`release_load_temporaries`); the step temporaries are kept from then on.
+Raised while the weights load, they would also keep what loading freed (file bytes read, unpacking
+temporaries: ~40 MiB for the default model). So a stage loads under glibc's defaults, hands back
+the free heap pages once its weights are in place (`release_load_temporaries`), and only then
+raises the thresholds (runtime/setup.py): the step temporaries are kept from then on.
 """
 from __future__ import annotations
 
