@@ -21,7 +21,7 @@ from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
 from . import cpu_pool
-from .allocator import keep_freed_memory, release_load_temporaries
+from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import (
     MemoryPlan,
@@ -66,6 +66,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     pool = None
     if device.type == "cpu":
         pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config), tp_group.rank if tp_group else 0)
+        return_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.load.dtype, hf_config, device.type)
     if device.type == "cpu" and config.cache.node_memory_bytes is None:   # torchrun: no driver measured it
