@@ -219,9 +219,6 @@ def cmd_demo_model(args) -> int:
 def _worker_role(config: EngineConfig) -> int | None:
     """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver.
     Every pipeline node first picks the network interface it talks on (errors here are the user's to fix)."""
-    from .checkpoint import eos_token_ids_of, load_hf_config
-    from .executor.generations import run_headless
-    from .executor.hygiene import exit_now
     from .executor.netif import use_interface
     from .executor.rendezvous import torchrun_env
     from .executor.watchdog import install as install_stop_watchdog
@@ -231,6 +228,10 @@ def _worker_role(config: EngineConfig) -> int | None:
         use_interface(env["addr"] if env else config.cluster.master_addr, config.cluster.dist_ifname)
     if not (env and env["rank"] > 0) and config.cluster.node_rank == 0:
         return None
+    # below: a stage or headless node only (these import torch; `serve`'s HTTP front process never does)
+    from .checkpoint import eos_token_ids_of, load_hf_config
+    from .executor.generations import run_headless
+    from .executor.hygiene import exit_now
     model_dir = str(config.load.model)        # resolved by config_from_args
     eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
     if env and env["rank"] > 0:

@@ -1,10 +1,11 @@
 """GGUF metadata (llama.cpp's format): the model config, the tokenizer and the tensor table a GGUF
 file describes, read from its header without dequantizing anything.
 
-The facts of a file (metadata, and where each tensor's bytes are) are cached per process while
-the file is unchanged; the reader that parsed them is not: its parsed fields (a Python object per
-tokenizer entry) take ~150 MB and 3 s for a 49k-token vocabulary, so a process parses a file once
-(a spare does it before it is needed) and keeps only the facts. Tensor data is read by `model.gguf`.
+The facts of a file (metadata, and where each tensor's bytes are) are read from its header by a
+small bounded reader (`_read_header`: every length checked against the file size) that skips the
+large tokenizer arrays instead of building them (gguf's GGUFReader builds a numpy view per array
+item: ~130 MB and 3 s for a 49k-token vocabulary), and are cached per process while the file is
+unchanged. Tensor data is read by `model.gguf`; the tokenizer arrays by transformers, below.
 
 Nothing here imports transformers into the process that runs the model (it costs ~190 MB resident
 with the torch._dynamo, sympy and accelerate modules it pulls in, twice the default model's weights):
@@ -17,8 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -90,30 +93,149 @@ def gguf_facts(path: str | Path) -> GGUFFacts:
     return _gguf_facts(*_file_key(path))
 
 
-def _open_gguf(path: str, size: int, mtime_ns: int):
-    from gguf import GGUFReader
+def _gguf_facts_uncached(path: str, size: int) -> GGUFFacts:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); pass a "
                              f"llama.cpp .gguf file or a checkpoint directory.")
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 -- a cut-off file fails in numpy, struct or the reader itself
-        raise ValueError(f"{path} is truncated or damaged ({size} bytes; reading it failed with {type(exc).__name__}: "
-                         f"{exc}); download or convert it again.") from None
+        try:
+            return _read_header(f, size)
+        except _Damaged as exc:
+            raise ValueError(f"{path} is truncated or damaged ({size} bytes; {exc}); download or convert it "
+                             f"again.") from None
 
 
 @functools.lru_cache(maxsize=8)
 def _gguf_facts(path: str, size: int, mtime_ns: int) -> GGUFFacts:
-    reader = _open_gguf(path, size, mtime_ns)
-    meta = {key: field.contents() for key, field in reader.fields.items() if key not in _GGUF_BIG_FIELDS}
-    tensors = {t.name: t for t in reader.tensors}
-    rope = tensors.get("rope_freqs.weight")
-    return GGUFFacts(meta, {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()},
-                     {name: t.tensor_type.name for name, t in tensors.items()},
-                     None if rope is None else rope.data.astype("float64").tolist(),
-                     tuple(GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset),
-                                      int(t.n_bytes)) for t in reader.tensors))
+    return _gguf_facts_uncached(path, size)
+
+
+class _Damaged(Exception):
+    """A header that does not parse: what is wrong and where (`_gguf_facts` words the error)."""
+
+
+class _Header:
+    """Reads a GGUF header front to back through a small buffer, checking every length against the
+    file size. gguf's GGUFReader would build a numpy view per array element (~150 MB and seconds for
+    a 49k-token vocabulary); this keeps the values the config needs and skips the large arrays."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size, self.pos, self.order = file, size, 4, "<"
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise _Damaged(f"a {n}-byte field at byte {self.pos} runs past the end of the file")
+        data = self.file.read(n)
+        if len(data) != n:
+            raise _Damaged(f"reading {n} bytes at byte {self.pos} returned {len(data)}")
+        self.pos += n
+        return data
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise _Damaged(f"a {n}-byte field at byte {self.pos} runs past the end of the file")
+        self.file.seek(n, os.SEEK_CUR)
+        self.pos += n
+
+    def unpack(self, fmt: str):
+        return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = self.take(self.unpack("Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Damaged(f"a string before byte {self.pos} is not UTF-8") from None
+
+    def value(self, vtype: int, keep: bool = True):
+        """One metadata value of GGUF value type `vtype`; with keep=False it is skipped (None)."""
+        if vtype == _STRING:
+            if keep:
+                return self.string()
+            return self.skip(self.unpack("Q"))
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype]
+            return self.unpack(fmt) if keep else self.skip(struct.calcsize(fmt))
+        if vtype != _ARRAY:
+            raise _Damaged(f"unknown value type {vtype} before byte {self.pos}")
+        itype, count = self.unpack("I"), self.unpack("Q")
+        if itype in _SCALARS and not keep:     # fixed-size items: skip the block at once
+            return self.skip(count * struct.calcsize(_SCALARS[itype]))
+        if count > self.size - self.pos:       # every item takes at least a byte
+            raise _Damaged(f"an array of {count} items at byte {self.pos} cannot fit in the file")
+        if keep:
+            return [self.value(itype) for _ in range(count)]
+        for _ in range(count):
+            self.value(itype, keep=False)
+        return None
+
+
+# GGUF value types (gguf.GGUFValueType) -> struct format; strings and arrays are read item by item.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_header(file, size: int) -> GGUFFacts:
+    """The facts of a GGUF file (version 2 or 3, either byte order) from its header: metadata (large
+    tokenizer arrays skipped), the tensor table, and the rope divisors if `rope_freqs.weight` exists."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    header = _Header(file, size)
+    version = header.unpack("I")
+    if version & 0xFFFF == 0:                  # written on a big-endian machine
+        header.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in (2, 3):
+        raise _Damaged(f"GGUF version {version} is not one stagewise reads (2 or 3)")
+    n_tensors, n_kv = header.unpack("Q"), header.unpack("Q")
+    if n_tensors > size or n_kv > size:
+        raise _Damaged(f"it claims {n_tensors} tensors and {n_kv} metadata entries")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, vtype = header.string(), header.unpack("I")
+        value = header.value(vtype, keep=key not in _GGUF_BIG_FIELDS)
+        if key not in _GGUF_BIG_FIELDS:
+            meta[key] = value
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = header.string(), header.unpack("I")
+        if n_dims > 8:
+            raise _Damaged(f"tensor {name} claims {n_dims} dimensions")
+        dims = tuple(header.unpack("Q") for _ in range(n_dims))
+        infos.append((name, dims, header.unpack("I"), header.unpack("Q")))
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _Damaged(f"general.alignment {alignment!r} is not a power of two")
+    data_start = -(-header.pos // alignment) * alignment
+    tensors = []
+    for name, dims, raw_type, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise _Damaged(f"tensor {name} has unknown type {raw_type}") from None
+        n_elems = math.prod(dims)
+        if n_elems % block:
+            raise _Damaged(f"tensor {name} of shape {dims} is not whole {qtype.name} blocks")
+        n_bytes = n_elems // block * type_size
+        if data_start + offset + n_bytes > size:
+            raise _Damaged(f"tensor {name} ends at byte {data_start + offset + n_bytes}, past the end of the file")
+        tensors.append(GGUFTensor(name, int(qtype), dims, data_start + offset, n_bytes))
+    if len({t.name for t in tensors}) != len(tensors):
+        raise _Damaged("two tensors share a name")
+    by_name = {t.name: t for t in tensors}
+    return GGUFFacts(meta, {t.name: tuple(reversed(t.shape)) for t in tensors},
+                     {t.name: GGMLQuantizationType(t.tensor_type).name for t in tensors},
+                     _rope_divisors(file, by_name.get("rope_freqs.weight"), header.order), tuple(tensors))
+
+
+def _rope_divisors(file, tensor: GGUFTensor | None, order: str) -> list | None:
+    if tensor is None:
+        return None
+    import numpy as np
+    dtypes = {0: "f4", 1: "f2"}               # GGML F32, F16
+    if tensor.tensor_type not in dtypes:
+        raise _Damaged(f"rope_freqs.weight is stored as type {tensor.tensor_type}, not F32 or F16")
+    file.seek(tensor.data_offset)
+    return np.frombuffer(file.read(tensor.n_bytes), dtype=order + dtypes[tensor.tensor_type]).astype("float64").tolist()
 
 
 def hf_config_from_gguf(path: Path) -> GGUFConfig:

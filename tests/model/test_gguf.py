@@ -242,3 +242,20 @@ def test_generate_with_no_model_answers_with_smollm2(smollm2, capsys):
     assert main(["--log-level", "WARNING", "generate", "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("What is the capital of France?\n") and "Paris" in out
+
+
+@pytest.mark.slow
+def test_generate_peak_rss_on_the_default_model(smollm2):
+    """issue 49: the default model's `stagewise generate` peaks within ~2x llama.cpp's 191 MiB (378 MiB
+    measured: torch ~206 MiB, weights 92 MiB, tokenizer ~30 MiB). The bound has room for noise; the
+    header parse (+130 MiB) or load temporaries kept in the heap (+40 MiB) push it over."""
+    import subprocess
+    import sys
+    load_tokenizer(smollm2)      # converted and cached here: the converter child (transformers) is not measured
+    measure = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10)")   # kB on Linux -> MiB
+    done = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "stagewise", "--log-level", "ERROR",
+                           "generate", "--model", str(smollm2), "--prompt", "Hello", "--max-tokens", "8"],
+                          check=True, capture_output=True, text=True)
+    peak_mib = int(done.stdout)
+    assert peak_mib < 400, f"stagewise generate peaked at {peak_mib} MiB"

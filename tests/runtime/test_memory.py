@@ -134,3 +134,25 @@ def test_cpu_kv_pool_holds_only_the_pages_it_used():
     assert cache is not None and cache.shape == (2, 2048, 16, 8, 128) and not cache[:, :4].any()
     cache[:, 1:3] = 1.0
     assert rss() - before < 64 * MIB and cache[:, 1:3].all() and not cache[:, 3].any()
+
+
+def test_a_stage_hands_back_what_loading_freed():
+    """With the stage's malloc thresholds raised, freed memory stays in the process (the steps reuse
+    it); what loading freed goes back once the weights are in place (`release_load_temporaries`)."""
+    import subprocess
+    import sys
+    code = """
+from stagewise.runtime.allocator import keep_freed_memory, release_load_temporaries
+def rss():
+    return next(int(line.split()[1]) >> 10 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+assert keep_freed_memory()
+base = rss()
+chunks = [bytearray(1 << 20) for _ in range(128)]   # 128 MiB in 1 MiB pieces: heap, not mmap, here
+del chunks
+kept = rss() - base
+release_load_temporaries()
+print(kept, rss() - base)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    kept, left = (int(v) for v in done.stdout.split())
+    assert kept > 96 and left < 32, (kept, left)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .families import vision_encoder
 from .images import ImageLimits
 
 
@@ -19,6 +18,7 @@ class ImageParts(list):
 
 class ImageIntake:
     def __init__(self, model_dir: str, tok: Any, limits: ImageLimits):
+        from .families import vision_encoder  # torch: imported only for a vision-language model
         self.encoder = vision_encoder(model_dir, limits)
         self.tok = tok
         self.token = tok.tokenizer.convert_ids_to_tokens(self.encoder.image_token_id)

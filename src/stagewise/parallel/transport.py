@@ -15,6 +15,7 @@ nothing is left buffered (a select on the socket still says whether a message is
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import queue
@@ -23,13 +24,17 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .auth import LinkKeys
+
+# torch is imported when a tensor is sent or received: the rendezvous store and the watchdog use
+# this module in processes that never load torch (serve's HTTP front process)
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = struct.Struct("!4sI")        # magic, header bytes
 MAGIC = b"SWM1"
@@ -42,9 +47,13 @@ RECORD_BYTES = 1 << 20                # plaintext per record at most
 COALESCE_BYTES = 256 << 10            # parts of a message up to this much together go in one record
 TAG_BYTES = 16
 WAIT_SLICE_S = 0.25                   # receives return to Python this often (signal handlers run)
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    import torch
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class LinkError(ConnectionError):
@@ -240,6 +249,7 @@ class Link:
             table, header = json.loads(self._read(size, deadline, timeout_s))
         except (ValueError, TypeError, RecursionError):
             raise LinkError(f"{self.peer} sent a message whose header is not valid JSON") from None
+        import torch
         tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in _checked_table(table, self.peer)]
         for t in tensors:
             if t.numel():
@@ -327,11 +337,11 @@ def _checked_table(table: Any, peer: str) -> list[tuple[torch.dtype, list[int]]]
         raise LinkError(f"{peer} sent a message with a malformed tensor table")
     out, total = [], 0
     for entry in table:
-        ok = type(entry) is list and len(entry) == 2 and entry[0] in DTYPES and type(entry[1]) is list
+        ok = type(entry) is list and len(entry) == 2 and entry[0] in DTYPE_NAMES and type(entry[1]) is list
         shape = entry[1] if ok else []
         if not ok or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
             raise LinkError(f"{peer} sent a tensor with an unknown dtype or a bad shape: {str(entry)[:80]}")
-        dtype = DTYPES[entry[0]]
+        dtype = _dtypes()[entry[0]]
         total += math.prod(shape) * dtype.itemsize
         if total > MAX_TENSOR_BYTES:
             raise LinkError(f"{peer} sent tensors of more than {MAX_TENSOR_BYTES >> 30} GiB in one message")
@@ -341,6 +351,7 @@ def _checked_table(table: Any, peer: str) -> list[tuple[torch.dtype, list[int]]]
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's memory as bytes (shared, not copied)."""
+    import torch
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 

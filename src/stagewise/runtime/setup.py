@@ -21,7 +21,7 @@ from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
 from . import cpu_pool
-from .allocator import keep_freed_memory
+from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
 from .kv_cache import allocate_kv_caches, kv_bytes_per_block
 from .memory import (
     MemoryPlan,
@@ -66,13 +66,16 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     pool = None
     if device.type == "cpu":
         pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config), tp_group.rank if tp_group else 0)
-        keep_freed_memory()
+        return_freed_memory()
     hf_config = load_hf_config(model_dir)
     dtype = resolve_dtype(config.load.dtype, hf_config, device.type)
     if device.type == "cpu" and config.cache.node_memory_bytes is None:   # torchrun: no driver measured it
         config = config.replace(node_memory_bytes=measured_node_bytes())
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
                        quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
+    if device.type == "cpu":    # loading's temporaries go back to the kernel; the steps' are kept from here on
+        release_load_temporaries()
+        keep_freed_memory()
     if tp_group is not None:
         # NOTE: every rank gathers the logits, so every rank's sampler draws the same tokens
         tensor_parallel.connect(model, tp_group, logits_to=-1)
