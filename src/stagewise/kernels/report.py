@@ -10,7 +10,8 @@ run it. Each stage computes its report once its weights are loaded, logs it as o
 Families: `gemm_<type>` (a GGUF/quantized type: `gemm_q4_k`, `gemm_q8_0`, ...; lookups of a
 quantized embedding included), `gemm_f32` / `gemm_bf16` / `gemm_f16` (float linear layers),
 `attention_decode`, `attention_prefill`, `norm` (RMSNorm, eager steps; compiled graphs run PyTorch's
-ops), `rope` (rope of the fused q/k heads and the KV cache write, eager steps), `comm` (tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads).
+ops), `rope` (rope of the fused q/k heads and the KV cache write, eager steps), `comm`
+(tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads).
 Reasons for PyTorch: `off` (STAGEWISE_KERNELS=off), `not_built` (the library did not build: no
 compiler, a compiler error), `no_kernel` (none for this dtype, format or shape), `device` (the model
 is not on the CPU).

@@ -98,6 +98,7 @@ def _rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
              heads, kv_heads, d, None if kv_cache is None else kv_cache.data_ptr(), cache_slots,
              None if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel())
     if bad >= 0:
+        assert slots is not None       # a bad slot needs slots
         raise ValueError(f"stagewise rope_kv: slot {int(slots[bad])} (row {bad}) is outside the KV cache's "
                          f"{cache_slots} slots; nothing was written.")
     return out
