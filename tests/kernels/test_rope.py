@@ -46,10 +46,15 @@ def _reference(qkv, cos, sin, hq, hkv, cache, slots):
     cache = cache.clone()
     n = slots.numel()
     write_kv(cache, slots, qk[:n, hq:], qkv[:, (hq + hkv) * d:].view(rows, hkv, d)[:n])
-    return qk, cache
+    return (qk[:, :hq], qk[:, hq:]), cache
 
 
 def _assert_same(got, ref):
+    if isinstance(got, tuple):         # (q, k)
+        assert len(got) == len(ref) == 2 and all(g.is_contiguous() for g in got)
+        _assert_same(got[0], ref[0])
+        _assert_same(got[1], ref[1])
+        return
     assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref), \
         (got.float() - ref.float()).abs().max()
 
@@ -63,7 +68,7 @@ def test_kernel_matches_the_pytorch_path(dtype, hq, hkv, d):
         got = cpu_rope.rope_kv(qkv, cos, sin, hq, hkv, cache, slots)
         _assert_same(got, ref)
         _assert_same(cache, ref_cache)                   # the slots, and nothing else
-        assert torch.equal(cpu_rope.rope_kv(qkv, cos[:, 0], sin[:, 0], hq, hkv), ref)   # [T, D], no cache
+        _assert_same(cpu_rope.rope_kv(qkv, cos[:, 0], sin[:, 0], hq, hkv), ref)   # [T, D] tables, no cache
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,7 +81,8 @@ def test_fewer_slots_than_rows_and_special_values(dtype):
     slots = torch.tensor([23, 0, 11], dtype=torch.int64)
     ref, ref_cache = _reference(qkv, cos, sin, hq, hkv, cache, slots)
     got = cpu_rope.rope_kv(qkv, cos, sin, hq, hkv, cache, slots)
-    assert torch.equal(got.nan_to_num(), ref.nan_to_num()) and torch.equal(got.isnan(), ref.isnan())
+    for g, r in zip(got, ref):
+        assert torch.equal(g.nan_to_num(), r.nan_to_num()) and torch.equal(g.isnan(), r.isnan())
     assert torch.equal(cache.nan_to_num(), ref_cache.nan_to_num())
 
 
@@ -101,7 +107,7 @@ def test_both_registrations_agree():
         other = cache.clone()
         a = cpu_rope._rope_kv(qkv, cos, sin, 3, 1, cache, slots)
         b = torch.ops.stagewise.rope_kv(qkv, cos, sin, 3, 1, other, slots)
-        assert torch.equal(a, b) and torch.equal(cache, other)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(cache, other)
 
 
 def _build(name):
@@ -118,12 +124,12 @@ def _build(name):
 
 def _run(lib, qkv, cos, sin, hq, hkv, cache, slots):
     rows, d = qkv.shape[0], cos.shape[-1]
-    out = qkv.new_empty(rows, hq + hkv, d)
+    q, k = qkv.new_empty(rows, hq, d), qkv.new_empty(rows, hkv, d)
     fn = lib.rope_kv_f32 if qkv.dtype == torch.float32 else lib.rope_kv_bf16
-    bad = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), rows,
-             hq, hkv, d, cache.data_ptr(), cache.shape[1] * cache.shape[2], slots.data_ptr(), slots.numel())
+    bad = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), k.data_ptr(),
+             rows, hq, hkv, d, cache.data_ptr(), cache.shape[1] * cache.shape[2], slots.data_ptr(), slots.numel())
     assert bad == -1
-    return out
+    return q, k
 
 
 @pytest.mark.parametrize("isa", list(BUILDS))
@@ -150,9 +156,9 @@ def test_a_slot_outside_the_cache_writes_nothing():
         with pytest.raises(ValueError, match=f"slot {bad} \\(row 2\\) is outside the KV cache's 24 slots"):
             cpu_rope.rope_kv(qkv, cos, sin, 2, 1, cache, slots)
         assert torch.equal(cache, before)
-        out = torch.empty(4, 3, 8)
-        assert lib.rope_kv_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), 8, out.data_ptr(), 4,
-                               2, 1, 8, cache.data_ptr(), 24, slots.data_ptr(), 4) == 2
+        q, k = torch.empty(4, 2, 8), torch.empty(4, 1, 8)
+        assert lib.rope_kv_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), 8, q.data_ptr(),
+                               k.data_ptr(), 4, 2, 1, 8, cache.data_ptr(), 24, slots.data_ptr(), 4) == 2
         assert torch.equal(cache, before)
 
 
@@ -202,7 +208,7 @@ def test_the_op_runs_the_cpp_registration():
 
 def test_bind_sets_every_entry_point():
     lib = _build("portable")
-    assert lib.rope_kv_f32.restype is ctypes.c_int64 and len(lib.rope_kv_bf16.argtypes) == 14
+    assert lib.rope_kv_f32.restype is ctypes.c_int64 and len(lib.rope_kv_bf16.argtypes) == 15
 
 
 def _attention_steps(layer, rotary, dtype):
@@ -248,3 +254,11 @@ def test_llama_attention_uses_the_op_in_eager_mode(dtype, monkeypatch):
     for got, ref in zip(outs, ref_outs):
         _assert_same(got, ref)
     _assert_same(cache, ref_cache)
+
+
+def test_the_fake_gives_the_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        qkv, cos = mode.from_tensor(torch.empty(3, 5 * 16)), mode.from_tensor(torch.empty(3, 1, 16))
+        q, k = torch.ops.stagewise.rope_kv(qkv, cos, cos, 3, 1, None, None)
+    assert q.shape == (3, 3, 16) and k.shape == (3, 1, 16)

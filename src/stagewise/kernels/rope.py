@@ -1,8 +1,9 @@
 """Rope kernel (csrc/rope.c): bindings, argument checks and the op `stagewise::rope_kv`.
 
-`rope_kv(qkv, cos, sin, heads, kv_heads, kv_cache, slots)` -> `qk`: the rows `[T, (Hq + 2 Hkv) D]`
-of a fused qkv projection (float32 or bfloat16, unit column stride), their q and k heads roped
-into `qk` `[T, Hq + Hkv, D]` as model/layers.py `apply_rotary_full` computes them,
+`rope_kv(qkv, cos, sin, heads, kv_heads, kv_cache, slots)` -> `(q, k)`: the rows
+`[T, (Hq + 2 Hkv) D]` of a fused qkv projection (float32 or bfloat16, unit column stride), their
+q and k heads roped into `q` `[T, Hq, D]` and `k` `[T, Hkv, D]` as model/layers.py
+`apply_rotary_full` computes them,
 `x * cos + [x2, x1] * sin` with cos / sin `[T, D]` (or `[T, 1, D]`: `RotaryEmbedding.tables`),
 each op rounded as PyTorch rounds it (PyTorch's eager bits, float32 and bfloat16). With a KV
 cache `[2, num_blocks, block_size, Hkv, D]` and `slots` `[n]` (n <= T), the first n rows' roped
@@ -39,7 +40,7 @@ def bind(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     for name in ("rope_kv_f32", "rope_kv_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i64, p, i64, p, i64]
+        fn.argtypes = [p, i64, p, p, i64, p, p, i64, i64, i64, i64, p, i64, p, i64]
         fn.restype = i64
 
 
@@ -85,36 +86,38 @@ def _check(qkv, cos, sin, heads, kv_heads, kv_cache, slots) -> None:
 
 
 def _rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-             kv_cache: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
+             kv_cache: torch.Tensor | None, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     _check(qkv, cos, sin, heads, kv_heads, kv_cache, slots)
     lib = _load()
     if lib is None:
         raise RuntimeError("The rope kernel is not available on this machine.")
     rows, d = qkv.shape[0], cos.shape[-1]
-    out = qkv.new_empty(rows, heads + kv_heads, d)
+    q, k = qkv.new_empty(rows, heads, d), qkv.new_empty(rows, kv_heads, d)
     fn = lib.rope_kv_f32 if qkv.dtype == torch.float32 else lib.rope_kv_bf16
     cache_slots = 0 if kv_cache is None else kv_cache.shape[1] * kv_cache.shape[2]
-    bad = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), rows,
-             heads, kv_heads, d, None if kv_cache is None else kv_cache.data_ptr(), cache_slots,
+    bad = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(),
+             k.data_ptr(), rows, heads, kv_heads, d, None if kv_cache is None else kv_cache.data_ptr(), cache_slots,
              None if slots is None else slots.data_ptr(), 0 if slots is None else slots.numel())
     if bad >= 0:
         assert slots is not None       # a bad slot needs slots
         raise ValueError(f"stagewise rope_kv: slot {int(slots[bad])} (row {bad}) is outside the KV cache's "
                          f"{cache_slots} slots; nothing was written.")
-    return out
+    return q, k
 
 
 def _fake(qkv, cos, sin, heads, kv_heads, kv_cache, slots):
-    return qkv.new_empty(qkv.shape[0], heads + kv_heads, cos.shape[-1])
+    rows, d = qkv.shape[0], cos.shape[-1]
+    return qkv.new_empty(rows, heads, d), qkv.new_empty(rows, kv_heads, d)
 
 
 define("rope_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!)? kv_cache, "
-       "Tensor? slots) -> Tensor", _rope_kv, _fake)
+       "Tensor? slots) -> (Tensor, Tensor)", _rope_kv, _fake)
 
 
 def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-            kv_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """The roped q and k heads `[T, Hq + Hkv, D]` (and the KV cache written at `slots`): the C++
+            kv_cache: torch.Tensor | None = None,
+            slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The roped q `[T, Hq, D]` and k `[T, Hkv, D]` heads (and the KV cache written at `slots`): the C++
     op where it is registered (or a dispatch mode records ops), else the Python one called
     directly (no dispatcher)."""
     if native.loaded("rope") or _get_current_dispatch_mode() is not None:

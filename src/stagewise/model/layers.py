@@ -175,13 +175,14 @@ def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
 
 
 def rope_kv_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, heads: int, kv_heads: int,
-                   target: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+                   target: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Eager on the CPU, with `target` (`ForwardBatch.kv_target`: the KV cache and the live rows'
     slots): the q and k heads of the fused projection `qkv` `[T, (Hq + 2 Hkv) D]` roped by one
-    call of the C op (kernels/rope.py: `apply_rotary_full`'s bits) -> `[T, Hq + Hkv, D]`, with the
-    roped k and v written into the cache, instead of ~8 PyTorch ops. None where the op does not
-    serve (compiled graphs trace `apply_rotary_full`; other devices or dtypes; autograd): the
-    caller ropes with PyTorch's ops and attention writes the cache."""
+    call of the C op (kernels/rope.py: `apply_rotary_full`'s bits) -> q `[T, Hq, D]` and k
+    `[T, Hkv, D]`, with the roped k and v written into the cache, instead of ~8 PyTorch ops. None
+    where the op does not serve (compiled graphs trace `apply_rotary_full`; other devices or
+    dtypes; autograd): the caller ropes with PyTorch's ops and attention writes the cache."""
     if target is None or torch.compiler.is_compiling() or not cpu_rope.supports(qkv, cos, heads, kv_heads):
         return None
     cache, slots = target

@@ -62,11 +62,13 @@ class LlamaAttention(nn.Module):
         written = False
         if self.q_norm is None:
             # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache
-            qk = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
-            written = qk is not None
-            if qk is None:      # q and k are adjacent columns: rope both heads' sets in one pass
+            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
+            written = roped is not None
+            if roped is not None:
+                q, k = roped                                          # [T, Hq, D], [T, Hkv, D]
+            else:               # q and k are adjacent columns: rope both heads' sets in one pass
                 qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]                             # [T, Hq, D], [T, Hkv, D]
+                q, k = qk[:, :hq], qk[:, hq:]                         # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None   # built together with q_norm
             q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))

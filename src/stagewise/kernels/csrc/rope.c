@@ -43,26 +43,27 @@ static void head_bf16(const uint16_t* restrict x, const uint16_t* restrict c, co
 
 typedef struct {
     const void *qkv, *cos, *sin;
-    void *out, *cache;
+    void *q_out, *k_out, *cache;
     const int64_t* slots;
     int64_t qkv_row, cs_row, rows, hq, hkv, d, cache_slots, nslots;
 } job_t;
 
-/* rows t0 * ROWS_PER_TASK ..: the q and k heads into out (and k into the cache), v into the cache */
+/* rows t0 * ROWS_PER_TASK ..: the q and k heads into q_out and k_out, k and v into the cache */
 #define TASK(NAME, T, HEAD)                                                                         \
 static void NAME(void* ctx, int64_t t0, int64_t t1) {                                              \
     const job_t* j = ctx;                                                                           \
-    int64_t heads = j->hq + j->hkv, d = j->d, kv = j->hkv * d;                                      \
+    int64_t hq = j->hq, d = j->d, kv = j->hkv * d;                                                  \
     int64_t r1 = t1 * ROWS_PER_TASK < j->rows ? t1 * ROWS_PER_TASK : j->rows;                       \
     for (int64_t i = t0 * ROWS_PER_TASK; i < r1; i++) {                                             \
         const T* x = (const T*)j->qkv + i * j->qkv_row;                                             \
         const T *c = (const T*)j->cos + i * j->cs_row, *s = (const T*)j->sin + i * j->cs_row;       \
-        T* o = (T*)j->out + i * heads * d;                                                          \
-        for (int64_t h = 0; h < heads; h++) HEAD(x + h * d, c, s, o + h * d, d / 2);               \
+        T *q = (T*)j->q_out + i * hq * d, *k = (T*)j->k_out + i * kv;                              \
+        for (int64_t h = 0; h < hq; h++) HEAD(x + h * d, c, s, q + h * d, d / 2);                  \
+        for (int64_t h = 0; h < j->hkv; h++) HEAD(x + (hq + h) * d, c, s, k + h * d, d / 2);        \
         if (i < j->nslots) {                                                                        \
             T* k_at = (T*)j->cache + j->slots[i] * kv;                                              \
-            memcpy(k_at, o + j->hq * d, kv * sizeof(T));                                            \
-            memcpy(k_at + j->cache_slots * kv, x + heads * d, kv * sizeof(T));                      \
+            memcpy(k_at, k, kv * sizeof(T));                                                        \
+            memcpy(k_at + j->cache_slots * kv, x + hq * d + kv, kv * sizeof(T));                    \
         }                                                                                           \
     }                                                                                               \
 }
@@ -80,7 +81,8 @@ int64_t NAME(STAGEWISE_ROPE_ARGS(T)) {                                          
     if (!cache) nslots = 0;                                                                         \
     for (int64_t i = 0; i < nslots; i++)                                                            \
         if (slots[i] < 0 || slots[i] >= cache_slots) return i;                                      \
-    job_t j = {qkv, cos, sin, out, cache, slots, qkv_row, cs_row, rows, hq, hkv, d, cache_slots, nslots}; \
+    job_t j = {qkv, cos, sin, q_out, k_out, cache, slots, qkv_row, cs_row, rows, hq, hkv, d, cache_slots, \
+               nslots};                                                                             \
     if (rows <= 0 || d <= 0) return -1;                                                             \
     parallel_for(TASKFN, &j, (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads_for(rows, (hq + 2 * hkv) * d)); \
     return -1;                                                                                      \

@@ -1,5 +1,7 @@
 /* The CPU kernel of stagewise::rope_kv (schema and fake in kernels/rope.py): called by the
    dispatcher directly, after the same checks as the Python registration. */
+#include <tuple>
+
 #include "ops.h"
 #include "rope.h"
 
@@ -39,28 +41,31 @@ void check_rope(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t
 
 template <typename T, typename F>
 int64_t run(F fn, const Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t hq, int64_t hkv,
-            const std::optional<Tensor>& cache, const std::optional<Tensor>& slots, Tensor& out, int64_t cache_slots) {
+            const std::optional<Tensor>& cache, const std::optional<Tensor>& slots, Tensor& q, Tensor& k,
+            int64_t cache_slots) {
     int64_t d = cos.size(cos.dim() - 1);
     return fn(static_cast<const T*>(qkv.data_ptr()), qkv.stride(0), static_cast<const T*>(cos.data_ptr()),
-              static_cast<const T*>(sin.data_ptr()), cos.stride(0), static_cast<T*>(out.data_ptr()), qkv.size(0), hq,
-              hkv, d, cache ? static_cast<T*>(cache->data_ptr()) : nullptr, cache_slots,
+              static_cast<const T*>(sin.data_ptr()), cos.stride(0), static_cast<T*>(q.data_ptr()),
+              static_cast<T*>(k.data_ptr()), qkv.size(0), hq, hkv, d,
+              cache ? static_cast<T*>(cache->data_ptr()) : nullptr, cache_slots,
               slots ? static_cast<const int64_t*>(slots->data_ptr()) : nullptr, slots ? slots->numel() : 0);
 }
 
 /* kernels/rope.py `_rope_kv` */
-Tensor rope_kv(Tensor qkv, Tensor cos, Tensor sin, int64_t hq, int64_t hkv, std::optional<Tensor> cache,
-               std::optional<Tensor> slots) {
+std::tuple<Tensor, Tensor> rope_kv(Tensor qkv, Tensor cos, Tensor sin, int64_t hq, int64_t hkv,
+                                   std::optional<Tensor> cache, std::optional<Tensor> slots) {
     check_rope(qkv, cos, sin, hq, hkv, cache, slots);
     int64_t d = cos.size(cos.dim() - 1), cache_slots = cache ? cache->size(1) * cache->size(2) : 0;
-    Tensor out = torch::stable::new_empty(qkv, Shape{qkv.size(0), hq + hkv, d});
+    Tensor q = torch::stable::new_empty(qkv, Shape{qkv.size(0), hq, d});
+    Tensor k = torch::stable::new_empty(qkv, Shape{qkv.size(0), hkv, d});
     int64_t bad = qkv.scalar_type() == ScalarType::Float
-                      ? run<float>(rope_kv_f32, qkv, cos, sin, hq, hkv, cache, slots, out, cache_slots)
-                      : run<uint16_t>(rope_kv_bf16, qkv, cos, sin, hq, hkv, cache, slots, out, cache_slots);
+                      ? run<float>(rope_kv_f32, qkv, cos, sin, hq, hkv, cache, slots, q, k, cache_slots)
+                      : run<uint16_t>(rope_kv_bf16, qkv, cos, sin, hq, hkv, cache, slots, q, k, cache_slots);
     if (bad >= 0)
         throw std::invalid_argument("stagewise rope_kv: slot " + std::to_string(static_cast<const int64_t*>(
                                         slots->data_ptr())[bad]) + " (row " + std::to_string(bad) + ") is outside the "
                                     "KV cache's " + std::to_string(cache_slots) + " slots; nothing was written.");
-    return out;
+    return std::make_tuple(q, k);
 }
 
 }  // namespace
