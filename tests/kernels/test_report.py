@@ -66,6 +66,9 @@ def test_a_float_model_reports_its_gemm_by_dtype(llama_dir):
     k = found["gemm_f32"]
     assert k.impl == "c" and k.isa in ISAS and not any(f.startswith("gemm_q") for f in found), found
     assert ("packed" in k.note) == (gemm.layout(__import__("torch").float32) is not None), k
+    from stagewise.kernels import rope
+    if rope.available():          # a Llama: its fused q/k heads roped (and the KV cache written) by the op
+        assert found["rope"].impl == "c" and found["rope"].isa in ISAS and "eager steps" in found["rope"].note
     on_gpu = _by_family(report.kernel_report(_load(llama_dir), "cuda"))     # where the layers run decides
     assert {(k.impl, k.reason) for k in on_gpu.values()} == {("torch", "device")}, on_gpu
 
@@ -140,6 +143,7 @@ def test_without_a_model_every_family_is_reported():
     from stagewise.kernels.quant_formats import SUPPORTED
     found = _by_family(report.kernel_report())
     assert {f"gemm_{t.name.lower()}" for t in SUPPORTED} | {"gemm_f32", "gemm_bf16", "attention_decode",
-                                                             "attention_prefill", "norm", "comm", "team"} == set(found)
+                                                             "attention_prefill", "norm", "rope", "comm",
+                                                             "team"} == set(found)
     if build.mode() == "required":
         assert all(k.impl == "c" or k.reason == "no_kernel" for k in found.values()), found

@@ -33,6 +33,9 @@ class GraphBatch(ForwardBatch):
     def kv_caches(self):
         return self._live.kv_caches
 
+    def kv_target(self, layer_id):
+        return None       # graph bodies write the KV cache in their attention (traced or hooked)
+
     def attention(self, layer_id, q, k, v, scale):
         assert self._attend is not None, "a batch built without a hook overrides attention"
         return self._attend(self._live, layer_id, q, k, v, scale)

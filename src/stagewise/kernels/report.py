@@ -10,7 +10,8 @@ run it. Each stage computes its report once its weights are loaded, logs it as o
 Families: `gemm_<type>` (a GGUF/quantized type: `gemm_q4_k`, `gemm_q8_0`, ...; lookups of a
 quantized embedding included), `gemm_f32` / `gemm_bf16` / `gemm_f16` (float linear layers),
 `attention_decode`, `attention_prefill`, `norm` (RMSNorm, eager steps; compiled graphs run PyTorch's
-ops), `comm` (tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads).
+ops), `rope` (rope of the fused q/k heads and the KV cache write, eager steps), `comm`
+(tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads).
 Reasons for PyTorch: `off` (STAGEWISE_KERNELS=off), `not_built` (the library did not build: no
 compiler, a compiler error), `no_kernel` (none for this dtype, format or shape), `device` (the model
 is not on the CPU).
@@ -88,7 +89,8 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
     else:
         used = _Used(quant={str(t.name).lower() for t in quant_kernels.SUPPORTED},
                      floats={d: [gemm.layout(d) is not None] for d in (torch.float32, torch.bfloat16)},
-                     attention=(torch.float32, 64), tp_group=None, norms={torch.float32, torch.bfloat16})
+                     attention=(torch.float32, 64), tp_group=None, norms={torch.float32, torch.bfloat16},
+                     ropes={torch.float32, torch.bfloat16})
     if device.type != "cpu":          # the kernels are CPU kernels (a GGUF file is dequantized there)
         ops = [(f"gemm_{_dtype_name(d)}", "linear") for d in used.floats]
         ops += [(f"gemm_{q}", "dequantize+linear") for q in sorted(used.quant)]
@@ -96,6 +98,8 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
             ops += [("attention_decode", "sdpa"), ("attention_prefill", "sdpa")]
         if used.norms:
             ops.append(("norm", "rms_norm"))
+        if used.ropes or used.normed_ropes:
+            ops.append(("rope", "rope+index_copy"))
         return [KernelInfo(family, TORCH, op=op, reason="device", note=f"on {device.type}", stage=stage)
                 for family, op in ops]
     out = [_quant(q) for q in sorted(used.quant)]
@@ -104,6 +108,8 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
         out += _attention(*used.attention)
     if used.norms:
         out.append(_norm(used.norms))
+    if used.ropes or used.normed_ropes:
+        out.append(_rope(used.ropes, used.normed_ropes))
     if used.tp_group is not None or model is None:
         out.append(_comm(used.tp_group, model is None))
     out.append(_team())
@@ -117,6 +123,8 @@ class _Used:
     attention: tuple[torch.dtype, int] | None        # (KV dtype, head size)
     tp_group: Any
     norms: set[torch.dtype] = field(default_factory=set)    # RMSNorm weights' dtypes
+    ropes: set[torch.dtype] = field(default_factory=set)    # activation dtypes of fused-qkv attention layers
+    normed_ropes: set[torch.dtype] = field(default_factory=set)    # the same with q/k norms (Qwen3: PyTorch's rope)
 
 
 def _used(model: Any) -> _Used:
@@ -125,9 +133,14 @@ def _used(model: Any) -> _Used:
     quant: set[str] = set()
     floats: dict[torch.dtype, list[bool | None]] = {}
     norms: set[torch.dtype] = set()
+    ropes: dict[bool, set[torch.dtype]] = {False: set(), True: set()}
+    act = getattr(model, "dtype", None)
+    act = act if isinstance(act, torch.dtype) and act.is_floating_point else torch.float32
     for m in model.modules():
         if type(m).__name__ == "RMSNorm" and isinstance(getattr(m, "weight", None), torch.Tensor):
             norms.add(m.weight.dtype)
+        if type(m).__name__ == "LlamaAttention" and hasattr(m, "qkv_proj"):     # ropes q/k of a fused qkv
+            ropes[getattr(m, "q_norm", None) is not None].add(act)
         segments = getattr(m, "segments", None)
         if isinstance(segments, tuple) and hasattr(m, "in_features"):       # QuantLinear
             for i, seg in enumerate(segments):
@@ -151,7 +164,7 @@ def _used(model: Any) -> _Used:
         except (StopIteration, TypeError, ValueError):
             attention_of = None
     clock = model.__dict__.get("tp_clock")
-    return _Used(quant, floats, attention_of, getattr(clock, "group", None), norms)
+    return _Used(quant, floats, attention_of, getattr(clock, "group", None), norms, ropes[False], ropes[True])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -289,6 +302,21 @@ def _norm(dtypes: set[torch.dtype]) -> KernelInfo:
         return KernelInfo("norm", TORCH, op="rms_norm", reason="no_kernel", note=f"no kernel for {', '.join(others)}")
     note = ", ".join(x for x in ("eager steps", _ops_note("norm")) if x)
     return KernelInfo("norm", C, isa=_vector_isa(build.isa_of(lib)), note=note)
+
+
+def _rope(dtypes: set[torch.dtype], normed: set[torch.dtype]) -> KernelInfo:
+    import torch
+
+    from . import rope
+    lib = _loaded(rope._load)
+    if lib is None:
+        reason, note = _why_missing("rope")
+        return KernelInfo("rope", TORCH, op="rope+index_copy", reason=reason, note=note)
+    if not dtypes & {torch.float32, torch.bfloat16}:
+        why = "q/k normed before rope" if normed else "no kernel for " + ", ".join(sorted(map(_dtype_name, dtypes)))
+        return KernelInfo("rope", TORCH, op="rope+index_copy", reason="no_kernel", note=why)
+    note = ", ".join(x for x in ("eager steps, with the KV cache write", _ops_note("rope")) if x)
+    return KernelInfo("rope", C, isa=_vector_isa(build.isa_of(lib)), note=note)
 
 
 def _comm(group: Any, hypothetical: bool) -> KernelInfo:

@@ -203,20 +203,23 @@ INVARIANT = False
 
 
 def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+                    k: torch.Tensor, v: torch.Tensor, scale: float, *, kv_written: bool = False) -> torch.Tensor:
     """What the engine runs. Where the CPU kernel serves the dtype and head size: one-token
     sequences are attended in place (no KV gather), and with `INVARIANT` (the engine's
     `invariant_attention`) every other row too (`invariant_paged_attention`). Elsewhere
-    `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available."""
+    `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available.
+    `kv_written`: the caller already wrote the live rows' k and v into the cache (the rope op)."""
     in_place = cpu_attention.supports(q, kv_cache)
     if in_place and INVARIANT and meta.span_rows is not None:      # spans: built with INVARIANT on
-        return invariant_paged_attention(meta, kv_cache, q, k, v, scale)
+        return invariant_paged_attention(meta, kv_cache, q, k, v, scale, kv_written=kv_written)
     return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=in_place,
-                                prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k))
+                                prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k),
+                                kv_written=kv_written)
 
 
 def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
-                              k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+                              k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                              kv_written: bool = False) -> torch.Tensor:
     """Paged attention whose every live row is one query of the in-place decode kernel: the step's
     K/V are written to the cache first, then row r at position p attends the keys at positions
     0..p through its sequence's block table. The kernel's reduction over keys runs in chunks of 8
@@ -226,7 +229,8 @@ def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q
     T = meta.num_tokens
     if T == 0:
         return q.new_zeros(q.shape)
-    write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
+    if not kv_written:
+        write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
     if meta.is_plain_decode:               # one decode group, rows in batch order
         grp = meta.groups[0]
         assert isinstance(grp, _DecodeGroup)
@@ -245,14 +249,17 @@ def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q
 
 def sdpa_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,
                          k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                         in_place_decode: bool = False, prefill_kernel: bool = False) -> torch.Tensor:
+                         in_place_decode: bool = False, prefill_kernel: bool = False,
+                         kv_written: bool = False) -> torch.Tensor:
     """Reference paged attention for mixed prefill/decode batches. q/k/v: `[rows, H, D]`, rows >= T.
     `in_place_decode`: decode groups read the cache in place (`cpu_attention`) instead of SDPA;
-    `prefill_kernel`: prompts with no cached prefix go to `cpu_attention.prefill_attention`."""
+    `prefill_kernel`: prompts with no cached prefix go to `cpu_attention.prefill_attention`;
+    `kv_written`: the live rows' k and v are in the cache already."""
     T = meta.num_tokens
     rows, hq, d = q.shape
     hkv = k.shape[1]
-    write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
+    if not kv_written:
+        write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
     if rows == T and meta.is_plain_decode:
         grp = meta.groups[0]
         assert isinstance(grp, _DecodeGroup)
@@ -312,11 +319,21 @@ class ForwardBatch:
         self.kv_caches = kv_caches
 
     def attention(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-        """q: `[rows, Hq, D]`, k/v: `[rows, Hkv, D]` -> `[rows, Hq, D]`."""
+                  scale: float, *, kv_written: bool = False) -> torch.Tensor:
+        """q: `[rows, Hq, D]`, k/v: `[rows, Hkv, D]` -> `[rows, Hq, D]`. `kv_written`: the caller
+        wrote the live rows' k and v at `kv_target`'s slots itself."""
         cache = self.kv_caches[layer_id]
         if cache is None:
             raise RuntimeError(f"Layer {layer_id} has no KV cache on this stage.")
         if self.meta is None:
             raise RuntimeError("Attention ran before the step's metadata was set.")
-        return paged_attention(self.meta, cache, q, k, v, scale)
+        return paged_attention(self.meta, cache, q, k, v, scale, kv_written=kv_written)
+
+    def kv_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the layer's KV cache, the live rows' flat slots `[T]`) for a model that writes the
+        step's k and v itself (the eager rope op) and then calls `attention(..., kv_written=True)`;
+        None where attention must write them (graph batches)."""
+        cache = self.kv_caches[layer_id]
+        if cache is None or self.meta is None:
+            return None
+        return cache, self.meta.slot_mapping

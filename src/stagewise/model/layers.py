@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.kernels import norm as cpu_norm
+from stagewise.kernels import rope as cpu_rope
 from stagewise.model.cpu_gemm import Linear
 from stagewise.parallel.partition import StageInfo
 
@@ -171,6 +172,26 @@ def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)   # [x2, x1]
     return x * cos + swapped * sin_signed
+
+
+def rope_kv_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, heads: int, kv_heads: int,
+                   target: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Eager on the CPU, with `target` (`ForwardBatch.kv_target`: the KV cache and the live rows'
+    slots): the q and k heads of the fused projection `qkv` `[T, (Hq + 2 Hkv) D]` roped by one
+    call of the C op (kernels/rope.py: `apply_rotary_full`'s bits) -> q `[T, Hq, D]` and k
+    `[T, Hkv, D]`, with the roped k and v written into the cache, instead of ~8 PyTorch ops. None
+    where the op does not serve (compiled graphs trace `apply_rotary_full`; other devices or
+    dtypes; autograd): the caller ropes with PyTorch's ops and attention writes the cache."""
+    if target is None or torch.compiler.is_compiling() or not cpu_rope.supports(qkv, cos, heads, kv_heads):
+        return None
+    cache, slots = target
+    if (cache.device.type != "cpu" or cache.dtype != qkv.dtype or not cache.is_contiguous()
+            or cache.shape[3:] != (kv_heads, cos.shape[-1]) or slots.device.type != "cpu"
+            or slots.dtype != torch.int64 or slots.numel() > qkv.shape[0]
+            or (torch.is_grad_enabled() and qkv.requires_grad) or not cpu_rope.available()):
+        return None
+    return cpu_rope.rope_kv(qkv, cos, sin_signed, heads, kv_heads, cache, slots)
 
 
 class FusedLinear(Linear):

@@ -20,6 +20,7 @@ from stagewise.model.layers import (
     StageModel,
     apply_rotary_full,
     build_layers,
+    rope_kv_kernel,
     rope_parameters,
 )
 from stagewise.model.quantized import QuantLinear
@@ -58,16 +59,25 @@ class LlamaAttention(nn.Module):
         T, hq, hkv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)                                   # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)                   # [T, Hkv, D]
+        written = False
         if self.q_norm is None:
-            # q and k are adjacent columns: rope both heads' sets in one pass
-            qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]                             # [T, Hq, D], [T, Hkv, D]
+            # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache
+            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
+            written = roped is not None
+            if roped is not None:
+                q, k = roped                                          # [T, Hq, D], [T, Hkv, D]
+            else:               # q and k are adjacent columns: rope both heads' sets in one pass
+                qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]                         # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None   # built together with q_norm
             q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
             k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
-        out = batch.attention(self.layer_id, q, k, v, self.scale)  # [T, Hq, D]
+        if written:     # graph batches' attention takes no kv_written (they never get here)
+            out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
+        else:
+            out = batch.attention(self.layer_id, q, k, v, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
 
