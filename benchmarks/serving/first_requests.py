@@ -153,7 +153,3 @@ def report(args, model: str, configs, runs) -> str:
         markdown_table(headers, rows), "", *verdicts])
     path = write_result("first_requests", text, args.quick)
     return text + f"\n\n(written to {path})"
-
-
-if __name__ == "__main__":
-    main()
