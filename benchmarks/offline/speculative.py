@@ -6,7 +6,14 @@ the same token ids. Configurations are interleaved round by round in one run (th
 shared); greedy outputs with and without speculation are compared token for token.
 
     python -m benchmarks.offline speculative [--rounds 2] [--prompts 8] [--max-tokens 160] [--quick] [--spec JSON]
-                                     [--llamacpp-python PATH]
+                                     [--llamacpp-python PATH] [--prefill-graph off,compiled]
+                                     [--compile-in-background]
+
+The engines are built with the given `--prefill-graph` (default: the engine's default, auto; a
+comma-separated list adds a pair of engines per choice, interleaved with the others, compared
+against the first choice's non-speculative engine) and, unless `--compile-in-background`, with their
+graphs compiled before the first request; with it the warm-up request does not wait for the
+compile, so the rounds meet whatever the compile has finished.
 
 tok/s is output tokens / wall seconds of the whole request (prefill included); "decode tok/s"
 leaves out the time to the first token. llama.cpp gets the same weights (the F32 GGUF that
@@ -139,6 +146,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="batch sizes to run, e.g. 1")
     ap.add_argument("--name", default="speculative", help="results/NAME.md")
     ap.add_argument("--quick", action="store_true", help="2 prompts per workload, 1 round, 48 tokens")
+    ap.add_argument("--prefill-graph", default=None,
+                    help="the engines' prefill_graph, or a comma-separated list to compare (default: auto)")
+    ap.add_argument("--compile-in-background", action="store_true",
+                    help="the engines' default: compile while steps run eager (default here: compile first)")
     args = ap.parse_args()
     n, rounds = (48, 1) if args.quick else (args.max_tokens, args.rounds)
     batches = [int(b) for b in args.batches.split(",")]
@@ -146,11 +157,17 @@ def main() -> None:
 
     from stagewise import LLM
     # NOTE: two engines in one process: a modest KV cache each (the default plans 2 GiB per engine)
-    opts: dict = {"kv_cache_memory": "384MiB", "compile_in_background": False}
+    opts: dict = {"kv_cache_memory": "384MiB", "compile_in_background": args.compile_in_background}
     if args.threads is not None:
         opts["threads_per_stage"] = args.threads
-    base = LLM(**opts)
-    fast = LLM(speculative_config=spec, **opts)
+    choices = args.prefill_graph.split(",") if args.prefill_graph else [None]
+    engines: dict[str, object] = {}           # config name -> engine: "off", "ngram", then "off G", "ngram G"
+    for i, g in enumerate(choices):
+        graph_opts = {**opts, **({"prefill_graph": g} if g else {})}
+        suffix = "" if i == 0 else f" {g}"
+        engines["off" + suffix] = LLM(**graph_opts)
+        engines["ngram" + suffix] = LLM(speculative_config=spec, **graph_opts)
+    base = engines["off"]
     tok = base.tokenizer           # the model's HF tokenizer: chat template, then ids
     workloads = {name: [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                            add_generation_prompt=True)) for t in tasks]
@@ -168,7 +185,7 @@ def main() -> None:
     else:
         notes.append(f"llama.cpp skipped: no Python with llama_cpp at `{args.llamacpp_python}`.")
 
-    for llm in (base, fast):                                  # warm-up: compile, first-call costs
+    for llm in engines.values():                              # warm-up: compile, first-call costs
         run_ours(llm, workloads["fresh"][:1], 8, 1)
     if peer is not None:
         for v in LLAMACPP_VARIANTS:
@@ -178,7 +195,7 @@ def main() -> None:
     for r in range(rounds):
         for wname, prompts in workloads.items():
             for batch in batches:
-                order = [("off", base), ("ngram", fast)]
+                order = list(engines.items())
                 for cname, llm in (order if r % 2 == 0 else order[::-1]):
                     before = llm.stats().get("speculative", {})
                     out = run_ours(llm, prompts, n, batch)
@@ -196,7 +213,10 @@ def main() -> None:
                           flush=True)
     if peer is not None:
         peer.close()
-    print(report(res, workloads, spec, n, rounds, threads, notes, args.quick, batches, args.name))
+    graphs = (f"prefill_graph {' vs '.join(g or 'auto (default)' for g in choices)}, "
+              f"compiled {'in the background' if args.compile_in_background else 'before the first request'}")
+    print(report(res, workloads, spec, n, rounds, threads, notes, args.quick, batches, args.name, graphs,
+                 choices[1:]))
 
 
 def _has_llama_cpp(python: str) -> bool:
@@ -210,7 +230,9 @@ def _best(runs: list[dict]) -> dict:
     return max(runs, key=lambda o: o["tokens"] / o["wall_s"])
 
 
-def report(res, workloads, spec, n, rounds, threads, notes, quick, batches, name="speculative") -> str:
+def report(res, workloads, spec, n, rounds, threads, notes, quick, batches, name="speculative",
+           graphs: str = "prefill_graph auto (default), compiled before the first request",
+           other_graphs: tuple | list = ()) -> str:
     rows, identical = [], {}
     targets = []
     for wname in workloads:
@@ -225,6 +247,22 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick, batches, name
                 rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"],
                              o["decode_tokens"] / o["decode_s"],
                              (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
+            for g in other_graphs:
+                g_off, g_on = _best(res[wname, f"off {g}", batch]), _best(res[wname, f"ngram {g}", batch])
+                for cname, o in ((f"stagewise, prefill_graph {g}", g_off),
+                                 (f"stagewise + ngram, prefill_graph {g}", g_on)):
+                    s = o.get("spec")
+                    acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
+                    mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
+                    rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"],
+                                 o["decode_tokens"] / o["decode_s"],
+                                 (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
+                if batch == 1:
+                    g_ratio = (g_on["tokens"] / g_on["wall_s"]) / (g_off["tokens"] / g_off["wall_s"])
+                    targets.append(f"- {wname} batch 1, prefill_graph {g}: ngram {g_ratio:.2f}x of its "
+                                   f"non-speculative engine, which runs "
+                                   f"{(g_off['tokens'] / g_off['wall_s']) / (off['tokens'] / off['wall_s']):.2f}x "
+                                   f"the first choice's")
             if batch == 1:
                 for v in LLAMACPP_VARIANTS:
                     runs = res.get((wname, f"llama.cpp {v}", 1))
@@ -250,7 +288,8 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick, batches, name
     lines = [f"# Speculative decoding (n-gram prompt lookup){' (quick)' if quick else ''}", "",
              f"{cpu_line()}; {machine_line()}; {threads} threads; {load_line()} at the end.",
              f"Default model, greedy, up to {n} tokens (EOS ends a request), {len(workloads['fresh'])} prompts per "
-             f"workload; best of {rounds} interleaved round(s). speculative_config: `{json.dumps(spec)}`.", "",
+             f"workload; best of {rounds} interleaved round(s). speculative_config: `{json.dumps(spec)}`; "
+             f"{graphs}.", "",
              markdown_table(["workload", "batch", "engine", "tok/s", "decode tok/s", "x stagewise", "acceptance",
                              "tokens / verify step"], rows), "",
              f"Greedy outputs with and without speculation identical in every round and batch: {same}", "",
