@@ -240,7 +240,8 @@ from stagewise import LLM, SamplingParams
 with LLM(model=sys.argv[1], prefill_graph="off") as llm:
     out = llm.generate(["The pipeline"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     chat = llm.engine.tok.chat_prompt([{"role": "user", "content": "Hi"}])
-heavy = ("transformers", "accelerate", "torch._dynamo", "sympy")
+# cryptography: only pipeline links need it; safetensors: only checkpoint directories
+heavy = ("transformers", "accelerate", "torch._dynamo", "sympy", "cryptography", "safetensors")
 print(json.dumps({"tokens": len(out[0].outputs[0].token_ids), "chat": chat,
                   "loaded": sorted(m for m in heavy if m in sys.modules)}))
 """

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Iterator, cast
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from stagewise.checkpoint import CONTENTS as _CONTENTS
@@ -73,6 +72,7 @@ def tensor_locations(model_dir: str | Path) -> dict[str, Path]:
             _require(fpath, f"Shard listed in {INDEX_FILE}:")
         return files
     if single.exists():
+        from safetensors import safe_open  # lazy: a GGUF model's process never needs it
         with safe_open(str(single), framework="pt") as f:
             return {name: single for name in f.keys()}
     raise CheckpointNotFoundError(f"No weights in {path}: neither {SINGLE_FILE} nor {INDEX_FILE} exists; "
@@ -212,6 +212,7 @@ def _load_stage_tensors(model, locations: dict[str, Path], stage: StageInfo, mod
         raise ValueError(f"Checkpoint tensor {missing[0]} (shape {table[missing[0]].shape}) is missing from "
                          f"{model_dir}; stage {stage.rank} needs it "
                          f"({len(missing)} missing in all). The weights do not match config.json.")
+    from safetensors import safe_open
     for fpath, names in by_file.items():
         with safe_open(str(fpath), framework="pt", device="cpu") as f:
             for name in names:

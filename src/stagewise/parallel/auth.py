@@ -24,14 +24,13 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
-
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from typing import TYPE_CHECKING, Callable
 
 from .. import envs
 from ..errors import ClusterAuthError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 log = logging.getLogger("stagewise.executor")
 
@@ -111,7 +110,7 @@ def serve_handshake(sock: socket.socket, key: bytes) -> tuple[Hello, LinkKeys | 
     """The listener's side: ClusterAuthError (and the connection closed) unless the peer proves the key;
     the dialler's hello and the connection's keys (None where SEAL_LINKS is off)."""
     sock.settimeout(HANDSHAKE_S)
-    ours = X25519PrivateKey.generate()
+    ours = _new_key_share()
     nonce = ours.public_key().public_bytes_raw()
     try:
         sock.sendall(MAGIC + nonce)
@@ -140,7 +139,7 @@ def dial_handshake(sock: socket.socket, key: bytes, hello: Hello, where: str) ->
     if greeting[:len(MAGIC)] != MAGIC:
         raise ClusterAuthError(_sentence(f"{where} is not a stagewise pipeline (it answered something else); "
                                          f"check --master-addr and --master-port."))
-    ours = X25519PrivateKey.generate()
+    ours = _new_key_share()
     theirs, nonce, packed = greeting[len(MAGIC):], ours.public_key().public_bytes_raw(), hello.pack()
     try:
         sock.sendall(nonce + packed + _mac(key, b"dial", theirs, nonce, packed))
@@ -217,12 +216,22 @@ def _host(peer) -> str:
     return peer[0] if isinstance(peer, tuple) and peer else str(peer)
 
 
+def _new_key_share() -> X25519PrivateKey:
+    """A fresh ephemeral X25519 key (cryptography loads here, on a process's first link: ~9 MiB a
+    one-process engine never needs)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    return X25519PrivateKey.generate()
+
+
 def _derive(ours: X25519PrivateKey, theirs: bytes, key: bytes, listener_nonce: bytes, dialler_nonce: bytes,
             hello: bytes, dialler: bool) -> LinkKeys | None:
     """The connection's keys, from the ephemeral shared secret and the token's key. A listener that gets
     a key share that yields no secret (a low-order point: only a token holder could send it) refuses it."""
     if not SEAL_LINKS:
         return None
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
     try:
         shared = ours.exchange(X25519PublicKey.from_public_bytes(theirs))
     except ValueError:

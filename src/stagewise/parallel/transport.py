@@ -26,9 +26,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from .auth import LinkKeys
 
 # torch is imported when a tensor is sent or received: the rendezvous store and the watchdog use
@@ -65,6 +62,8 @@ class Sealer:
     Its buffer is reused record after record (a record is sent, or its plaintext read, before the next)."""
 
     def __init__(self, key: bytes):
+        # NOTE: cryptography loads on a process's first sealed link (~9 MiB a one-process engine never needs)
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         self.aead, self.seq, self.buf = AESGCM(key), 0, bytearray()
 
     def _nonce(self) -> bytes:
@@ -107,6 +106,7 @@ class Sealer:
     def open(self, head: bytes, sealed, peer: str) -> memoryview:
         """A record's plaintext (valid until the next is opened); LinkError if it is not the next
         record this key sealed."""
+        from cryptography.exceptions import InvalidTag
         out = self._room(len(sealed) - TAG_BYTES)
         try:
             self.aead.decrypt_into(self._nonce(), sealed, head, out)
