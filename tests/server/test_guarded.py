@@ -115,8 +115,10 @@ def test_10mb_prompt_is_refused_without_tokenizing_while_health_stays_fast(guard
 @pytest.mark.slow
 def test_sigterm_drains_then_cuts_open_requests_with_an_error(guarded):
     """Keep this last in the module: it stops the server."""
-    long = {"prompt": "A long answer", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "n": 8}
-    got, first_chunk = {}, threading.Event()
+    # 64 sequences of 480 tokens: ~3 s of work on a quiet machine, well past the 1 s grace (16 took 1.1 s)
+    long = {"prompt": "A long answer", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "n": 16}
+    got: dict = {"plain": []}
+    first_chunk = threading.Event()
 
     def stream():
         with httpx.stream("POST", guarded.url + "/v1/completions", json={**long, "stream": True}, headers=AUTH,
@@ -129,9 +131,9 @@ def test_sigterm_drains_then_cuts_open_requests_with_an_error(guarded):
             got["stream"] = lines
 
     def plain():
-        got["plain"] = httpx.post(guarded.url + "/v1/completions", json=long, headers=AUTH, timeout=60)
+        got["plain"].append(httpx.post(guarded.url + "/v1/completions", json=long, headers=AUTH, timeout=60))
 
-    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    threads = [threading.Thread(target=stream)] + [threading.Thread(target=plain) for _ in range(3)]
     for t in threads:
         t.start()
     assert first_chunk.wait(30)
@@ -150,7 +152,9 @@ def test_sigterm_drains_then_cuts_open_requests_with_an_error(guarded):
     error = json.loads(events[-2])
     assert set(error) == {"error"} and error["error"]["type"] == "service_unavailable", error
     assert "shut down" in error["error"]["message"]
-    assert_error(got["plain"], 503)
+    assert len(got["plain"]) == 3
+    for answer in got["plain"]:
+        assert_error(answer, 503)
     assert guarded.proc.wait(30) == 0
     log = guarded.log_path.read_text()
     assert "Traceback" not in log and "cutting" in log, log[-3000:]
