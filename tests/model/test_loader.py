@@ -6,12 +6,12 @@ import json
 import shutil
 
 import pytest
+import safetensors
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from stagewise.kernels.gemm import pack
-from stagewise.model import loader
 from stagewise.model.layers import StagePlaceholder
 from stagewise.model.loader import load_hf_config, load_model, resolve_dtype
 from stagewise.parallel.partition import StageInfo, stage_infos
@@ -77,7 +77,7 @@ def test_each_stage_reads_only_its_tensors(llama_dir, monkeypatch):
             read.append(name)
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(loader, "safe_open", Spy)
+    monkeypatch.setattr(safetensors, "safe_open", Spy)   # the loader imports it when it loads
     load_model(llama_dir, stage_infos(4, 2)[1], torch.float32)
     assert read and all(n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head."))
                         for n in read)
