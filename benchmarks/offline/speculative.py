@@ -225,6 +225,15 @@ def _has_llama_cpp(python: str) -> bool:
     return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
 
 
+def _row(wname: str, batch: int, cname: str, o: dict, base: dict) -> list:
+    """One table row: throughputs, the ratio to `base` (the first plain engine), acceptance, mean accepted length."""
+    s = o.get("spec")
+    acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
+    mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
+    return [wname, batch, cname, o["tokens"] / o["wall_s"], o["decode_tokens"] / o["decode_s"],
+            (o["tokens"] / o["wall_s"]) / (base["tokens"] / base["wall_s"]), acc, mean_len]
+
+
 def _best(runs: list[dict]) -> dict:
     """The fastest round (least disturbed by the other jobs on the machine)."""
     return max(runs, key=lambda o: o["tokens"] / o["wall_s"])
@@ -240,23 +249,12 @@ def report(res, workloads, spec, n, rounds, threads, notes, quick, batches, name
             off, on = _best(res[wname, "off", batch]), _best(res[wname, "ngram", batch])
             identical[wname, batch] = all(o["outs"] == res[wname, "off", batch][0]["outs"]
                                           for o in res[wname, "off", batch] + res[wname, "ngram", batch])
-            for cname, o in (("stagewise", off), ("stagewise + ngram", on)):
-                s = o.get("spec")
-                acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
-                mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
-                rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"],
-                             o["decode_tokens"] / o["decode_s"],
-                             (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
+            shown = min(batch, len(workloads[wname]))
+            rows += [_row(wname, shown, "stagewise", off, off), _row(wname, shown, "stagewise + ngram", on, off)]
             for g in other_graphs:
                 g_off, g_on = _best(res[wname, f"off {g}", batch]), _best(res[wname, f"ngram {g}", batch])
-                for cname, o in ((f"stagewise, prefill_graph {g}", g_off),
-                                 (f"stagewise + ngram, prefill_graph {g}", g_on)):
-                    s = o.get("spec")
-                    acc = f"{s['accepted'] / s['proposed']:.0%}" if s and s["proposed"] else "-"
-                    mean_len = f"{1 + s['accepted'] / s['verify_steps']:.2f}" if s and s["verify_steps"] else "-"
-                    rows.append([wname, min(batch, len(workloads[wname])), cname, o["tokens"] / o["wall_s"],
-                                 o["decode_tokens"] / o["decode_s"],
-                                 (o["tokens"] / o["wall_s"]) / (off["tokens"] / off["wall_s"]), acc, mean_len])
+                rows += [_row(wname, shown, f"stagewise, prefill_graph {g}", g_off, off),
+                         _row(wname, shown, f"stagewise + ngram, prefill_graph {g}", g_on, off)]
                 if batch == 1:
                     g_ratio = (g_on["tokens"] / g_on["wall_s"]) / (g_off["tokens"] / g_off["wall_s"])
                     targets.append(f"- {wname} batch 1, prefill_graph {g}: ngram {g_ratio:.2f}x of its "
