@@ -309,6 +309,7 @@ class StageModel(nn.Module):
         """Copy this stage's tensors in (others are skipped); returns the canonical names loaded.
         A quantized layer's weight may come as float rows or as a `kernels.quant.QuantizedWeight`."""
         table, params, loaded = self.weight_table(), dict(self.named_parameters()), set()
+        self.__dict__.pop("_decode_plan", None)      # a model's one-call decode is planned on its loaded weights
         for hf_name, tensor in weights:
             name = self.canonical_name(hf_name)
             slot = table.get(name)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from stagewise.model.attention import ForwardBatch
+from stagewise.kernels import layers as cpu_layers
+from stagewise.model.attention import ForwardBatch, _DecodeGroup
 from stagewise.model.cpu_gemm import Embedding, Linear, logits
 from stagewise.model.layers import (
     FusedLinear,
@@ -28,6 +31,10 @@ from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
 log = logging.getLogger(__name__)
+
+# eager CPU decode steps run a stage's quantized Llama blocks in one C++ call where they can
+# (`LlamaForCausalLM._one_call`); False: always the modules (tests compare the two)
+ONE_CALL_DECODE = True
 
 
 def head_dim_of(hf_config) -> int:
@@ -166,14 +173,78 @@ class LlamaForCausalLM(StageModel):
             assert pp_proxy_tensors is not None, "a non-first stage runs on the previous stage's tensors"
             hidden, residual = pp_proxy_tensors["hidden_states"], pp_proxy_tensors["residual"]
         cos, sin = self.rotary.tables(positions, hidden.dtype)  # [T, 1, D] each, once for all layers
-        for layer_id in range(self.stage.start, self.stage.end):
-            hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
+        one_call = self._one_call(hidden, cos, batch)
+        if one_call is not None:
+            hidden, residual = one_call(hidden, residual, cos, sin)
+        else:
+            for layer_id in range(self.stage.start, self.stage.end):
+                hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
         if not self.stage.is_last:
             if residual is None:  # first stage that ran no layer: the stream so far is all in `hidden`
                 residual = torch.zeros_like(hidden)
             return ProxyTensors({"hidden_states": hidden, "residual": residual})
         assert self.norm is not None   # built on the last stage
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    def _one_call(self, hidden: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch):
+        """An eager CPU decode step of a stage whose layers are all plain quantized Llama blocks runs
+        them in one call of `stagewise::decode_layers` (the same ops, without Python between them):
+        that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules)."""
+        meta = batch.meta
+        if (not ONE_CALL_DECODE or hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode
+                or hidden.shape[0] != meta.num_tokens or torch.compiler.is_compiling()
+                or _get_current_dispatch_mode() is not None or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
+            return None
+        plan = self.__dict__.get("_decode_plan", False)
+        if plan is False:
+            plan = self.__dict__["_decode_plan"] = self._plan_decode_layers()
+        if plan is None or hidden.dtype != plan["dtype"]:
+            return None
+        caches = batch.kv_caches[self.stage.start:self.stage.end]
+        if any(c is None or c.dtype != hidden.dtype or not c.is_contiguous() for c in caches):
+            return None
+        grp = meta.groups[0]
+        assert isinstance(grp, _DecodeGroup)    # a plain decode step's one group
+        return lambda hidden, residual, cos, sin: torch.ops.stagewise.decode_layers(
+            hidden, residual, cos, sin, meta.slot_mapping, grp.block_ids, grp.seq_lens, plan["norms"], plan["data"],
+            plan["qtypes"], plan["ns"], plan["parts"], caches, plan["heads"], plan["kv_heads"], plan["eps"],
+            plan["scale"], plan["exact"])
+
+    def _plan_decode_layers(self) -> dict | None:
+        """The flattened weights `stagewise::decode_layers` takes, where every layer of the stage is
+        one it runs: a Llama block (no q/k norm) of quantized projections without biases, silu, one
+        eps, no hooks (tensor parallelism's gathers), and the C++ op and its kernels built."""
+        layers = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
+        if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
+                or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
+            return None
+        plan: dict = {"norms": [], "data": [], "qtypes": [], "ns": [], "parts": [], "exact": set(), "eps": set()}
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if mlp.act is not F.silu or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+                return None
+            for ln in (layer.input_layernorm, layer.post_attention_layernorm):
+                plan["norms"].append(ln.weight.detach())
+                plan["eps"].add(ln.eps)
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if (not isinstance(proj, QuantLinear) or proj.bias is not None
+                        or any(seg.qtype is None for seg in proj.segments)):
+                    return None
+                plan["parts"].append(len(proj.segments))
+                plan["exact"].add(proj.exact)
+                for i, seg in enumerate(proj.segments):
+                    plan["data"].append(getattr(proj, f"segment{i}"))
+                    plan["qtypes"].append(int(seg.qtype))
+                    plan["ns"].append(seg.rows)
+        first = layers[0].self_attn
+        dtypes = {w.dtype for w in plan["norms"]}
+        if len(plan["exact"]) != 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or any(
+                (layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.scale)
+                != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale) for layer in layers):
+            return None
+        plan.update(exact=plan["exact"].pop(), eps=plan["eps"].pop(), dtype=dtypes.pop(), heads=first.num_heads,
+                    kv_heads=first.num_kv_heads, scale=first.scale)
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
