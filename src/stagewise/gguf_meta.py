@@ -15,6 +15,7 @@ with the `tokenizers` library (`saved_tokenizer.SavedTokenizer`).
 """
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import logging
@@ -70,7 +71,7 @@ class GGUFConfig(SimpleNamespace):
 class GGUFTensor(NamedTuple):
     """Where one tensor's bytes are in the file, and what they hold (what `model.gguf` reads by)."""
     name: str
-    tensor_type: int      # GGMLQuantizationType value
+    tensor_type: int      # GGMLType value
     shape: tuple          # GGUF order (dims reversed from torch's)
     data_offset: int
     n_bytes: int
@@ -170,6 +171,30 @@ class _Header:
         return None
 
 
+class GGMLType(enum.IntEnum):
+    """ggml's tensor types by their number in a GGUF file (gguf-py's GGMLQuantizationType; the
+    package itself, its writer and its YAML reader, is ~2 MiB resident that a load does not need)."""
+    F32, F16, Q4_0, Q4_1 = 0, 1, 2, 3
+    Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = range(6, 16)
+    IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, I8, I16, I32, I64, F64, IQ1_M, BF16 = range(16, 31)
+    TQ1_0, TQ2_0 = 34, 35
+    MXFP4, NVFP4, Q1_0 = 39, 40, 41
+
+
+# (elements per block, bytes per block) of each type (gguf-py's GGML_QUANT_SIZES; tests/model/test_gguf_header.py
+# checks the two agree)
+GGML_SIZES = {GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
+              GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q8_1: (32, 40),
+              GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144),
+              GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.Q8_K: (256, 292),
+              GGMLType.IQ2_XXS: (256, 66), GGMLType.IQ2_XS: (256, 74), GGMLType.IQ3_XXS: (256, 98),
+              GGMLType.IQ1_S: (256, 50), GGMLType.IQ4_NL: (32, 18), GGMLType.IQ3_S: (256, 110),
+              GGMLType.IQ2_S: (256, 82), GGMLType.IQ4_XS: (256, 136), GGMLType.I8: (1, 1), GGMLType.I16: (1, 2),
+              GGMLType.I32: (1, 4), GGMLType.I64: (1, 8), GGMLType.F64: (1, 8), GGMLType.IQ1_M: (256, 56),
+              GGMLType.BF16: (1, 2), GGMLType.TQ1_0: (256, 54), GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17),
+              GGMLType.NVFP4: (64, 36), GGMLType.Q1_0: (128, 18)}
+
+
 # GGUF value types (gguf.GGUFValueType) -> struct format; strings and arrays are read item by item.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -178,7 +203,6 @@ _STRING, _ARRAY = 8, 9
 def _read_header(file, size: int) -> GGUFFacts:
     """The facts of a GGUF file (version 2 or 3, either byte order) from its header: metadata (large
     tokenizer arrays skipped), the tensor table, and the rope divisors if `rope_freqs.weight` exists."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     header = _Header(file, size)
     version = header.unpack("I")
     if version & 0xFFFF == 0:                  # written on a big-endian machine
@@ -208,8 +232,8 @@ def _read_header(file, size: int) -> GGUFFacts:
     tensors = []
     for name, dims, raw_type, offset in infos:
         try:
-            qtype = GGMLQuantizationType(raw_type)
-            block, type_size = GGML_QUANT_SIZES[qtype]
+            qtype = GGMLType(raw_type)
+            block, type_size = GGML_SIZES[qtype]
         except (ValueError, KeyError):
             raise _Damaged(f"tensor {name} has unknown type {raw_type}") from None
         n_elems = math.prod(dims)
@@ -223,7 +247,7 @@ def _read_header(file, size: int) -> GGUFFacts:
         raise _Damaged("two tensors share a name")
     by_name = {t.name: t for t in tensors}
     return GGUFFacts(meta, {t.name: tuple(reversed(t.shape)) for t in tensors},
-                     {t.name: GGMLQuantizationType(t.tensor_type).name for t in tensors},
+                     {t.name: GGMLType(t.tensor_type).name for t in tensors},
                      _rope_divisors(file, by_name.get("rope_freqs.weight"), header.order), tuple(tensors))
 
 

@@ -86,3 +86,25 @@ def test_impossible_counts_are_refused_before_reading(tmp_path):
         path.write_bytes(header + body)
         with pytest.raises(ValueError, match="is truncated or damaged"):
             _facts(path)
+
+
+def test_the_type_table_matches_gguf_py():
+    """gguf_meta's own GGML type numbers and block sizes are gguf-py's, for every type either knows."""
+    ours = {t.name: (int(t), gguf_meta.GGML_SIZES[t]) for t in gguf_meta.GGMLType}
+    theirs = {t.name: (int(t), gguf.GGML_QUANT_SIZES[t]) for t in gguf.GGMLQuantizationType}
+    assert ours == theirs
+
+
+def test_loading_a_quantized_file_does_not_import_gguf_py(tiny_gguf):
+    """The header reader, the type table and the float tensors (F32 norms) need no gguf-py (~2 MiB
+    resident with its YAML reader): a Q8_0 file loads and runs without it."""
+    path = tiny_gguf("llama", "Q8_0")
+    run = ("import sys; from stagewise import LLM, SamplingParams\n"
+           "if __name__ == '__main__':\n"
+           "    llm = LLM(model=sys.argv[1], device='cpu', prefill_graph='off', kv_cache_memory='16MiB')\n"
+           "    out = llm.generate(prompt_token_ids=[[5, 9, 14]], sampling_params=SamplingParams(max_tokens=3))\n"
+           "    print(len(out[0].outputs[0].token_ids), sorted(m for m in sys.modules if m.split('.')[0] == 'gguf'))\n"
+           "    llm.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", run, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "3 []"

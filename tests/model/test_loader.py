@@ -185,7 +185,7 @@ def test_resolve_dtype(llama_dir):
 def test_bfloat16_load(llama_dir):
     model = load_model(llama_dir, StageInfo.single(4), "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.rotary.cos_cache.dtype == torch.float32
+    assert model.rotary.cos_full.dtype == torch.float32
 
 
 def test_old_style_rope_config_loads_the_same(broken_llama, llama_dir, eager_pipeline):

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-T = GGMLQuantizationType
+from stagewise.gguf_meta import GGML_SIZES, GGMLType
+
+T = GGMLType
 SUPPORTED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 # Offset subtracted from a code before scaling (value = d * (q - offset)); the `_1` and K types
 # instead add a per-block minimum. Q8_0's int8 codes are held as uint8 q + 128.
@@ -24,11 +25,11 @@ QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)      # what `quantize` ma
 
 
 def block_size(qtype: T) -> int:
-    return GGML_QUANT_SIZES[qtype][0]
+    return GGML_SIZES[qtype][0]
 
 
 def row_bytes(qtype: T, k: int) -> int:
-    size, type_size = GGML_QUANT_SIZES[qtype]
+    size, type_size = GGML_SIZES[qtype]
     return k // size * type_size
 
 
@@ -133,7 +134,7 @@ def decode(data: torch.Tensor, qtype: T, k: int) -> Fields:
     """Split `[N, row_bytes]` uint8 file rows into their fields."""
     if qtype not in SUPPORTED:
         raise ValueError(f"GGUF type {qtype.name} has no quantized kernel in stagewise")
-    blocks = data.reshape(data.shape[0], k // block_size(qtype), GGML_QUANT_SIZES[qtype][1])
+    blocks = data.reshape(data.shape[0], k // block_size(qtype), GGML_SIZES[qtype][1])
     return _decode_k(blocks, qtype) if qtype in K_TYPES else _decode_32(blocks, qtype)
 
 

@@ -19,10 +19,8 @@ from typing import cast
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
-from stagewise.gguf_meta import gguf_facts
+from stagewise.gguf_meta import GGMLType, gguf_facts
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
 from stagewise.model.quantized import Scheme
@@ -103,7 +101,13 @@ def _shape(reader_tensor) -> tuple[int, ...]:
 
 def dequantize_raw(raw: torch.Tensor, reader_tensor, path: Path) -> torch.Tensor:
     """One GGUF tensor's bytes as float32, in torch dim order."""
-    qtype, shape = GGMLQuantizationType(reader_tensor.tensor_type), _shape(reader_tensor)
+    shape = _shape(reader_tensor)
+    floats = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+    if reader_tensor.tensor_type in floats:        # widening is exact: gguf-py's values
+        return raw.contiguous().view(floats[GGMLType(reader_tensor.tensor_type)]).reshape(shape).float()
+    from gguf import GGMLQuantizationType        # lazy: only quantized types the kernels do not hold need gguf-py
+    from gguf.quants import dequantize
+    qtype = GGMLQuantizationType(reader_tensor.tensor_type)
     rows = raw.numpy().reshape(-1, raw.numel() // max(1, int(np.prod(shape[:-1]))))
     try:
         array = dequantize(rows, qtype)

@@ -125,21 +125,17 @@ def _llama3_inv_freq(inv: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables precomputed up to max positions, indexed by `positions` (no data-dependent work).
 
-    The half-width tables are HF's; `tables` serves full-width ones built from them with the
-    rotate-half sign folded in, so applying rope is one cat and three elementwise ops per call.
+    Kept full-width, built from HF's half-width tables with the rotate-half sign folded in, so
+    applying rope is one cat and three elementwise ops per call.
     """
 
-    cos_cache: torch.Tensor     # buffers registered in __init__
-    sin_cache: torch.Tensor
-    cos_full: torch.Tensor
+    cos_full: torch.Tensor      # buffers registered in __init__
     sin_signed: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, params: dict):
         super().__init__()
         self.head_dim, self.max_positions, self.params = head_dim, max_positions, params
         # NOTE: non-persistent, so the loader must call reset_buffers() after to_empty().
-        self.register_buffer("cos_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("cos_full", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin_signed", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_buffers()
@@ -148,16 +144,15 @@ class RotaryEmbedding(nn.Module):
         """The tables, unless on the meta device (where stages are built before loading): there is
         nothing to compute there, and meta pow runs torch._refs' Python version, whose first call
         imports torch._dynamo (~115 MB resident with sympy and triton)."""
-        device = self.cos_cache.device
+        device = self.cos_full.device
         if device.type == "meta":
             return
         inv = rope_inv_freq(self.head_dim, self.params, device)
         pos = torch.arange(self.max_positions, device=device).float()
         freqs = pos[:, None] * inv[None, :]  # [P, D/2] float32, same product as HF
-        self.cos_cache.copy_(freqs.cos())
-        self.sin_cache.copy_(freqs.sin())
-        self.cos_full.copy_(torch.cat((self.cos_cache, self.cos_cache), -1))       # [P, D]
-        self.sin_signed.copy_(torch.cat((-self.sin_cache, self.sin_cache), -1))    # [P, D]
+        cos, sin = freqs.cos(), freqs.sin()  # HF's half-width tables (not kept: 2 MiB at 8k positions)
+        self.cos_full.copy_(torch.cat((cos, cos), -1))       # [P, D]
+        self.sin_signed.copy_(torch.cat((-sin, sin), -1))    # [P, D]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` -> (cos, signed sin) each `[T, 1, D]` in `dtype` (HF casts them to the
