@@ -54,6 +54,8 @@ def test_a_quantized_model_reports_the_c_kernels_that_built(llama_dir):
         assert found["gemm_q4_1"].isa == "avx512_vnni"
     line = report.describe(list(found.values()))
     assert f"q4_1 gemm C/{found['gemm_q4_1'].isa}" in line and "attention decode C/" in line, line
+    # the tiny Llama's 4 quantized blocks: its eager decode steps run them in one call
+    assert found["decode"].impl == "c" and found["decode"].note == "eager decode steps: 4 layers in one call"
 
 
 @pytest.mark.skipif(build.mode() == "off", reason="STAGEWISE_KERNELS=off")

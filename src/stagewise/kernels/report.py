@@ -10,8 +10,10 @@ run it. Each stage computes its report once its weights are loaded, logs it as o
 Families: `gemm_<type>` (a GGUF/quantized type: `gemm_q4_k`, `gemm_q8_0`, ...; lookups of a
 quantized embedding included), `gemm_f32` / `gemm_bf16` / `gemm_f16` (float linear layers),
 `attention_decode`, `attention_prefill`, `norm` (RMSNorm, eager steps; compiled graphs run PyTorch's
-ops), `rope` (rope of the fused q/k heads and the KV cache write, eager steps), `comm`
-(tensor-parallel collectives, with --tp-size only) and `team` (the kernel threads).
+ops), `rope` (rope of the fused q/k heads and the KV cache write, eager steps), `decode` (a stage
+whose eager decode steps run all its layers in one call of `stagewise::decode_layers`; reported
+only where it does), `comm` (tensor-parallel collectives, with --tp-size only) and `team` (the
+kernel threads).
 Reasons for PyTorch: `off` (STAGEWISE_KERNELS=off), `not_built` (the library did not build: no
 compiler, a compiler error), `no_kernel` (none for this dtype, format or shape), `device` (the model
 is not on the CPU).
@@ -112,6 +114,10 @@ def kernel_report(model: Any = None, device: torch.device | str = "cpu", stage: 
         out.append(_rope(used.ropes, used.normed_ropes))
     if used.tp_group is not None or model is None:
         out.append(_comm(used.tp_group, model is None))
+    plan = getattr(model, "_plan_decode_layers", None)
+    layers = plan() if plan is not None else None
+    if layers is not None:
+        out.append(KernelInfo("decode", C, note=f"eager decode steps: {len(layers['norms']) // 2} layers in one call"))
     out.append(_team())
     return [replace(k, stage=stage) for k in out]
 
