@@ -1,8 +1,8 @@
 """`stagewise::decode_layers` (csrc/layers_ops.cpp): a quantized Llama stage's eager CPU decode
 step in one call gives the modules' bits (hidden states, residual stream, KV cache) over decode
 batches of several sequences, float32 (exact kernels) and bfloat16 (fast kernels), one stage and
-two, mixed-type fused projections; stages it cannot run fall back to the modules; bad lists are
-refused by both registrations."""
+two, biases (Qwen2's qkv, llama_tied's attention and MLP), mixed-type fused projections; stages it
+cannot run fall back to the modules; bad lists are refused by both registrations."""
 
 import numpy as np
 import pytest
@@ -100,10 +100,17 @@ def test_mixed_type_projections(llama_dir, gguf_tools, eager_pipeline, tmp_path,
     assert _same_both_ways(pipe, monkeypatch) == 3
 
 
-def test_stages_it_cannot_run_use_the_modules(llama_tied_dir, llama_dir, eager_pipeline, monkeypatch):
-    """Biases (llama_tied's attention and MLP) or float weights: the modules, every step."""
+@pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
+def test_biases(family, eager_pipeline, monkeypatch, request):
     _needs_op()
-    for pipe in (eager_pipeline(llama_tied_dir, quantization="int8"), eager_pipeline(llama_dir)):
+    pipe = eager_pipeline(request.getfixturevalue(f"{family}_dir"), quantization="int8")
+    assert _same_both_ways(pipe, monkeypatch) == 3
+
+
+def test_stages_it_cannot_run_use_the_modules(qwen3_dir, llama_dir, eager_pipeline, monkeypatch):
+    """q/k norms (Qwen3) or float weights: the modules, every step."""
+    _needs_op()
+    for pipe in (eager_pipeline(qwen3_dir, quantization="int8"), eager_pipeline(llama_dir)):
         assert _same_both_ways(pipe, monkeypatch) == 0
         assert pipe.stages[0]._plan_decode_layers() is None
 
@@ -122,11 +129,13 @@ def test_bad_lists_are_refused(registration):
     call = cpu_layers._decode_layers if registration == "python" else torch.ops.stagewise.decode_layers
     hidden, w = torch.zeros(1, 32), torch.zeros(4, 8, dtype=torch.uint8)
     cache, ids = torch.zeros(2, 1, 4, 1, 8), torch.zeros(1, dtype=torch.long)
-    good = dict(norms=[torch.ones(32)] * 2, data=[w] * 4, qtypes=[8] * 4, ns=[16] * 4, parts=[1] * 4, caches=[cache])
+    good = dict(norms=[torch.ones(32)] * 2, data=[w] * 4, qtypes=[8] * 4, ns=[16] * 4, parts=[1] * 4, biases=[],
+                bias_of=[-1] * 4, caches=[cache])
     bad = [dict(norms=[torch.ones(32)]), dict(parts=[1] * 3), dict(parts=[1, 1, 1, 0]), dict(data=[w] * 5),
-           dict(qtypes=[8] * 3), dict(ns=[16] * 5), dict(caches=[]), dict(caches=[cache, cache])]
+           dict(qtypes=[8] * 3), dict(ns=[16] * 5), dict(caches=[]), dict(caches=[cache, cache]),
+           dict(bias_of=[-1] * 3), dict(bias_of=[-1, 0, -1, -1]), dict(bias_of=[-2, -1, -1, -1])]
     for change in bad:
         a = {**good, **change}
         with pytest.raises(ValueError, match="stagewise decode_layers: .*it needs, per layer, one KV cache"):
             call(hidden, None, hidden, hidden, ids, ids[None], ids, a["norms"], a["data"], a["qtypes"], a["ns"],
-                 a["parts"], a["caches"], 1, 1, 1e-5, 1.0, True)
+                 a["parts"], a["biases"], a["bias_of"], a["caches"], 1, 1, 1e-5, 1.0, True)

@@ -207,18 +207,19 @@ class LlamaForCausalLM(StageModel):
         assert isinstance(grp, _DecodeGroup)    # a plain decode step's one group
         return lambda hidden, residual, cos, sin: torch.ops.stagewise.decode_layers(
             hidden, residual, cos, sin, meta.slot_mapping, grp.block_ids, grp.seq_lens, plan["norms"], plan["data"],
-            plan["qtypes"], plan["ns"], plan["parts"], caches, plan["heads"], plan["kv_heads"], plan["eps"],
-            plan["scale"], plan["exact"])
+            plan["qtypes"], plan["ns"], plan["parts"], plan["biases"], plan["bias_of"], caches, plan["heads"],
+            plan["kv_heads"], plan["eps"], plan["scale"], plan["exact"])
 
     def _plan_decode_layers(self) -> dict | None:
         """The flattened weights `stagewise::decode_layers` takes, where every layer of the stage is
-        one it runs: a Llama block (no q/k norm) of quantized projections without biases, silu, one
+        one it runs: a Llama block (no q/k norm) of quantized projections (biases or not), silu, one
         eps, no hooks (tensor parallelism's gathers), and the C++ op and its kernels built."""
         layers = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
         if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
                 or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
             return None
-        plan: dict = {"norms": [], "data": [], "qtypes": [], "ns": [], "parts": [], "exact": set(), "eps": set()}
+        plan: dict = {"norms": [], "data": [], "qtypes": [], "ns": [], "parts": [], "biases": [], "bias_of": [],
+                      "exact": set(), "eps": set()}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if mlp.act is not F.silu or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
@@ -227,10 +228,12 @@ class LlamaForCausalLM(StageModel):
                 plan["norms"].append(ln.weight.detach())
                 plan["eps"].add(ln.eps)
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if (not isinstance(proj, QuantLinear) or proj.bias is not None
-                        or any(seg.qtype is None for seg in proj.segments)):
+                if not isinstance(proj, QuantLinear) or any(seg.qtype is None for seg in proj.segments):
                     return None
                 plan["parts"].append(len(proj.segments))
+                plan["bias_of"].append(-1 if proj.bias is None else len(plan["biases"]))
+                if proj.bias is not None:
+                    plan["biases"].append(proj.bias.detach())
                 plan["exact"].add(proj.exact)
                 for i, seg in enumerate(proj.segments):
                     plan["data"].append(getattr(proj, f"segment{i}"))

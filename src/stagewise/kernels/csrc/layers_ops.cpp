@@ -26,12 +26,12 @@ std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>
     return {to<Tensor>(s[0]), to<Tensor>(s[1])};
 }
 
-/* one projection: its weight's segments [first, first + count) of the flattened lists */
+/* one projection: its weight's segments [first, first + count) of the flattened lists, and its bias */
 Tensor project(const Tensor& x, const std::vector<Tensor>& data, const std::vector<int64_t>& qtypes,
-               const std::vector<int64_t>& ns, int64_t first, int64_t count, bool exact) {
-    std::optional<Tensor> none;
+               const std::vector<int64_t>& ns, int64_t first, int64_t count, const std::optional<Tensor>& bias,
+               bool exact) {
     if (count == 1) {
-        std::array<StableIValue, 8> s{from(x), from(data[first]), from(none), from(qtypes[first]), from(ns[first]),
+        std::array<StableIValue, 8> s{from(x), from(data[first]), from(bias), from(qtypes[first]), from(ns[first]),
                                       from(true), from(exact), from(false)};
         call("stagewise::qlinear", "", s);
         return to<Tensor>(s[0]);
@@ -39,7 +39,7 @@ Tensor project(const Tensor& x, const std::vector<Tensor>& data, const std::vect
     std::vector<Tensor> d(data.begin() + first, data.begin() + first + count);
     std::vector<int64_t> q(qtypes.begin() + first, qtypes.begin() + first + count);
     std::vector<int64_t> n(ns.begin() + first, ns.begin() + first + count);
-    std::array<StableIValue, 7> s{from(x), from(d), from(none), from(q), from(n), from(exact), from(false)};
+    std::array<StableIValue, 7> s{from(x), from(d), from(bias), from(q), from(n), from(exact), from(false)};
     call("stagewise::qlinear_cat", "", s);
     return to<Tensor>(s[0]);
 }
@@ -59,10 +59,13 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 /* kernels/layers.py `_check`: the lists' lengths (each op checks its own tensors as it runs) */
 void check_lists(int64_t layers, const std::vector<Tensor>& norms, const std::vector<Tensor>& data,
                  const std::vector<int64_t>& qtypes, const std::vector<int64_t>& ns, const std::vector<int64_t>& parts,
+                 const std::vector<Tensor>& biases, const std::vector<int64_t>& bias_of,
                  const std::vector<Tensor>& caches, const Tensor& hidden) {
     int64_t segments = 0;
     bool ok = layers >= 1 && static_cast<int64_t>(norms.size()) == 2 * layers
-              && static_cast<int64_t>(parts.size()) == 4 * layers && hidden.dim() == 2;
+              && static_cast<int64_t>(parts.size()) == 4 * layers && static_cast<int64_t>(bias_of.size()) == 4 * layers
+              && hidden.dim() == 2;
+    for (int64_t b : bias_of) ok = ok && b >= -1 && b < static_cast<int64_t>(biases.size());
     for (int64_t p : parts) {
         ok = ok && p >= 1;
         segments += p;
@@ -74,19 +77,29 @@ void check_lists(int64_t layers, const std::vector<Tensor>& norms, const std::ve
             "stagewise decode_layers: " + std::to_string(caches.size()) + " caches, " + std::to_string(norms.size())
             + " norm weights, " + std::to_string(parts.size()) + " projection part counts and " + std::to_string(data.size())
             + " weight segments for hidden " + shape(hidden) + "; it needs, per layer, one KV cache, two norm weights "
-            "and four projections (qkv, o, gate_up, down) of at least one segment each, and hidden [T, H].");
+            "and four projections (qkv, o, gate_up, down) of at least one segment each and a bias index each (-1: "
+            "none) into the biases, and hidden [T, H].");
 }
 
 /* kernels/layers.py `_decode_layers` */
 std::tuple<Tensor, Tensor> decode_layers(Tensor hidden, std::optional<Tensor> residual, Tensor cos, Tensor sin,
                                          Tensor slots, Tensor block_ids, Tensor seq_lens, std::vector<Tensor> norms,
                                          std::vector<Tensor> data, std::vector<int64_t> qtypes, std::vector<int64_t> ns,
-                                         std::vector<int64_t> parts, std::vector<Tensor> caches, int64_t hq, int64_t hkv,
+                                         std::vector<int64_t> parts, std::vector<Tensor> biases,
+                                         std::vector<int64_t> bias_of, std::vector<Tensor> caches, int64_t hq, int64_t hkv,
                                          double eps, double scale, bool exact) {
     int64_t layers = static_cast<int64_t>(caches.size());
-    check_lists(layers, norms, data, qtypes, ns, parts, caches, hidden);
+    check_lists(layers, norms, data, qtypes, ns, parts, biases, bias_of, caches, hidden);
     int64_t rows = hidden.size(0), seg = 0;
     std::optional<bool> per_sequence;
+    /* projection p's weight (its next parts[p] segments) and bias */
+    auto proj = [&](const Tensor& x, int64_t p) {
+        std::optional<Tensor> bias;
+        if (bias_of[p] >= 0) bias = biases[bias_of[p]];
+        Tensor y = project(x, data, qtypes, ns, seg, parts[p], bias, exact);
+        seg += parts[p];
+        return y;
+    };
     Tensor res = residual ? *residual : hidden;
     for (int64_t l = 0; l < layers; l++) {
         Tensor x = hidden;
@@ -96,8 +109,7 @@ std::tuple<Tensor, Tensor> decode_layers(Tensor hidden, std::optional<Tensor> re
             auto [normed, total] = rms_norm(hidden, res, norms[2 * l], eps);
             x = normed, res = total;
         }
-        Tensor qkv = project(x, data, qtypes, ns, seg, parts[4 * l], exact);
-        seg += parts[4 * l];
+        Tensor qkv = proj(x, 4 * l);
         std::optional<Tensor> cache = caches[l], slot = slots;
         std::array<StableIValue, 7> r{from(qkv), from(cos), from(sin), from(hq), from(hkv), from(cache), from(slot)};
         call("stagewise::rope_kv", "", r);
@@ -106,16 +118,12 @@ std::tuple<Tensor, Tensor> decode_layers(Tensor hidden, std::optional<Tensor> re
                                       from(per_sequence)};
         call("stagewise::decode_attention", "", a);
         Tensor attn = torch::stable::reshape(to<Tensor>(a[0]), {rows, -1});
-        Tensor o = project(attn, data, qtypes, ns, seg, parts[4 * l + 1], exact);
-        seg += parts[4 * l + 1];
-        auto [h, total] = rms_norm(o, res, norms[2 * l + 1], eps);
+        auto [h, total] = rms_norm(proj(attn, 4 * l + 1), res, norms[2 * l + 1], eps);
         res = total;
-        Tensor gate_up = project(h, data, qtypes, ns, seg, parts[4 * l + 2], exact);
-        seg += parts[4 * l + 2];
+        Tensor gate_up = proj(h, 4 * l + 2);
         int64_t inter = gate_up.size(1) / 2;
         Tensor gate = torch::stable::narrow(gate_up, 1, 0, inter), up = torch::stable::narrow(gate_up, 1, inter, inter);
-        hidden = project(mul(unary("aten::silu", gate), up), data, qtypes, ns, seg, parts[4 * l + 3], exact);
-        seg += parts[4 * l + 3];
+        hidden = proj(mul(unary("aten::silu", gate), up), 4 * l + 3);
     }
     return std::make_tuple(hidden, res);
 }
