@@ -8,6 +8,7 @@ rounds each activation to x' = d * q with d = max|x| / 127 per 32 (|x - x'| <= d
 exactly in integers: so it is within sum_chunks d/2 * sum|w| of the true product, and within fp32
 rounding of the same computation done in float64 on x' (`_fast_oracle`)."""
 import ctypes
+import mmap
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from quant_blocks import TYPES, random_blocks
 
 from stagewise.kernels import quant, quant_kernels, quant_pack
 from stagewise.kernels.quant import QuantizedWeight, T
+from stagewise.kernels.quant_formats import K_TYPES
 
 VARIANTS = [v for v in quant_kernels.VARIANTS if quant_kernels.variant_runs_here(v)]
 ROWS = [1, 2, 3, 4, 7, 8, 16, 32, 33, 64, 200, 512]
@@ -103,6 +105,38 @@ def test_batch_invariance(variant, exact):
         assert torch.equal(run(x), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def _at_page_end(data):
+    """A copy of `data` whose last byte is the last of a page followed by an unreadable one (a read
+    past the matrix faults), and the mapping that holds it."""
+    page = mmap.PAGESIZE
+    size = (data.numel() + page - 1) // page * page
+    area = mmap.mmap(-1, size + page)
+    buf = torch.frombuffer(area, dtype=torch.uint8)
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(buf.data_ptr() + size), ctypes.c_size_t(page), 0) == 0
+    copy = buf[size - data.numel():size].view(data.shape)
+    copy.copy_(data)
+    return copy, area
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_exact_decode_tiles_match_batches(variant, qtype):
+    """Exact mode: one- and two-row steps (weights dequantized in registers, 4- and 8-bit codes read
+    in place) give the bits of the same rows in a batch of 7 (panels dequantized into memory); 350
+    outputs leave a narrower last group of panels, and the matrix ends where memory stops being
+    readable: nothing is read past it."""
+    n, k = 350, 512 if qtype in K_TYPES else 288
+    w = _weight(qtype, n, k, 5)
+    data, area = _at_page_end(w.data)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(6))
+    run = lambda rows: quant_kernels.run_linear(rows, data, None, int(qtype), n, True, True, variant)
+    full = run(x)
+    assert torch.equal(full, quant_kernels.run_linear(x, w.data, None, int(qtype), n, True, True, variant))
+    for lo, hi in ((0, 1), (6, 7), (2, 4), (5, 7)):
+        assert torch.equal(run(x[lo:hi]), full[lo:hi]), (lo, hi)
+    del data
 
 
 # builds of one vector width, with and without VNNI, where this CPU runs both

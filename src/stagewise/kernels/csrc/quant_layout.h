@@ -70,15 +70,37 @@ INLINE_L pvi chunk_operand(int qt, const uint8_t* codes, int g) {
     return q;
 }
 
-/* The values of 16 columns at k = 4g + i of a chunk from its operand `op` of group g and its
+/* What a type's codes are offset by: value = d (code - offset) */
+INLINE_L int code_offset(int qt) {
+    return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 ? 128 : qt == Q6_K ? 32 : 0;
+}
+
+/* The values of 16 columns at k = 4g + i of a chunk from f = float(code - offset) and the chunk's
    scales, each computed as gguf-py computes it (the products are exact in float32, so one fused
    rounding equals its separate ones): the one place a weight's float value is written. */
+INLINE_L pvf scaled_value(int qt, pvf f, int g, pvf dw, pvf mw, pvf dw2) {
+    if (has_min(qt)) return pvf_fma(f, dw, mw);                      /* d q + m */
+    if (qt == Q4_K || qt == Q5_K) return pvf_fms(f, dw, mw);         /* (d sc) q - dmin m */
+    return pvf_mul(f, qt == Q6_K && g >= 4 ? dw2 : dw);
+}
+
+/* ... from the operand `op` of group g */
 INLINE_L pvf code_value(int qt, pvi op, int g, int i, pvf dw, pvf mw, pvf dw2) {
-    int offset = qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q8_0 ? 128 : qt == Q6_K ? 32 : 0;
-    pvi code = pvi_and(pvi_srl32(op, 8 * i), pvi_set32(255));
-    if (has_min(qt)) return pvf_fma(pvi_float(code), dw, mw);                  /* d q + m */
-    if (qt == Q4_K || qt == Q5_K) return pvf_fms(pvi_float(code), dw, mw);     /* (d sc) q - dmin m */
-    return pvf_mul(pvi_float(pvi_sub32(code, pvi_set32(offset))), qt == Q6_K && g >= 4 ? dw2 : dw);
+    return scaled_value(qt, pvf_code(pvi_srl32(op, 8 * i), code_bits(qt), code_offset(qt)), g, dw, mw, dw2);
+}
+
+/* Types whose codes can be read in place (code_lanes): 4 and 8 bits, no high bits elsewhere */
+INLINE_L int codes_in_place(int qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q4_K || qt == Q8_0; }
+/* For those: 16 lanes whose low code_bits(qt) bits are the codes at k = 4g + i (the bits above are
+   left as they come: `pvf_code` ignores them). A low nibble or a byte is read i bytes further on,
+   so that lane r starts at byte 4r + i and needs no shift (the load may cross a cache line, which
+   costs less than the shift); a high nibble shifts by 8i + 4 anyway, so it is read where its
+   vector starts. `tail`: the chunk may end the buffer, so nothing is read past its last vector. */
+INLINE_L pvi code_lanes(int qt, const uint8_t* codes, int g, int i, int tail) {
+    int64_t at = code_bits(qt) == 8 ? 64 * g : 64 * (g & 3);
+    int high = code_bits(qt) == 4 && g >= 4;
+    if (tail || high) return pvi_srl32(pvi_load(codes + at), 8 * i + 4 * high);
+    return pvi_load(codes + at + i);
 }
 
 /* Chunk c of a panel -> out [32][16] float32 */

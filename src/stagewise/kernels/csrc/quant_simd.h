@@ -26,6 +26,16 @@ static inline pvi pvi_set32(int32_t c) { return _mm512_set1_epi32(c); }
 static inline pvi pvi_zero(void) { return _mm512_setzero_si512(); }
 static inline pvi pvi_sub32(pvi a, pvi b) { return _mm512_sub_epi32(a, b); }
 static inline pvf pvi_float(pvi a) { return _mm512_cvtepi32_ps(a); }
+/* float(c - offset) per lane, c = the low `bits` bits of the lane (4 or 5: a permute of a table of
+   the values; else the bits or'ed into 2^23's mantissa, 2^23 + offset subtracted): exact */
+static inline pvf pvf_code(pvi a, int bits, int offset) {
+    pvf lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(offset)));
+    if (bits == 4) return _mm512_permutexvar_ps(a, lo);
+    if (bits == 5) return _mm512_permutex2var_ps(lo, a, _mm512_add_ps(lo, _mm512_set1_ps(16.f)));
+    pvi m = _mm512_ternarylogic_epi32(a, _mm512_set1_epi32((1 << bits) - 1), _mm512_set1_epi32(0x4B000000), 0xEA);
+    return _mm512_sub_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(8388608.f + (float)offset));
+}
 #ifdef __AVX512VNNI__
 #define QUANT_VNNI 1
 /* acc + per lane the sum of 4 products of unsigned w bytes and signed x bytes */
@@ -83,6 +93,11 @@ static inline pvi pvi_set32(int32_t c) { __m256i v = _mm256_set1_epi32(c); retur
 static inline pvi pvi_zero(void) { return (pvi){ _mm256_setzero_si256(), _mm256_setzero_si256() }; }
 static inline pvi pvi_sub32(pvi x, pvi y) { return (pvi){ _mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b) }; }
 static inline pvf pvi_float(pvi x) { return (pvf){ _mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b) }; }
+/* float(c - offset) per lane, c = the low `bits` bits of the lane: exact */
+static inline pvf pvf_code(pvi x, int bits, int offset) {
+    x = pvi_and(x, pvi_set32((1 << bits) - 1));
+    return pvi_float(offset ? pvi_sub32(x, pvi_set32(offset)) : x);
+}
 #ifdef __AVXVNNI__
 #define QUANT_VNNI 1         /* AVX-VNNI (Alder Lake, Zen 4 without AVX-512 builds): vpdpbusd on ymm */
 static inline __m256i dot4_256(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
@@ -160,6 +175,10 @@ static inline pvf pvi_float(pvi a) {
     pv32 v = (pv32)a; pvf r;
     for (int l = 0; l < 16; l++) r[l] = (float)v[l];
     return r;
+}
+/* float(c - offset) per lane, c = the low `bits` bits of the lane: exact */
+static inline pvf pvf_code(pvi a, int bits, int offset) {
+    return pvi_float(pvi_sub32(pvi_and(a, pvi_set32((1 << bits) - 1)), pvi_set32(offset)));
 }
 #if defined(__clang__) || __GNUC__ >= 12      /* __builtin_shufflevector */
 typedef int8_t pv8s __attribute__((vector_size(64)));

@@ -173,34 +173,48 @@ INLINE void exact_tile(const int MB, const float* x, int64_t ldx, int64_t m0, co
     }
 }
 
+/* Chunk c of an exact direct tile (`tail`: see code_lanes) */
+INLINE void exact_direct_chunk(const int qt, const int MB, const int NVT, const float* x, int64_t ldx, int64_t m0,
+                               const uint8_t* w, int64_t pstride, int64_t c, pvf acc[MBMAX][NVW], const int tail) {
+    pvf dw[NVW], mw[NVW], dw2[NVW];
+    const uint8_t* codes[NVW];
+    for (int j = 0; j < NVT; j++) {
+        mw[j] = dw2[j] = pvf_zero();
+        chunk_scales(qt, w + j * pstride, c, &dw[j], &mw[j], &dw2[j]);
+        codes[j] = chunk_codes(qt, w + j * pstride, c);
+    }
+#if QUANT_WIDE                          /* AVX2's 16 registers do better with the loop */
+    _Pragma("GCC unroll 8")
+#endif
+    for (int g = 0; g < 8; g++) {
+        pvi op[NVW];
+        if (!codes_in_place(qt))
+            for (int j = 0; j < NVT; j++) op[j] = chunk_operand(qt, codes[j], g);
+        for (int i = 0; i < 4; i++) {
+            pvf wv[NVW];
+            for (int j = 0; j < NVT; j++) {      /* code_value, the codes read in place where they can be */
+                pvi lanes = codes_in_place(qt) ? code_lanes(qt, codes[j], g, i, tail) : pvi_srl32(op[j], 8 * i);
+                wv[j] = scaled_value(qt, pvf_code(lanes, code_bits(qt), code_offset(qt)), g, dw[j], mw[j], dw2[j]);
+            }
+            for (int m = 0; m < MB; m++) {
+                pvf xb = pvf_set(x[(m0 + m) * ldx + c * CHUNK + 4 * g + i]);
+                for (int j = 0; j < NVT; j++) acc[m][j] = pvf_fma(xb, wv[j], acc[m][j]);
+            }
+        }
+    }
+}
+
 /* Exact direct tile (decode): acc [MB][NVT] = rows m0.. of float32 x times panels w, w + pstride,
    ..., dequantized in registers: the same values and the same fused multiply-adds in k order as
-   `exact_tile` over `dequant_chunk`'s output, so either path gives the same bits. */
+   `exact_tile` over `dequant_chunk`'s output, so either path gives the same bits. A panel's last
+   chunk reads nothing past its codes (code_lanes' `tail`). */
 INLINE void exact_direct_tile(const int qt, const int MB, const int NVT, const float* x, int64_t ldx, int64_t m0,
                               const uint8_t* w, int64_t pstride, int64_t K, pvf acc[MBMAX][NVW]) {
     for (int m = 0; m < MB; m++)
         for (int j = 0; j < NVT; j++) acc[m][j] = pvf_zero();
-    for (int64_t c = 0; c < K / CHUNK; c++) {
-        pvf dw[NVW], mw[NVW], dw2[NVW];
-        const uint8_t* codes[NVW];
-        for (int j = 0; j < NVT; j++) {
-            mw[j] = dw2[j] = pvf_zero();
-            chunk_scales(qt, w + j * pstride, c, &dw[j], &mw[j], &dw2[j]);
-            codes[j] = chunk_codes(qt, w + j * pstride, c);
-        }
-        for (int g = 0; g < 8; g++) {
-            pvi op[NVW];
-            for (int j = 0; j < NVT; j++) op[j] = chunk_operand(qt, codes[j], g);
-            for (int i = 0; i < 4; i++) {
-                pvf wv[NVW];
-                for (int j = 0; j < NVT; j++) wv[j] = code_value(qt, op[j], g, i, dw[j], mw[j], dw2[j]);
-                for (int m = 0; m < MB; m++) {
-                    pvf xb = pvf_set(x[(m0 + m) * ldx + c * CHUNK + 4 * g + i]);
-                    for (int j = 0; j < NVT; j++) acc[m][j] = pvf_fma(xb, wv[j], acc[m][j]);
-                }
-            }
-        }
-    }
+    int64_t C = K / CHUNK;
+    for (int64_t c = 0; c < C - 1; c++) exact_direct_chunk(qt, MB, NVT, x, ldx, m0, w, pstride, c, acc, 0);
+    exact_direct_chunk(qt, MB, NVT, x, ldx, m0, w, pstride, C - 1, acc, 1);
 }
 
 /* Outputs of a tile (+ bias) into y: float32, or bfloat16 rounded once; padding panels skipped */
