@@ -21,8 +21,7 @@ def stagewise_worker(spec: dict) -> dict:
     from stagewise import LLM, SamplingParams
     options = dict(device="cpu", kv_cache_memory="256MiB", max_model_len=1024, compile_in_background=False,
                    threads_per_stage=spec["threads"])
-    if spec["eager"]:
-        options["prefill_graph"] = "off"
+    options["prefill_graph"] = "off" if spec["eager"] else "compiled"
     llm = LLM(model=spec["model"], **options)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)   # noqa: E731
 

@@ -49,6 +49,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
 }
+# The GGML types stagewise's quantized CPU kernels run (kernels.quant_formats.SUPPORTED; here by name,
+# for the graph policy, which imports no torch)
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # GPT-2's own names and the common ones transformers' GPT2Config answers to as well
 _GPT2_ALIASES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
                  "max_position_embeddings": "n_positions"}
@@ -260,6 +263,17 @@ def _rope_divisors(file, tensor: GGUFTensor | None, order: str) -> list | None:
         raise _Damaged(f"rope_freqs.weight is stored as type {tensor.tensor_type}, not F32 or F16")
     file.seek(tensor.data_offset)
     return np.frombuffer(file.read(tensor.n_bytes), dtype=order + dtypes[tensor.tensor_type]).astype("float64").tolist()
+
+
+def held_quantized(path: str | Path) -> str | None:
+    """The most common type of the file's transformer-block matrices (`blk.N.*.weight`, 2-D) when most
+    of them are stored in a type the quantized kernels run (the stages' linear layers are held
+    quantized, not as float tensors), else None."""
+    facts = gguf_facts(path)
+    kinds = [facts.types[name] for name, shape in facts.shapes.items()
+             if name.startswith("blk.") and name.endswith(".weight") and len(shape) == 2]
+    quantized = [kind for kind in kinds if kind in KERNEL_TYPES]
+    return max(set(quantized), key=quantized.count) if 2 * len(quantized) > len(kinds) else None
 
 
 def hf_config_from_gguf(path: Path) -> GGUFConfig:

@@ -5,11 +5,12 @@ import collections
 import pytest
 import torch
 
+from stagewise.config import EngineConfig
 from stagewise.graph.bind import bind_forward
 from stagewise.graph.buckets import decode_bucket_ladder, pick_bucket, prefill_bucket_ladder
 from stagewise.graph.buffers import StaticInputs
 from stagewise.graph.dummy import DummyMetadata
-from stagewise.graph.policy import GraphVerdict, decide_verdict, resolve_graph_policy
+from stagewise.graph.policy import COMPILE_MIN_HIDDEN, GraphVerdict, decide_verdict, policy_for, resolve_graph_policy
 from stagewise.graph.trim import trim_output
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
@@ -178,6 +179,27 @@ def test_policy_explicit_choice_kept_under_pp():
 def test_policy_auto_single_stage_device_default():
     assert resolve_graph_policy("auto", device_type="cuda").backend == "breakable"
     assert resolve_graph_policy("auto", device_type="cpu").backend == "off"
+
+
+def test_policy_auto_on_cpu_compiles_wide_float_models_only():
+    assert resolve_graph_policy("auto", device_type="cpu", hidden_size=COMPILE_MIN_HIDDEN).backend == "compiled"
+    assert resolve_graph_policy("auto", device_type="cpu", hidden_size=COMPILE_MIN_HIDDEN - 1).backend == "off"
+    quantized = resolve_graph_policy("auto", device_type="cpu", hidden_size=576, quantized="m.gguf holds them as Q4_1")
+    assert quantized.backend == quantized.decode_backend == "off"
+    assert any("one native call" in line and "--prefill-graph compiled" in line for line in quantized.log_lines)
+    assert resolve_graph_policy("compiled", device_type="cpu", quantized="--quantization int8").backend == "compiled"
+    assert resolve_graph_policy("auto", device_type="cuda", hidden_size=576, quantized="x").backend == "breakable"
+
+
+def test_policy_for_reads_the_quantization_flag(llama_dir, qwen3_dir):
+    config = EngineConfig.from_kwargs(model=str(llama_dir), quantization="int8")
+    policy = policy_for(config, "cpu")
+    assert policy.backend == "off" and any("--quantization int8" in line for line in policy.log_lines)
+    plain = policy_for(EngineConfig.from_kwargs(model=str(llama_dir)), "cpu")    # hidden 64: a toy, eager too
+    assert plain.backend == "off" and not any("quantized" in line for line in plain.log_lines)
+    # Qwen3's q/k norms keep its decode steps on the modules: quantized or not, the hidden size decides
+    qwen3 = policy_for(EngineConfig.from_kwargs(model=str(qwen3_dir), quantization="int8"), "cpu")
+    assert qwen3.backend == "off" and not any("quantized" in line for line in qwen3.log_lines)
 
 
 @pytest.mark.parametrize("kwargs,cap", [

@@ -50,6 +50,13 @@ def test_quantized_gguf_logits_match_hf_on_dequantized_weights(family, qtype, ti
     assert torch.allclose(got, hf_logits(reference, PROMPT_IDS), atol=1e-4, rtol=0)
 
 
+def test_held_quantized_reads_the_block_matrices_types(tiny_gguf):
+    """What `--prefill-graph auto` on CPU asks of a GGUF file (graph/policy.py): quantized-kernel types run eager."""
+    from stagewise.gguf_meta import held_quantized
+    assert held_quantized(tiny_gguf("llama", "Q8_0")) == "Q8_0" and held_quantized(tiny_gguf("llama", "Q4_1")) == "Q4_1"
+    assert held_quantized(tiny_gguf("llama", "F32")) is None and held_quantized(tiny_gguf("llama", "F16")) is None
+
+
 def test_config_eos_and_llama3_rope_from_metadata(tiny_gguf, llama_dir):
     path = tiny_gguf("llama")
     ours, hf = load_hf_config(path), load_hf_config(llama_dir)

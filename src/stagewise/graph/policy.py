@@ -60,33 +60,51 @@ class GraphVerdict:
     reason: str | None = None    # too_large | padding | disabled | unservable | empty | <caller's word>
 
 
-COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up
+COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up (float weights only)
+# The architectures whose quantized stages run an eager decode step in one native call
+# (model/llama.py `_plan_decode_layers`: Llama-family blocks without q/k norms); auto runs them eager.
+ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
     prefill_graph = "off" if config.parallel.tp_size > 1 else config.graphs.prefill_graph
+    auto_cpu = prefill_graph == "auto" and device_type == "cpu"
+    facts = _cpu_facts(config.load.model, config.load.quantization) if auto_cpu else (None, None)
     return resolve_graph_policy(
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,
         buckets=config.graphs.prefill_graph_buckets, chunked_prefill_size=config.scheduler.chunked_prefill_size,
         pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph,
-        decode_graph_max_bs=config.graphs.decode_graph_max_bs,
-        hidden_size=_hidden_size(config.load.model) if prefill_graph == "auto" and device_type == "cpu" else None)
+        decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], quantized=facts[1])
 
 
 @lru_cache(maxsize=8)
-def _hidden_size(model: str) -> int | None:
-    """The checkpoint's hidden size (read once per model: the driver and an in-process stage both ask)."""
-    from ..checkpoint import load_hf_config  # lazy: only `auto` on CPU asks
-    return getattr(load_hf_config(model), "hidden_size", None)
+def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | None]:
+    """The checkpoint's hidden size, and, for an architecture whose quantized decode steps run in one
+    call, what holds its linear layers quantized in stagewise's C kernels (None: float weights, or
+    another architecture), read once per model: the driver and an in-process stage both ask. A GGUF
+    file's metadata is parsed at start-up anyway (its facts are cached per process)."""
+    from ..checkpoint import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
+    from ..gguf_meta import held_quantized
+    config = load_hf_config(model)
+    hidden = getattr(config, "hidden_size", None)
+    if (getattr(config, "architectures", None) or [None])[0] not in ONE_CALL_ARCHITECTURES:
+        return hidden, None
+    if quantization is not None:
+        return hidden, f"--quantization {quantization}"
+    path = gguf_file_of(model)
+    qtype = held_quantized(path) if path is not None else None
+    return hidden, (f"{path.name} holds them as {qtype}" if path is not None and qtype else None)
 
 
 def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,
                          buckets: tuple[int, ...] | list[int] | None = None,
                          chunked_prefill_size: int | None = 8192, pp_size: int = 1, device_type: str = "cpu",
                          decode_graph: bool | str = False, decode_graph_max_bs: int = 32,
-                         full_slots: int = 16, hidden_size: int | None = None) -> GraphPolicy:
-    """Resolve flags into a policy. Invalid values raise ValueError with one sentence."""
+                         full_slots: int = 16, hidden_size: int | None = None,
+                         quantized: str | None = None) -> GraphPolicy:
+    """Resolve flags into a policy. Invalid values raise ValueError with one sentence. `hidden_size` and
+    `quantized` (what holds the linear layers quantized, None: float weights) steer `auto` on CPU."""
     if prefill_graph not in PREFILL_GRAPH_CHOICES:
         raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, got {prefill_graph!r}.")
     if pp_size < 1:
@@ -95,7 +113,7 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
         raise ValueError(f"full_slots must be at least 1, got {full_slots}.")
     is_cuda = device_type == "cuda"
     logs: list[str] = []
-    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size)
+    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size, quantized)
     ladder, cap = _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size)
     decode_backend = _resolve_decode_backend(decode_graph)
     if not is_cuda and "compiled" in (backend, decode_backend) and cxx_compiler() is None:
@@ -144,7 +162,7 @@ def _warmup_sizes(cap: int) -> tuple[int, ...]:
 
 
 def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str],
-                             hidden_size: int | None = None) -> str:
+                             hidden_size: int | None = None, quantized: str | None = None) -> str:
     if choice != "auto":
         return choice
     if pp_size > 1:
@@ -154,6 +172,14 @@ def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: lis
                     f"{'breakable to capture them' if is_cuda else 'compiled to compile each stage body'}")
         return "off"
     if not is_cuda:
+        if quantized:
+            # NOTE: such a stage's eager decode step is one native call (kernels/layers.py) and its
+            # kernels do the heavy work, which Inductor cannot fuse: compiled steps were no faster at
+            # batch 1 and half as fast at 32 rows on SmolLM2-135M Q4_1 (docs/performance.md), and the
+            # compile costs ~300 MB of resident memory and slow first requests while it runs.
+            logs.append(f"prefill graphs: off (auto on CPU runs quantized Llama-family models eager: a decode step "
+                        f"is one native call; here: {quantized}); pass --prefill-graph compiled to compile anyway")
+            return "off"
         if hidden_size is not None and hidden_size >= COMPILE_MIN_HIDDEN:
             return "compiled"
         # NOTE: below that size a model is a test or toy one: its steps are cheap and the compile

@@ -190,9 +190,10 @@ class LlamaForCausalLM(StageModel):
         """An eager CPU decode step of a stage whose layers are all plain quantized Llama blocks runs
         them in one call of `stagewise::decode_layers` (the same ops, without Python between them):
         that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules)."""
+        if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
+            return None
         meta = None if batch is None or self.stage.start == self.stage.end else batch.meta
-        if (not ONE_CALL_DECODE or hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode
-                or hidden.shape[0] != meta.num_tokens or torch.compiler.is_compiling()
+        if (hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode or hidden.shape[0] != meta.num_tokens
                 or _get_current_dispatch_mode() is not None or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
             return None
         plan = self.__dict__.get("_decode_plan", False)
