@@ -1,6 +1,7 @@
-"""`stagewise::decode_layers` (csrc/layers_ops.cpp): a quantized Llama stage's eager CPU decode
+"""`stagewise::decode_layers` (csrc/layers_ops.cpp): a Llama stage's eager CPU decode
 step in one call gives the modules' bits (hidden states, residual stream, KV cache) over decode
-batches of several sequences, float32 (exact kernels) and bfloat16 (fast kernels), one stage and
+batches of several sequences, quantized (float32: exact kernels; bfloat16: fast kernels) and float
+weights in the packed kernels' layout, one stage and
 two, biases (Qwen2's qkv, llama_tied's attention and MLP), mixed-type fused projections; stages it
 cannot run fall back to the modules; bad lists are refused by both registrations."""
 
@@ -72,7 +73,7 @@ def _needs_op():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", None])
 @pytest.mark.parametrize("pp_size", [1, 2])
 def test_one_call_gives_the_modules_bits(llama_dir, eager_pipeline, monkeypatch, dtype, quantization, pp_size):
     _needs_op()
@@ -108,8 +109,9 @@ def test_biases(family, eager_pipeline, monkeypatch, request):
 
 
 def test_stages_it_cannot_run_use_the_modules(qwen3_dir, llama_dir, eager_pipeline, monkeypatch):
-    """q/k norms (Qwen3) or float weights: the modules, every step."""
+    """q/k norms (Qwen3), or float weights in the checkpoint's layout: the modules, every step."""
     _needs_op()
+    monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")
     for pipe in (eager_pipeline(qwen3_dir, quantization="int8"), eager_pipeline(llama_dir)):
         assert _same_both_ways(pipe, monkeypatch) == 0
         assert pipe.stages[0]._plan_decode_layers() is None

@@ -4,7 +4,8 @@
 parts, biases, bias_of, caches, heads, kv_heads, eps, scale, exact)` -> `(hidden, residual)` runs Llama-style
 pre-norm layers (fused add + RMSNorm, qkv projection, rope with the KV write, in-place decode
 attention, o projection, add + RMSNorm, gate/up projection, silu(gate) * up, down projection) on
-one-token sequences, every projection a packed quantized weight: the ops model/llama.py's
+one-token sequences, every projection a packed weight (quantized, or float in the packed float
+kernels' layout: qtype -1, one segment): the ops model/llama.py's
 modules call in an eager CPU decode step, in their order, so the results are their bits. Per
 layer: one KV cache, two norm weights (input, post-attention), four projections (qkv, o, gate_up,
 down) of `parts` segments each, their packed `data`, `qtypes` and row counts `ns` flattened in
@@ -19,19 +20,26 @@ import functools
 
 import torch
 
-from . import attention, native, norm, quant_kernels, rope, team
+from . import attention, gemm, native, norm, quant_kernels, rope, team
 from .registry import define
 
 
 @functools.cache
 def available() -> bool:
     """The C++ op is registered, and so are the C++ kernels of the ops it calls (where any of them
-    runs in Python, the model's own modules are as fast)."""
+    runs in Python, the model's own modules are as fast); float projections also need
+    `floats_available`."""
     lib = team.library()
     kernels = (norm.available(), quant_kernels.available(), rope.available(), attention.available())
     if lib is None or not all(kernels) or not all(native.loaded(n) for n in ("norm", "quant", "rope", "attention")):
         return False
     return native.load("layers", lib) is not None
+
+
+@functools.cache
+def floats_available() -> bool:
+    """The packed float kernels' op has its C++ registration (float projections)."""
+    return gemm.available() and native.loaded("gemm")
 
 
 def _check(hidden, norms, data, qtypes, ns, parts, biases, bias_of, caches) -> None:
@@ -54,6 +62,8 @@ def _decode_layers(hidden, residual, cos, sin, slots, block_ids, seq_lens, norms
 
     def project(x, p):       # projection p: its parts[p] segments from first[p], its bias
         a, n, bias = first[p], parts[p], biases[bias_of[p]] if bias_of[p] >= 0 else None
+        if qtypes[a] < 0:
+            return torch.ops.stagewise.linear_packed(x, data[a], bias, False)
         if n == 1:
             return torch.ops.stagewise.qlinear(x, data[a], bias, qtypes[a], ns[a], True, exact, False)
         return torch.ops.stagewise.qlinear_cat(x, data[a:a + n], bias, qtypes[a:a + n], ns[a:a + n], exact, False)

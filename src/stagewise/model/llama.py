@@ -187,7 +187,7 @@ class LlamaForCausalLM(StageModel):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def _one_call(self, hidden: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch):
-        """An eager CPU decode step of a stage whose layers are all plain quantized Llama blocks runs
+        """An eager CPU decode step of a stage whose layers are all plain packed Llama blocks runs
         them in one call of `stagewise::decode_layers` (the same ops, without Python between them):
         that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules)."""
         if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
@@ -213,8 +213,9 @@ class LlamaForCausalLM(StageModel):
 
     def _plan_decode_layers(self) -> dict | None:
         """The flattened weights `stagewise::decode_layers` takes, where every layer of the stage is
-        one it runs: a Llama block (no q/k norm) of quantized projections (biases or not), silu, one
-        eps, no hooks (tensor parallelism's gathers), and the C++ op and its kernels built."""
+        one it runs: a Llama block (no q/k norm) whose projections are held quantized or packed for
+        the float kernels (biases or not), silu, one eps, no hooks (tensor parallelism's gathers),
+        and the C++ op and the kernels it calls built."""
         layers = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
         if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
                 or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
@@ -229,24 +230,29 @@ class LlamaForCausalLM(StageModel):
                 plan["norms"].append(ln.weight.detach())
                 plan["eps"].add(ln.eps)
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(proj, QuantLinear) or any(seg.qtype is None for seg in proj.segments):
+                if isinstance(proj, QuantLinear) and all(seg.qtype is not None for seg in proj.segments):
+                    plan["exact"].add(proj.exact)
+                    segments = [(getattr(proj, f"segment{i}"), int(seg.qtype), seg.rows)
+                                for i, seg in enumerate(proj.segments)]
+                elif type(proj) in (Linear, FusedLinear) and proj.packed and cpu_layers.floats_available():
+                    segments = [(proj.weight.detach(), -1, proj.out_features)]     # the packed float kernels
+                else:
                     return None
-                plan["parts"].append(len(proj.segments))
+                plan["parts"].append(len(segments))
                 plan["bias_of"].append(-1 if proj.bias is None else len(plan["biases"]))
                 if proj.bias is not None:
                     plan["biases"].append(proj.bias.detach())
-                plan["exact"].add(proj.exact)
-                for i, seg in enumerate(proj.segments):
-                    plan["data"].append(getattr(proj, f"segment{i}"))
-                    plan["qtypes"].append(int(seg.qtype))
-                    plan["ns"].append(seg.rows)
+                for data, qtype, rows in segments:
+                    plan["data"].append(data)
+                    plan["qtypes"].append(qtype)
+                    plan["ns"].append(rows)
         first = layers[0].self_attn
         dtypes = {w.dtype for w in plan["norms"]}
-        if len(plan["exact"]) != 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or any(
+        if len(plan["exact"]) > 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or any(
                 (layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.scale)
                 != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale) for layer in layers):
             return None
-        plan.update(exact=plan["exact"].pop(), eps=plan["eps"].pop(), dtype=dtypes.pop(), heads=first.num_heads,
+        plan.update(exact=bool(plan["exact"] and plan["exact"].pop()), eps=plan["eps"].pop(), dtype=dtypes.pop(), heads=first.num_heads,
                     kv_heads=first.num_kv_heads, scale=first.scale)
         return plan
 

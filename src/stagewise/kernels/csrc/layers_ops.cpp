@@ -26,10 +26,16 @@ std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>
     return {to<Tensor>(s[0]), to<Tensor>(s[1])};
 }
 
-/* one projection: its weight's segments [first, first + count) of the flattened lists, and its bias */
+/* one projection: its weight's segments [first, first + count) of the flattened lists (qtype -1: one
+   packed float weight), and its bias */
 Tensor project(const Tensor& x, const std::vector<Tensor>& data, const std::vector<int64_t>& qtypes,
                const std::vector<int64_t>& ns, int64_t first, int64_t count, const std::optional<Tensor>& bias,
                bool exact) {
+    if (qtypes[first] < 0) {                 // a float weight in the packed kernels' layout
+        std::array<StableIValue, 4> s{from(x), from(data[first]), from(bias), from(false)};
+        call("stagewise::linear_packed", "", s);
+        return to<Tensor>(s[0]);
+    }
     if (count == 1) {
         std::array<StableIValue, 8> s{from(x), from(data[first]), from(bias), from(qtypes[first]), from(ns[first]),
                                       from(true), from(exact), from(false)};
