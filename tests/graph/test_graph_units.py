@@ -181,25 +181,35 @@ def test_policy_auto_single_stage_device_default():
     assert resolve_graph_policy("auto", device_type="cpu").backend == "off"
 
 
-def test_policy_auto_on_cpu_compiles_wide_float_models_only():
+def test_policy_auto_on_cpu_runs_one_call_models_eager():
     assert resolve_graph_policy("auto", device_type="cpu", hidden_size=COMPILE_MIN_HIDDEN).backend == "compiled"
     assert resolve_graph_policy("auto", device_type="cpu", hidden_size=COMPILE_MIN_HIDDEN - 1).backend == "off"
-    quantized = resolve_graph_policy("auto", device_type="cpu", hidden_size=576, quantized="m.gguf holds them as Q4_1")
-    assert quantized.backend == quantized.decode_backend == "off"
-    assert any("one native call" in line and "--prefill-graph compiled" in line for line in quantized.log_lines)
-    assert resolve_graph_policy("compiled", device_type="cpu", quantized="--quantization int8").backend == "compiled"
-    assert resolve_graph_policy("auto", device_type="cuda", hidden_size=576, quantized="x").backend == "breakable"
+    eager = resolve_graph_policy("auto", device_type="cpu", hidden_size=576, one_call="m.gguf holds them as Q4_1")
+    assert eager.backend == eager.decode_backend == "off"
+    assert any("one native call" in line and "--prefill-graph compiled" in line for line in eager.log_lines)
+    assert resolve_graph_policy("compiled", device_type="cpu", one_call="--quantization int8").backend == "compiled"
+    assert resolve_graph_policy("auto", device_type="cuda", hidden_size=576, one_call="x").backend == "breakable"
 
 
-def test_policy_for_reads_the_quantization_flag(llama_dir, qwen3_dir):
+def test_policy_for_reads_the_architecture_and_the_packing(llama_dir, qwen3_dir, monkeypatch):
+    from stagewise.graph import policy
+    from stagewise.kernels.build import cpu_flags
+    from stagewise.kernels.build import mode as build_mode
     config = EngineConfig.from_kwargs(model=str(llama_dir), quantization="int8")
-    policy = policy_for(config, "cpu")
-    assert policy.backend == "off" and any("--quantization int8" in line for line in policy.log_lines)
-    plain = policy_for(EngineConfig.from_kwargs(model=str(llama_dir)), "cpu")    # hidden 64: a toy, eager too
-    assert plain.backend == "off" and not any("quantized" in line for line in plain.log_lines)
+    quantized = policy_for(config, "cpu")
+    assert quantized.backend == "off"
+    assert any("--quantization int8" in line for line in quantized.log_lines) == (build_mode() != "off")
+    float_facts = policy._cpu_facts(str(llama_dir), None)
+    packs = {"avx2", "fma"} <= cpu_flags() and build_mode() != "off"
+    assert float_facts == (64, "float weights packed for the kernels" if packs else None)
+    policy._cpu_facts.cache_clear()
+    monkeypatch.setenv("STAGEWISE_PACKED_WEIGHTS", "0")                  # float weights in their own layout
+    assert policy._cpu_facts(str(llama_dir), None) == (64, None)
+    policy._cpu_facts.cache_clear()
     # Qwen3's q/k norms keep its decode steps on the modules: quantized or not, the hidden size decides
     qwen3 = policy_for(EngineConfig.from_kwargs(model=str(qwen3_dir), quantization="int8"), "cpu")
-    assert qwen3.backend == "off" and not any("quantized" in line for line in qwen3.log_lines)
+    assert qwen3.backend == "off" and not any("native call" in line for line in qwen3.log_lines)
+    policy._cpu_facts.cache_clear()
 
 
 @pytest.mark.parametrize("kwargs,cap", [

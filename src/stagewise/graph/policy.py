@@ -61,8 +61,9 @@ class GraphVerdict:
 
 
 COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up (float weights only)
-# The architectures whose quantized stages run an eager decode step in one native call
-# (model/llama.py `_plan_decode_layers`: Llama-family blocks without q/k norms); auto runs them eager.
+# The architectures whose stages run an eager decode step in one native call where their layers are
+# packed for stagewise's kernels (model/llama.py `_plan_decode_layers`: Llama-family blocks without q/k
+# norms, quantized or float); auto runs them eager.
 ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -75,26 +76,34 @@ def policy_for(config, device_type: str) -> GraphPolicy:
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,
         buckets=config.graphs.prefill_graph_buckets, chunked_prefill_size=config.scheduler.chunked_prefill_size,
         pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph,
-        decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], quantized=facts[1])
+        decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], one_call=facts[1])
 
 
 @lru_cache(maxsize=8)
 def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | None]:
-    """The checkpoint's hidden size, and, for an architecture whose quantized decode steps run in one
-    call, what holds its linear layers quantized in stagewise's C kernels (None: float weights, or
-    another architecture), read once per model: the driver and an in-process stage both ask. A GGUF
-    file's metadata is parsed at start-up anyway (its facts are cached per process)."""
+    """The checkpoint's hidden size, and, for an architecture whose decode steps run in one native
+    call, why its layers will be packed for stagewise's kernels (None: they will not, or another
+    architecture), read once per model: the driver and an in-process stage both ask. A GGUF file's
+    metadata is parsed at start-up anyway (its facts are cached per process)."""
+    from .. import envs
     from ..checkpoint import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
     from ..gguf_meta import held_quantized
+    from ..kernels.build import cpu_flags, mode
     config = load_hf_config(model)
     hidden = getattr(config, "hidden_size", None)
-    if (getattr(config, "architectures", None) or [None])[0] not in ONE_CALL_ARCHITECTURES:
+    if (getattr(config, "architectures", None) or [None])[0] not in ONE_CALL_ARCHITECTURES or mode() == "off":
         return hidden, None
     if quantization is not None:
         return hidden, f"--quantization {quantization}"
     path = gguf_file_of(model)
     qtype = held_quantized(path) if path is not None else None
-    return hidden, (f"{path.name} holds them as {qtype}" if path is not None and qtype else None)
+    if qtype:
+        return hidden, f"{path.name} holds them as {qtype}"
+    # float weights: packed where the packed float kernels run (float32 with AVX2 FMA; bfloat16 needs a
+    # native-bf16 CPU, where `auto` picks it)
+    if envs.STAGEWISE_PACKED_WEIGHTS and {"avx2", "fma"} <= cpu_flags():
+        return hidden, "float weights packed for the kernels"
+    return hidden, None
 
 
 def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = None,
@@ -102,9 +111,10 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
                          chunked_prefill_size: int | None = 8192, pp_size: int = 1, device_type: str = "cpu",
                          decode_graph: bool | str = False, decode_graph_max_bs: int = 32,
                          full_slots: int = 16, hidden_size: int | None = None,
-                         quantized: str | None = None) -> GraphPolicy:
+                         one_call: str | None = None) -> GraphPolicy:
     """Resolve flags into a policy. Invalid values raise ValueError with one sentence. `hidden_size` and
-    `quantized` (what holds the linear layers quantized, None: float weights) steer `auto` on CPU."""
+    `one_call` (why the model's eager decode steps run in one native call; None: they do not) steer
+    `auto` on CPU."""
     if prefill_graph not in PREFILL_GRAPH_CHOICES:
         raise ValueError(f"prefill_graph must be one of {', '.join(PREFILL_GRAPH_CHOICES)}, got {prefill_graph!r}.")
     if pp_size < 1:
@@ -113,7 +123,7 @@ def resolve_graph_policy(prefill_graph: str = "auto", max_tokens: int | None = N
         raise ValueError(f"full_slots must be at least 1, got {full_slots}.")
     is_cuda = device_type == "cuda"
     logs: list[str] = []
-    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size, quantized)
+    backend = _resolve_prefill_backend(prefill_graph, pp_size, is_cuda, logs, hidden_size, one_call)
     ladder, cap = _resolve_buckets(max_tokens, buckets, chunked_prefill_size, pp_size)
     decode_backend = _resolve_decode_backend(decode_graph)
     if not is_cuda and "compiled" in (backend, decode_backend) and cxx_compiler() is None:
@@ -162,7 +172,7 @@ def _warmup_sizes(cap: int) -> tuple[int, ...]:
 
 
 def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: list[str],
-                             hidden_size: int | None = None, quantized: str | None = None) -> str:
+                             hidden_size: int | None = None, one_call: str | None = None) -> str:
     if choice != "auto":
         return choice
     if pp_size > 1:
@@ -172,13 +182,13 @@ def _resolve_prefill_backend(choice: str, pp_size: int, is_cuda: bool, logs: lis
                     f"{'breakable to capture them' if is_cuda else 'compiled to compile each stage body'}")
         return "off"
     if not is_cuda:
-        if quantized:
-            # NOTE: such a stage's eager decode step is one native call (kernels/layers.py) and its
-            # kernels do the heavy work, which Inductor cannot fuse: compiled steps were no faster at
-            # batch 1 and half as fast at 32 rows on SmolLM2-135M Q4_1 (docs/performance.md), and the
-            # compile costs ~300 MB of resident memory and slow first requests while it runs.
-            logs.append(f"prefill graphs: off (auto on CPU runs quantized Llama-family models eager: a decode step "
-                        f"is one native call; here: {quantized}); pass --prefill-graph compiled to compile anyway")
+        if one_call:
+            # NOTE: such a stage's eager decode step is one native call (kernels/layers.py), and the C
+            # kernels do the heavy work, which Inductor cannot fuse. On SmolLM2-135M (docs/performance.md)
+            # compiled steps were no faster at batch 1 (float: 1.2x slower) and no faster over 32
+            # requests, prefill 0.9-1.1x, for ~300 MB of resident memory and slow first requests.
+            logs.append(f"prefill graphs: off (auto on CPU runs Llama-family models eager: a decode step is one "
+                        f"native call; here: {one_call}); pass --prefill-graph compiled to compile anyway")
             return "off"
         if hidden_size is not None and hidden_size >= COMPILE_MIN_HIDDEN:
             return "compiled"

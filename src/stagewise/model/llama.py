@@ -192,7 +192,10 @@ class LlamaForCausalLM(StageModel):
         that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules)."""
         if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
             return None
-        meta = None if batch is None or self.stage.start == self.stage.end else batch.meta
+        # graph batches (whose attention must see every call) give no kv_target
+        if batch is None or self.stage.start == self.stage.end or batch.kv_target(self.stage.start) is None:
+            return None
+        meta = batch.meta
         if (hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode or hidden.shape[0] != meta.num_tokens
                 or _get_current_dispatch_mode() is not None or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
             return None
