@@ -136,7 +136,6 @@ def test_exact_decode_tiles_match_batches(variant, qtype):
     assert torch.equal(full, quant_kernels.run_linear(x, w.data, None, int(qtype), n, True, True, variant))
     for lo, hi in ((0, 1), (6, 7), (2, 4), (5, 7)):
         assert torch.equal(run(x[lo:hi]), full[lo:hi]), (lo, hi)
-    del data
 
 
 # builds of one vector width, with and without VNNI, where this CPU runs both

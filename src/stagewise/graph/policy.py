@@ -97,7 +97,7 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
         return hidden, f"--quantization {quantization}"
     path = gguf_file_of(model)
     qtype = held_quantized(path) if path is not None else None
-    if qtype:
+    if path is not None and qtype:
         return hidden, f"{path.name} holds them as {qtype}"
     # float weights: packed where the packed float kernels run (float32 with AVX2 FMA; bfloat16 needs a
     # native-bf16 CPU, where `auto` picks it)

@@ -1,15 +1,16 @@
 """A decode step's decoder layers in one call: the op `stagewise::decode_layers` (csrc/layers_ops.cpp).
 
 `decode_layers(hidden, residual, cos, sin, slots, block_ids, seq_lens, norms, data, qtypes, ns,
-parts, biases, bias_of, caches, heads, kv_heads, eps, scale, exact)` -> `(hidden, residual)` runs Llama-style
-pre-norm layers (fused add + RMSNorm, qkv projection, rope with the KV write, in-place decode
-attention, o projection, add + RMSNorm, gate/up projection, silu(gate) * up, down projection) on
-one-token sequences, every projection a packed weight (quantized, or float in the packed float
-kernels' layout: qtype -1, one segment): the ops model/llama.py's
-modules call in an eager CPU decode step, in their order, so the results are their bits. Per
-layer: one KV cache, two norm weights (input, post-attention), four projections (qkv, o, gate_up,
-down) of `parts` segments each, their packed `data`, `qtypes` and row counts `ns` flattened in
-order, and each projection's bias as an index into `biases` (`bias_of`, -1: none). Without `residual` the first layer starts the residual stream from `hidden`.
+parts, biases, bias_of, caches, heads, kv_heads, eps, scale, exact)` -> `(hidden, residual)` runs
+Llama-style pre-norm layers (fused add + RMSNorm, qkv projection, rope with the KV write, in-place
+decode attention, o projection, add + RMSNorm, gate/up projection, silu(gate) * up, down
+projection) on one-token sequences, every projection a packed weight (quantized, or float in the
+packed float kernels' layout: qtype -1, one segment): the ops model/llama.py's modules call in an
+eager CPU decode step, in their order, so the results are their bits. Per layer: one KV cache, two
+norm weights (input, post-attention), four projections (qkv, o, gate_up, down) of `parts` segments
+each, their packed `data`, `qtypes` and row counts `ns` flattened in order, and each projection's
+bias as an index into `biases` (`bias_of`, -1: none). Without `residual` the first layer starts
+the residual stream from `hidden`.
 
 The Python registration below runs the same ops one by one (the reference); the C++ one runs
 them without Python in between, which is what a small model's decode step is mostly made of.

@@ -15,7 +15,7 @@ import torch
 from stagewise.gguf_meta import GGML_SIZES, KERNEL_TYPES, GGMLType
 
 T = GGMLType
-SUPPORTED = tuple(T[name] for name in KERNEL_TYPES)
+SUPPORTED = tuple(GGMLType[name] for name in KERNEL_TYPES)
 # Offset subtracted from a code before scaling (value = d * (q - offset)); the `_1` and K types
 # instead add a per-block minimum. Q8_0's int8 codes are held as uint8 q + 128.
 OFFSET = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 128, T.Q6_K: 32, T.Q4_1: 0, T.Q5_1: 0, T.Q4_K: 0, T.Q5_K: 0}

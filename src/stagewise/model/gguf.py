@@ -105,7 +105,7 @@ def dequantize_raw(raw: torch.Tensor, reader_tensor, path: Path) -> torch.Tensor
     floats = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
     if reader_tensor.tensor_type in floats:        # widening is exact: gguf-py's values
         return raw.contiguous().view(floats[GGMLType(reader_tensor.tensor_type)]).reshape(shape).float()
-    from gguf import GGMLQuantizationType        # lazy: only quantized types the kernels do not hold need gguf-py
+    from gguf import GGMLQuantizationType  # lazy: only quantized types the kernels do not hold need gguf-py
     from gguf.quants import dequantize
     qtype = GGMLQuantizationType(reader_tensor.tensor_type)
     rows = raw.numpy().reshape(-1, raw.numel() // max(1, int(np.prod(shape[:-1]))))

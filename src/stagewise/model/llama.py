@@ -6,6 +6,7 @@ non-last stage returns both (the full proxy contract). Attention itself is `batc
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,8 +197,9 @@ class LlamaForCausalLM(StageModel):
         if batch is None or self.stage.start == self.stage.end or batch.kv_target(self.stage.start) is None:
             return None
         meta = batch.meta
-        if (hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode or hidden.shape[0] != meta.num_tokens
-                or _get_current_dispatch_mode() is not None or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
+        if (hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode
+                or hidden.shape[0] != meta.num_tokens or _get_current_dispatch_mode() is not None
+                or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
             return None
         plan = self.__dict__.get("_decode_plan", False)
         if plan is False:
@@ -219,7 +221,7 @@ class LlamaForCausalLM(StageModel):
         one it runs: a Llama block (no q/k norm) whose projections are held quantized or packed for
         the float kernels (biases or not), silu, one eps, no hooks (tensor parallelism's gathers),
         and the C++ op and the kernels it calls built."""
-        layers = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
+        layers: list[Any] = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
         if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
                 or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
             return None
@@ -235,8 +237,8 @@ class LlamaForCausalLM(StageModel):
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if isinstance(proj, QuantLinear) and all(seg.qtype is not None for seg in proj.segments):
                     plan["exact"].add(proj.exact)
-                    segments = [(getattr(proj, f"segment{i}"), int(seg.qtype), seg.rows)
-                                for i, seg in enumerate(proj.segments)]
+                    segments = [(getattr(proj, f"segment{i}"), int(qtype), seg.rows)
+                                for i, seg in enumerate(proj.segments) if (qtype := seg.qtype) is not None]
                 elif type(proj) in (Linear, FusedLinear) and proj.packed and cpu_layers.floats_available():
                     segments = [(proj.weight.detach(), -1, proj.out_features)]     # the packed float kernels
                 else:
@@ -245,18 +247,17 @@ class LlamaForCausalLM(StageModel):
                 plan["bias_of"].append(-1 if proj.bias is None else len(plan["biases"]))
                 if proj.bias is not None:
                     plan["biases"].append(proj.bias.detach())
-                for data, qtype, rows in segments:
+                for data, kind, rows in segments:
                     plan["data"].append(data)
-                    plan["qtypes"].append(qtype)
+                    plan["qtypes"].append(kind)
                     plan["ns"].append(rows)
-        first = layers[0].self_attn
+        shapes = {(a.num_heads, a.num_kv_heads, a.head_dim, a.scale) for a in (layer.self_attn for layer in layers)}
         dtypes = {w.dtype for w in plan["norms"]}
-        if len(plan["exact"]) > 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or any(
-                (layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.scale)
-                != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale) for layer in layers):
+        if len(plan["exact"]) > 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or len(shapes) != 1:
             return None
-        plan.update(exact=bool(plan["exact"] and plan["exact"].pop()), eps=plan["eps"].pop(), dtype=dtypes.pop(), heads=first.num_heads,
-                    kv_heads=first.num_kv_heads, scale=first.scale)
+        heads, kv_heads, _, scale = shapes.pop()
+        plan.update(exact=bool(plan["exact"] and plan["exact"].pop()), eps=plan["eps"].pop(), dtype=dtypes.pop(),
+                    heads=heads, kv_heads=kv_heads, scale=scale)
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
