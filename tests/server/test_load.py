@@ -64,7 +64,9 @@ def test_streaming_disconnect_aborts_and_frees_blocks(server):
 def test_non_streaming_disconnect_aborts(server):
     aborted = server.metric("stagewise_requests_total", status="abort")
     try:
-        httpx.post(server.url + "/v1/completions", json={"prompt": "Another long story", **LONG}, timeout=0.4)
+        # ~500 tokens of the tiny model take ~0.4 s (a decode step is one native call): leave at 0.1 s
+        httpx.post(server.url + "/v1/completions", json={"prompt": "Another long story", **LONG, "max_tokens": 500},
+                   timeout=0.1)
         raise AssertionError("the request should have outlived the client timeout")
     except httpx.TimeoutException:
         pass
