@@ -117,6 +117,13 @@ def test_stages_it_cannot_run_use_the_modules(qwen3_dir, llama_dir, eager_pipeli
         assert pipe.stages[0]._plan_decode_layers() is None
 
 
+def test_float16_stages_use_the_modules(llama_dir, eager_pipeline):
+    """The norm, rope and attention kernels serve float32 and bfloat16 only: a float16 stage never plans."""
+    _needs_op()
+    pipe = eager_pipeline(llama_dir, dtype=torch.float16, quantization="int8")
+    assert pipe.stages[0]._plan_decode_layers() is None
+
+
 def test_the_op_runs_the_cpp_registration():
     _needs_op()
     assert native.loaded("layers")

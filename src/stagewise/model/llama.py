@@ -33,7 +33,7 @@ from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
 log = logging.getLogger(__name__)
 
-# eager CPU decode steps run a stage's quantized Llama blocks in one C++ call where they can
+# eager CPU decode steps run a stage's packed Llama blocks in one C++ call where they can
 # (`LlamaForCausalLM._one_call`); False: always the modules (tests compare the two)
 ONE_CALL_DECODE = True
 
@@ -255,7 +255,10 @@ class LlamaForCausalLM(StageModel):
         dtypes = {w.dtype for w in plan["norms"]}
         if len(plan["exact"]) > 1 or len(plan["eps"]) != 1 or len(dtypes) != 1 or len(shapes) != 1:
             return None
-        heads, kv_heads, _, scale = shapes.pop()
+        heads, kv_heads, head_dim, scale = shapes.pop()
+        # what the norm, rope and decode attention kernels serve (the modules take PyTorch's ops elsewhere)
+        if head_dim % 8 or not dtypes <= {torch.float32, torch.bfloat16}:
+            return None
         plan.update(exact=bool(plan["exact"] and plan["exact"].pop()), eps=plan["eps"].pop(), dtype=dtypes.pop(),
                     heads=heads, kv_heads=kv_heads, scale=scale)
         return plan
