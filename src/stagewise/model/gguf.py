@@ -99,12 +99,15 @@ def _shape(reader_tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(reader_tensor.shape))    # torch order: GGUF lists dims reversed
 
 
+# GGUF float types -> torch dtypes (read without gguf-py)
+_FLOATS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+
+
 def dequantize_raw(raw: torch.Tensor, reader_tensor, path: Path) -> torch.Tensor:
     """One GGUF tensor's bytes as float32, in torch dim order."""
     shape = _shape(reader_tensor)
-    floats = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
-    if reader_tensor.tensor_type in floats:        # widening is exact: gguf-py's values
-        return raw.contiguous().view(floats[GGMLType(reader_tensor.tensor_type)]).reshape(shape).float()
+    if reader_tensor.tensor_type in _FLOATS:        # widening is exact: gguf-py's values
+        return raw.contiguous().view(_FLOATS[reader_tensor.tensor_type]).reshape(shape).float()
     from gguf import GGMLQuantizationType  # lazy: only quantized types the kernels do not hold need gguf-py
     from gguf.quants import dequantize
     qtype = GGMLQuantizationType(reader_tensor.tensor_type)
