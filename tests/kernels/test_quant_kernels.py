@@ -123,18 +123,18 @@ def _at_page_end(data):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_exact_decode_tiles_match_batches(variant, qtype):
-    """Exact mode: one- and two-row steps (weights dequantized in registers, 4- and 8-bit codes read
-    in place) give the bits of the same rows in a batch of 7 (panels dequantized into memory); 350
-    outputs leave a narrower last group of panels, and the matrix ends where memory stops being
-    readable: nothing is read past it."""
+    """Exact mode: steps of a few rows (weights dequantized in registers, 4- and 8-bit codes read in
+    place: decode and verify steps) give the bits of the same rows in a batch of 40 (panels
+    dequantized into memory once for all rows); 350 outputs leave a narrower last group of panels,
+    and the matrix ends where memory stops being readable: nothing is read past it."""
     n, k = 350, 512 if qtype in K_TYPES else 288
     w = _weight(qtype, n, k, 5)
     data, area = _at_page_end(w.data)
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
     run = lambda rows: quant_kernels.run_linear(rows, data, None, int(qtype), n, True, True, variant)
     full = run(x)
     assert torch.equal(full, quant_kernels.run_linear(x, w.data, None, int(qtype), n, True, True, variant))
-    for lo, hi in ((0, 1), (6, 7), (2, 4), (5, 7)):
+    for lo, hi in ((0, 1), (39, 40), (2, 4), (5, 12), (3, 10), (8, 20), (4, 36)):
         assert torch.equal(run(x[lo:hi]), full[lo:hi]), (lo, hi)
 
 

@@ -48,15 +48,17 @@ typedef void (*direct_fn)(const act_t*, int64_t, const uint8_t*, int64_t, const 
 typedef void (*extract_fn)(const uint8_t*, int64_t, int64_t, int64_t, chunk_ops_t*);
 typedef void (*block_fn)(const act_t*, int64_t, int64_t, int64_t, const chunk_ops_t*, pvf*, int);
 typedef void (*exact_fn)(const float*, int64_t, int64_t, const float*, int64_t, const out_t*, int64_t);
-typedef void (*exact_direct_fn)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const out_t*, int64_t);
+typedef void (*exact_direct_fn)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const out_t*,
+                                int64_t);
 /* direct tiles of 1 .. MBMAX rows x NV panels, of 1 row x NV1 and 2 rows x NV2 panels (decode);
    blocked tiles of 1 .. MBMAX rows x NV (none for Q8_0, whose codes need no unpacking: extracting
-   them would only copy them); exact decode tiles of 1 row x NV2 and 2 rows x NV panels */
+   them would only copy them); exact direct tiles of 1 row x NV2 panels (decode) and of 1 .. MBMAX
+   rows x NV panels (up to EXACT_DIRECT_ROWS rows: decode and verify steps) */
 typedef struct {
     direct_fn direct[MBMAX + 1], one, two;
     extract_fn extract;
     block_fn block[MBMAX + 1];
-    exact_direct_fn exact_one, exact_two;
+    exact_direct_fn exact_one, exact[MBMAX + 1];
 } kernels_t;
 
 #define DIRECT(QT, MB, NVT)                                                                       \
@@ -91,25 +93,26 @@ static void block_##QT##_##MB(const act_t* x, int64_t m0, int64_t c0, int64_t co
 #define NV_SUFFIX x1
 #endif
 #define DIRECT_TABLE(QT, S) MB_TABLE(direct_##QT##_, S)
-#define EXACT_DIRECT(QT, MB, NVT)                                                                 \
-static void exact_##QT##_##MB(const float* x, int64_t ldx, const uint8_t* w, int64_t pstride, int64_t K, \
-                              const out_t* o, int64_t n0) {                                       \
+#define EXACT_DIRECT(QT, MB, NVT, NAME)                                                           \
+static void NAME(const float* x, int64_t ldx, int64_t m0, const uint8_t* w, int64_t pstride, int64_t K, \
+                 const out_t* o, int64_t n0) {                                                    \
     pvf acc[MBMAX][NVW];                                                                          \
-    exact_direct_tile(QT, MB, NVT, x, ldx, 0, w, pstride, K, acc);                                \
-    store_tile(MB, NVT, &acc[0][0], NVW, o, 0, n0);                                               \
+    exact_direct_tile(QT, MB, NVT, x, ldx, m0, w, pstride, K, acc);                               \
+    store_tile(MB, NVT, &acc[0][0], NVW, o, m0, n0);                                              \
 }
-#define EXACTS(QT) EXACT_DIRECT(QT, 1, NV2) EXACT_DIRECT(QT, 2, NV)
+#define EXACT_NV(QT, MB) EXACT_DIRECT(QT, MB, NV, exact_##QT##_##MB)
+#define EXACTS(QT) EXACT_DIRECT(QT, 1, NV2, exact_one_##QT) EACH_MB(EXACT_NV, QT)
 #define KERNELS(QT)                                                                               \
 EACH_MB(DIRECT_NV, QT) WIDE(QT) EACH_MB(BLOCK, QT) EXACTS(QT)                                     \
 static void extract_##QT(const uint8_t* w, int64_t pstride, int64_t c0, int64_t count, chunk_ops_t* ops) { \
     extract_chunks(QT, w, pstride, c0, count, ops);                                               \
 }                                                                                                 \
 static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), extract_##QT,   \
-                                       MB_TABLE(block_##QT##_, ), exact_##QT##_1, exact_##QT##_2};
+                                       MB_TABLE(block_##QT##_, ), exact_one_##QT, MB_TABLE(exact_##QT##_, )};
 #define KERNELS_Q8(QT)                                                                            \
 EACH_MB(DIRECT_NV, QT) WIDE(QT) EXACTS(QT)                                                        \
-static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}, exact_##QT##_1, \
-                                       exact_##QT##_2};
+static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}, exact_one_##QT, \
+                                       MB_TABLE(exact_##QT##_, )};
 KERNELS(Q4_0) KERNELS(Q4_1) KERNELS(Q5_0) KERNELS(Q5_1) KERNELS_Q8(Q8_0) KERNELS(Q4_K) KERNELS(Q5_K) KERNELS(Q6_K)
 
 static const kernels_t* kernels_of(int qt) {
@@ -260,6 +263,16 @@ typedef struct {
     int failed;
 } exact_job_t;
 
+/* Rows up to which exact tiles dequantize in registers (each tile of MBMAX rows again); past them,
+   panels are dequantized once into memory for all the rows. Measured on 576 x 3072 (Q4_1, Q4_K,
+   Q8_0): AVX-512 in registers is 1.5-2x faster at 2-9 rows and still ahead at 32; AVX2 (4-row
+   tiles) 1.3-1.9x at 2-9 rows, behind from 16. */
+#if QUANT_WIDE
+#define EXACT_DIRECT_ROWS 32
+#else
+#define EXACT_DIRECT_ROWS 12
+#endif
+
 static __thread float* scratch;
 static __thread int64_t scratch_floats;
 
@@ -271,9 +284,16 @@ static void exact_task(exact_job_t* j, int64_t t) {
     const seg_t* sg = &segs[s];
     int64_t p0 = ((t - sg->first) / runs) * width, r0 = ((t - sg->first) % runs) * rows;
     int64_t p1 = p0 + width < sg->panels ? p0 + width : sg->panels, r1 = r0 + rows < M ? r0 + rows : M;
-    if (M <= 2 && p1 - p0 == width) {                /* a decode step: in registers */
-        (M == 1 ? sg->k->exact_one : sg->k->exact_two)(j->xf, j->ldf, sg->w + p0 * sg->pstride, sg->pstride, K,
-                                                       &sg->o, p0 * PANEL);
+    if (M == 1 && p1 - p0 == width) {                /* a decode step's wide group: in registers */
+        sg->k->exact_one(j->xf, j->ldf, 0, sg->w + p0 * sg->pstride, sg->pstride, K, &sg->o, p0 * PANEL);
+        return;
+    }
+    if (M <= EXACT_DIRECT_ROWS) {                    /* a few rows: in registers, per tile of rows */
+        for (int64_t p = p0; p < p1; p += NV)
+            for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
+                int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
+                sg->k->exact[mb](j->xf, j->ldf, m0, sg->w + p * sg->pstride, sg->pstride, K, &sg->o, p * PANEL);
+            }
         return;
     }
     int64_t need = NV * K * PANEL;
