@@ -21,7 +21,7 @@ def test_the_cpp_kernels_are_registered():
     if build.cxx_compiler() is None and build.mode() == "auto":
         pytest.skip("no C++ compiler: the Python registration serves (tested below)")
     assert native.loaded("gemm") and native.loaded("attention")
-    for op in ("linear", "linear_packed", "decode_attention", "prefill_attention"):
+    for op in ("linear", "linear_packed", "decode_attention", "rows_attention", "prefill_attention"):
         assert "_ops.cpp" in torch._C._dispatch_dump(f"stagewise::{op}").split("\nCPU: ")[1].splitlines()[0]
 
 
@@ -58,6 +58,32 @@ def test_decode_attention_equals_the_python_registration(dtype, d):
     for per_sequence in (None, True, False):
         args = (q, cache, tables, lens, 0.3, per_sequence)
         assert torch.equal(ops.decode_attention(*args), attention._decode(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 24])
+def test_rows_attention_equals_the_python_registration(dtype, d):
+    gen = torch.Generator().manual_seed(d + 1)
+    cache = torch.randn(2, 12, 4, 2, d, generator=gen).to(dtype)
+    q = torch.randn(6, 6, 2 * d, generator=gen).to(dtype)[:, :, :d]       # rows of another stride
+    tables, lens = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([9, 10, 11, 5, 6, 7])
+    args = (q, cache, tables, torch.tensor([0, 3, 6]), lens, 0.3)
+    assert torch.equal(ops.rows_attention(*args), attention._rows(*args))
+
+
+@pytest.mark.parametrize("call", [ops.rows_attention, attention._rows])
+def test_both_registrations_check_spans(call):
+    cache, q, tables = torch.randn(2, 6, 4, 2, 16), torch.randn(3, 4, 16), torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="span 0 of 1 .* reads blocks outside 0..5"):
+        call(q, cache, torch.tensor([[1, 2, 6]]), torch.tensor([0, 3]), torch.tensor([7, 8, 9]), 0.3)
+    with pytest.raises(ValueError, match="span 0 of 1 .* has a row length outside 1..12"):
+        call(q, cache, tables, torch.tensor([0, 3]), torch.tensor([7, 8, 13]), 0.3)
+    with pytest.raises(ValueError, match="spans must be int64 \\[S \\+ 1\\]"):
+        call(q, cache, tables, torch.tensor([0, 1, 3]), torch.tensor([7, 8, 9]), 0.3)
+    with pytest.raises(ValueError, match="span_tables must be int64"):
+        call(q, cache, tables.int(), torch.tensor([0, 3]), torch.tensor([7, 8, 9]), 0.3)
+    with pytest.raises(ValueError, match="seq_lens must be int64"):
+        call(q, cache, tables, torch.tensor([0, 3]), torch.tensor([7, 8]), 0.3)
 
 
 @needs_native_bf16

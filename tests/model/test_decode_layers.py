@@ -117,6 +117,59 @@ def test_stages_it_cannot_run_use_the_modules(qwen3_dir, llama_dir, eager_pipeli
         assert pipe.stages[0]._plan_decode_layers() is None
 
 
+DRAFTS = [[11, 4, 29, 7], [3, 3, 18, 40], [21, 9, 2, 13]]     # each sequence's next four tokens
+
+
+def _continue(pipe, rows_per_step: int):
+    """Prefill each prompt alone, then feed every sequence its DRAFTS in steps of `rows_per_step`
+    rows per sequence (1: decode steps; 4: one verify step): the last stage's hidden states of the
+    fed rows, `[sequence, row]`, and every stage's KV caches."""
+    pipe.reset()
+    for seq, ids in enumerate(PROMPTS):
+        meta = AttentionMetadata.build([len(ids)], [len(ids)], [pipe.table(seq)], pipe.block_size)
+        pipe.forward(torch.tensor(ids), torch.arange(len(ids)), meta)
+    rows: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+    for first in range(0, 4, rows_per_step):
+        lens = [len(ids) + first + rows_per_step for ids in PROMPTS]
+        meta = AttentionMetadata.build([rows_per_step] * 3, lens, [pipe.table(s) for s in range(3)], pipe.block_size)
+        ids = torch.tensor([d[first:first + rows_per_step] for d in DRAFTS]).flatten()
+        positions = torch.tensor([list(range(n - rows_per_step, n)) for n in lens]).flatten()
+        hidden = pipe.forward(ids, positions, meta).view(3, rows_per_step, -1)
+        for seq in range(3):
+            rows[seq] += list(hidden[seq].clone())
+    caches = [c.clone() for batch in pipe.batches for c in batch.kv_caches if c is not None]
+    return rows, caches
+
+
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "int4"), (torch.bfloat16, "int8"),
+                                                (torch.float32, None)])
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_verify_steps_give_decode_bits(llama_dir, eager_pipeline, monkeypatch, dtype, quantization, pp_size):
+    """A verify step (several rows per sequence over its cache) runs in one call too, each row
+    attended as a decode row: its hidden states and KV writes are bit for bit those of decoding
+    the same tokens one step at a time, and (prompts prefilled on the split-invariant path) those
+    of the modules on that path."""
+    from stagewise.model import attention
+    _needs_op()
+    pipe = eager_pipeline(llama_dir, pp_size=pp_size, dtype=dtype, quantization=quantization)
+    used = _one_call_count(monkeypatch)
+
+    def same(a, b):
+        for seq in range(3):
+            for got, ref in zip(a[0][seq], b[0][seq], strict=True):
+                assert torch.equal(got, ref), seq
+        for got, ref in zip(a[1], b[1], strict=True):
+            assert torch.equal(got, ref)
+    with torch.no_grad():
+        verify = _continue(pipe, 4)
+        assert len(used) == pp_size                 # the verify step took the op on every stage
+        same(verify, _continue(pipe, 1))
+        monkeypatch.setattr(attention, "INVARIANT", True)
+        verify = _continue(pipe, 4)
+        monkeypatch.setattr(llama, "ONE_CALL_DECODE", False)
+        same(verify, _continue(pipe, 4))
+
+
 def test_float16_stages_use_the_modules(llama_dir, eager_pipeline):
     """The norm, rope and attention kernels serve float32 and bfloat16 only: a float16 stage never plans."""
     _needs_op()

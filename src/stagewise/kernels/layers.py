@@ -1,10 +1,13 @@
 """A decode step's decoder layers in one call: the op `stagewise::decode_layers` (csrc/layers_ops.cpp).
 
 `decode_layers(hidden, residual, cos, sin, slots, block_ids, seq_lens, norms, data, qtypes, ns,
-parts, biases, bias_of, caches, heads, kv_heads, eps, scale, exact)` -> `(hidden, residual)` runs
-Llama-style pre-norm layers (fused add + RMSNorm, qkv projection, rope with the KV write, in-place
-decode attention, o projection, add + RMSNorm, gate/up projection, silu(gate) * up, down
-projection) on one-token sequences, every projection a packed weight (quantized, or float in the
+parts, biases, bias_of, caches, heads, kv_heads, eps, scale, exact, spans=None)` -> `(hidden,
+residual)` runs Llama-style pre-norm layers (fused add + RMSNorm, qkv projection, rope with the KV
+write, in-place attention, o projection, add + RMSNorm, gate/up projection, silu(gate) * up, down
+projection) on one-token sequences (`decode_attention` over `block_ids` `[T, nblk]` and `seq_lens`
+`[T]`), or with `spans` on rows of a few sequences each (a verify step: `rows_attention` over span
+tables `block_ids` `[S, nblk]`, `spans` `[S + 1]` and each row's keys `seq_lens` `[T]`, which give
+every row the bits of a decode step), every projection a packed weight (quantized, or float in the
 packed float kernels' layout: qtype -1, one segment): the ops model/llama.py's modules call in an
 eager CPU decode step, in their order, so the results are their bits. Per layer: one KV cache, two
 norm weights (input, post-attention), four projections (qkv, o, gate_up, down) of `parts` segments
@@ -57,7 +60,7 @@ def _check(hidden, norms, data, qtypes, ns, parts, biases, bias_of, caches) -> N
 
 
 def _decode_layers(hidden, residual, cos, sin, slots, block_ids, seq_lens, norms, data, qtypes, ns, parts, biases,
-                   bias_of, caches, heads, kv_heads, eps, scale, exact):
+                   bias_of, caches, heads, kv_heads, eps, scale, exact, spans=None):
     _check(hidden, norms, data, qtypes, ns, parts, biases, bias_of, caches)
     rows, first = hidden.shape[0], [sum(parts[:i]) for i in range(len(parts))]
 
@@ -75,18 +78,22 @@ def _decode_layers(hidden, residual, cos, sin, slots, block_ids, seq_lens, norms
         else:
             x, res = norm.rms_norm(hidden, res, norms[2 * layer], eps)
         q, _ = rope.rope_kv(project(x, 4 * layer), cos, sin, heads, kv_heads, cache, slots)
-        out = attention.decode_attention(q, cache, block_ids, seq_lens, scale).reshape(rows, -1)
+        if spans is None:
+            out = attention.decode_attention(q, cache, block_ids, seq_lens, scale).reshape(rows, -1)
+        else:
+            out = attention.rows_attention(q, cache, block_ids, spans, seq_lens, scale).reshape(rows, -1)
         h, res = norm.rms_norm(project(out, 4 * layer + 1), res, norms[2 * layer + 1], eps)
         gate, up = project(h, 4 * layer + 2).chunk(2, dim=-1)
         hidden = project(torch.nn.functional.silu(gate) * up, 4 * layer + 3)
     return hidden, res
 
 
-def _fake(hidden, residual, *args):
+def _fake(hidden, residual, *args, **kwargs):
     return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
 
 
 define("decode_layers(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, Tensor slots, Tensor block_ids, "
        "Tensor seq_lens, Tensor[] norms, Tensor[] data, int[] qtypes, int[] ns, int[] parts, Tensor[] biases, "
-       "int[] bias_of, Tensor(a!)[] caches, int heads, int kv_heads, float eps, float scale, bool exact) "
+       "int[] bias_of, Tensor(a!)[] caches, int heads, int kv_heads, float eps, float scale, bool exact, "
+       "Tensor? spans=None) "
        "-> (Tensor, Tensor)", _decode_layers, _fake)

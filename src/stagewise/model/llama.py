@@ -190,14 +190,17 @@ class LlamaForCausalLM(StageModel):
     def _one_call(self, hidden: torch.Tensor, cos: torch.Tensor, batch: ForwardBatch):
         """An eager CPU decode step of a stage whose layers are all plain packed Llama blocks runs
         them in one call of `stagewise::decode_layers` (the same ops, without Python between them):
-        that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules)."""
+        that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules).
+        So does a step of a few rows per sequence (`meta.short_rows`: verify steps, short prompts),
+        its rows attended one by one as decode rows (`rows_attention`): each row gets the bits a
+        decode step gives it, where the modules' cached-prefill attention sums in another order."""
         if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
             return None
         # graph batches (whose attention must see every call) give no kv_target
         if batch is None or self.stage.start == self.stage.end or batch.kv_target(self.stage.start) is None:
             return None
         meta = batch.meta
-        if (hidden.device.type != "cpu" or meta is None or not meta.is_plain_decode
+        if (hidden.device.type != "cpu" or meta is None or not (meta.is_plain_decode or meta.short_rows)
                 or hidden.shape[0] != meta.num_tokens or _get_current_dispatch_mode() is not None
                 or torch.is_grad_enabled() or cos.dtype != hidden.dtype):
             return None
@@ -209,12 +212,17 @@ class LlamaForCausalLM(StageModel):
         caches = batch.kv_caches[self.stage.start:self.stage.end]
         if any(c is None or c.dtype != hidden.dtype or not c.is_contiguous() for c in caches):
             return None
-        grp = meta.groups[0]
-        assert isinstance(grp, _DecodeGroup)    # a plain decode step's one group
+        spans = None
+        if meta.is_plain_decode:
+            grp = meta.groups[0]
+            assert isinstance(grp, _DecodeGroup)    # a plain decode step's one group
+            tables, lens = grp.block_ids, grp.seq_lens
+        else:           # a few rows per sequence (verify steps): each row attended as a decode row
+            tables, spans, lens = meta.span_block_ids, meta.span_rows, meta.row_lens
         return lambda hidden, residual, cos, sin: torch.ops.stagewise.decode_layers(
-            hidden, residual, cos, sin, meta.slot_mapping, grp.block_ids, grp.seq_lens, plan["norms"], plan["data"],
+            hidden, residual, cos, sin, meta.slot_mapping, tables, lens, plan["norms"], plan["data"],
             plan["qtypes"], plan["ns"], plan["parts"], plan["biases"], plan["bias_of"], caches, plan["heads"],
-            plan["kv_heads"], plan["eps"], plan["scale"], plan["exact"])
+            plan["kv_heads"], plan["eps"], plan["scale"], plan["exact"], spans)
 
     def _plan_decode_layers(self) -> dict | None:
         """The flattened weights `stagewise::decode_layers` takes, where every layer of the stage is

@@ -1,5 +1,5 @@
 /* The CPU kernel of stagewise::decode_layers (schema, checks and the Python reference in
-   kernels/layers.py): a decode step's run of Llama-style decoder layers in one call. Each layer
+   kernels/layers.py): a decode (or verify) step's run of Llama-style decoder layers in one call. Each layer
    is the same sequence of ops the model's modules call in an eager step (model/llama.py), each
    called through the dispatcher as they call it, so the results are their bits; what goes is the
    Python between them (~150 us a layer on a 2-core CPU: module calls, argument checks, views). */
@@ -93,7 +93,7 @@ std::tuple<Tensor, Tensor> decode_layers(Tensor hidden, std::optional<Tensor> re
                                          std::vector<Tensor> data, std::vector<int64_t> qtypes, std::vector<int64_t> ns,
                                          std::vector<int64_t> parts, std::vector<Tensor> biases,
                                          std::vector<int64_t> bias_of, std::vector<Tensor> caches, int64_t hq, int64_t hkv,
-                                         double eps, double scale, bool exact) {
+                                         double eps, double scale, bool exact, std::optional<Tensor> spans) {
     int64_t layers = static_cast<int64_t>(caches.size());
     check_lists(layers, norms, data, qtypes, ns, parts, biases, bias_of, caches, hidden);
     int64_t rows = hidden.size(0), seg = 0;
@@ -119,11 +119,19 @@ std::tuple<Tensor, Tensor> decode_layers(Tensor hidden, std::optional<Tensor> re
         std::optional<Tensor> cache = caches[l], slot = slots;
         std::array<StableIValue, 7> r{from(qkv), from(cos), from(sin), from(hq), from(hkv), from(cache), from(slot)};
         call("stagewise::rope_kv", "", r);
-        Tensor q = to<Tensor>(r[0]);
-        std::array<StableIValue, 6> a{from(q), from(caches[l]), from(block_ids), from(seq_lens), from(scale),
-                                      from(per_sequence)};
-        call("stagewise::decode_attention", "", a);
-        Tensor attn = torch::stable::reshape(to<Tensor>(a[0]), {rows, -1});
+        Tensor q = to<Tensor>(r[0]), out;
+        if (spans) {                        // rows in spans of their sequences' block tables
+            std::array<StableIValue, 6> a{from(q), from(caches[l]), from(block_ids), from(*spans), from(seq_lens),
+                                          from(scale)};
+            call("stagewise::rows_attention", "", a);
+            out = to<Tensor>(a[0]);
+        } else {
+            std::array<StableIValue, 6> a{from(q), from(caches[l]), from(block_ids), from(seq_lens), from(scale),
+                                          from(per_sequence)};
+            call("stagewise::decode_attention", "", a);
+            out = to<Tensor>(a[0]);
+        }
+        Tensor attn = torch::stable::reshape(out, {rows, -1});
         auto [h, total] = rms_norm(proj(attn, 4 * l + 1), res, norms[2 * l + 1], eps);
         res = total;
         Tensor gate_up = proj(h, 4 * l + 2);

@@ -52,13 +52,13 @@ typedef void (*exact_direct_fn)(const float*, int64_t, int64_t, const uint8_t*, 
                                 int64_t);
 /* direct tiles of 1 .. MBMAX rows x NV panels, of 1 row x NV1 and 2 rows x NV2 panels (decode);
    blocked tiles of 1 .. MBMAX rows x NV (none for Q8_0, whose codes need no unpacking: extracting
-   them would only copy them); exact direct tiles of 1 row x NV2 panels (decode) and of 1 .. MBMAX
+   them would only copy them); exact direct tiles of 1 row x NV2 panels (decode) and of 1 .. XMB
    rows x NV panels (up to EXACT_DIRECT_ROWS rows: decode and verify steps) */
 typedef struct {
     direct_fn direct[MBMAX + 1], one, two;
     extract_fn extract;
     block_fn block[MBMAX + 1];
-    exact_direct_fn exact_one, exact[MBMAX + 1];
+    exact_direct_fn exact_one, exact[XMB + 1];
 } kernels_t;
 
 #define DIRECT(QT, MB, NVT)                                                                       \
@@ -77,10 +77,14 @@ static void block_##QT##_##MB(const act_t* x, int64_t m0, int64_t c0, int64_t co
 #define EACH_MB(T, QT, ...) T(QT, 1, ##__VA_ARGS__) T(QT, 2, ##__VA_ARGS__) T(QT, 3, ##__VA_ARGS__) \
                             T(QT, 4, ##__VA_ARGS__) T(QT, 5, ##__VA_ARGS__) T(QT, 6, ##__VA_ARGS__)
 #define MB_TABLE(P, S) {0, P##1##S, P##2##S, P##3##S, P##4##S, P##5##S, P##6##S}
+#define EACH_XMB(T, QT) EACH_MB(T, QT) T(QT, 7) T(QT, 8) T(QT, 9) T(QT, 10)
+#define XMB_TABLE(P) {0, P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8, P##9, P##10}
 #else
 #define EACH_MB(T, QT, ...) T(QT, 1, ##__VA_ARGS__) T(QT, 2, ##__VA_ARGS__) T(QT, 3, ##__VA_ARGS__) \
                             T(QT, 4, ##__VA_ARGS__)
 #define MB_TABLE(P, S) {0, P##1##S, P##2##S, P##3##S, P##4##S}
+#define EACH_XMB(T, QT) EACH_MB(T, QT)
+#define XMB_TABLE(P) MB_TABLE(P, )
 #endif
 /* the decode tiles (their names spell NV1 and NV2 as such: ## does not expand them) */
 #define WIDE(QT) DIRECT(QT, 1, NV1) DIRECT(QT, 2, NV2)
@@ -96,23 +100,23 @@ static void block_##QT##_##MB(const act_t* x, int64_t m0, int64_t c0, int64_t co
 #define EXACT_DIRECT(QT, MB, NVT, NAME)                                                           \
 static void NAME(const float* x, int64_t ldx, int64_t m0, const uint8_t* w, int64_t pstride, int64_t K, \
                  const out_t* o, int64_t n0) {                                                    \
-    pvf acc[MBMAX][NVW];                                                                          \
+    pvf acc[XMB][NVW];                                                                            \
     exact_direct_tile(QT, MB, NVT, x, ldx, m0, w, pstride, K, acc);                               \
     store_tile(MB, NVT, &acc[0][0], NVW, o, m0, n0);                                              \
 }
 #define EXACT_NV(QT, MB) EXACT_DIRECT(QT, MB, NV, exact_##QT##_##MB)
-#define EXACTS(QT) EXACT_DIRECT(QT, 1, NV2, exact_one_##QT) EACH_MB(EXACT_NV, QT)
+#define EXACTS(QT) EXACT_DIRECT(QT, 1, NV2, exact_one_##QT) EACH_XMB(EXACT_NV, QT)
 #define KERNELS(QT)                                                                               \
 EACH_MB(DIRECT_NV, QT) WIDE(QT) EACH_MB(BLOCK, QT) EXACTS(QT)                                     \
 static void extract_##QT(const uint8_t* w, int64_t pstride, int64_t c0, int64_t count, chunk_ops_t* ops) { \
     extract_chunks(QT, w, pstride, c0, count, ops);                                               \
 }                                                                                                 \
 static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), extract_##QT,   \
-                                       MB_TABLE(block_##QT##_, ), exact_one_##QT, MB_TABLE(exact_##QT##_, )};
+                                       MB_TABLE(block_##QT##_, ), exact_one_##QT, XMB_TABLE(exact_##QT##_)};
 #define KERNELS_Q8(QT)                                                                            \
 EACH_MB(DIRECT_NV, QT) WIDE(QT) EXACTS(QT)                                                        \
 static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}, exact_one_##QT, \
-                                       MB_TABLE(exact_##QT##_, )};
+                                       XMB_TABLE(exact_##QT##_)};
 KERNELS(Q4_0) KERNELS(Q4_1) KERNELS(Q5_0) KERNELS(Q5_1) KERNELS_Q8(Q8_0) KERNELS(Q4_K) KERNELS(Q5_K) KERNELS(Q6_K)
 
 static const kernels_t* kernels_of(int qt) {
@@ -288,11 +292,13 @@ static void exact_task(exact_job_t* j, int64_t t) {
         sg->k->exact_one(j->xf, j->ldf, 0, sg->w + p0 * sg->pstride, sg->pstride, K, &sg->o, p0 * PANEL);
         return;
     }
-    if (M <= EXACT_DIRECT_ROWS) {                    /* a few rows: in registers, per tile of rows */
+    if (M <= EXACT_DIRECT_ROWS) {     /* a few rows: in registers, in as few tiles of rows as fit, even */
+        int64_t tiles = (r1 - r0 + XMB - 1) / XMB;
         for (int64_t p = p0; p < p1; p += NV)
-            for (int64_t m0 = r0; m0 < r1; m0 += MBMAX) {
-                int64_t mb = r1 - m0 < MBMAX ? r1 - m0 : MBMAX;
+            for (int64_t m0 = r0, left = tiles; m0 < r1; left--) {
+                int64_t mb = (r1 - m0 + left - 1) / left;
                 sg->k->exact[mb](j->xf, j->ldf, m0, sg->w + p * sg->pstride, sg->pstride, K, &sg->o, p * PANEL);
+                m0 += mb;
             }
         return;
     }
