@@ -60,7 +60,7 @@ class GraphVerdict:
     reason: str | None = None    # too_large | padding | disabled | unservable | empty | <caller's word>
 
 
-COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up (float weights only)
+COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden size up (outside the one-call rule below)
 # The architectures whose stages run an eager decode step in one native call where their layers are
 # packed for stagewise's kernels (model/llama.py `_plan_decode_layers`: Llama-family blocks without q/k
 # norms, quantized or float); auto runs them eager.

@@ -66,6 +66,9 @@ class CoreThread(threading.Thread):
         self.pid: int | None = os.getpid()
         self.exitcode: int | None = None
         self._args = (config, engine_factory, inbox, outbox)
+        # the thread's exit and `kill` may close the inbox at once: a second close of its fd would
+        # fail (EBADF) or, worse, close whatever file took the number in between
+        self._closing = threading.Lock()
 
     def run(self) -> None:
         try:
@@ -74,11 +77,13 @@ class CoreThread(threading.Thread):
             logging.getLogger("stagewise.engine").exception("the engine core thread failed")
             self.exitcode = 1
         finally:
-            for conn in self._args[2:]:
-                conn.close()
+            with self._closing:
+                for conn in self._args[2:]:
+                    conn.close()
 
     def kill(self) -> None:
-        self._args[2].close()
+        with self._closing:
+            self._args[2].close()
 
 
 def start_core(config, engine_factory: Callable, in_process: bool = False) -> CorePipes:
