@@ -61,7 +61,7 @@ class AttentionMetadata:
     span_rows: torch.Tensor | None = None
     span_block_ids: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
-    # a step that is not plain decode whose every sequence continues its cache by at most SPAN_ROWS
+    # a CPU step that is not plain decode whose every sequence continues its cache by at most SPAN_ROWS
     # rows (verify steps, decode rows beside them): the spans above are built whatever INVARIANT,
     # for the one-call layers (model/llama.py), whose rows then get decode rows' bits
     short_rows: bool = False
@@ -100,8 +100,8 @@ class AttentionMetadata:
         if cached_prefill:
             meta.groups.append(_prefill_group(cached_prefill, starts, q_lens, s_lens, tables, bs, meta.num_tokens,
                                               device))
-        meta.short_rows = (not meta.is_plain_decode and not meta.causal_spans and meta.num_tokens > 0
-                           and max(query_lens) <= SPAN_ROWS)
+        meta.short_rows = (torch.device(device).type == "cpu" and not meta.is_plain_decode and not meta.causal_spans
+                           and meta.num_tokens > 0 and max(query_lens) <= SPAN_ROWS)
         if (INVARIANT or meta.short_rows) and not meta.is_plain_decode and meta.num_tokens:   # the spans
             per_seq = -(-q_lens // SPAN_ROWS)                                 # [N] spans of each sequence
             seq_of_span = torch.repeat_interleave(torch.arange(n), per_seq)   # [S]

@@ -191,9 +191,10 @@ class LlamaForCausalLM(StageModel):
         """An eager CPU decode step of a stage whose layers are all plain packed Llama blocks runs
         them in one call of `stagewise::decode_layers` (the same ops, without Python between them):
         that call as `fn(hidden, residual, cos, sin) -> (hidden, residual)`, else None (the modules).
-        So does a step of a few rows per sequence (`meta.short_rows`: verify steps, short prompts),
-        its rows attended one by one as decode rows (`rows_attention`): each row gets the bits a
-        decode step gives it, where the modules' cached-prefill attention sums in another order."""
+        So does a step of a few rows per sequence over its cache (`meta.short_rows`: verify steps and
+        decode rows beside them), its rows attended one by one as decode rows (`rows_attention`): each
+        row gets the bits a decode step gives it, where the modules' cached-prefill attention sums in
+        another order."""
         if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
             return None
         # graph batches (whose attention must see every call) give no kv_target

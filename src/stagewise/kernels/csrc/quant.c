@@ -267,10 +267,10 @@ typedef struct {
     int failed;
 } exact_job_t;
 
-/* Rows up to which exact tiles dequantize in registers (each tile of MBMAX rows again); past them,
-   panels are dequantized once into memory for all the rows. Measured on 576 x 3072 (Q4_1, Q4_K,
-   Q8_0): AVX-512 in registers is 1.5-2x faster at 2-9 rows and still ahead at 32; AVX2 (4-row
-   tiles) 1.3-1.9x at 2-9 rows, behind from 16. */
+/* Rows up to which exact tiles dequantize in registers (again for each tile of up to XMB rows);
+   past them, panels are dequantized once into memory for all the rows. Measured on 576 x 3072
+   (Q4_1, Q4_K, Q8_0): AVX-512 in registers is 1.5-2x faster at 2-9 rows and still ahead at 32;
+   AVX2 (4-row tiles) 1.3-1.9x at 2-9 rows, behind from 16. */
 #if QUANT_WIDE
 #define EXACT_DIRECT_ROWS 32
 #else
