@@ -2,8 +2,9 @@
 step in one call gives the modules' bits (hidden states, residual stream, KV cache) over decode
 batches of several sequences, quantized (float32: exact kernels; bfloat16: fast kernels) and float
 weights in the packed kernels' layout, one stage and
-two, biases (Qwen2's qkv, llama_tied's attention and MLP), mixed-type fused projections; stages it
-cannot run fall back to the modules; bad lists are refused by both registrations."""
+two, biases (Qwen2's qkv, llama_tied's attention and MLP), mixed-type fused projections; a verify
+step (several rows a sequence) gives the bits of decoding its rows one by one; stages it cannot run
+fall back to the modules; bad lists are refused by both registrations."""
 
 import numpy as np
 import pytest

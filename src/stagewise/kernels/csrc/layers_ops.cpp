@@ -1,8 +1,9 @@
 /* The CPU kernel of stagewise::decode_layers (schema, checks and the Python reference in
-   kernels/layers.py): a decode (or verify) step's run of Llama-style decoder layers in one call. Each layer
-   is the same sequence of ops the model's modules call in an eager step (model/llama.py), each
-   called through the dispatcher as they call it, so the results are their bits; what goes is the
-   Python between them (~150 us a layer on a 2-core CPU: module calls, argument checks, views). */
+   kernels/layers.py): a decode (or verify) step's run of Llama-style decoder layers in one call.
+   Each layer is the same sequence of ops the model's modules call in an eager step
+   (model/llama.py), each called through the dispatcher as they call it, so the results are their
+   bits; what goes is the Python between them (~150 us a layer on a 2-core CPU: module calls,
+   argument checks, views). */
 #include <array>
 #include <tuple>
 
