@@ -219,6 +219,7 @@ class LlamaForCausalLM(StageModel):
             assert isinstance(grp, _DecodeGroup)    # a plain decode step's one group
             tables, lens = grp.block_ids, grp.seq_lens
         else:           # a few rows per sequence (verify steps): each row attended as a decode row
+            assert meta.span_block_ids is not None and meta.row_lens is not None    # built with short_rows
             tables, spans, lens = meta.span_block_ids, meta.span_rows, meta.row_lens
         return lambda hidden, residual, cos, sin: torch.ops.stagewise.decode_layers(
             hidden, residual, cos, sin, meta.slot_mapping, tables, lens, plan["norms"], plan["data"],
