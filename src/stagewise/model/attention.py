@@ -102,7 +102,7 @@ class AttentionMetadata:
                                               device))
         meta.short_rows = (torch.device(device).type == "cpu" and not meta.is_plain_decode and not meta.causal_spans
                            and meta.num_tokens > 0 and max(query_lens) <= SPAN_ROWS)
-        if (INVARIANT or meta.short_rows) and not meta.is_plain_decode and meta.num_tokens:   # the spans
+        if meta.short_rows or (INVARIANT and not meta.is_plain_decode and meta.num_tokens):   # the spans
             per_seq = -(-q_lens // SPAN_ROWS)                                 # [N] spans of each sequence
             seq_of_span = torch.repeat_interleave(torch.arange(n), per_seq)   # [S]
             first = torch.arange(seq_of_span.numel()) - (torch.cumsum(per_seq, 0) - per_seq)[seq_of_span]
