@@ -5,7 +5,10 @@ a STREAM-like read-bandwidth probe, so each figure is also a fraction of what th
 Every configuration runs in its own process, rounds alternate, each cell is the best of its rounds
 (the machine is shared). Prints one markdown table; `--json` writes the raw figures too.
 
-    python -m benchmarks.offline cpu-limit [--rounds 2] [--tokens 64] [--llamacpp-python PATH]
+    python -m benchmarks.offline cpu-limit [--rounds 2] [--tokens 64] [--llamacpp-python PATH] [--glibc-too]
+
+stagewise's children run on the allocator the command line would choose (tcmalloc where the machine
+has it: runtime/allocator.py); `--glibc-too` adds eager cells on glibc's malloc.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ def spawn(spec: dict, python: str = sys.executable) -> dict:
         env.pop(var, None)
     if spec.get("env"):
         env.update(spec["env"])
+    if spec["engine"] == "stagewise":      # the allocator the command line would run on (runtime/allocator.py)
+        from stagewise.runtime import allocator
+        env = allocator.preload_env(env) or env
     proc = subprocess.run([python, str(WORKER), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--env", default="", help="extra environment for the stagewise children, K=V,K=V")
     ap.add_argument("--before", default="", help="a `git archive REV src` tree: its stagewise runs beside "
                     "this one's, as 'before' cells in the same rounds")
+    ap.add_argument("--glibc-too", action="store_true", help="eager cells on glibc's malloc as well "
+                    "(STAGEWISE_MALLOC=system), where the command line would preload tcmalloc")
     ap.add_argument("--json")
     args = ap.parse_args()
     extra = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
@@ -79,6 +87,9 @@ def main() -> None:
         for eager in (True, False):
             cells[f"stagewise {'eager' if eager else 'compiled'} {threads}t"] = dict(
                 engine="stagewise", threads=threads, eager=eager, env=extra)
+        if args.glibc_too:
+            cells[f"stagewise eager glibc malloc {threads}t"] = dict(
+                engine="stagewise", threads=threads, eager=True, env=dict(extra, STAGEWISE_MALLOC="system"))
         cells[f"llama.cpp {threads}t"] = dict(engine="llama.cpp", threads=threads)
         for eager in (True, False):
             if args.before:

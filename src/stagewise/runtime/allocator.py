@@ -1,10 +1,21 @@
-"""Keep freed activation memory in the process (glibc malloc settings, once per stage process).
+"""The process's memory allocator: glibc malloc settings that keep freed activation memory (once per
+stage process), and tcmalloc for the command line where the machine has it.
 
 glibc hands blocks above its mmap threshold straight back to the kernel on free and trims the
 heap top, so every large temporary (a [512, 1536] activation is 3 MiB) comes back as fresh pages
 that fault on first touch: an RMSNorm over 512x576 fp32 takes ~1 ms instead of ~0.1 ms. Raising
 both thresholds keeps those pages mapped for the next step (vLLM gets the same by preloading
 tcmalloc). A no-op where the C library is not glibc.
+
+The command line goes further where the machine has tcmalloc (or jemalloc): it re-executes itself
+once with that allocator preloaded (`reexec`). A decode step creates and frees hundreds of small
+tensors (each op's output and its handles); under glibc a request of 1 KiB or more first merges the
+freed small chunks and the next small requests split them again, ~1 ms of the default model's 7-11
+ms batch-1 step, which tcmalloc's per-thread caches do not pay (benchmarks/RESULTS.md, "Memory
+allocator"). A preload must be in place when the process starts, so it happens before torch loads;
+the processes the command starts (engine cores, stages) inherit it. `STAGEWISE_MALLOC`: `auto` (the
+default), `system` (glibc's malloc), or the path of a library. Python programs (`LLM`) choose their
+own: `LD_PRELOAD=libtcmalloc_minimal.so.4 python app.py`.
 
 Raised while the weights load, they would also keep what loading freed (file bytes read, unpacking
 temporaries: ~40 MiB for the default model), and so would glibc's defaults, whose thresholds grow
@@ -17,6 +28,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from .. import envs
 
 log = logging.getLogger("stagewise.runtime")
 
@@ -66,3 +83,58 @@ def release_load_temporaries() -> bool:
         return bool(libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+# by preference: gperftools' tcmalloc (Debian/Ubuntu libtcmalloc-minimal4, Fedora gperftools-libs), then jemalloc
+LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
+KNOWN = ("tcmalloc", "jemalloc", "mimalloc")
+# tcmalloc reports each allocation over 1 GiB on stderr: a large checkpoint's tensors are not news
+QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
+
+
+def loaded(maps: str = "/proc/self/maps") -> str | None:
+    """The replacement allocator mapped into this process (its file name), None under glibc's malloc."""
+    try:
+        text = Path(maps).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name = line.rsplit("/", 1)[-1]
+        if any(name.startswith(f"lib{k}") for k in KNOWN):
+            return name
+    return None
+
+
+def preload_env(environ: Mapping[str, str], find: Callable[[str], str | None] = ctypes.util.find_library
+                ) -> dict[str, str] | None:
+    """`environ` with the allocator added to LD_PRELOAD, or None where nothing should change:
+    STAGEWISE_MALLOC=system, an allocator preloaded already, none found."""
+    choice = envs.value_in("STAGEWISE_MALLOC", environ)
+    preload = environ.get("LD_PRELOAD", "")
+    if choice == "system" or any(k in preload for k in KNOWN):
+        return None
+    library = choice if choice != "auto" else next((lib for name in LIBRARIES if (lib := find(name))), None)
+    if not library or library in preload.split():
+        return None
+    return {**QUIET, **environ, "LD_PRELOAD": f"{library} {preload}".strip()}
+
+
+def reexec() -> None:
+    """Re-execute this command line with the allocator preloaded; returns where nothing changes (see
+    `preload_env`, or an allocator mapped already). Call it first, before torch loads."""
+    env = preload_env(os.environ)
+    if env is not None and loaded() is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+
+
+def describe() -> str:
+    """For the start-up log: the allocator this process runs on."""
+    name = loaded()
+    if name:
+        return f"memory allocator: {name}"
+    if envs.STAGEWISE_MALLOC == "system":
+        return "memory allocator: glibc malloc (STAGEWISE_MALLOC=system)"
+    return ("memory allocator: glibc malloc; with tcmalloc installed (Debian/Ubuntu: apt install "
+            "libtcmalloc-minimal4) the command line preloads it: ~10% faster CPU decode steps")
