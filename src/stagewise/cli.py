@@ -176,13 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:          # called in-process (tests, embedding): this call is the command
         _STARTED = time.perf_counter()
     args = build_parser().parse_args(argv)
+    from .runtime import allocator
     if argv is None:              # the command line's own process: tcmalloc where the machine has it
-        from .runtime import allocator
         allocator.reexec()
     _start_process()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if argv is None and args.command in ("generate", "serve", "bench"):
-        from .runtime import allocator
         logging.getLogger("stagewise.cli").info(allocator.describe())
     code = _run(args)
     if argv is None and "torch" in sys.modules:
