@@ -35,7 +35,7 @@ BUSY = "stagewise_stage_busy_seconds_total"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in demo model)")
+    p.add_argument("--model", default=None, help="HF checkpoint dir or GGUF file (default: the built-in demo model)")
     p.add_argument("--pp-sizes", default="1,2", help="comma-separated pipeline sizes to compare")
     p.add_argument("--num-clients", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64)
@@ -133,7 +133,11 @@ def main(argv=None) -> None:
         model_dir = str(ensure_demo_model())
     else:
         model_dir = args.model
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    if Path(model_dir).is_file():          # a GGUF file: its embedding's rows
+        from stagewise.gguf_meta import gguf_facts
+        vocab = gguf_facts(model_dir).shapes["token_embd.weight"][0]
+    else:
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     requests = workload(args, vocab)
     headers = ["PP", "requests", "wall s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                "TPOT p99 ms", "stage busy (per stage)"]

@@ -97,7 +97,7 @@ VARIABLES: tuple[Variable, ...] = (
              "average) ([Memory and threads](memory-threads.md))", _on_unless_zero),
     Variable("STAGEWISE_MALLOC", "`auto` \\| `system` \\| path", "`auto`",
              "the command line's memory allocator: `auto` re-executes it once with tcmalloc (or jemalloc) preloaded "
-             "where the machine has one (~10% faster CPU decode steps than glibc's malloc), `system` keeps glibc's "
+             "where the machine has one (5-10% faster CPU steps than glibc's malloc), `system` keeps glibc's "
              "malloc, a path preloads that library ([Memory and threads](memory-threads.md))", _malloc),
     Variable("STAGEWISE_BALANCE_MICRO_BATCHES", "`0`", "unset (balanced)",
              "benchmark lever: `0` fills the plans in flight first come first served instead of splitting the "

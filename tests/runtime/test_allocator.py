@@ -16,7 +16,6 @@ def test_auto_preloads_the_first_allocator_found_and_keeps_the_rest_of_the_envir
     assert env is not None
     assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 libfoo.so" and env["PATH"] == "/bin"
     assert int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
-    assert env["TCMALLOC_AGGRESSIVE_DECOMMIT"] == "true"
     only_jemalloc = allocator.preload_env({}, {"jemalloc": "libjemalloc.so.2"}.get)
     assert only_jemalloc is not None and only_jemalloc["LD_PRELOAD"] == "libjemalloc.so.2"
     # a threshold the user set wins over ours
@@ -73,12 +72,11 @@ def test_the_command_line_runs_on_tcmalloc_where_the_machine_has_it(tmp_path):
 
 
 def test_load_temporaries_go_back_to_the_kernel_under_tcmalloc_too():
-    """Under a preloaded tcmalloc (its freed pages kept, as without aggressive decommit),
-    `release_load_temporaries` hands them back through tcmalloc's own interface."""
+    """Under a preloaded tcmalloc (which keeps freed pages), `release_load_temporaries` hands them
+    back through tcmalloc's own interface."""
     env = allocator.preload_env({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "STAGEWISE_MALLOC")})
     if env is None or "tcmalloc" not in env["LD_PRELOAD"]:
         pytest.skip("no tcmalloc on this machine (CI installs it)")
-    env["TCMALLOC_AGGRESSIVE_DECOMMIT"] = "false"
     code = """
 from stagewise.runtime.allocator import loaded, release_load_temporaries
 def rss():

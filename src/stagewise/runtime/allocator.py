@@ -7,21 +7,22 @@ that fault on first touch: an RMSNorm over 512x576 fp32 takes ~1 ms instead of ~
 both thresholds keeps those pages mapped for the next step (vLLM gets the same by preloading
 tcmalloc). A no-op where the C library is not glibc.
 
-The command line goes further where the machine has tcmalloc (or jemalloc): it re-executes itself
-once with that allocator preloaded (`reexec`). A decode step creates and frees hundreds of small
-tensors (each op's output and its handles); under glibc a request of 1 KiB or more first merges the
-freed small chunks and the next small requests split them again, ~1 ms of the default model's 7-11
-ms batch-1 step, which tcmalloc's per-thread caches do not pay (benchmarks/RESULTS.md, "Memory
-allocator"). A preload must be in place when the process starts, so it happens before torch loads;
-the processes the command starts (engine cores, stages) inherit it. `STAGEWISE_MALLOC`: `auto` (the
-default), `system` (glibc's malloc), or the path of a library. Python programs (`LLM`) choose their
-own: `LD_PRELOAD=libtcmalloc_minimal.so.4 python app.py`.
-
 Raised while the weights load, they would also keep what loading freed (file bytes read, unpacking
 temporaries: ~40 MiB for the default model), and so would glibc's defaults, whose thresholds grow
 with the first large block freed (a 30 MiB embedding). So a stage loads under low fixed thresholds
 (`return_freed_memory`), hands back the free heap pages once its weights are in place
 (`release_load_temporaries`), and only then raises them (runtime/setup.py).
+
+The command line goes further where the machine has tcmalloc (or jemalloc): it re-executes itself
+once with that allocator preloaded (`reexec`). A decode step creates and frees hundreds of small
+tensors (each op's output and its handles); under glibc a request of 1 KiB or more first merges the
+freed small chunks and the next small requests split them again, up to ~1 ms of the default model's
+6-10 ms batch-1 step, which tcmalloc's per-thread caches do not pay (benchmarks/RESULTS.md, "CPU at
+the hardware's limit", third round: 16 served clients 6-9% more tokens/s). A preload must be in place
+when the process starts, so it happens before torch loads; the processes the command starts (engine
+cores, stages) inherit it. `STAGEWISE_MALLOC`: `auto` (the default), `system` (glibc's malloc), or the
+path of a library. Python programs (`LLM`) choose their own:
+`LD_PRELOAD=libtcmalloc_minimal.so.4 python app.py`.
 """
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ def release_load_temporaries() -> bool:
 # by preference: gperftools' tcmalloc (Debian/Ubuntu libtcmalloc-minimal4, Fedora gperftools-libs), then jemalloc
 LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
 KNOWN = ("tcmalloc", "jemalloc", "mimalloc")
-# tcmalloc's settings (a user's own win): freed pages go back to the kernel at once, as under glibc's
-# thresholds while loading (the default model's peak RSS 377 MiB against 412 without, glibc's 369; its steps as
-# fast), and no report on stderr of each allocation over 1 GiB (a large checkpoint's tensors are not news)
-TCMALLOC_ENV = {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
+# tcmalloc's settings (a user's own win): no report on stderr of each allocation over 1 GiB (a large
+# checkpoint's tensors are not news). Its freed pages stay for the next step, as glibc's raised thresholds
+# keep them: TCMALLOC_AGGRESSIVE_DECOMMIT=true cut the default model's peak RSS from ~400 to 377 MiB (glibc
+# 369) at batch 1, but served 16 clients 10% slower than glibc's malloc (a batch's temporaries faulted in anew
+# every step), where without it 9% faster.
+TCMALLOC_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 
 
 def loaded(maps: str = "/proc/self/maps") -> str | None:
@@ -144,4 +147,4 @@ def describe() -> str:
     if envs.STAGEWISE_MALLOC == "system":
         return "memory allocator: glibc malloc (STAGEWISE_MALLOC=system)"
     return ("memory allocator: glibc malloc; with tcmalloc installed (Debian/Ubuntu: apt install "
-            "libtcmalloc-minimal4) the command line preloads it: ~10% faster CPU decode steps")
+            "libtcmalloc-minimal4) the command line preloads it: 5-10% faster CPU steps")
