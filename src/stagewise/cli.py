@@ -178,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .runtime import allocator
     if argv is None:              # the command line's own process: tcmalloc where the machine has it
-        allocator.reexec()
+        try:
+            allocator.reexec()
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     _start_process()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if argv is None and args.command in ("generate", "serve", "bench"):

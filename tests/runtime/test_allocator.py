@@ -33,11 +33,22 @@ def test_nothing_changes_where_no_allocator_is_installed():
     assert allocator.preload_env({}, lambda name: None) is None
 
 
-def test_a_path_preloads_that_library_and_a_bad_value_is_one_sentence():
-    env = allocator.preload_env({"STAGEWISE_MALLOC": "/opt/lib/libmimalloc.so"}, lambda name: None)
-    assert env is not None and env["LD_PRELOAD"] == "/opt/lib/libmimalloc.so"
+def test_a_path_preloads_that_library_and_a_bad_value_is_one_sentence(tmp_path):
+    library = tmp_path / "libmimalloc.so"
+    library.write_bytes(b"")
+    env = allocator.preload_env({"STAGEWISE_MALLOC": str(library)}, lambda name: None)
+    assert env is not None and env["LD_PRELOAD"] == str(library)
     with pytest.raises(ValueError, match="STAGEWISE_MALLOC must be auto, system or the absolute path"):
         allocator.preload_env({"STAGEWISE_MALLOC": "fast"}, FOUND.get)
+    with pytest.raises(ValueError, match="STAGEWISE_MALLOC names /nowhere/libx.so, which is not a file"):
+        allocator.preload_env({"STAGEWISE_MALLOC": "/nowhere/libx.so"}, FOUND.get)
+    out = subprocess.run([sys.executable, "-m", "stagewise", "generate", "--model", "demo"],
+                         env={**os.environ, "STAGEWISE_MALLOC": "/nowhere/libx.so"}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == ("error: STAGEWISE_MALLOC names /nowhere/libx.so, which is "
+                                                          "not a file; give the path of an allocator library (e.g. "
+                                                          "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4), auto "
+                                                          "or system."), out.stderr
 
 
 def test_loaded_reads_the_process_maps(tmp_path):

@@ -123,6 +123,9 @@ def preload_env(environ: Mapping[str, str], find: Callable[[str], str | None] = 
     preload = environ.get("LD_PRELOAD", "")
     if choice == "system" or any(k in preload for k in KNOWN):
         return None
+    if choice != "auto" and not Path(choice).is_file():
+        raise ValueError(f"STAGEWISE_MALLOC names {choice}, which is not a file; give the path of an allocator "
+                         "library (e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4), auto or system.")
     library = choice if choice != "auto" else next((lib for name in LIBRARIES if (lib := find(name))), None)
     if not library or library in preload.split():
         return None
