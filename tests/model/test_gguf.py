@@ -252,10 +252,14 @@ def test_generate_with_no_model_answers_with_smollm2(smollm2, capsys):
 
 
 @pytest.mark.slow
-def test_generate_peak_rss_on_the_default_model(smollm2):
-    """issue 49: the default model's `stagewise generate` peaks within ~2x llama.cpp's 191 MiB (378 MiB
-    measured: torch ~206 MiB, weights 92 MiB, tokenizer ~30 MiB). The bound has room for noise; the
-    header parse (+130 MiB) or load temporaries kept in the heap (+40 MiB) push it over."""
+@pytest.mark.parametrize("malloc, bound", [("system", 400), ("auto", 425)])
+def test_generate_peak_rss_on_the_default_model(smollm2, malloc, bound):
+    """issue 49: the default model's `stagewise generate` peaks within ~2x llama.cpp's 191 MiB on glibc's
+    malloc (368-378 MiB measured: torch ~206 MiB, weights 92 MiB, tokenizer ~30 MiB). The bound has room
+    for noise; the header parse (+130 MiB) or load temporaries kept in the heap (+40 MiB) push it over.
+    With tcmalloc preloaded (where the machine has it) ~400 MiB: it keeps freed pages for the next step;
+    the load's temporaries kept too (+12 MiB) push it over."""
+    import os
     import subprocess
     import sys
     load_tokenizer(smollm2)      # converted and cached here: the converter child (transformers) is not measured
@@ -263,6 +267,6 @@ def test_generate_peak_rss_on_the_default_model(smollm2):
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10)")   # kB on Linux -> MiB
     done = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "stagewise", "--log-level", "ERROR",
                            "generate", "--model", str(smollm2), "--prompt", "Hello", "--max-tokens", "8"],
-                          check=True, capture_output=True, text=True)
+                          check=True, capture_output=True, text=True, env={**os.environ, "STAGEWISE_MALLOC": malloc})
     peak_mib = int(done.stdout)
-    assert peak_mib < 400, f"stagewise generate peaked at {peak_mib} MiB"
+    assert peak_mib < bound, f"stagewise generate (STAGEWISE_MALLOC={malloc}) peaked at {peak_mib} MiB"

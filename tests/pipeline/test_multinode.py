@@ -608,6 +608,10 @@ def test_node_sent_sigterm_leaves_in_order(elastic):
 BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
        "num_key_value_heads": 4}
 CLUSTER_LIMITS_MIB = (1500, 1400, 1400)     # each node's own processes (driver, headless) use ~300-400 MiB
+# NOTE: nodes 1 and 2 must report alike (then node 2 waits as a standby). On tcmalloc (the command line's
+# allocator where installed) node 1 reported 0.98 GiB available and node 2 1.06 (on glibc both 1.08), so the
+# plan took node 2 for the bigger node and rebuilt; the cause is not found yet: these nodes run on glibc.
+LIKE_NODES = {"STAGEWISE_MALLOC": "system"}
 CLUSTER_OPTIONS = {"pp_size": 2, "nnodes": 3, "min_nodes": 2, "dtype": "float32", "pipeline_spares": False,
                    "max_tokens": 48}
 
@@ -651,7 +655,8 @@ def cluster3(make_cluster, big_llama_dir, tmp_path_factory):
     (gate / "0").touch()
     n0, n1, n2 = cluster.nodes
     run = {"hosts": (n0, n1, n2), "gate": gate, "log_dir": log_dir,
-           "worker": Node(n1, _cluster_node_args(big_llama_dir, 1, n0.address), log_dir, "cluster-node1"),
+           "worker": Node(n1, _cluster_node_args(big_llama_dir, 1, n0.address), log_dir, "cluster-node1",
+                          env=LIKE_NODES),
            "driver": Node(n0, [sys.executable, "-c", HEAL_DRIVER, str(big_llama_dir), n0.address, str(PORT),
                                str(HEAL_DIST_TIMEOUT_S), str(REJOIN_S), str(gate), json.dumps(CLUSTER_OPTIONS)],
                           log_dir, "cluster-node0")}
@@ -685,7 +690,7 @@ def test_cluster_node_that_joins_waits_as_standby(cluster3, big_llama_dir):
     and the pipeline is not stopped."""
     n2 = cluster3["hosts"][2]
     standby = cluster3["standby"] = Node(n2, _cluster_node_args(big_llama_dir, 2, cluster3["hosts"][0].address),
-                                         cluster3["log_dir"], "cluster-node2")
+                                         cluster3["log_dir"], "cluster-node2", env=LIKE_NODES)
     standby.wait_for(lambda: "joins the next one" in standby.stderr(), what="node 2 waiting to join")
     driver = cluster3["driver"]
     (cluster3["gate"] / "1").touch()
