@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import peer_python
+from stagewise.runtime import allocator
 
 MARK = "CPU-LIMIT "
 DEFAULT_GGUF = Path("~/.cache/stagewise/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
@@ -49,7 +50,6 @@ def spawn(spec: dict, python: str = sys.executable) -> dict:
     if spec.get("env"):
         env.update(spec["env"])
     if spec["engine"] == "stagewise":      # the allocator the command line would run on (runtime/allocator.py)
-        from stagewise.runtime import allocator
         env = allocator.preload_env(env) or env
     proc = subprocess.run([python, str(WORKER), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=900)
