@@ -33,8 +33,8 @@ PARTS = [
     ("model step (layers, kernels, graphs)", ("/model/", "/kernels/", "/graph/", "/runtime/worker", "/runtime/")),
     ("sampling", ("/sampler", "sampling")),
     ("scheduling and KV blocks", ("/engine/scheduler", "/engine/block_manager", "/engine/inputs")),
-    ("outputs: detokenize, stop checks, deltas", ("/engine/outputs", "/serve/deltas", "/engine/stats")),
-    ("engine loop and messages", ("/engine/", "/serve/", "/recovery/", "/grammar/", "/executor/")),
+    ("outputs: detokenize, stop checks, deltas", ("/engine/outputs", "/core/deltas", "/engine/stats")),
+    ("engine loop and messages", ("/engine/", "/core/", "/recovery/", "/grammar/", "/executor/")),
     ("HTTP server (routes, streaming)", ("/server/",)),
 ]
 LIBRARIES = [("HTTP server (routes, streaming)", ("uvicorn", "starlette", "fastapi", "h11", "httptools", "pydantic")),

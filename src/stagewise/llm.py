@@ -1,12 +1,13 @@
 """LLM: the offline API (vLLM-style). Generates a batch to completion and returns one
 RequestOutput per input, in input order, through the engine client a caller in this process uses
-(serve/client.py: `InprocClient`, the engine on this thread)."""
+(core/client.py: `InprocClient`, the engine on this thread)."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Sequence
 
 from .config import EngineConfig
+from .core.client import InprocClient, PromptInput
 from .errors import PromptTooLongError
 from .model.source import resolve_model
 from .multimodal.encoder import VisionEncoder
@@ -14,7 +15,6 @@ from .multimodal.families import vision_encoder
 from .multimodal.images import limits_of
 from .multimodal.messages import has_images, split_images
 from .request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
-from .serve.client import InprocClient, PromptInput
 
 log = logging.getLogger("stagewise")
 

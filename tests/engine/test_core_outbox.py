@@ -6,10 +6,10 @@ import os
 import threading
 import time
 
+from stagewise.core.core import EngineCore
+from stagewise.core.wire import EngineOutputs, StopEngine, recv_core, send
 from stagewise.engine.outputs import StepOutputs
 from stagewise.request import CompletionOutput, RequestOutput
-from stagewise.serve.core import EngineCore
-from stagewise.serve.wire import EngineOutputs, StopEngine, recv_core, send
 
 CHUNK = "x" * 65536          # one step's new text: a whole pipe buffer on Linux
 
@@ -76,7 +76,7 @@ NICE_PROBE = """
 import os, sys, threading
 sys.path.insert(0, {tests!r})
 from test_core_outbox import ChattyEngine
-from stagewise.serve.core_runner import kill_core, start_core, yield_cpu_to_core
+from stagewise.core.core_runner import kill_core, start_core, yield_cpu_to_core
 base = os.getpriority(os.PRIO_PROCESS, 0)
 pipes = start_core(12, ChattyEngine)
 yield_cpu_to_core()

@@ -132,7 +132,7 @@ def test_an_engine_process_leaves_no_semaphore_behind(tmp_path):
     script.write_text(textwrap.dedent("""
         import multiprocessing as mp, os
         def child():
-            from stagewise.serve.core import _thread_lock_for_progress_bars
+            from stagewise.core.core import _thread_lock_for_progress_bars
             _thread_lock_for_progress_bars()
             from tqdm import tqdm
             for _ in tqdm(range(2)):

@@ -141,7 +141,7 @@ def fake_server(request, tmp_path):
     engine dies of a stage failure ("dead") or of a bug at step 4, or when `spec.dead_flag` is written."""
     import uvicorn
 
-    from stagewise.serve.client import EngineClient
+    from stagewise.core.client import EngineClient
     from stagewise.server.app import build_app
     from stagewise.server.options import ServerOptions
     failure, layout = request.param

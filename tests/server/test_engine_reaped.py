@@ -27,7 +27,7 @@ def _state(pid: int) -> str | None:
 def test_engine_process_is_reaped_after_a_stage_death(tmp_path):
     import uvicorn
 
-    from stagewise.serve.client import EngineClient
+    from stagewise.core.client import EngineClient
     from stagewise.server.app import build_app, uvicorn_config
     from stagewise.server.options import ServerOptions
     spec = SimpleNamespace(die_at_step=10**9, bug=False, dead_flag=str(tmp_path / "stage-died"))

@@ -23,7 +23,7 @@ except ImportError:
 def fake_url(tmp_path_factory):
     import uvicorn
 
-    from stagewise.serve.client import EngineClient
+    from stagewise.core.client import EngineClient
     from stagewise.server.app import build_app, uvicorn_config
     from stagewise.server.options import ServerOptions
     spec = SimpleNamespace(die_at_step=10**9, bug=False, dead_flag=str(tmp_path_factory.mktemp("fake") / "never"))

@@ -77,7 +77,7 @@ def test_a_core_reaped_elsewhere_is_not_reported_alive(caplog):
     import multiprocessing as mp
     import os
 
-    from stagewise.serve.core_runner import CorePipes, stop_core
+    from stagewise.core.core_runner import CorePipes, stop_core
     proc = mp.get_context("fork").Process(target=_exit_at_once)
     proc.start()
     os.waitpid(proc.pid, 0)                            # the other reaper

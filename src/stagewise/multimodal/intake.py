@@ -28,7 +28,7 @@ class ImageIntake:
 
     def prompt(self, text: str, parts: ImageParts):
         """The rendered conversation and its images -> a prompt of embeddings (ImageError on a bad image)."""
-        from ..serve.client import PromptInput
+        from ..core.client import PromptInput
         images = self.encoder.load_images(list(parts))
         return PromptInput(input_embeds=self.encoder.from_text(self.tok, text, images).input_embeds)
 

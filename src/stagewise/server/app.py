@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import EngineConfig
+from ..core.client import EngineClient
 from ..executor.hygiene import freeze_heap
 from ..multimodal.images import limits_of
 from ..multimodal.intake import image_intake
-from ..serve.client import EngineClient
 from . import routes, utility
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard, host_allowed, host_check_for

@@ -14,9 +14,9 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..core.client import PromptInput
 from ..grammar.limits import GrammarRefused, check_limits
 from ..request import SamplingParams, StructuredOutputs
-from ..serve.client import PromptInput
 from .completions import CompletionShape
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, NativeShape, Shape

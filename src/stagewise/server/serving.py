@@ -23,10 +23,10 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
+from ..core.client import EngineClient, PromptInput, ServerUnavailable, Submission
 from ..engine.inputs import num_tokens
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
-from ..serve.client import EngineClient, PromptInput, ServerUnavailable, Submission
 from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error, overloaded
 from .options import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_LOGPROB_ENTRIES
 

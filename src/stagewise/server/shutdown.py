@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from ..serve.client import EngineClient
+from ..core.client import EngineClient
 
 log = logging.getLogger("stagewise.server")
 FLUSH_S = 2.0          # after the cut: time for the last events to reach their clients

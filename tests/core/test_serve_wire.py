@@ -1,6 +1,6 @@
-"""The client ↔ engine core wire (serve/wire.py): every message type round-trips with realistic
+"""The client ↔ engine core wire (core/wire.py): every message type round-trips with realistic
 contents and exact field types, errors cross as records and come back as the same classes, a
-malformed frame (a pickle included) is a WireError naming the sender, and serve/ imports no pickle.
+malformed frame (a pickle included) is a WireError naming the sender, and core/ imports no pickle.
 (Named apart from tests/pipeline/test_wire.py: test modules here share one namespace.)"""
 from __future__ import annotations
 
@@ -15,13 +15,10 @@ import pytest
 import torch
 
 from stagewise.config import EngineConfig
-from stagewise.errors import CheckpointNotFoundError, EngineDeadError
-from stagewise.grammar.limits import GrammarLimits
-from stagewise.request import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
-from stagewise.serve.client import EngineClient
-from stagewise.serve.core import ENGINE_FAULT, EngineCore
-from stagewise.serve.deltas import DeltaEncoder, OutputAssembler
-from stagewise.serve.wire import (
+from stagewise.core.client import EngineClient
+from stagewise.core.core import ENGINE_FAULT, EngineCore
+from stagewise.core.deltas import DeltaEncoder, OutputAssembler
+from stagewise.core.wire import (
     AbortRequests,
     AddRequests,
     EngineDied,
@@ -40,6 +37,9 @@ from stagewise.serve.wire import (
     decode_core,
     encode,
 )
+from stagewise.errors import CheckpointNotFoundError, EngineDeadError
+from stagewise.grammar.limits import GrammarLimits
+from stagewise.request import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
 
 SERVE = Path(__file__).parents[2] / "src" / "stagewise" / "serve"
 

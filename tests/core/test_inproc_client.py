@@ -1,4 +1,4 @@
-"""The in-process engine client (serve/client.py: InprocClient), the way the offline LLM reaches its
+"""The in-process engine client (core/client.py: InprocClient), the way the offline LLM reaches its
 engine: a request is handed over as the server's client takes it (a PromptInput), a text prompt alone
 is tokenized by the engine (so its output echoes the text), ids or embeddings go as they are, and a
 bad one is refused by the engine's own checks, nothing queued."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stagewise.config import EngineConfig
+from stagewise.core.client import InprocClient, PromptInput
 from stagewise.grammar.limits import GrammarLimits
 from stagewise.request import SamplingParams
-from stagewise.serve.client import InprocClient, PromptInput
 
 
 class RecordingEngine:

@@ -6,7 +6,7 @@ nothing on this boundary is pickled (a frame that is not such a message raises W
 Client → core: `AddRequests`, `AbortRequests`, `StopEngine`. Core → client: `EngineReady` or
 `EngineFailed` once at start-up, then `EngineOutputs` per published step, and `EngineDied` at
 most once. Outputs travel as `OutputDelta`s (what changed since the last one), so a step's
-message is O(new tokens), not O(whole output); `serve/deltas.py` makes and applies them.
+message is O(new tokens), not O(whole output); `core/deltas.py` makes and applies them.
 """
 from __future__ import annotations
 
