@@ -47,21 +47,26 @@ def parse_size(value, name: str) -> int:
     return size
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Draft-free speculative decoding (vLLM's `speculative_config`): the driver proposes up to
-    `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's
-    suffix (`prompt_lookup_max` down to `prompt_lookup_min` tokens long), verified in one forward.
+    """Speculative decoding (vLLM's `speculative_config`): the driver proposes up to
+    `num_speculative_tokens` tokens per running request, verified in one forward through the
+    pipeline. `ngram`: the tokens that followed the latest earlier occurrence of the sequence's
+    suffix (`prompt_lookup_max` down to `prompt_lookup_min` tokens long). `draft_model`: a small
+    `model` of the same tokenizer, run greedily beside the driver (one process, its own KV cache of
+    `draft_kv_cache_memory` bytes, its prefix cache keeping each request's context).
     A request whose acceptance over its last `backoff_window` proposed tokens falls below
     `backoff_min_acceptance` stops proposing for `backoff_steps` steps (twice as long each time
     it happens again to the request, up to 8x). With `adaptive_draft_length` a request proposes
     at most one more draft than it last accepted, and twice as many after a fully accepted step
     (up to `num_speculative_tokens`)."""
     method: str = "ngram"
+    model: str | None = None
+    draft_kv_cache_memory: int | str = "256MiB"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -74,6 +79,11 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}.")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config needs a model (a checkpoint directory or .gguf file of the same "
+                             "tokenizer) with method draft_model, and none with ngram.")
+        _set(self, "draft_kv_cache_memory", parse_size(self.draft_kv_cache_memory,
+                                                       "speculative_config draft_kv_cache_memory"))
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "backoff_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -108,6 +118,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}.")
+        if "method" not in value and "model" in value:      # vLLM's spelling of a draft model
+            value = {**value, "method": "draft_model"}
         if "method" not in value:
             raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}.")
         return cls(**value)
@@ -184,7 +196,7 @@ class SchedulerConfig:
                                      "leave token ids and logprob bits unchanged (docs/determinism.md); prefills "
                                      "over 512 tokens take longer")
     speculative_config: SpeculativeConfig | None = flag(
-        None, f"draft-free speculation as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
+        None, f"speculation (ngram, or draft_model with a model) as JSON, e.g. '{SPECULATIVE_EXAMPLE}' (default: off)")
 
     def __post_init__(self):
         _set(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -34,7 +34,7 @@ from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
 from .scheduler import Scheduler
-from .speculative import NgramProposer
+from .speculative import make_proposer
 from .stats import EngineStats
 
 log = logging.getLogger("stagewise.engine")
@@ -62,8 +62,7 @@ class Engine:
         # a request stops with "length" there instead of waiting forever for blocks.
         self.kv_capacity_tokens = (blocks.num_blocks - 1) * config.cache.block_size
         self.max_len = min(self.max_model_len, self.kv_capacity_tokens)
-        spec = config.scheduler.speculative_config
-        self.speculator = NgramProposer(spec, self.max_len) if spec is not None else None
+        self.speculator = make_proposer(config.scheduler.speculative_config, self.max_len, config, self.tok, Engine)
         self.scheduler = Scheduler(blocks, config.scheduler.max_num_seqs, config.scheduler.chunked_prefill_size,
                                    stop_rule=self._stop_rule, speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()

@@ -27,7 +27,7 @@ from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, Ste
 from ..request import FinishReason, Request, RequestStatus, TokenLogprob
 from .balance import DecodeBalancer, FixedChunks
 from .block_manager import BlockManager
-from .speculative import NgramProposer
+from .speculative import Proposer
 
 StopRule = Callable[[Request], "FinishReason | None"]     # after a new token: finished, and why?
 
@@ -54,7 +54,7 @@ def _no_stop(req: Request) -> FinishReason | None:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int, stop_rule: StopRule = _no_stop,
-                 speculator: NgramProposer | None = None):
+                 speculator: Proposer | None = None):
         self.blocks = blocks
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
