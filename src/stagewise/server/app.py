@@ -42,17 +42,9 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     aliases = tuple(a for a in (engine.info.config_model, model_path, served_name_for(model_path)) if a)
     metrics = ServerMetrics(lambda: engine.snapshot, name, engine.info.max_model_len, lambda: engine.dead is None)
     engine.metrics = metrics
-    serving = Serving(engine, name, aliases, options.body_timeout_s, options.trust_request_chat_template,
-                      options.tool_call_parser)
-    serving.cache_isolation = options.cache_isolation
-    serving.images = image_intake(model_path, engine.info.tok, image_limits)
-    serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
-    serving.max_logprob_entries = options.max_logprob_entries
-    serving.max_waiting_requests = options.max_waiting_requests
-    serving.max_waiting_per_key = options.max_waiting_requests_per_key
-    serving.api_keys = {key: place for place, key in enumerate(options.api_keys, 1)}
+    serving = Serving(engine, name, options, aliases=aliases,
+                      images=image_intake(model_path, engine.info.tok, image_limits))
     if serving.max_waiting_per_key is not None:
-        serving.waiting_by_key = dict.fromkeys(serving.api_keys.values(), 0)
         metrics.key_waiting = lambda: serving.waiting_by_key
     created = int(time.time())
 

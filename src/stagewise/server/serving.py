@@ -28,7 +28,7 @@ from ..engine.inputs import num_tokens
 from ..errors import EngineDeadError
 from ..request import RequestOutput, SamplingParams
 from .errors import APIError, ClientGone, bad_request, from_value_error, internal_error, overloaded
-from .options import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_LOGPROB_ENTRIES
+from .options import ServerOptions
 
 log = logging.getLogger("stagewise.server")
 MAX_CHOICES = 64               # prompts x n per HTTP request
@@ -48,9 +48,10 @@ def chars_per_token_bound(tok) -> int:
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...] = (),
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, trust_request_chat_template: bool = False,
-                 tool_call_parser: str | None = None):
+    def __init__(self, engine: EngineClient, model_name: str, options: ServerOptions | None = None, *,
+                 aliases: tuple[str, ...] = (), images: Any = None):
+        """`images`: the multimodal.intake.ImageIntake of a vision-language model, else None."""
+        options = options or ServerOptions()
         self.engine = engine
         self.tok = engine.info.tok
         self.model_name = model_name
@@ -59,24 +60,27 @@ class Serving:
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.vocab_size = engine.info.vocab_size
         self.grammar_limits = engine.info.grammar_limits
-        self.body_timeout_s = body_timeout_s
-        self.trust_request_chat_template = trust_request_chat_template
-        self.cache_isolation = "shared"          # or "api-key": see `isolate`
-        self.images: Any = None                  # multimodal.intake.ImageIntake of a vision-language model
-        self.default_max_tokens: int | None = None    # ServerOptions': the server's default and largest max_tokens
-        self.max_tokens_limit: int | None = None
-        self.max_logprob_entries = DEFAULT_MAX_LOGPROB_ENTRIES
-        self.max_waiting_requests: int | None = None
-        self.max_waiting_per_key: int | None = None
-        self.api_keys: dict[str, int] = {}       # key -> its place in --api-key (from 1): metrics never show keys
+        self.body_timeout_s = options.body_timeout_s
+        self.trust_request_chat_template = options.trust_request_chat_template
+        self.cache_isolation = options.cache_isolation     # "shared" or "api-key": see `isolate`
+        self.images = images
+        self.default_max_tokens = options.default_max_tokens    # the server's default and largest max_tokens
+        self.max_tokens_limit = options.max_tokens_limit
+        self.max_logprob_entries = options.max_logprob_entries
+        self.max_waiting_requests = options.max_waiting_requests
+        self.max_waiting_per_key = options.max_waiting_requests_per_key
+        # key -> its place in --api-key (from 1): metrics never show keys
+        self.api_keys = {key: place for place, key in enumerate(options.api_keys, 1)}
         self.intake_open = 0                     # requests being read or tokenized (event loop only)
-        self.waiting_by_key: dict[int, int] = {}  # per-key limit: each key's requests not yet started
+        # per-key limit: each key's requests not yet started
+        self.waiting_by_key: dict[int, int] = (dict.fromkeys(self.api_keys.values(), 0)
+                                               if self.max_waiting_per_key is not None else {})
         self.waiting_subs: dict[Submission, int] = {}    # submitted, not yet started, of a key
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
         from .tools import default_parser
-        self.tool_call_parser = tool_call_parser or default_parser(self.tok)
+        self.tool_call_parser = options.tool_call_parser or default_parser(self.tok)
 
     async def read_body(self, raw: Request) -> bytes:
         """The whole body, within `body_timeout_s` (a trickling client must not hold a connection
