@@ -75,6 +75,7 @@ class Serving:
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
+        self.closed = False                      # the pools stopped (shutdown): queued work gets 503
         from .tools import default_parser
         self.tool_call_parser = tool_call_parser or default_parser(self.tok)
 
@@ -90,8 +91,14 @@ class Serving:
                            f"(or start the server with a larger --body-timeout).", 408, None, "timeout") from None
 
     async def off_loop(self, fn, *args):
-        """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
-        return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
+        """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads.
+        A request still queued for them when the server stops gets the documented 503."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
+        except (asyncio.CancelledError, RuntimeError):
+            if not self.closed:
+                raise
+            raise stopping() from None
 
     def refusal(self, headers) -> APIError | None:
         """Before a generation request's body is read: 429 while the waiting queue is full, or this
@@ -359,7 +366,15 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     def close(self) -> None:
+        self.closed = True
         self.intake.shutdown(wait=False, cancel_futures=True)
+        if self.images is not None:
+            self.images.close()
+
+
+def stopping() -> APIError:
+    return APIError("The server is shutting down; retry the request later (on another replica, or once it is back).",
+                    503, None, None, "service_unavailable")
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
