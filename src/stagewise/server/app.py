@@ -49,8 +49,9 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     serving.default_max_tokens, serving.max_tokens_limit = options.default_max_tokens, options.max_tokens_limit
     serving.max_logprob_entries = options.max_logprob_entries
     serving.max_waiting_requests = options.max_waiting_requests
-    serving.max_waiting_per_key = options.max_waiting_requests_per_key
     serving.api_keys = {key: place for place, key in enumerate(options.api_keys, 1)}
+    serving.max_waiting_per_key = options.max_waiting_requests_per_key or key_share(
+        options.max_waiting_requests, len(serving.api_keys))
     if serving.max_waiting_per_key is not None:
         serving.waiting_by_key = dict.fromkeys(serving.api_keys.values(), 0)
         metrics.key_waiting = lambda: serving.waiting_by_key
@@ -143,6 +144,14 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def key_share(max_waiting: int | None, num_keys: int) -> int | None:
+    """Each API key's share of the server's waiting queue when several keys share it and no
+    --max-waiting-requests-per-key is given: one key's burst leaves room for the others."""
+    if max_waiting is None or num_keys < 2:
+        return None
+    return max(1, -(-max_waiting // num_keys))
 
 
 def _health(engine: EngineClient) -> tuple[int, dict]:

@@ -71,6 +71,7 @@ async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, by
         if isinstance(job, ImagesJob):
             job = await run_images_job(serving, job)
         serving.isolate(raw, job.params)
+        seqs = serving.claim(key, len(job.inputs))       # last: it raises before it counts
     except ClientGone:
         serving.waited(key)
         # NOTE: a client leaving is not a server fault: no traceback, no warning
@@ -81,7 +82,7 @@ async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, by
         raise
     finally:
         serving.intake_open -= 1
-    return await _answer(serving, raw, job, key)
+    return await _answer(serving, raw, job, key, seqs)
 
 
 def completion_job(serving: Serving, body: bytes) -> Job:
@@ -241,8 +242,8 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     return Job([prompt], params, NativeShape(serving), req.stream, source)
 
 
-async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None) -> Response:
-    sub = serving.submit(job.inputs, job.params, key)
+async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None, seqs: int = 1) -> Response:
+    sub = serving.submit(job.inputs, job.params, key, seqs)
     if job.stream:
         if any(p.grammar is not None for p in job.params):
             try:

@@ -71,7 +71,7 @@ class Serving:
         self.api_keys: dict[str, int] = {}       # key -> its place in --api-key (from 1): metrics never show keys
         self.intake_open = 0                     # requests being read or tokenized (event loop only)
         self.waiting_by_key: dict[int, int] = {}  # per-key limit: each key's requests not yet started
-        self.waiting_subs: dict[Submission, int] = {}    # submitted, not yet started, of a key
+        self.waiting_subs: dict[Submission, tuple[int, int]] = {}    # not yet started, of a key: (key, sequences)
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
@@ -122,21 +122,39 @@ class Serving:
             self.waiting_by_key[key] = self.waiting_by_key.get(key, 0) + 1
         return key
 
+    def claim(self, key: int | None, seqs: int) -> int:
+        """After intake, when the request's sequences (prompts x n) are known: they count in place of
+        the one `admit` counted, against its key's share and the server's queue alike (every limit
+        counts sequences). 429 if they do not fit now; 400 if they never could. Returns `seqs`."""
+        per_key, limit = self.max_waiting_per_key, self.max_waiting_requests
+        for cap, flag in ((per_key if key is not None else None, "--max-waiting-requests-per-key"),
+                          (limit, "--max-waiting-requests")):
+            if cap is not None and seqs > cap:
+                raise bad_request(f"This request asks for {seqs} sequences (prompts x n), more than this server "
+                                  f"lets wait at once ({cap}, {flag}); lower n or send fewer prompts.", "n")
+        if key is not None and per_key is not None and self.waiting_by_key[key] - 1 + seqs > per_key:
+            raise overloaded(per_key, RETRY_AFTER_S, key)
+        if limit is not None and self.intake_open - 1 + self.engine.num_waiting + seqs > limit:
+            raise overloaded(limit, RETRY_AFTER_S)
+        if key is not None:
+            self.waiting_by_key[key] += seqs - 1
+        return seqs
+
     def key_of(self, headers) -> int | None:
         """The place of the request's API key when keys have a waiting limit each (the guard checked it)."""
         if self.max_waiting_per_key is None:
             return None
         return self.api_keys.get(headers.get("authorization", "").partition(" ")[2].strip())
 
-    def waited(self, key: int | None) -> None:
-        """A waiting request of `key` left the queue (it started, failed or its client left)."""
+    def waited(self, key: int | None, seqs: int = 1) -> None:
+        """A waiting request of `key` (`seqs` sequences) left the queue (it started, failed or its client left)."""
         if key is not None:
-            self.waiting_by_key[key] -= 1
+            self.waiting_by_key[key] -= seqs
 
     def started(self, sub: Submission) -> None:
         """The submission's first output arrived (or it ended): it no longer waits. Idempotent."""
         if self.waiting_subs:
-            self.waited(self.waiting_subs.pop(sub, None))
+            self.waited(*self.waiting_subs.pop(sub, (None, 0)))
 
     def release(self, sub: Submission) -> None:
         self.started(sub)
@@ -235,16 +253,17 @@ class Serving:
             p.cache_salt = f"key:{digest}"
 
     # running (event loop)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None) -> Submission:
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None,
+               seqs: int = 1) -> Submission:
         """Queue the requests now, so bad input is a 400 before any response (or stream) starts.
-        `key`: the waiting request's (admit), counted until the submission starts."""
+        `key`: the waiting request's (admit), its `seqs` counted (claim) until the submission starts."""
         try:
             sub = self._submit(inputs, params)
         except BaseException:
-            self.waited(key)
+            self.waited(key, seqs)
             raise
         if key is not None:
-            self.waiting_subs[sub] = key
+            self.waiting_subs[sub] = (key, seqs)
         return sub
 
     def _submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
