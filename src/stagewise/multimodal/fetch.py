@@ -33,7 +33,7 @@ def fetch(url: str, limits: ImageLimits, where: str = "image") -> bytes:
             raise ImageError(f"{where} redirects to a URL that is not http(s); this server follows none.", where)
         _check_host(host, limits, where, redirected=hop > 0)
         try:
-            status, location, body = _get(parts, _address(host, parts, where), deadline, limits, where)
+            status, location, body = _get(parts, _addresses(host, parts, where), deadline, limits, where)
         except ImageError:
             raise
         except (OSError, http.client.HTTPException, ValueError):
@@ -65,23 +65,23 @@ def _failed(where: str, host: str, limits: ImageLimits) -> ImageError:
                       where)
 
 
-def _address(host: str, parts: urllib.parse.SplitResult, where: str) -> str:
-    """The first address of `host` the fetch may connect to: a public one, or any where the operator
-    named a loopback name or an address literal in --allowed-image-hosts (deliberately local)."""
+def _addresses(host: str, parts: urllib.parse.SplitResult, where: str) -> list[str]:
+    """The addresses of `host` the fetch may connect to: public ones, or any where the operator named
+    a loopback name or an address literal in --allowed-image-hosts (deliberately local)."""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         infos = []
     local_ok = host == "localhost" or _is_literal(host)
-    for info in infos:
-        address = str(info[4][0])
-        if local_ok or _is_public(address):
-            return address
-    if not infos:
+    found = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    allowed = [a for a in found if local_ok or _is_public(a)]
+    if not found:
         raise ImageError(f"{where}'s host {host[:100]} could not be resolved; send the image as a data URL.", where)
-    raise ImageError(f"{where}'s host {host[:100]} resolves to a private or loopback address, which this server "
-                     f"does not fetch from; send the image as a data URL.", where)
+    if not allowed:
+        raise ImageError(f"{where}'s host {host[:100]} resolves to a private or loopback address, which this "
+                         f"server does not fetch from; send the image as a data URL.", where)
+    return allowed
 
 
 def _is_literal(host: str) -> bool:
@@ -98,10 +98,12 @@ def _is_public(address: str) -> bool:
     return (mapped or ip).is_global and not (mapped or ip).is_multicast
 
 
-def _get(parts, address: str, deadline: float, limits: ImageLimits, where: str) -> tuple[int, str | None, bytes]:
-    """(status, Location, body) of one GET to `address`, aborted at `deadline` wherever it is."""
+def _get(parts, addresses: list[str], deadline: float, limits: ImageLimits,
+         where: str) -> tuple[int, str | None, bytes]:
+    """(status, Location, body) of one GET to the first of `addresses` that answers, aborted at
+    `deadline` wherever it is."""
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    conn = _Pinned(parts.scheme == "https", parts.hostname or "", port, address, _left(deadline))
+    conn = _Pinned(parts.scheme == "https", parts.hostname or "", port, addresses, _left(deadline))
     # NOTE: a timer closes the socket at the deadline: per-read timeouts alone let a host that sends
     # a byte every few seconds hold the download for ever
     timer = threading.Timer(_left(deadline), conn.abort)
@@ -141,16 +143,25 @@ def _left(deadline: float) -> float:
 
 
 class _Pinned(http.client.HTTPSConnection):
-    """An HTTP(S) connection to an address already checked, with the URL's name as Host (and SNI)."""
+    """An HTTP(S) connection to addresses already checked (the first that answers), with the URL's
+    name as Host (and SNI)."""
 
-    def __init__(self, tls: bool, host: str, port: int, address: str, timeout: float):
+    def __init__(self, tls: bool, host: str, port: int, addresses: list[str], timeout: float):
         self.tls_context = ssl.create_default_context() if tls else None
         super().__init__(host, port, timeout=timeout, context=self.tls_context)
-        self.address = address
+        self.addresses = addresses
         self._lock = threading.Lock()
 
     def connect(self) -> None:
-        sock = socket.create_connection((self.address, self.port), self.timeout)
+        error: OSError = ConnectionRefusedError("no address")
+        for address in self.addresses:
+            try:
+                sock = socket.create_connection((address, self.port), self.timeout)
+                break
+            except OSError as exc:
+                error = exc
+        else:
+            raise error
         with self._lock:
             ctx = self.tls_context
             self.sock = ctx.wrap_socket(sock, server_hostname=self.host) if ctx is not None else sock
