@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.parse
 
-from .images import ImageError, ImageLimits
+from .limits import ImageError, ImageLimits
 
 MAX_REDIRECTS = 3
 CHUNK = 64 << 10

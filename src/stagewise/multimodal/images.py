@@ -10,36 +10,17 @@ import base64
 import binascii
 import io
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MAX_IMAGE_BYTES = 10 * 2**20
-DEFAULT_MAX_IMAGE_PIXELS = 16_000_000
-DEFAULT_MAX_IMAGES = 8
-DEFAULT_MAX_ASPECT_RATIO = 20.0
-DEFAULT_FETCH_TIMEOUT_S = 10.0
+from .fetch import fetch
+from .limits import ImageError, ImageLimits
+
+__all__ = ["ImageError", "ImageLimits", "check_size", "decode", "limits_of", "load_image", "processed_size"]
+
 # the formats a vision-language model needs; Pillow's other plugins (BLP, DDS, SPIDER, TIFF, ...)
 # are parsers of formats no client sends a VLM, and several fail with errors of their own
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _SIZE_KEYS = ("height", "width", "shortest_edge", "longest_edge")
-
-
-class ImageError(ValueError):
-    """A refused image; the message names the part (`where`), so the server returns it as a 400."""
-
-    def __init__(self, message: str, where: str = "image"):
-        super().__init__(message)
-        self.where = where
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES       # encoded size of one image
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS     # width x height of one image, from its header
-    max_images: int = DEFAULT_MAX_IMAGES                 # images in one request
-    allowed_hosts: tuple[str, ...] = ()                  # hosts whose http(s) image URLs may be fetched
-    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO   # long side / short side
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S     # a whole download, redirects included
 
 
 def load_image(source, limits: ImageLimits, where: str = "image", processor: Any = None):
@@ -56,7 +37,6 @@ def load_image(source, limits: ImageLimits, where: str = "image", processor: Any
     if source.startswith("data:"):
         return decode(_data_url_bytes(source, limits, where), limits, where, processor)
     if source.startswith(("http://", "https://")):
-        from .fetch import fetch
         return decode(fetch(source, limits, where), limits, where, processor)
     raise ImageError(f"{where} must be a data URL (data:image/png;base64,...) or an http(s) URL.", where)
 
