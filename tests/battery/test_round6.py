@@ -182,3 +182,30 @@ def test_image_data_urls_of_hostile_bytes_are_refused_the_same_way():
     """The data-URL path (what a client sends) reaches the same checks."""
     url = "data:image/png;base64," + base64.b64encode(crafted_files()["DDS"]).decode()
     assert "could not be decoded" in refused(url, ImageLimits())
+
+
+def test_the_scheduler_alternates_between_tenants_with_waiting_work():
+    """#6: one tenant's burst (or its n choices) stood in front of every later tenant's request; now the
+    first plan that admits two requests admits one of each tenant."""
+    from stagewise.engine.block_manager import BlockManager
+    from stagewise.engine.scheduler import Scheduler
+    from stagewise.request import Request, SamplingParams
+
+    def req(rid: str, tenant: int | None) -> Request:
+        r = Request(rid, list(range(3, 11)), SamplingParams(max_tokens=4, temperature=0))
+        r.tenant = tenant
+        return r
+
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=2, token_budget=64)
+    for i in range(16):
+        s.add(req(f"a{i}", 1))
+    s.add(req("b0", 2))
+    s.add(req("b1", 2))
+    s.add(req("c0", 3))
+    assert [r.request_id for r in s.waiting][:7] == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+    plan = s.schedule()
+    assert plan is not None and {q.request_id for q in plan.seqs} == {"a0", "b0"}
+    untenanted = Scheduler(BlockManager(64, 4), max_num_seqs=2, token_budget=64)
+    for rid in ("x", "y", "z"):
+        untenanted.add(req(rid, None))
+    assert [r.request_id for r in untenanted.waiting] == ["x", "y", "z"]      # no tenants: first come first

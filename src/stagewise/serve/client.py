@@ -199,9 +199,10 @@ class EngineClient:
         self._abort(ids)
 
     # requests (event loop thread)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], tenant: int | None = None) -> Submission:
         """Queue every input, all or none: raises ValueError (bad input) or ServerUnavailable.
-        The caller must `stream()` the submission or `release()` it."""
+        The caller must `stream()` the submission or `release()` it. `tenant`: whose requests (the
+        scheduler alternates between tenants with waiting requests)."""
         if self.dead or self.stopping or self.draining:
             raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
         for inp, p in zip(inputs, params):
@@ -216,7 +217,8 @@ class EngineClient:
                 self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens,
                                              max_tokens=p.max_tokens)
                 sub.add(rid)
-                new.append(NewRequest(rid, inp.prompt_token_ids, TensorRecord.of(inp.input_embeds), Params.of(p)))
+                new.append(NewRequest(rid, inp.prompt_token_ids, TensorRecord.of(inp.input_embeds), Params.of(p),
+                                      tenant))
         self._outbox.put(AddRequests(new))
         return sub
 

@@ -243,7 +243,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
 
 
 async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None, seqs: int = 1) -> Response:
-    sub = serving.submit(job.inputs, job.params, key, seqs)
+    sub = serving.submit(job.inputs, job.params, key, seqs, serving.tenant_of(raw.headers))
     if job.stream:
         if any(p.grammar is not None for p in job.params):
             try:

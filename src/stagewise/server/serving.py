@@ -140,6 +140,12 @@ class Serving:
             self.waiting_by_key[key] += seqs - 1
         return seqs
 
+    def tenant_of(self, headers) -> int | None:
+        """The place of the request's API key when there are several keys (tenants), else None."""
+        if len(self.api_keys) < 2:
+            return None
+        return self.api_keys.get(headers.get("authorization", "").partition(" ")[2].strip())
+
     def key_of(self, headers) -> int | None:
         """The place of the request's API key when keys have a waiting limit each (the guard checked it)."""
         if self.max_waiting_per_key is None:
@@ -254,11 +260,12 @@ class Serving:
 
     # running (event loop)
     def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None,
-               seqs: int = 1) -> Submission:
+               seqs: int = 1, tenant: int | None = None) -> Submission:
         """Queue the requests now, so bad input is a 400 before any response (or stream) starts.
-        `key`: the waiting request's (admit), its `seqs` counted (claim) until the submission starts."""
+        `key`: the waiting request's (admit), its `seqs` counted (claim) until the submission starts.
+        `tenant`: its API key's place (tenant_of), which the engine's scheduler alternates."""
         try:
-            sub = self._submit(inputs, params)
+            sub = self._submit(inputs, params, tenant)
         except BaseException:
             self.waited(key, seqs)
             raise
@@ -266,9 +273,9 @@ class Serving:
             self.waiting_subs[sub] = (key, seqs)
         return sub
 
-    def _submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
+    def _submit(self, inputs: list[PromptInput], params: list[SamplingParams], tenant: int | None) -> Submission:
         try:
-            return self.engine.submit(inputs, params)
+            return self.engine.submit(inputs, params, tenant)
         except ServerUnavailable as exc:
             raise APIError(str(exc), 503, None, None, "service_unavailable") from None
         except EngineDeadError as exc:
