@@ -50,6 +50,7 @@ from .wire import (
 
 log = logging.getLogger("stagewise.server")
 SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
+STALL_S = 10.0         # the core publishes at least every second; this long silent with work open is a stall
 
 
 class ServerUnavailable(RuntimeError):
@@ -132,6 +133,7 @@ class EngineClient:
             raise
         self.info = EngineInfo.of(tok, ready.facts)
         self.snapshot: dict = ready.snapshot                # the engine's latest stats()
+        self.last_heard = time.monotonic()                  # the core's last message (it sends one a second)
         self.metrics = metrics
         self.dead: str | None = None
         self.draining = False                               # shutting down: no new requests
@@ -167,6 +169,13 @@ class EngineClient:
     def recovering(self) -> str | None:
         """Why the engine is rebuilding its pipeline, while it is (requests are still accepted: they wait)."""
         return (self.snapshot.get("recovery") or {}).get("recovering")
+
+    @property
+    def stalled_s(self) -> float | None:
+        """Seconds the core has sent nothing while requests are open, once past STALL_S (a step, or a
+        stage waiting on storage, holds it): /health shows it. None while it answers."""
+        quiet = time.monotonic() - self.last_heard
+        return quiet if quiet > STALL_S and self._streams else None
 
     @property
     def unhealthy_reason(self) -> str:
@@ -285,6 +294,7 @@ class EngineClient:
             self._loop.remove_reader(self._pipes.from_core.fileno())
 
     def _handle(self, msg) -> None:
+        self.last_heard = time.monotonic()
         if isinstance(msg, EngineOutputs):
             if msg.snapshot is not None:
                 self.snapshot = msg.snapshot
