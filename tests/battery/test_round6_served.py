@@ -216,3 +216,33 @@ def test_an_engine_that_answers_nothing_shows_in_health(tenants):
     assert shown is not None and "storage" in shown, shown
     assert slowest < 1.0 and result == [200], (slowest, result)
     assert "engine_stalled" not in httpx.get(tenants.url + "/health", timeout=10).json()
+
+
+def test_a_stop_answers_queued_image_requests_with_the_documented_503(llava):
+    """#4: at SIGINT, requests queued behind slow fetches got a plain-text 500. (Stops the module's server:
+    the last of its tests.)"""
+    host = Host({"/img.png": trickle(small_png(), 0.01)})        # about a second per download
+    answers: list[tuple[int, str]] = []
+
+    def ask() -> None:
+        try:
+            r = httpx.post(llava.url + CHAT, json=_image_chat(f"http://localhost:{host.port}/img.png"), timeout=60)
+            answers.append((r.status_code, r.headers.get("content-type", "")))
+            assert r.json()["error"]["message"]
+        except httpx.HTTPError as exc:
+            answers.append((-1, type(exc).__name__))
+
+    threads = [threading.Thread(target=ask) for _ in range(12)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(host.hits) < 8 and time.monotonic() < deadline:       # the fetch pool is full, four wait
+            time.sleep(0.02)
+        llava.proc.send_signal(2)          # SIGINT: the drain
+        for t in threads:
+            t.join(60)
+    finally:
+        host.close()
+    print(f"\nat stop: {sorted(answers)}")
+    assert len(answers) == 12 and all(s == 503 and "application/json" in c for s, c in answers), answers

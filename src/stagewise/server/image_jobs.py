@@ -35,6 +35,8 @@ async def run_images_job(serving, job: ImagesJob):
     try:
         fetched = await asyncio.gather(*(_source(loop, intake, src, where) for src, where in job.parts))
         job.parts[:] = [(src, where) for src, (_, where) in zip(fetched, job.parts)]
+        if serving.closed or serving.engine.draining or serving.engine.stopping:
+            raise stopping()          # no decoding for a request the engine will not take
         return await loop.run_in_executor(intake.decoders, _encode, serving, job)
     except ImageError as exc:
         raise _refusal(exc) from None
