@@ -358,11 +358,14 @@ class RequestLimits:
     grammar_cache_memory: int = flag(256 << 20, "memory the kept compiled grammars may use; also the largest "
                                      "compiled grammar a request may need", size=True)
     max_image_bytes: int = flag(10 << 20, "largest encoded image a request may send, in bytes")
-    max_image_pixels: int = flag(16_000_000, "most pixels (width x height, read from the header before decoding) "
-                                 "of one image")
+    max_image_pixels: int = flag(16_000_000, "most pixels of one image, both as sent and as the model's image "
+                                 "processor resizes it (read from the header before decoding)")
+    max_image_aspect_ratio: float = flag(20.0, "largest ratio of an image's long side to its short side")
     max_images_per_request: int = flag(8, "most images in one request")
     allowed_image_hosts: str | None = flag(None, "comma-separated hosts whose http(s) image URLs the server may "
                                            "fetch (default: none; images come as data URLs)")
+    image_fetch_timeout_s: float = flag(10.0, "seconds one image download may take in all (connect, redirects, "
+                                        "body); a slower host fails only its own request with 400")
 
     def __post_init__(self):
         for name in ("grammar_max_bytes", "grammar_memory", "grammar_cache_memory"):

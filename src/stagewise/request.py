@@ -355,6 +355,7 @@ class Request:
     scheduled_time: float | None = None      # first admitted into a plan (queue time ends)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    tenant: int | None = None                # the API key's place (server): the scheduler alternates tenants
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -50,6 +50,7 @@ from .wire import (
 
 log = logging.getLogger("stagewise.server")
 SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
+STALL_S = 10.0         # the core publishes at least every second; this long silent with work open is a stall
 
 
 class ServerUnavailable(RuntimeError):
@@ -132,6 +133,7 @@ class EngineClient:
             raise
         self.info = EngineInfo.of(tok, ready.facts)
         self.snapshot: dict = ready.snapshot                # the engine's latest stats()
+        self.last_heard = time.monotonic()                  # the core's last message (it sends one a second)
         self.metrics = metrics
         self.dead: str | None = None
         self.draining = False                               # shutting down: no new requests
@@ -169,6 +171,13 @@ class EngineClient:
         return (self.snapshot.get("recovery") or {}).get("recovering")
 
     @property
+    def stalled_s(self) -> float | None:
+        """Seconds the core has sent nothing while requests are open, once past STALL_S (a step, or a
+        stage waiting on storage, holds it): /health shows it. None while it answers."""
+        quiet = time.monotonic() - self.last_heard
+        return quiet if quiet > STALL_S and self._streams else None
+
+    @property
     def unhealthy_reason(self) -> str:
         if self.dead:
             return self.dead
@@ -199,9 +208,10 @@ class EngineClient:
         self._abort(ids)
 
     # requests (event loop thread)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], tenant: int | None = None) -> Submission:
         """Queue every input, all or none: raises ValueError (bad input) or ServerUnavailable.
-        The caller must `stream()` the submission or `release()` it."""
+        The caller must `stream()` the submission or `release()` it. `tenant`: whose requests (the
+        scheduler alternates between tenants with waiting requests)."""
         if self.dead or self.stopping or self.draining:
             raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
         for inp, p in zip(inputs, params):
@@ -216,7 +226,8 @@ class EngineClient:
                 self._streams[rid] = _Stream(sub.queue, inp.prompt_token_ids or [], inp.num_tokens,
                                              max_tokens=p.max_tokens)
                 sub.add(rid)
-                new.append(NewRequest(rid, inp.prompt_token_ids, TensorRecord.of(inp.input_embeds), Params.of(p)))
+                new.append(NewRequest(rid, inp.prompt_token_ids, TensorRecord.of(inp.input_embeds), Params.of(p),
+                                      tenant))
         self._outbox.put(AddRequests(new))
         return sub
 
@@ -283,6 +294,7 @@ class EngineClient:
             self._loop.remove_reader(self._pipes.from_core.fileno())
 
     def _handle(self, msg) -> None:
+        self.last_heard = time.monotonic()
         if isinstance(msg, EngineOutputs):
             if msg.snapshot is not None:
                 self.snapshot = msg.snapshot

@@ -232,7 +232,7 @@ class EngineCore:
         try:
             embeds = None if r.input_embeds is None else r.input_embeds.to_tensor()
             self.engine.add_request(params=r.params.to_sampling_params(), prompt_token_ids=r.prompt_token_ids,
-                                    input_embeds=embeds, request_id=r.request_id)
+                                    input_embeds=embeds, request_id=r.request_id, tenant=r.tenant)
             self.live.add(r.request_id)
         except Exception as exc:     # noqa: BLE001  (the client checked it; fail this request alone)
             log.error("request %s refused by the engine: %s", r.request_id, exc)

@@ -29,6 +29,7 @@ class NewRequest(msgspec.Struct):
     prompt_token_ids: list[int] | None
     input_embeds: TensorRecord | None        # a torch.Tensor [T, H]: TensorRecord.of / to_tensor
     params: Params                           # Params.of / to_sampling_params
+    tenant: int | None = None                # the API key's place: the scheduler alternates tenants
 
 
 class AddRequests(msgspec.Struct, tag=True):

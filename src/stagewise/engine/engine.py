@@ -81,12 +81,14 @@ class Engine:
 
     # requests (any thread)
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
-                    input_embeds=None, request_id: str | None = None) -> Request:
-        """Validate and queue a request; raises ValueError with one sentence on bad input."""
+                    input_embeds=None, request_id: str | None = None, tenant: int | None = None) -> Request:
+        """Validate and queue a request; raises ValueError with one sentence on bad input. `tenant`:
+        whose request it is (the server's API key place); waiting requests alternate between tenants."""
         if self.dead:
             raise EngineDeadError(self.dead)
         req = make_request(self.tok, lambda: request_id or f"req-{next(self._ids)}", prompt, params or SamplingParams(),
                            prompt_token_ids, input_embeds, self.max_model_len, self.kv_capacity_tokens)
+        req.tenant = tenant
         self.inbox.append(("add", req))
         return req
 

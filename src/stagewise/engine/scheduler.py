@@ -83,7 +83,10 @@ class Scheduler:
     # queue management
     def add(self, req: Request) -> None:
         self.records[req.request_id] = InFlight(req)
-        self.waiting.append(req)
+        if req.tenant is None:
+            self.waiting.append(req)
+        else:
+            self.waiting.insert(_fair_place(self.waiting, req.tenant), req)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish an unfinished request as aborted; returns it (None if unknown or finished)."""
@@ -406,3 +409,18 @@ def _extend_prompt_logprobs(req: Request, first: int, entries: list) -> None:
     for k, entry in enumerate(entries):
         if first + k == len(req.prompt_logprobs):
             req.prompt_logprobs.append(entry)
+
+
+def _fair_place(waiting: deque[Request], tenant: int) -> int:
+    """Where a tenant's new request joins the waiting queue so tenants with waiting work alternate:
+    its k-th waiting request (counting from 0) goes after every tenant's k-th, so one tenant's burst
+    (or its `n` choices) cannot stand in front of another tenant's first request. Requests without a
+    tenant count as one tenant of their own."""
+    rank = sum(1 for r in waiting if r.tenant == tenant)
+    seen: dict[int | None, int] = {}
+    for i, r in enumerate(waiting):
+        seen[r.tenant] = seen.get(r.tenant, 0) + 1
+        if seen[r.tenant] > rank + 1:
+            return i
+    return len(waiting)
+

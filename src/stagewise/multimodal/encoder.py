@@ -72,7 +72,7 @@ class VisionEncoder:
         if len(sources) > self.limits.max_images:
             raise ImageError(f"The request has {len(sources)} images, over the limit of {self.limits.max_images} "
                              f"(--max-images-per-request).", "messages")
-        return [load_image(src, self.limits, where) for src, where in sources]
+        return [load_image(src, self.limits, where, self.processor) for src, where in sources]
 
     @property
     def hidden_size(self) -> int:

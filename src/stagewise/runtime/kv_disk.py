@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -31,6 +32,7 @@ MAGIC = b"SWKV"
 # magic, format version, block digest (32 bytes), payload bytes, crc32 of the payload
 HEADER = struct.Struct("<4sI32sQI")
 SUFFIX = ".kvp"
+READ_DEADLINE_S = 5.0            # one page read slower than this fails (the page is recomputed)
 QUEUE_BYTES = 256 << 20           # pages waiting for the writer, at most; more are dropped (never block a step)
 WRITER_NICE = 10
 SAMPLE_BYTES = 1 << 20            # model identity: bytes hashed at each end of a weight file, and ...
@@ -99,6 +101,8 @@ class DiskTier:
         self.enabled = self.writable = False
         self.queue: queue.Queue[_Write | None] = queue.Queue()
         self.queued_bytes = 0
+        self.read_deadline_s = READ_DEADLINE_S
+        self.reading_since: float | None = None   # a read in progress (monotonic start): shows a stalled disk
         self.dir = Path(root) / namespace_of(key)
         try:
             Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -130,17 +134,18 @@ class DiskTier:
         if not self.enabled or not self.has(digest):
             return False
         path = self._path(digest)
+        self.reading_since = time.monotonic()
         try:
-            with open(path, "rb", buffering=0) as fh:
-                n = fh.readinto(buf)
-                extra = fh.read(1)
+            n, extra = _read_regular(path, buf, self.read_deadline_s)
         except FileNotFoundError:
             self._forget(digest)
             self.stats.pages_missing += 1
             return False
         except OSError as exc:
-            self._damaged(digest, path, f"unreadable ({exc})")
+            self._damaged(digest, path, f"unreadable ({exc.strerror or type(exc).__name__})")
             return False
+        finally:
+            self.reading_since = None
         why = self._check(buf, n, extra, digest)
         if why is not None:
             self._damaged(digest, path, why)
@@ -275,13 +280,21 @@ class DiskTier:
     def _scan(self) -> None:
         """Index the pages a previous process left (oldest first), drop its half-written files, and
         evict down to this budget."""
-        found = []
+        found, strays = [], []
         for entry in os.scandir(self.dir):
-            if entry.name.endswith(".tmp"):
+            if entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False):
                 Path(entry.path).unlink(missing_ok=True)
-            elif entry.name.endswith(SUFFIX) and len(entry.name) == 64 + len(SUFFIX):
-                st = entry.stat()
-                found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:64]), st.st_size))
+                continue
+            digest = _digest_of(entry.name)
+            st = entry.stat(follow_symlinks=False)
+            if digest is None or not stat.S_ISREG(st.st_mode):
+                if entry.name != "key.json":
+                    strays.append(entry.name)
+                continue
+            found.append((st.st_mtime_ns, digest, st.st_size))
+        if strays:          # NOTE: the directory is untrusted: what this tier did not write, it never opens
+            log.warning("The KV disk tier ignores %d entr%s in its directory that it did not write (e.g. %r).",
+                        len(strays), "y" if len(strays) == 1 else "ies", strays[0][:80])
         for _, digest, size in sorted(found):
             self.index[digest] = size
         self._make_room(0)
@@ -298,6 +311,35 @@ class DiskTier:
         return [int(self.enabled), int(self.writable), self.budget_bytes, on_disk, pages, s.pages_written,
                 s.bytes_written, s.pages_read, s.bytes_read, s.pages_missing, s.pages_corrupt, s.pages_evicted,
                 s.pages_dropped, s.write_errors, s.save_copy_us, s.writer_cpu_us]
+
+
+def _digest_of(name: str) -> bytes | None:
+    """The digest a page file's name spells (64 hex digits + SUFFIX), else None."""
+    stem = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else ""
+    if len(stem) != 64 or any(c not in "0123456789abcdef" for c in stem):
+        return None
+    return bytes.fromhex(stem)
+
+
+def _read_regular(path: Path, buf: memoryview, deadline_s: float) -> tuple[int, bytes]:
+    """(bytes read into `buf`, the byte after them if any) of a regular file: a symlink, FIFO, device
+    or socket planted in its place is refused at open (O_NOFOLLOW, O_NONBLOCK: a FIFO with no writer
+    does not block) or by fstat; a read slower than `deadline_s` fails (a stalled disk)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        t0, n = time.monotonic(), 0
+        while n < len(buf):
+            got = os.readv(fd, [buf[n:]])
+            if got == 0:
+                break
+            n += got
+            if time.monotonic() - t0 > deadline_s:
+                raise OSError(errno.ETIMEDOUT, f"read slower than {deadline_s:g} s")
+        return n, os.read(fd, 1)
+    finally:
+        os.close(fd)
 
 
 def namespace_of(key: dict) -> str:

@@ -141,11 +141,23 @@ def _health(engine: EngineClient) -> tuple[int, dict]:
     """/health's status and body: 200 while the engine runs, else 503 saying why (recovering, dead,
     shutting down); where a pipeline across nodes runs."""
     if engine.is_healthy:
-        return 200, {"status": "ok", **_pipeline(engine.snapshot)}
+        return 200, {"status": "ok", **_stalled(engine), **_pipeline(engine.snapshot)}
     body = APIError(f"Unhealthy: {engine.unhealthy_reason}", 503, None, None, "service_unavailable").body()
     if engine.recovering and not engine.dead:
         body["status"] = "recovering"
     return 503, {**body, **_pipeline(engine.snapshot)}
+
+
+def _stalled(engine: EngineClient) -> dict:
+    """While the engine has sent nothing for seconds with requests open (a long step, a stage waiting
+    on its disk): how long. Still 200: a long compile or prefill looks the same and must not get the
+    server taken out of rotation; the field says the engine is not answering now."""
+    quiet = engine.stalled_s
+    if quiet is None:
+        return {}
+    return {"engine_stalled_s": round(quiet, 1),
+            "engine_stalled": f"The engine has sent nothing for {quiet:.0f} s while requests are open (a long step, "
+                              f"or a stage waiting on storage)."}
 
 
 def _pipeline(snapshot: dict) -> dict:

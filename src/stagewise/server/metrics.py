@@ -130,8 +130,8 @@ class _KeyCollector:
     def collect(self):
         counts = self.metrics.key_waiting()
         if counts:
-            g = GaugeMetricFamily("stagewise_api_key_waiting_requests", "Generation requests of each API key "
-                                  "waiting (read, tokenized or queued, not yet generating); api_key is the key's "
+            g = GaugeMetricFamily("stagewise_api_key_waiting_requests", "Sequences (prompts x n) of each API "
+                                  "key waiting (read, tokenized or queued, not yet generating); api_key is the key's "
                                   "place in --api-key, from 1.", labels=["model_name", "api_key"])
             for place, count in sorted(counts.items()):
                 g.add_metric([self.metrics.model_name, str(place)], float(count))

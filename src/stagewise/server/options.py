@@ -46,13 +46,14 @@ class ServerOptions:
                                           "responses), capped at this")
     max_tokens_limit: int | None = flag(None, "the largest max_tokens a request may ask for; more gets 400 "
                                         "(default: what the context holds)")
-    max_waiting_requests: int | None = flag(None, "the most requests that may wait for the engine (being read, "
-                                            "tokenized or queued, not yet generating); more get 429 with "
-                                            "Retry-After (default: no limit)")
-    max_waiting_requests_per_key: int | None = flag(None, "with --api-key, the most generation requests one key "
+    max_waiting_requests: int | None = flag(None, "the most sequences (prompts x n of each request) that may wait "
+                                            "for the engine (being read, tokenized or queued, not yet "
+                                            "generating); more get 429 with Retry-After (default: no limit)")
+    max_waiting_requests_per_key: int | None = flag(None, "with --api-key, the most sequences (prompts x n) one key "
                                                     "may have waiting (being read, tokenized or queued, not yet "
                                                     "generating); more get 429 with Retry-After, so one tenant "
-                                                    "cannot hold the queue (default: no limit)")
+                                                    "cannot hold the queue (default: with several keys and "
+                                                    "--max-waiting-requests, an equal share of it; else no limit)")
     max_logprob_entries: int = flag(DEFAULT_MAX_LOGPROB_ENTRIES, "the most prompt logprob entries one response "
                                     "may carry (prompt tokens x (1 + top-n), for every choice that shows them); "
                                     "more gets 400")

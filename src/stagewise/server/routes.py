@@ -20,6 +20,7 @@ from ..request import SamplingParams, StructuredOutputs
 from .completions import CompletionShape
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, NativeShape, Shape
+from .image_jobs import ImagesJob, run_images_job
 from .intake import parse_request
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -61,13 +62,16 @@ async def generate(serving: Serving, raw: Request) -> Response:
     return await _serve(serving, raw, generate_job)
 
 
-async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, bytes], Job]) -> Response:
+async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, bytes], Job | ImagesJob]) -> Response:
     key = serving.admit(raw.headers)      # per-key limit on: the key's place, counted until the request starts
     serving.intake_open += 1              # until submitted (no await between): then the engine client counts it
     try:
         body = await serving.read_body(raw)
         job = await serving.off_loop(make_job, serving, body)
+        if isinstance(job, ImagesJob):
+            job = await run_images_job(serving, job)
         serving.isolate(raw, job.params)
+        seqs = serving.claim(key, len(job.inputs))       # last: it raises before it counts
     except ClientGone:
         serving.waited(key)
         # NOTE: a client leaving is not a server fault: no traceback, no warning
@@ -78,7 +82,7 @@ async def _serve(serving: Serving, raw: Request, make_job: Callable[[Serving, by
         raise
     finally:
         serving.intake_open -= 1
-    return await _answer(serving, raw, job, key)
+    return await _answer(serving, raw, job, key, seqs)
 
 
 def completion_job(serving: Serving, body: bytes) -> Job:
@@ -121,7 +125,7 @@ def _choice_prompt_logprobs(j: int, prompt_lps: int | None, max_tokens: int) -> 
     return 0 if max_tokens == 0 else None
 
 
-def chat_job(serving: Serving, body: bytes) -> Job:
+def chat_job(serving: Serving, body: bytes) -> Job | ImagesJob:
     req = parse_request(body, ChatCompletionRequest)
     serving.check_model(req.model)
     req.check_unsupported()
@@ -145,8 +149,16 @@ def chat_job(serving: Serving, body: bytes) -> Job:
         serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     options = req.template_options(serving.trust_request_chat_template)
     text = render_chat(serving, messages, options, tools if mode != "none" else None)
-    prompt = (image_prompt(serving, text, images) if images else
-              serving.text_input(text, "messages", req.add_special_tokens, truncating))
+
+    def finish(prompt: PromptInput) -> Job:
+        return _chat_job(serving, req, prompt, grammar, ChatShape(serving, req, messages, mode), source)
+    if images:            # fetched and decoded in the image pools (image_jobs.py), then finished there
+        return ImagesJob(text, images, finish)
+    return finish(serving.text_input(text, "messages", req.add_special_tokens, truncating))
+
+
+def _chat_job(serving: Serving, req: ChatCompletionRequest, prompt: PromptInput, grammar, shape: Shape,
+              source: str | None) -> Job:
     prompt = serving.truncated(prompt, req.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None,
                                         minimum=0 if req.prompt_logprobs is not None else 1)
@@ -156,7 +168,7 @@ def chat_job(serving: Serving, body: bytes) -> Job:
     params = [make_sampling_params(fields, max_tokens, logprobs, j,
                                    prompt_logprobs=_choice_prompt_logprobs(j, req.prompt_logprobs, max_tokens))
               for j in range(req.n)]
-    return Job([prompt] * req.n, params, ChatShape(serving, req, messages, mode), req.stream, source)
+    return Job([prompt] * req.n, params, shape, req.stream, source)
 
 
 def responses_job(serving: Serving, body: bytes) -> Job:
@@ -189,15 +201,6 @@ def chat_prompt(serving: Serving, messages: list[dict], tools: list[dict] | None
                           "context_length_exceeded")
     serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     return serving.text_input(render_chat(serving, messages, None, tools), "messages")
-
-
-def image_prompt(serving: Serving, text: str, images) -> PromptInput:
-    """A conversation with images as prompt embeddings (multimodal/); a bad image is a 400 naming its part."""
-    from ..multimodal.images import ImageError
-    try:
-        return serving.images.prompt(text, images)
-    except ImageError as exc:
-        raise bad_request(str(exc), exc.where.replace("[", ".").replace("]", "")) from None
 
 
 def checked_grammar(serving: Serving, spec: StructuredOutputs | None, param: str) -> StructuredOutputs | None:
@@ -239,8 +242,8 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     return Job([prompt], params, NativeShape(serving), req.stream, source)
 
 
-async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None) -> Response:
-    sub = serving.submit(job.inputs, job.params, key)
+async def _answer(serving: Serving, raw: Request, job: Job, key: int | None = None, seqs: int = 1) -> Response:
+    sub = serving.submit(job.inputs, job.params, key, seqs, serving.tenant_of(raw.headers))
     if job.stream:
         if any(p.grammar is not None for p in job.params):
             try:

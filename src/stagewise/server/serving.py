@@ -68,17 +68,18 @@ class Serving:
         self.max_tokens_limit = options.max_tokens_limit
         self.max_logprob_entries = options.max_logprob_entries
         self.max_waiting_requests = options.max_waiting_requests
-        self.max_waiting_per_key = options.max_waiting_requests_per_key
+        self.max_waiting_per_key = options.max_waiting_requests_per_key or key_share(
+            options.max_waiting_requests, len(options.api_keys))
         # key -> its place in --api-key (from 1): metrics never show keys
         self.api_keys = {key: place for place, key in enumerate(options.api_keys, 1)}
         self.intake_open = 0                     # requests being read or tokenized (event loop only)
-        # per-key limit: each key's requests not yet started
-        self.waiting_by_key: dict[int, int] = (dict.fromkeys(self.api_keys.values(), 0)
-                                               if self.max_waiting_per_key is not None else {})
-        self.waiting_subs: dict[Submission, int] = {}    # submitted, not yet started, of a key
+        self.waiting_by_key: dict[int, int] = (dict.fromkeys(self.api_keys.values(), 0)    # per-key limit: each
+                                               if self.max_waiting_per_key is not None else {})  # key's not started
+        self.waiting_subs: dict[Submission, tuple[int, int]] = {}    # not yet started, of a key: (key, sequences)
         self.chars_per_token = chars_per_token_bound(self.tok)
         self.max_prompt_chars = self.max_model_len * self.chars_per_token
         self.intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="stagewise-intake")
+        self.closed = False                      # the pools stopped (shutdown): queued work gets 503
         from .tools import default_parser
         self.tool_call_parser = options.tool_call_parser or default_parser(self.tok)
 
@@ -94,8 +95,14 @@ class Serving:
                            f"(or start the server with a larger --body-timeout).", 408, None, "timeout") from None
 
     async def off_loop(self, fn, *args):
-        """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads."""
-        return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
+        """Run a request's CPU work (parsing, templates, tokenization, tensors) on the intake threads.
+        A request still queued for them when the server stops gets the documented 503."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.intake, fn, *args)
+        except (asyncio.CancelledError, RuntimeError):
+            if not self.closed:
+                raise
+            raise stopping() from None
 
     def refusal(self, headers) -> APIError | None:
         """Before a generation request's body is read: 429 while the waiting queue is full, or this
@@ -119,21 +126,45 @@ class Serving:
             self.waiting_by_key[key] = self.waiting_by_key.get(key, 0) + 1
         return key
 
+    def claim(self, key: int | None, seqs: int) -> int:
+        """After intake, when the request's sequences (prompts x n) are known: they count in place of
+        the one `admit` counted, against its key's share and the server's queue alike (every limit
+        counts sequences). 429 if they do not fit now; 400 if they never could. Returns `seqs`."""
+        per_key, limit = self.max_waiting_per_key, self.max_waiting_requests
+        for cap, flag in ((per_key if key is not None else None, "--max-waiting-requests-per-key"),
+                          (limit, "--max-waiting-requests")):
+            if cap is not None and seqs > cap:
+                raise bad_request(f"This request asks for {seqs} sequences (prompts x n), more than this server "
+                                  f"lets wait at once ({cap}, {flag}); lower n or send fewer prompts.", "n")
+        if key is not None and per_key is not None and self.waiting_by_key[key] - 1 + seqs > per_key:
+            raise overloaded(per_key, RETRY_AFTER_S, key)
+        if limit is not None and self.intake_open - 1 + self.engine.num_waiting + seqs > limit:
+            raise overloaded(limit, RETRY_AFTER_S)
+        if key is not None:
+            self.waiting_by_key[key] += seqs - 1
+        return seqs
+
+    def tenant_of(self, headers) -> int | None:
+        """The place of the request's API key when there are several keys (tenants), else None."""
+        if len(self.api_keys) < 2:
+            return None
+        return self.api_keys.get(headers.get("authorization", "").partition(" ")[2].strip())
+
     def key_of(self, headers) -> int | None:
         """The place of the request's API key when keys have a waiting limit each (the guard checked it)."""
         if self.max_waiting_per_key is None:
             return None
         return self.api_keys.get(headers.get("authorization", "").partition(" ")[2].strip())
 
-    def waited(self, key: int | None) -> None:
-        """A waiting request of `key` left the queue (it started, failed or its client left)."""
+    def waited(self, key: int | None, seqs: int = 1) -> None:
+        """A waiting request of `key` (`seqs` sequences) left the queue (it started, failed or its client left)."""
         if key is not None:
-            self.waiting_by_key[key] -= 1
+            self.waiting_by_key[key] -= seqs
 
     def started(self, sub: Submission) -> None:
         """The submission's first output arrived (or it ended): it no longer waits. Idempotent."""
         if self.waiting_subs:
-            self.waited(self.waiting_subs.pop(sub, None))
+            self.waited(*self.waiting_subs.pop(sub, (None, 0)))
 
     def release(self, sub: Submission) -> None:
         self.started(sub)
@@ -232,21 +263,23 @@ class Serving:
             p.cache_salt = f"key:{digest}"
 
     # running (event loop)
-    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None) -> Submission:
+    def submit(self, inputs: list[PromptInput], params: list[SamplingParams], key: int | None = None,
+               seqs: int = 1, tenant: int | None = None) -> Submission:
         """Queue the requests now, so bad input is a 400 before any response (or stream) starts.
-        `key`: the waiting request's (admit), counted until the submission starts."""
+        `key`: the waiting request's (admit), its `seqs` counted (claim) until the submission starts.
+        `tenant`: its API key's place (tenant_of), which the engine's scheduler alternates."""
         try:
-            sub = self._submit(inputs, params)
+            sub = self._submit(inputs, params, tenant)
         except BaseException:
-            self.waited(key)
+            self.waited(key, seqs)
             raise
         if key is not None:
-            self.waiting_subs[sub] = key
+            self.waiting_subs[sub] = (key, seqs)
         return sub
 
-    def _submit(self, inputs: list[PromptInput], params: list[SamplingParams]) -> Submission:
+    def _submit(self, inputs: list[PromptInput], params: list[SamplingParams], tenant: int | None) -> Submission:
         try:
-            return self.engine.submit(inputs, params)
+            return self.engine.submit(inputs, params, tenant)
         except ServerUnavailable as exc:
             raise APIError(str(exc), 503, None, None, "service_unavailable") from None
         except EngineDeadError as exc:
@@ -363,7 +396,15 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     def close(self) -> None:
+        self.closed = True
         self.intake.shutdown(wait=False, cancel_futures=True)
+        if self.images is not None:
+            self.images.close()
+
+
+def stopping() -> APIError:
+    return APIError("The server is shutting down; retry the request later (on another replica, or once it is back).",
+                    503, None, None, "service_unavailable")
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -380,3 +421,11 @@ _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085"
 
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
+def key_share(max_waiting: int | None, num_keys: int) -> int | None:
+    """Each API key's share of the server's waiting queue when several keys share it and no
+    --max-waiting-requests-per-key is given: one key's burst leaves room for the others."""
+    if max_waiting is None or num_keys < 2:
+        return None
+    return max(1, -(-max_waiting // num_keys))
