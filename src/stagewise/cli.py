@@ -401,14 +401,18 @@ def cmd_bench(args) -> int:
         rng = random.Random(0)
         ids = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        before = _graph_steps(llm.stats())
+        stats = llm.stats()
+        before, steps = _graph_steps(stats), stats["num_steps"]
+        logging.getLogger("stagewise.cli").info("bench: timing %d requests", args.num_requests)
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        replayed, eager = (after - was for after, was in zip(_graph_steps(llm.stats()), before))
+        stats = llm.stats()
+        replayed, eager = (after - was for after, was in zip(_graph_steps(stats), before))
         print(f"{args.num_requests} requests, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s "
-              f"({_steps_text(replayed, eager, waited_s, config.graphs.prefill_graph)}); {_ttft_text(outs)}")
+              f"({_steps_text(replayed, eager, waited_s, config.graphs.prefill_graph)}); {_ttft_text(outs)}; "
+              f"{stats['num_steps'] - steps} engine steps")
     return _failures(outs)
 
 
