@@ -3,7 +3,7 @@ publishes its options (`shipped_options`), and a node runs its stages of that pi
 (`adopt_options`) instead of its own command line's. Nodes started with other flags (one with
 `--prefill-graph breakable`, one without) then still run one policy, one block size, one budget.
 What is a node's own stays its own (`NODE_OWN`): where its files are, its rank and memory, its
-threads, its network interface and its secret.
+threads and spare processes, its network interface and its secret.
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import logging
 from ..config import EngineConfig
 
 log = logging.getLogger("stagewise.executor")
-# options that describe the node itself, not the engine: never taken from the driver
+# options that describe the node itself, not the engine: never taken from the driver (its spare
+# processes are its own memory and CPU too)
 NODE_OWN = frozenset({"model", "tokenizer", "device", "node_rank", "local_stages", "node_memory_bytes",
                       "cluster_token", "dist_ifname", "threads_per_stage", "kv_cache_dir", "master_addr",
-                      "master_port"})
+                      "master_port", "pipeline_spares", "pipeline_spares_delay_s"})
 # shipped, but a difference is not worth a line: the driver resolves `auto` into counts, and the node
 # logs the layers it runs
 QUIET = frozenset({"pp_layer_partition"})
