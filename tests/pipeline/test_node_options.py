@@ -33,6 +33,8 @@ def test_a_node_takes_the_drivers_engine_options_and_keeps_its_own(caplog):
     caplog.clear()
     assert adopt_options(got, shipped_options(driver), told) == got and not caplog.text    # said once
     assert adopt_options(node, None) is node       # a driver that ships none: the node's own
+    with pytest.raises(ValueError, match="Node 1 cannot run the driver's engine options .*same stagewise version"):
+        adopt_options(node, '{"block_size": 8, "an_option_of_a_newer_version": 1}')
 
 
 @pytest.mark.slow

@@ -43,7 +43,11 @@ def adopt_options(config: EngineConfig, shipped: str | None, told: set[str] | No
     if shipped is None:
         return config
     options = {k: v for k, v in json.loads(shipped).items() if k not in NODE_OWN}
-    adopted = config.replace(**options)
+    try:
+        adopted = config.replace(**options)
+    except ValueError as exc:
+        raise ValueError(f"Node {config.cluster.node_rank} cannot run the driver's engine options ({exc}); run the "
+                         f"same stagewise version on every node.") from None
     mine, theirs = config.options(), adopted.options()
     differ = sorted(k for k in options if k not in QUIET and mine[k] != theirs[k] and (told is None or k not in told))
     if differ:
