@@ -8,5 +8,6 @@ run_subcommand("benchmarks.pipeline", __doc__, {
     "tp": ("benchmarks.pipeline.tp", "a stage's all-reduce, and TP=2 against one process"),
     "recovery": ("benchmarks.pipeline.recovery", "how long a PP=2 pipeline takes to heal a killed stage"),
     "elastic": ("benchmarks.pipeline.elastic", "elastic pipelines on a simulated cluster: scaling, join/leave/kill"),
+    "cpu-account": ("benchmarks.pipeline.cpu_account", "CPU seconds per step of each process and thread"),
     "link-crypto": ("benchmarks.pipeline.link_crypto", "what sealed links (authenticated encryption) cost a pipeline"),
 })

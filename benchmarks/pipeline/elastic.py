@@ -13,11 +13,13 @@ network namespaces with delayed / rate-limited links and cgroup CPU limits, the 
    SIGTERM (leave), every process of node 1 gets SIGKILL (kill). Per event: the time to the first
    token on the new partition, the longest gap any client saw, requests lost, tokens/s before
    and after.
+3. Prefill across the pipeline: the time to the first token of one 4,096-token prompt on 1 node
+   against 2 and 4 nodes of one CPU each, at 0 and 20 ms links (benchmarks/pipeline/prefill_ttft.py).
 
 Before each timed run it waits (up to --quiet-budget-s in all) for the 1-minute load average to
 drop below --quiet-load, and records the load before and after.
 
-    python -m benchmarks.pipeline elastic [--parts scaling,elastic] [--quick]
+    python -m benchmarks.pipeline elastic [--parts scaling,elastic,prefill] [--quick]
 
 Writes benchmarks/results/elastic.json and elastic.png (elastic-quick.* with --quick). Needs root
 (namespaces, cgroups).
@@ -37,8 +39,10 @@ from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS_DIR, cpu_line, machine_line
 from benchmarks.harness.cluster import Cluster, NodeSpec, scrubbed_env
+from benchmarks.pipeline import prefill_ttft
 
 TOKEN = "elastic-benchmark-token"
+PARTS = ("scaling", "elastic", "prefill")
 MASTER_PORT = 29500
 HTTP_PORT = 8000
 TOK_S_RE = re.compile(r"(\d+) output tokens in ([\d.]+) s: ([\d.]+) tok/s \(([^)]*)\)")
@@ -104,9 +108,13 @@ def stop_node(node, procs: list[subprocess.Popen], grace_s: float = 20.0) -> Non
 
 # --- part 1: strong scaling -------------------------------------------------------------------
 
-def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: Path, name: str) -> dict:
-    bench = ["--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
-             "--output-len", str(args.output_len), "--no-pipeline-spares", *extra]
+def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: Path, name: str,
+              sizes: tuple[int, int, int] | None = None) -> dict:
+    """`stagewise bench` on every node of a new cluster; `sizes`: (requests, prompt, output tokens)
+    instead of the command line's."""
+    requests, prompt, output = sizes or (args.num_requests, args.prompt_len, args.output_len)
+    bench = ["--num-requests", str(requests), "--prompt-len", str(prompt),
+             "--output-len", str(output), "--no-pipeline-spares", *extra]
     with Cluster(specs, env={"STAGEWISE_CLUSTER_TOKEN": TOKEN}) as c:
         master = c.nodes[0].address
         procs = []
@@ -130,7 +138,7 @@ def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: P
         err = (log_dir / f"{name}-n0.err").read_text()[-2000:]
         raise RuntimeError(f"{name}: bench on node 0 ended with {rc}: {text[-500:]}\n{err}")
     return {"tokens": int(match.group(1)), "seconds": float(match.group(2)), "tok_s": float(match.group(3)),
-            "steps": match.group(4), "relay_cpu_s": round(relay_s, 1)}
+            "steps": match.group(4), "relay_cpu_s": round(relay_s, 1), "text": match.string[match.start():]}
 
 
 def scaling(args, quiet: Quiet, log_dir: Path) -> list[dict]:
@@ -157,6 +165,7 @@ def scaling(args, quiet: Quiet, log_dir: Path) -> list[dict]:
         load = quiet.wait(case)
         res = bench_run(args, specs, pp, extra, log_dir, f"scaling{i}")
         res.update(case=case, nodes=len(specs), pp=pp, **load, load_after=loadavg())
+        res.pop("text")
         if against is None:
             base["1cpu" if specs[0].cpus else "half"] = res["tok_s"]
         elif against in base:
@@ -369,7 +378,7 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="scaling,elastic")
+    ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer requests, short events; -quick files")
     ap.add_argument("--model", default=None, help="default: stagewise's default model")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -391,12 +400,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quiet-load", type=float, default=0.6)
     ap.add_argument("--quiet-budget-s", type=float, default=1200.0)
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
+    prefill_ttft.add_args(ap)
     args = ap.parse_args(argv)
+    prefill_ttft.parse(args)
     args.depths_20ms = [int(x) for x in args.depths_20ms.split(",") if x]
     args.only_cases = {int(x) for x in args.only_cases.split(",") if x}
     args.serve_flags = args.serve_flags.split()
     if args.quick:
         args.num_requests, args.output_len, args.streams = 8, 16, 8
+        args.prefill_prompt_len, args.prefill_chunk = 512, 64
         args.join_at, args.gap_s, args.rate_window_s = 15.0, 25.0, 5.0
     return args
 
@@ -418,16 +430,17 @@ def main(argv=None) -> None:
                 result["scaling"] = scaling(args, quiet, log_dir)
             if "elastic" in parts:
                 result["elastic"] = elastic(args, quiet, log_dir)
+            if "prefill" in parts:
+                result["prefill"] = prefill_ttft.prefill(args, quiet, log_dir, bench_run, loadavg)
         finally:
             result["loadavg_end"] = loadavg()
             keep = RESULTS_DIR / f"elastic{suffix}-logs"
             if os.environ.get("ELASTIC_KEEP_LOGS"):
                 subprocess.run(["cp", "-r", str(log_dir), str(keep)], check=False)
             path = RESULTS_DIR / f"elastic{suffix}.json"
-            if path.exists() and not ("scaling" in result and "elastic" in result):
-                old = json.loads(path.read_text())     # a run of one part keeps the other part's numbers
-                result = {**old, **result, "scaling": result.get("scaling", old.get("scaling")),
-                          "elastic": result.get("elastic", old.get("elastic"))}
+            if path.exists() and not all(part in result for part in PARTS):
+                old = json.loads(path.read_text())     # a run of some parts keeps the other parts' numbers
+                result = {**old, **result, **{part: result.get(part, old.get(part)) for part in PARTS}}
             path.write_text(json.dumps(result, indent=1))
             print(f"wrote {path}", flush=True)
     if result.get("elastic"):

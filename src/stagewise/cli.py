@@ -276,13 +276,15 @@ def cmd_generate(args) -> int:
         engine, t_ready = llm.engine, time.perf_counter()
         chat = args.chat if args.chat is not None else bool(getattr(engine.tok.tokenizer, "chat_template", None))
         prompts = args.prompt or ["What is the capital of France?" if chat else "The capital of France is"]
+        failed = 0
         for prompt in prompts:
             text = engine.tok.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
             # NOTE: queued before anything is printed, so a refused prompt is only its error
             req = engine.add_request(text, params)
             # with the template, show the question, not the template around it
             print(prompt, end="\n" if chat else "", flush=True)
-            num_tokens += _stream(engine, req.request_id)
+            shown, ok = _stream(engine, req.request_id)
+            num_tokens, failed = num_tokens + shown, failed + (not ok)
         generate_s = time.perf_counter() - t_ready
         kernels = llm.stats().get("kernels") or []
     total_s = time.perf_counter() - _STARTED
@@ -291,7 +293,10 @@ def cmd_generate(args) -> int:
     print(f"{num_tokens} tokens in {generate_s:.2f} s ({num_tokens / max(generate_s, 1e-9):.1f} tok/s); "
           f"{total_s:.1f} s in all since the command started ({total_s - generate_s:.1f} s of it start-up)",
           file=sys.stderr)
-    return 0
+    if failed:
+        print(f"error: {failed} of {len(prompts)} prompt(s) failed (the error follows each one's text)",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def build_kernels(config: EngineConfig) -> None:
@@ -322,18 +327,20 @@ def _small_jobs_skip_compiling(config: EngineConfig, max_new_tokens: int) -> Eng
     return config.replace(prefill_graph="off")
 
 
-def _stream(engine, request_id: str) -> int:
-    """Print the request's text as it grows; returns its number of output tokens."""
-    shown, num_tokens = 0, 0
+def _stream(engine, request_id: str) -> tuple[int, bool]:
+    """Print the request's text as it grows; returns its number of output tokens and whether it
+    ended without an error."""
+    shown, num_tokens, ok = 0, 0, True
     for out in engine.run_until_done():
         if out.request_id == request_id:
             text, num_tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
             print(text[shown:], end="", flush=True)
             shown = len(text)
             if out.finished and out.outputs[0].error:
+                ok = False
                 print(f"\nerror: {out.outputs[0].error}", file=sys.stderr)
     print(flush=True)
-    return num_tokens
+    return num_tokens, ok
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -394,15 +401,37 @@ def cmd_bench(args) -> int:
         rng = random.Random(0)
         ids = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        before = _graph_steps(llm.stats())
+        stats = llm.stats()
+        before, steps = _graph_steps(stats), stats["num_steps"]
+        logging.getLogger("stagewise.cli").info("bench: timing %d requests", args.num_requests)
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        replayed, eager = (after - was for after, was in zip(_graph_steps(llm.stats()), before))
+        stats = llm.stats()
+        replayed, eager = (after - was for after, was in zip(_graph_steps(stats), before))
         print(f"{args.num_requests} requests, {n_out} output tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s "
-              f"({_steps_text(replayed, eager, waited_s, config.graphs.prefill_graph)})")
-    return 0
+              f"({_steps_text(replayed, eager, waited_s, config.graphs.prefill_graph)}); {_ttft_text(outs)}; "
+              f"{stats['num_steps'] - steps} engine steps")
+    return _failures(outs)
+
+
+def _ttft_text(outs) -> str:
+    """Time to first token (from each request's arrival: all arrive at once), mean and max."""
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs if "first_token_time" in o.metrics]
+    if not ttft:
+        return "no first token"
+    return f"time to first token {sum(ttft) / len(ttft):.2f} s mean, {max(ttft):.2f} s max"
+
+
+def _failures(outs) -> int:
+    """1 (and one sentence) when requests failed: a benchmark of failed requests measured nothing."""
+    failed = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "error"]
+    if not failed:
+        return 0
+    print(f"error: {len(failed)} of {len(outs)} requests failed, so the figure above measures nothing; the "
+          f"first: {failed[0].error}", file=sys.stderr)
+    return 1
 
 
 def _wait_for_compiled_graphs(llm) -> float | None:

@@ -66,6 +66,10 @@ class Scheduler:
         self.to_forget: list[str] = []              # released ids to drop from stage caches
         self.next_plan_id = 0
         self.num_preemptions = 0
+        # chunked pipeline prefill: chunks booked while an earlier chunk of their prompt was in flight,
+        # and the most plans one request had in flight at once
+        self.num_overlapped_chunks = 0
+        self.max_plans_per_request = 0
         self.chunker = FixedChunks()                # a prompt's next chunk length (engine.balance)
         self.balancer = DecodeBalancer()            # decode rows per plan (engine.balance)
         # may this waiting request start now? (its grammar is compiled; no earlier suspect is unconfirmed)
@@ -308,7 +312,10 @@ class Scheduler:
                                                 list(req.block_ids), req.input_embeds))
         rec.pending_tokens, rec.pending_blocks = [], []
         req.num_computed_tokens += n
+        if rec.num_plans:            # an earlier chunk of this prompt is still in flight (only chunks may be)
+            self.num_overlapped_chunks += 1
         rec.num_plans += 1
+        self.max_plans_per_request = max(self.max_plans_per_request, rec.num_plans)
         rec.awaiting_token = rec.awaiting_token or sample
 
     # results

@@ -125,6 +125,8 @@ class EngineStats:
             "decode_graph": self.decode.snapshot(),
             "num_steps": self.num_steps,
             "num_preemptions": scheduler.num_preemptions,
+            "prefill_chunks_overlapped": scheduler.num_overlapped_chunks,
+            "max_plans_per_request": scheduler.max_plans_per_request,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
             "finished": dict(self.finished),

@@ -20,6 +20,7 @@ from ..runtime.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
+from .node_options import adopt_options
 from .node_reports import publish_report
 from .rendezvous import Store, join_store, serve_store
 from .spawn import prepare_stage_env, spawn_stages, start_spares
@@ -31,6 +32,7 @@ STOPPED_KEY = "stagewise/stopped"           # set once the driver builds no more
 READY_KEY = "stagewise/g{generation}/node{node}"      # a node is ready to join that generation
 LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node of each stage (JSON)
 PARTITION_KEY = "stagewise/g{generation}/partition"   # that generation's layers per stage (JSON)
+OPTIONS_KEY = "stagewise/g{generation}/options"       # the driver's engine options (JSON, node_options.py)
 ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's headless loop advances
 LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
 ALIVE_EVERY_S = 0.5
@@ -60,10 +62,13 @@ def next_generation(addr: str, port: int, key: bytes | None = None) -> int:
 
 
 def publish_layout(addr: str, port: int, generation: int, layout: tuple[int, ...],
-                   partition: tuple[int, ...] | None = None) -> None:
-    """The generation's node of each stage and, when the driver chose one, its layers per stage
-    (the partition first: a node reads it once the layout is there)."""
+                   partition: tuple[int, ...] | None = None, options: str | None = None) -> None:
+    """The generation's node of each stage, the driver's engine options (node_options.py) and, when
+    the driver chose one, its layers per stage (all before the layout: a node reads them once the
+    layout is there)."""
     store = control_store(addr, port)
+    if options is not None:
+        store.set(OPTIONS_KEY.format(generation=generation), options)
     if partition is not None:
         store.set(PARTITION_KEY.format(generation=generation), json.dumps(list(partition)))
     store.set(LAYOUT_KEY.format(generation=generation), json.dumps(list(layout)))
@@ -164,12 +169,14 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
         publish_report(store, config.cluster.node_rank)      # what the driver plans this node's share by
         _serve_until_told(store, config.cluster.node_rank, lambda: join_store(addr, port, config.parallel.pp_size + 1,
                                                                       time.monotonic() + wait_s, wait_s, key_of(token)))
-        last, code = 0, 1
+        last, code, told = 0, 1, set[str]()
         while (generation := _await_generation(store, last)) is not None:
             last = generation
             stages, partition = _join_generation(store, generation, config.cluster.node_rank)
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
+            config = adopt_options(config, _options(store, generation), told)     # the driver's, not this node's
+            heals = config.recovery.max_pipeline_restarts > 0
             if partition is not None:     # the driver re-partitioned the layers over the nodes it has
                 config = config.replace(pp_layer_partition=partition)
             if generation > 1:
@@ -267,6 +274,14 @@ def _join_generation(store: Store, generation: int, node: int) -> tuple[list[int
             return [], None
         time.sleep(HEADLESS_POLL_S)
     return [], None
+
+
+def _options(store: Store, generation: int) -> str | None:
+    key = OPTIONS_KEY.format(generation=generation)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001  (the driver's store closed: the stages' start fails and says so)
+        return None
 
 
 def _partition(store: Store, generation: int) -> tuple[int, ...] | None:

@@ -41,6 +41,7 @@ from .messages import (
     send_message,
 )
 from .netif import master_ip
+from .node_options import shipped_options
 from .rendezvous import abandon_when, free_port, torchrun_env
 from .spawn import spawn_stages
 
@@ -88,7 +89,8 @@ class MultiprocExecutor:
             self.generation = None
             if config.cluster.nnodes > 1 and not env:
                 self.generation = generation or next_generation(addr, port, key_of(token))
-                publish_layout(addr, port, self.generation, self.layout, self.partition or None)
+                publish_layout(addr, port, self.generation, self.layout, self.partition or None,
+                               shipped_options(config))
             if not env:
                 self.procs = spawn_stages(config.replace(cluster_token=token), model_dir, 0, addr, port,
                                           eos_token_ids, models, generation=self.generation,

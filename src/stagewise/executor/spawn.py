@@ -12,9 +12,10 @@ from multiprocessing.connection import wait as wait_sentinels
 
 from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from .hygiene import track
+from .idle_priority import spare_main
 from .layout import default_layout, stages_of
 from .netif import use_interface
-from .stage_proc import stage_main, standby_main
+from .stage_proc import stage_main
 from .tp_ranks import new_directory
 
 _spares: list = []             # [process, duplex pipe, warm]: started stage processes waiting for a stage to run
@@ -96,7 +97,7 @@ def start_spares(count: int, model_dir: str) -> None:
     ctx = mp.get_context("spawn")
     for _ in range(count - len(_spares)):
         here, there = ctx.Pipe(duplex=True)
-        p = ctx.Process(target=standby_main, args=(there, model_dir), name="stagewise-stage-spare", daemon=True)
+        p = ctx.Process(target=spare_main, args=(there, model_dir), name="stagewise-stage-spare", daemon=True)
         p.start()
         there.close()
         track(p)

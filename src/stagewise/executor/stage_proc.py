@@ -88,10 +88,12 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     sys.exit(code)
 
 
-def standby_main(conn, model_dir: str) -> None:
-    """A spare stage process (spawn.start_spares): import what a stage of `model_dir` needs (its
-    first checkpoint config read imports seconds of transformers), then wait for the driver to
-    name a stage (`stage_main`'s arguments), or for the pipe to close (exit)."""
+def standby_main(conn, model_dir: str, on_stage=None) -> None:
+    """A spare stage process (spawn.start_spares, through idle_priority.spare_main): import what a
+    stage of `model_dir` needs (its first checkpoint config read imports seconds of transformers),
+    then wait for the driver to name a stage (`stage_main`'s arguments), or for the pipe to close
+    (exit). `on_stage` runs once it is given a stage (a spare that warmed at idle priority returns
+    to normal)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process("stagewise-spare")
@@ -106,6 +108,8 @@ def standby_main(conn, model_dir: str) -> None:
         args = conn.recv()
     except (EOFError, OSError):
         exit_now(0)
+    if on_stage is not None:
+        on_stage()
     config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp = args
     # NOTE: the same pipe says when the stage runs (`started`)
     stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp, started=conn)
