@@ -15,11 +15,14 @@ network namespaces with delayed / rate-limited links and cgroup CPU limits, the 
    and after.
 3. Prefill across the pipeline: the time to the first token of one 4,096-token prompt on 1 node
    against 2 and 4 nodes of one CPU each, at 0 and 20 ms links (benchmarks/pipeline/prefill_ttft.py).
+4. Speculation per round trip: one user's greedy decode over 2 and 4 one-CPU nodes at 20 ms, with
+   n-gram drafts and (with --spec-draft-model) a draft model, against none, on copy-heavy and fresh
+   chats (benchmarks/pipeline/spec_link.py).
 
 Before each timed run it waits (up to --quiet-budget-s in all) for the 1-minute load average to
 drop below --quiet-load, and records the load before and after.
 
-    python -m benchmarks.pipeline elastic [--parts scaling,elastic,prefill] [--quick]
+    python -m benchmarks.pipeline elastic [--parts scaling,elastic,prefill,speculation] [--quick]
 
 Writes benchmarks/results/elastic.json and elastic.png (elastic-quick.* with --quick). Needs root
 (namespaces, cgroups).
@@ -39,10 +42,10 @@ from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS_DIR, cpu_line, machine_line
 from benchmarks.harness.cluster import Cluster, NodeSpec, scrubbed_env
-from benchmarks.pipeline import prefill_ttft
+from benchmarks.pipeline import prefill_ttft, spec_link
 
 TOKEN = "elastic-benchmark-token"
-PARTS = ("scaling", "elastic", "prefill")
+PARTS = ("scaling", "elastic", "prefill", "speculation")
 MASTER_PORT = 29500
 HTTP_PORT = 8000
 TOK_S_RE = re.compile(r"(\d+) output tokens in ([\d.]+) s: ([\d.]+) tok/s \(([^)]*)\)")
@@ -108,6 +111,32 @@ def stop_node(node, procs: list[subprocess.Popen], grace_s: float = 20.0) -> Non
 
 # --- part 1: strong scaling -------------------------------------------------------------------
 
+def cluster_run(args, specs: list[NodeSpec], pp: int, command: str, extra: list[str], log_dir: Path,
+                name: str) -> tuple[str, str]:
+    """`stagewise COMMAND` on every node of a new cluster (node n > 0 takes the worker role); node
+    0's stdout and stderr once it is done (RuntimeError if it failed)."""
+    with Cluster(specs, env={"STAGEWISE_CLUSTER_TOKEN": TOKEN}) as c:
+        master = c.nodes[0].address
+        procs = []
+        for rank, node in enumerate(c.nodes):
+            out = open(log_dir / f"{name}-n{rank}.out", "w")
+            err = open(log_dir / f"{name}-n{rank}.err", "w")
+            procs.append(node.popen(stagewise_args(command, args, pp, len(specs), rank, master, extra),
+                                    stdout=out, stderr=err))
+        try:
+            rc = procs[0].wait(timeout=args.run_timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        cluster_run.relay_s = relay_cpu_s(c)          # type: ignore[attr-defined]
+        for node, p in zip(c.nodes[1:], procs[1:]):
+            stop_node(node, [p], grace_s=30)
+        c.nodes[0].kill_all()
+    text, err = ((log_dir / f"{name}-n0.{kind}").read_text() for kind in ("out", "err"))
+    if rc != 0:
+        raise RuntimeError(f"{name}: {command} on node 0 ended with {rc}: {text[-500:]}\n{err[-2000:]}")
+    return text, err
+
+
 def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: Path, name: str,
               sizes: tuple[int, int, int] | None = None) -> dict:
     """`stagewise bench` on every node of a new cluster; `sizes`: (requests, prompt, output tokens)
@@ -115,30 +144,13 @@ def bench_run(args, specs: list[NodeSpec], pp: int, extra: list[str], log_dir: P
     requests, prompt, output = sizes or (args.num_requests, args.prompt_len, args.output_len)
     bench = ["--num-requests", str(requests), "--prompt-len", str(prompt),
              "--output-len", str(output), "--no-pipeline-spares", *extra]
-    with Cluster(specs, env={"STAGEWISE_CLUSTER_TOKEN": TOKEN}) as c:
-        master = c.nodes[0].address
-        procs = []
-        for rank, node in enumerate(c.nodes):
-            out = open(log_dir / f"{name}-n{rank}.out", "w")
-            err = open(log_dir / f"{name}-n{rank}.err", "w")
-            # every node runs the same `bench` command; node n > 0 takes the worker role
-            cmd = stagewise_args("bench", args, pp, len(specs), rank, master, bench)
-            procs.append(node.popen(cmd, stdout=out, stderr=err))
-        try:
-            rc = procs[0].wait(timeout=args.run_timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        relay_s = relay_cpu_s(c)
-        for node, p in zip(c.nodes[1:], procs[1:]):
-            stop_node(node, [p], grace_s=30)
-        c.nodes[0].kill_all()
-    text = (log_dir / f"{name}-n0.out").read_text()
+    text, err = cluster_run(args, specs, pp, "bench", bench, log_dir, name)
     match = TOK_S_RE.search(text)
-    if rc != 0 or match is None:
-        err = (log_dir / f"{name}-n0.err").read_text()[-2000:]
-        raise RuntimeError(f"{name}: bench on node 0 ended with {rc}: {text[-500:]}\n{err}")
+    if match is None:
+        raise RuntimeError(f"{name}: bench on node 0 printed no tokens/s: {text[-500:]}\n{err[-2000:]}")
     return {"tokens": int(match.group(1)), "seconds": float(match.group(2)), "tok_s": float(match.group(3)),
-            "steps": match.group(4), "relay_cpu_s": round(relay_s, 1), "text": match.string[match.start():]}
+            "steps": match.group(4), "relay_cpu_s": round(cluster_run.relay_s, 1),  # type: ignore[attr-defined]
+            "text": match.string[match.start():]}
 
 
 def scaling(args, quiet: Quiet, log_dir: Path) -> list[dict]:
@@ -401,14 +413,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quiet-budget-s", type=float, default=1200.0)
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     prefill_ttft.add_args(ap)
+    spec_link.add_args(ap)
     args = ap.parse_args(argv)
     prefill_ttft.parse(args)
+    spec_link.parse(args)
     args.depths_20ms = [int(x) for x in args.depths_20ms.split(",") if x]
     args.only_cases = {int(x) for x in args.only_cases.split(",") if x}
     args.serve_flags = args.serve_flags.split()
     if args.quick:
         args.num_requests, args.output_len, args.streams = 8, 16, 8
         args.prefill_prompt_len, args.prefill_chunk = 512, 64
+        args.spec_prompts, args.spec_max_tokens = 1, 32
         args.join_at, args.gap_s, args.rate_window_s = 15.0, 25.0, 5.0
     return args
 
@@ -432,6 +447,8 @@ def main(argv=None) -> None:
                 result["elastic"] = elastic(args, quiet, log_dir)
             if "prefill" in parts:
                 result["prefill"] = prefill_ttft.prefill(args, quiet, log_dir, bench_run, loadavg)
+            if "speculation" in parts:
+                result["speculation"] = spec_link.speculation(args, quiet, log_dir, cluster_run, loadavg)
         finally:
             result["loadavg_end"] = loadavg()
             keep = RESULTS_DIR / f"elastic{suffix}-logs"

@@ -39,9 +39,8 @@ def engine_config_of(args: argparse.Namespace) -> EngineConfig:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config of a command, with `--model` resolved to a local path (default model if absent)."""
-    from .model.source import resolve_model
-    config = engine_config_of(args)
-    config = config.replace(model=resolve_model(config.load.model))
+    from .model.source import resolve_models
+    config = resolve_models(engine_config_of(args))
     check_before_loading(config)
     return config
 

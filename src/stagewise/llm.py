@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from .config import EngineConfig
 from .core.client import InprocClient, PromptInput
 from .errors import PromptTooLongError
-from .model.source import resolve_model
+from .model.source import resolve_models
 from .multimodal.encoder import VisionEncoder
 from .multimodal.families import vision_encoder
 from .multimodal.images import limits_of
@@ -23,7 +23,7 @@ class LLM:
     """`LLM(model=PATH, **engine_options)`; options are EngineConfig fields. No model: the default model."""
 
     def __init__(self, model: str | None = None, **options):
-        self.config = EngineConfig.from_kwargs(model=resolve_model(model), **options)
+        self.config = resolve_models(EngineConfig.from_kwargs(model=model, **options))
         self.client = InprocClient(self.config)
         self.engine = self.client.engine            # for callers that drive or inspect it (the CLI, tests)
         self.tokenizer = self.engine.tok.tokenizer

