@@ -243,6 +243,8 @@ def _replacement(model, name: str, module: nn.Module, scheme: Scheme, exact: boo
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or isinstance(module, _Held):
         return None
+    if getattr(module, "keep_float", False):    # e.g. a MoE router, or experts whose rows the kernels cannot slice
+        return None
     in_out = bool(getattr(module, "in_out_layout", False))
     dtype = weight.dtype
     if isinstance(module, nn.Embedding):

@@ -1,0 +1,136 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) against HF transformers (fp32):
+prompt logits and greedy tokens at PP=1 and PP=2, mixed batches, experts quantized at load, tensor
+parallelism, decode reading only the routed experts, and the planner holding every expert."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagewise.model import moe
+from stagewise.model.attention import AttentionMetadata
+from stagewise.model.loader import load_hf_config, load_model
+from stagewise.parallel.partition import StageInfo
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
+           list(range(10, 410, 9))]  # 5, 17 and 45 tokens
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def moe_dir(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_logits_and_greedy_match_hf(moe_dir, eager_pipeline, hf_logits, hf_greedy, pp_size):
+    pipe = eager_pipeline(moe_dir, pp_size=pp_size)
+    for ids in PROMPTS:
+        torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(moe_dir, ids), atol=1e-4, rtol=0)
+    assert [pipe.greedy(ids, 16) for ids in PROMPTS[1:]] == hf_greedy(moe_dir, PROMPTS[1:], 16)
+
+
+def test_mixed_prefill_batch_matches_hf(moe_dir, eager_pipeline, hf_logits):
+    """Three prompts in one step: rows of several sequences grouped by expert together."""
+    pipe = eager_pipeline(moe_dir)
+    lens = [len(p) for p in PROMPTS]
+    meta = AttentionMetadata.build(lens, lens, [pipe.table(i) for i in range(3)], pipe.block_size)
+    pipe.reset()
+    hidden = pipe.forward(torch.tensor([t for p in PROMPTS for t in p]), torch.cat([torch.arange(n) for n in lens]),
+                          meta)
+    for ids, rows in zip(PROMPTS, pipe.stages[-1].compute_logits(hidden).split(lens)):
+        torch.testing.assert_close(rows, hf_logits(moe_dir, ids), atol=1e-4, rtol=0)
+
+
+def test_decode_reads_only_the_routed_experts(qwen3_moe_dir, eager_pipeline, monkeypatch):
+    """A batch-1 decode step calls each MoE layer's experts k times at most (one call per active
+    expert and projection), and exactly the experts the router chose."""
+    pipe = eager_pipeline(qwen3_moe_dir)
+    calls: list[tuple[int, int]] = []
+    routed: list[set[int]] = []
+    real_linear, real_route = moe.expert_linear, moe.route
+    monkeypatch.setattr(moe, "expert_linear", lambda x, proj, e, rows: calls.append((id(proj), e))
+                        or real_linear(x, proj, e, rows))
+    monkeypatch.setattr(moe, "route", lambda logits, k, norm: (out := real_route(logits, k, norm))
+                        and (routed.append(set(out[1].reshape(-1).tolist())) or out))
+    logits = pipe.prefill_logits(PROMPTS[0])
+    calls.clear()
+    routed.clear()
+    meta = AttentionMetadata.build([1], [6], [pipe.table(0)], pipe.block_size)
+    pipe.forward(logits[-1:].argmax(-1), torch.tensor([5]), meta)
+    config = load_hf_config(qwen3_moe_dir)
+    assert len(routed) == 2         # layers 0 and 2 route; layer 1 is dense
+    assert len(calls) == 2 * 2 * config.num_experts_per_tok       # gate/up and down per chosen expert
+    by_proj: dict[int, set[int]] = {}
+    for proj, expert in calls:
+        by_proj.setdefault(proj, set()).add(expert)
+    assert sorted(map(sorted, by_proj.values())) == sorted(map(sorted, routed + routed))
+
+
+def _quantized_reference(model_dir, out, qtype: str):
+    """The HF checkpoint with every expert matrix (and the dense ones) through `qtype` and back, the
+    router kept float: the values the quantized stage holds."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    quant = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                                 "shared_expert_gate.weight")):
+                continue
+            rows = param.reshape(-1, param.shape[-1]).numpy()
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, quant), quant))
+                        .reshape(param.shape))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_quantized_at_load_match_hf_on_their_values(family, request, eager_pipeline, hf_logits, tmp_path):
+    from stagewise.model.quantized import QuantLinear
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    pipe = eager_pipeline(model_dir, pp_size=2, quantization="int8")
+    blocks = [m for stage in pipe.stages for m in stage.modules() if isinstance(m, moe.SparseMoE)]
+    assert blocks and all(isinstance(b.gate_up_exps, QuantLinear) and isinstance(b.down_exps, QuantLinear)
+                          and b.gate_up_exps.segments[0].qtype.name == "Q8_0" for b in blocks)
+    assert not any(isinstance(b.gate, QuantLinear) for b in blocks)       # routers stay float
+    reference = _quantized_reference(model_dir, tmp_path / "q8", "Q8_0")
+    got = pipe.prefill_logits(PROMPTS[1])
+    torch.testing.assert_close(got, hf_logits(reference, PROMPTS[1]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eager_pipeline, tp_threads):
+    """Attention and dense MLPs split over 2 ranks; each rank holds every expert (replicated)."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    want = eager_pipeline(model_dir).greedy(PROMPTS[1], 12)
+    pipes = tp_threads.sharded(model_dir, 2)
+    assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]
+
+
+def test_olmoe_refuses_tensor_parallelism_in_one_sentence(olmoe_dir):
+    from stagewise.model.registry import get_model_class
+    from stagewise.parallel import tp
+    with pytest.raises(ValueError, match="OlmoeForCausalLM runs with tp_size 1"):
+        tp.check_model(load_hf_config(olmoe_dir), get_model_class("OlmoeForCausalLM"), 2)
+
+
+def test_stage_holds_every_expert_and_the_plan_counts_them(qwen3_moe_dir):
+    """Memory: a stage holds all its layers' experts (the planner sizes the stage skeleton's weights)."""
+    from stagewise.model.loader import stage_skeleton
+    from stagewise.model.quantized import weight_bytes
+    config = load_hf_config(qwen3_moe_dir)
+    model = load_model(qwen3_moe_dir, StageInfo.single(config.num_hidden_layers), torch.float32)
+    experts = 2 * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size   # layers 0 and 2
+    dense = 3 * config.hidden_size * config.intermediate_size
+    layer_params = sum(p.numel() for p in model.layers.parameters())
+    assert layer_params > experts + dense
+    skeleton = stage_skeleton(qwen3_moe_dir, StageInfo.single(config.num_hidden_layers), torch.float32)
+    assert weight_bytes(skeleton) == weight_bytes(model) >= 4 * (experts + dense)
+
+
+def test_unsupported_architecture_names_itself_and_the_supported_list():
+    from stagewise.model.registry import get_model_class
+    with pytest.raises(ValueError, match=r"'DeepseekV3ForCausalLM' is not supported; supported architectures: .*"
+                                         r"MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        get_model_class("DeepseekV3ForCausalLM")
