@@ -66,17 +66,19 @@ def test_decode_reads_only_the_routed_experts(qwen3_moe_dir, eager_pipeline, mon
     assert sorted(map(sorted, by_proj.values())) == sorted(map(sorted, routed + routed))
 
 
-def _quantized_reference(model_dir, out, qtype: str):
+def _quantized_reference(model_dir, out, qtype: str, routers: bool = False):
     """The HF checkpoint with every expert matrix (and the dense ones) through `qtype` and back, the
-    router kept float: the values the quantized stage holds."""
+    routers kept float unless `routers` (a GGUF file that stores them quantized): the values the
+    quantized stage holds."""
     import gguf
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     quant = gguf.GGMLQuantizationType[qtype]
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() < 2 or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
-                                                 "shared_expert_gate.weight")):
+            # (a GGUF file stores the shared expert's gate squeezed to [H], as float)
+            if param.dim() < 2 or name.endswith("shared_expert_gate.weight") or not routers and name.endswith(
+                    ("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 continue
             rows = param.reshape(-1, param.shape[-1]).numpy()
             param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, quant), quant))
@@ -134,3 +136,44 @@ def test_unsupported_architecture_names_itself_and_the_supported_list():
     with pytest.raises(ValueError, match=r"'DeepseekV3ForCausalLM' is not supported; supported architectures: .*"
                                          r"MixtralForCausalLM.*Qwen3MoeForCausalLM"):
         get_model_class("DeepseekV3ForCausalLM")
+
+
+# ---- GGUF files written from the same weights (as llama.cpp's converter stacks the experts) ----------
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_f32_gguf_matches_hf_at_pp1_and_pp2(family, request, tiny_gguf, eager_pipeline, hf_logits, hf_greedy):
+    from stagewise.checkpoint import load_hf_config as config_of
+    model_dir, path = request.getfixturevalue(f"{family}_dir"), tiny_gguf(family)
+    assert config_of(path).architectures == config_of(model_dir).architectures
+    for pp in (1, 2):
+        pipe = eager_pipeline(path, pp_size=pp)
+        torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(model_dir, PROMPTS[1]), atol=1e-4,
+                                   rtol=0)
+    assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(model_dir, PROMPTS[2:], 12)[0]
+
+
+@pytest.mark.parametrize("family,qtype", [("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0"), ("qwen2_moe", "Q8_0")])
+def test_quantized_gguf_experts_stay_quantized_and_match_hf(family, qtype, request, tiny_gguf, eager_pipeline,
+                                                            hf_logits, tmp_path):
+    from stagewise.model.quantized import QuantLinear
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    pipe = eager_pipeline(tiny_gguf(family, qtype), pp_size=2)
+    blocks = [m for stage in pipe.stages for m in stage.modules() if isinstance(m, moe.SparseMoE)]
+    assert blocks and all(isinstance(b.down_exps, QuantLinear) and b.down_exps.segments[0].qtype.name == qtype
+                          for b in blocks)
+    reference = _quantized_reference(model_dir, tmp_path / "dq", qtype, routers=True)
+    torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(reference, PROMPTS[1]), atol=1e-4, rtol=0)
+
+
+def test_expert_tensor_of_an_unsupported_type_is_named(qwen3_moe_dir, tmp_path, gguf_tools):
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig
+    tensors = gguf_tools.gguf_tensors(qwen3_moe_dir, AutoConfig.from_pretrained(qwen3_moe_dir), "qwen3moe")
+    qtype, shape = gguf.GGMLQuantizationType.Q8_1, tensors["blk.2.ffn_down_exps.weight"].shape
+    tensors["blk.2.ffn_down_exps.weight"] = (np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype),
+                                                      dtype=np.uint8), qtype)
+    path = gguf_tools.write_gguf(qwen3_moe_dir, tmp_path / "bad.gguf", tensors=tensors, tokenizer=False)
+    with pytest.raises(ValueError, match=r"Tensor blk\.2\.ffn_down_exps\.weight in .* is stored as Q8_1, which "
+                                         r"stagewise cannot dequantize"):
+        load_model(path, StageInfo.single(3), torch.float32)
