@@ -177,3 +177,15 @@ def test_expert_tensor_of_an_unsupported_type_is_named(qwen3_moe_dir, tmp_path, 
     with pytest.raises(ValueError, match=r"Tensor blk\.2\.ffn_down_exps\.weight in .* is stored as Q8_1, which "
                                          r"stagewise cannot dequantize"):
         load_model(path, StageInfo.single(3), torch.float32)
+
+
+@pytest.mark.slow
+def test_llm_on_a_quantized_moe_gguf_at_pp1_and_pp2_matches_hf(qwen3_moe_dir, tiny_gguf, hf_greedy, tmp_path):
+    """The engine end to end (PP=2 in stage processes) on a Q8_0 Qwen3-MoE file."""
+    from stagewise import LLM, SamplingParams
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(_quantized_reference(qwen3_moe_dir, tmp_path / "dq", "Q8_0", routers=True), PROMPTS[1:2], 8)
+    for pp in (1, 2):
+        with LLM(model=str(tiny_gguf("qwen3_moe", "Q8_0")), tokenizer=str(qwen3_moe_dir), pp_size=pp) as llm:
+            out = llm.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=params, use_tqdm=False)
+        assert [out[0].outputs[0].token_ids] == want, pp

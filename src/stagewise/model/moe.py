@@ -152,11 +152,3 @@ class SparseMoE(nn.Module):
             assert self.shared_expert_gate is not None   # built together
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    def active_parameters(self) -> int:
-        """Weights one token reads: the router, k experts and the shared expert."""
-        per_expert = sum(p.numel() for p in self.parameters()) - self.gate.weight.numel()
-        shared = sum(p.numel() for m in (self.shared_expert, self.shared_expert_gate) if m is not None
-                     for p in m.parameters())
-        routed = (per_expert - shared) // self.num_experts
-        return self.gate.weight.numel() + self.top_k * routed + shared
