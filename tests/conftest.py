@@ -54,6 +54,9 @@ def _family_config(family: str, vocab: int):
     if family == "qwen3_moe":  # 8 experts top-2 renormalised; layer 1 dense (mlp_only_layers)
         return tf.Qwen3MoeConfig(num_hidden_layers=3, head_dim=16, num_experts=8, moe_intermediate_size=32,
                                  norm_topk_prob=True, mlp_only_layers=[1], **moe)
+    if family == "qwen3_moe_768":  # the expert size transformers' GGUF loader assumes (it reads no expert size)
+        return tf.Qwen3MoeConfig(num_hidden_layers=2, head_dim=16, num_experts=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True, **moe)
     if family == "mixtral":
         return tf.MixtralConfig(num_hidden_layers=2, num_local_experts=8, sliding_window=None,
                                 **{**moe, "intermediate_size": 64})
@@ -124,6 +127,7 @@ llama_uneven_mqa_dir = _family_fixture("llama_uneven_mqa")
 gpt2_3h_dir = _family_fixture("gpt2_3h")
 qwen2_tied_dir = _family_fixture("qwen2_tied")
 qwen3_moe_dir = _family_fixture("qwen3_moe")
+qwen3_moe_768_dir = _family_fixture("qwen3_moe_768")
 mixtral_dir = _family_fixture("mixtral")
 qwen2_moe_dir = _family_fixture("qwen2_moe")
 olmoe_dir = _family_fixture("olmoe")

@@ -152,6 +152,17 @@ def test_f32_gguf_matches_hf_at_pp1_and_pp2(family, request, tiny_gguf, eager_pi
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(model_dir, PROMPTS[2:], 12)[0]
 
 
+def test_transformers_reads_the_qwen3moe_gguf_as_we_do(qwen3_moe_768_dir, tmp_path, gguf_tools, eager_pipeline):
+    """transformers' own GGUF loader (which knows qwen3moe) on the same file: the writer's layout is the
+    one llama.cpp's converter writes, and both read it alike."""
+    from transformers import AutoModelForCausalLM
+    path = gguf_tools.write_gguf(qwen3_moe_768_dir, tmp_path / "qwen3moe.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[1]])).logits[0]
+    torch.testing.assert_close(eager_pipeline(path).prefill_logits(PROMPTS[1]), want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family,qtype", [("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0"), ("qwen2_moe", "Q8_0")])
 def test_quantized_gguf_experts_stay_quantized_and_match_hf(family, qtype, request, tiny_gguf, eager_pipeline,
                                                             hf_logits, tmp_path):
