@@ -200,3 +200,4 @@ def test_llm_on_a_quantized_moe_gguf_at_pp1_and_pp2_matches_hf(qwen3_moe_dir, ti
         with LLM(model=str(tiny_gguf("qwen3_moe", "Q8_0")), tokenizer=str(qwen3_moe_dir), pp_size=pp) as llm:
             out = llm.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=params, use_tqdm=False)
         assert [out[0].outputs[0].token_ids] == want, pp
+
