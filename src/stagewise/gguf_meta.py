@@ -40,6 +40,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
+# gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
+# checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
+EXPERT_COUNT_KEY = "{arch}.expert_count"
 _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
 _ERROR_PREFIX = "stagewise-error: "    # marks the tokenizer converter's one-sentence error line
@@ -317,11 +320,11 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
 def _moe_kwargs(facts: GGUFFacts, arch: str) -> dict:
     """The experts' config where the file's blocks hold them (metadata keys from gguf-py's constants;
     sizes the metadata leaves out read from the expert tensors' shapes); {} for a dense model."""
-    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys  # lazy: only MoE files need gguf-py here
-    meta = lambda key: facts.meta.get(key.format(arch=arch))
-    experts = meta(Keys.LLM.EXPERT_COUNT)
+    experts = facts.meta.get(EXPERT_COUNT_KEY.format(arch=arch))
     if not experts:
         return {}
+    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys  # lazy: only MoE files need gguf-py here
+    meta = lambda key: facts.meta.get(key.format(arch=arch))
     tensor = lambda kind, bid: facts.shapes.get(TENSOR_NAMES[kind].format(bid=bid) + ".weight")
     layers = int(meta(Keys.LLM.BLOCK_COUNT) or 0)
     routed = [i for i in range(layers) if tensor(MODEL_TENSOR.FFN_GATE_INP, i) is not None]

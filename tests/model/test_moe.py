@@ -176,6 +176,13 @@ def test_quantized_gguf_experts_stay_quantized_and_match_hf(family, qtype, reque
     torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(reference, PROMPTS[1]), atol=1e-4, rtol=0)
 
 
+def test_the_expert_count_key_is_gguf_pys():
+    from gguf.constants import Keys
+
+    from stagewise.gguf_meta import EXPERT_COUNT_KEY
+    assert EXPERT_COUNT_KEY == Keys.LLM.EXPERT_COUNT
+
+
 def test_expert_tensor_of_an_unsupported_type_is_named(qwen3_moe_dir, tmp_path, gguf_tools):
     import gguf
     import numpy as np
