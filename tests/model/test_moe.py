@@ -117,18 +117,22 @@ def test_olmoe_refuses_tensor_parallelism_in_one_sentence(olmoe_dir):
         tp.check_model(load_hf_config(olmoe_dir), get_model_class("OlmoeForCausalLM"), 2)
 
 
-def test_stage_holds_every_expert_and_the_plan_counts_them(qwen3_moe_dir):
-    """Memory: a stage holds all its layers' experts (the planner sizes the stage skeleton's weights)."""
-    from stagewise.model.loader import stage_skeleton
+def test_the_plan_counts_every_expert_as_held(qwen3_moe_dir, tiny_gguf):
+    """Memory: the planner's per-layer bytes (`stagewise plan`, the cluster plan) hold all of a layer's
+    experts, float or in the file's quantized type; a dense layer holds its MLP."""
     from stagewise.model.quantized import weight_bytes
+    from stagewise.runtime.plan_report import ModelBytes
     config = load_hf_config(qwen3_moe_dir)
-    model = load_model(qwen3_moe_dir, StageInfo.single(config.num_hidden_layers), torch.float32)
-    experts = 2 * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size   # layers 0 and 2
-    dense = 3 * config.hidden_size * config.intermediate_size
-    layer_params = sum(p.numel() for p in model.layers.parameters())
-    assert layer_params > experts + dense
-    skeleton = stage_skeleton(qwen3_moe_dir, StageInfo.single(config.num_hidden_layers), torch.float32)
-    assert weight_bytes(skeleton) == weight_bytes(model) >= 4 * (experts + dense)
+    h, experts, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    attention = (64 + 2 * 32 + 64) * h + 2 * 16 + 2 * h            # q, k, v, o, q/k norms, two layer norms
+    router = experts * h
+    want = [4 * (attention + router + experts * 3 * h * inter), 4 * (attention + 3 * h * config.intermediate_size)]
+    assert ModelBytes.measure(str(qwen3_moe_dir), torch.float32, None, True).layers == (want[0], want[1], want[0])
+    q8 = ModelBytes.measure(str(tiny_gguf("qwen3_moe", "Q8_0")), torch.float32, None, True).layers
+    model = load_model(tiny_gguf("qwen3_moe", "Q8_0"), StageInfo.single(3), torch.float32)
+    assert q8 == tuple(weight_bytes(model.layers[i]) for i in range(3))
+    expert_q8 = experts * 3 * h * inter * 34 // 32          # Q8_0: 34 bytes per 32 weights
+    assert q8[0] > expert_q8 and q8[0] - expert_q8 < want[0] - 4 * experts * 3 * h * inter + 4096
 
 
 def test_unsupported_architecture_names_itself_and_the_supported_list():
