@@ -110,6 +110,13 @@ def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eage
     assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]
 
 
+def test_tensor_parallel_ranks_on_a_quantized_moe_gguf(qwen3_moe_dir, tiny_gguf, eager_pipeline, tp_threads):
+    path = tiny_gguf("qwen3_moe", "Q8_0")
+    want = eager_pipeline(path).greedy(PROMPTS[1], 12)
+    pipes = tp_threads.sharded(path, 2)
+    assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]
+
+
 def test_olmoe_refuses_tensor_parallelism_in_one_sentence(olmoe_dir):
     from stagewise.model.registry import get_model_class
     from stagewise.parallel import tp
