@@ -187,6 +187,23 @@ def test_quantized_gguf_experts_stay_quantized_and_match_hf(family, qtype, reque
     torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(reference, PROMPTS[1]), atol=1e-4, rtol=0)
 
 
+def test_mixtral_gguf_with_one_tensor_per_expert_matches_hf(mixtral_dir, tmp_path, gguf_tools, eager_pipeline,
+                                                           hf_logits):
+    """Mixtral files converted before llama.cpp stacked the experts hold `blk.N.ffn_gate.E.weight`."""
+    from transformers import AutoConfig
+    stacked = gguf_tools.gguf_tensors(mixtral_dir, AutoConfig.from_pretrained(mixtral_dir), "llama")
+    tensors = {}
+    for name, array in stacked.items():
+        kind = name.split(".")[-2]
+        if kind.endswith("_exps"):
+            tensors.update({name.replace(f"{kind}.", f"{kind[:-5]}.{e}."): array[e] for e in range(len(array))})
+        else:
+            tensors[name] = array
+    path = gguf_tools.write_gguf(mixtral_dir, tmp_path / "legacy.gguf", tensors=tensors, tokenizer=False)
+    torch.testing.assert_close(eager_pipeline(path, pp_size=2).prefill_logits(PROMPTS[1]),
+                               hf_logits(mixtral_dir, PROMPTS[1]), atol=1e-4, rtol=0)
+
+
 def test_the_expert_count_key_is_gguf_pys():
     from gguf.constants import Keys
 

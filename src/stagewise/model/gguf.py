@@ -44,6 +44,7 @@ _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
 _GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -81,6 +82,10 @@ def hf_tensor_names(gguf_name: str, arch: str, experts: int = 0) -> list[str]:
     model reads. `experts`: the file's experts per layer (0: a dense model)."""
     name = hf_tensor_name(gguf_name, arch)
     match = _BLOCK_RE.fullmatch(gguf_name)
+    if name is None and experts and arch == "llama" and (legacy := _LEGACY_EXPERT_RE.fullmatch(gguf_name)):
+        # Mixtral files converted before llama.cpp stacked experts: one tensor per expert
+        part = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}[legacy[2]]
+        return [f"model.layers.{legacy[1]}.block_sparse_moe.experts.{legacy[3]}.{part}.weight"]
     if name is not None or match is None or not experts:
         return [] if name is None else [name]
     single, stacked = _moe_block()
