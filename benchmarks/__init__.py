@@ -2,7 +2,7 @@
 measures and its flags. Results go to `results/`, the current table per question to `RESULTS.md`.
 
     python -m benchmarks.peers             stagewise vs HF transformers, vLLM-CPU and llama.cpp
-    python -m benchmarks.quantized NAME    quantized GGUF files vs llama.cpp (make-models, run)
+    python -m benchmarks.quantized NAME    quantized GGUF files vs llama.cpp (make-models, make-shapes, run)
     python -m benchmarks.serving NAME      what `stagewise serve` delivers (load, overhead, profile, kv-tier,
                                            first-requests)
     python -m benchmarks.offline NAME      the offline engine (throughput, startup, speculative, cpu-limit)

@@ -15,6 +15,7 @@ import torch
 
 TINY_VOCAB = 1000
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")    # tests/model/test_moe.py
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
 # them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
 torch.set_num_threads(1)
@@ -49,6 +50,21 @@ def _family_config(family: str, vocab: int):
         return tf.Qwen2Config(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **common)
+    moe = dict(num_key_value_heads=2, num_experts_per_tok=2, **common)
+    if family == "qwen3_moe":  # 8 experts top-2 renormalised; layer 1 dense (mlp_only_layers)
+        return tf.Qwen3MoeConfig(num_hidden_layers=3, head_dim=16, num_experts=8, moe_intermediate_size=32,
+                                 norm_topk_prob=True, mlp_only_layers=[1], **moe)
+    if family == "qwen3_moe_768":  # the expert size transformers' GGUF loader assumes (it reads no expert size)
+        return tf.Qwen3MoeConfig(num_hidden_layers=2, head_dim=16, num_experts=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True, **moe)
+    if family == "mixtral":
+        return tf.MixtralConfig(num_hidden_layers=2, num_local_experts=8, sliding_window=None,
+                                **{**moe, "intermediate_size": 64})
+    if family == "qwen2_moe":  # a shared expert and its sigmoid gate; top-k weights not renormalised
+        return tf.Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, **moe)
+    if family == "olmoe":  # q/k norms over the whole projections, q/k/v clamped
+        return tf.OlmoeConfig(num_hidden_layers=2, num_experts=8, clip_qkv=2.0, **{**moe, "intermediate_size": 32})
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -110,6 +126,11 @@ llama_uneven_dir = _family_fixture("llama_uneven")
 llama_uneven_mqa_dir = _family_fixture("llama_uneven_mqa")
 gpt2_3h_dir = _family_fixture("gpt2_3h")
 qwen2_tied_dir = _family_fixture("qwen2_tied")
+qwen3_moe_dir = _family_fixture("qwen3_moe")
+qwen3_moe_768_dir = _family_fixture("qwen3_moe_768")
+mixtral_dir = _family_fixture("mixtral")
+qwen2_moe_dir = _family_fixture("qwen2_moe")
+olmoe_dir = _family_fixture("olmoe")
 
 
 @pytest.fixture(scope="session")

@@ -3,5 +3,6 @@ from benchmarks import run_subcommand
 
 run_subcommand("benchmarks.quantized", __doc__, {
     "make-models": ("benchmarks.quantized.models", "make the GGUF files the runs compare on (once)"),
+    "make-shapes": ("benchmarks.quantized.shapes", "random-weight GGUF files at real MoE and 8B shapes"),
     "run": ("benchmarks.quantized.bench", "decode and prefill speed, memory and numerics per file, vs llama.cpp"),
 })

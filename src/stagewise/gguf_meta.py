@@ -35,8 +35,14 @@ from .config import cache_root
 log = logging.getLogger("stagewise.checkpoint")
 
 # GGUF `general.architecture` -> the stage-model architecture that runs it (Mistral GGUFs say "llama").
+# A "llama" file whose blocks hold experts (`llama.expert_count`) is Mixtral.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gpt2": "GPT2LMHeadModel"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "olmoe": "OlmoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
+# gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
+# checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
+EXPERT_COUNT_KEY = "{arch}.expert_count"
 _GGUF_BIG_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap"}
 _ERROR_PREFIX = "stagewise-error: "    # marks the tokenizer converter's one-sentence error line
@@ -46,6 +52,11 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", dtype=None, pad_token_id=None),
     "qwen2": dict(model_type="qwen2", dtype=None, pad_token_id=None, sliding_window=None, use_sliding_window=False),
     "qwen3": dict(model_type="qwen3", dtype=None, pad_token_id=None, sliding_window=None, use_sliding_window=False),
+    "qwen3moe": dict(model_type="qwen3_moe", dtype=None, pad_token_id=None, sliding_window=None,
+                     use_sliding_window=False, decoder_sparse_step=1),
+    "qwen2moe": dict(model_type="qwen2_moe", dtype=None, pad_token_id=None, sliding_window=None,
+                     use_sliding_window=False, decoder_sparse_step=1),
+    "olmoe": dict(model_type="olmoe", dtype=None, pad_token_id=None),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
 }
@@ -64,7 +75,7 @@ class GGUFConfig(SimpleNamespace):
 
     @classmethod
     def build(cls, arch: str, fields: dict[str, Any]) -> GGUFConfig:
-        config = cls(**_CONFIG_DEFAULTS[arch], **fields)
+        config = cls(**{**_CONFIG_DEFAULTS[arch], **fields})
         if arch == "gpt2":
             for alias, name in _GPT2_ALIASES.items():
                 setattr(config, alias, fields[name])
@@ -300,7 +311,35 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
                   bos_token_id=facts.meta.get("tokenizer.ggml.bos_token_id"),
                   eos_token_id=facts.meta.get("tokenizer.ggml.eos_token_id"))
     kwargs = _gpt2_kwargs(facts, path) if arch == "gpt2" else _llama_kwargs(facts, arch, path)
-    return arch, {**kwargs, **common}
+    moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
+    if moe and arch == "llama":
+        common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])
+    return arch, {**kwargs, **moe, **common}
+
+
+def _moe_kwargs(facts: GGUFFacts, arch: str) -> dict:
+    """The experts' config where the file's blocks hold them (metadata keys from gguf-py's constants;
+    sizes the metadata leaves out read from the expert tensors' shapes); {} for a dense model."""
+    experts = facts.meta.get(EXPERT_COUNT_KEY.format(arch=arch))
+    if not experts:
+        return {}
+    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys  # lazy: only MoE files need gguf-py here
+    meta = lambda key: facts.meta.get(key.format(arch=arch))
+    tensor = lambda kind, bid: facts.shapes.get(TENSOR_NAMES[kind].format(bid=bid) + ".weight")
+    layers = int(meta(Keys.LLM.BLOCK_COUNT) or 0)
+    routed = [i for i in range(layers) if tensor(MODEL_TENSOR.FFN_GATE_INP, i) is not None]
+    gate = tensor(MODEL_TENSOR.FFN_GATE_EXP, routed[0]) if routed else None
+    shared = tensor(MODEL_TENSOR.FFN_GATE_SHEXP, routed[0]) if routed else None
+    norm = meta(Keys.LLM.EXPERT_WEIGHTS_NORM)
+    return dict(num_experts=int(experts), num_local_experts=int(experts),
+                num_experts_per_tok=int(meta(Keys.LLM.EXPERT_USED_COUNT) or 1),
+                moe_intermediate_size=int(meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH) or (gate[1] if gate else 0)),
+                shared_expert_intermediate_size=int(meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+                                                    or (shared[0] if shared else 0)),
+                # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's or OLMoE's
+                norm_topk_prob=bool(norm) if norm is not None else arch == "qwen3moe",
+                mlp_only_layers=[i for i in range(layers) if i not in routed],
+                clip_qkv=meta(Keys.Attention.CLAMP_KQV), qkv_bias="blk.0.attn_q.bias" in facts.shapes)
 
 
 def _metadata_getter(facts: GGUFFacts, arch: str, path: Path):

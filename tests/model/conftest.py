@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -46,6 +49,16 @@ def _write_hparams(writer, config, arch: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:     # what llama.cpp's converter writes for a MoE model
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        if getattr(config, "clip_qkv", None) is not None:
+            writer.add_clamp_kqv(config.clip_qkv)
 
 
 def _llama3_rope_freqs(config) -> np.ndarray | None:
@@ -76,9 +89,15 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, getattr(config, "num_hidden_layers", None) or config.n_layer)
-    out = {}
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, getattr(config, "num_hidden_layers", None) or 1)
+    out, experts = {}, {}
     for hf_name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        if (match := _EXPERT.fullmatch(hf_name)) is not None:   # stacked per layer and projection, as llama.cpp
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = array
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None and ".mlp." in hf_name:     # a dense layer of a MoE model (Qwen's mlp_only_layers)
+            name = dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         if arch == "llama" and ".q_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_attention_heads)
@@ -86,7 +105,13 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
         elif arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             array = array.T
+        if hf_name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)             # the converter squeezes the [1, H] gate
         out[name] = np.ascontiguousarray(array, dtype=np.float32)
+    for hf_name, by_expert in experts.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        assert name is not None, hf_name
+        out[name] = np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)]), dtype=np.float32)
     if arch == "gpt2":
         out["output.weight"] = out["token_embd.weight"]  # the converter writes GPT-2's tied head out
     rope_freqs = _llama3_rope_freqs(config) if arch == "llama" else None
@@ -132,7 +157,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool =
     for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
         if isinstance(array, tuple):
             writer.add_tensor(name, array[0], raw_dtype=array[1])
-        elif quant == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
+        elif quant == gguf.GGMLQuantizationType.F32 or array.ndim < 2:
             writer.add_tensor(name, array)
         elif quant == gguf.GGMLQuantizationType.F16:   # a plain float16 array: the writer infers F16
             writer.add_tensor(name, array.astype(np.float16))

@@ -9,7 +9,9 @@ dequantized into the engine dtype. A stage reads only its own tensors, one at a 
 """
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import re
 import time
@@ -20,9 +22,10 @@ from typing import cast
 import numpy as np
 import torch
 
-from stagewise.gguf_meta import GGMLType, gguf_facts
+from stagewise.gguf_meta import GGMLType, gguf_facts, hf_config_from_gguf
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
+from stagewise.model.moe import num_experts_of
 from stagewise.model.quantized import Scheme
 
 log = logging.getLogger("stagewise.model")
@@ -38,8 +41,10 @@ _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
              "output": "lm_head"}
 _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
-          "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h")}
+          "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
+          **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
 _GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -54,6 +59,44 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
         return None if part is None else f"{layers}.{match[1]}.{part}.{match[3]}"
     base, _, suffix = gguf_name.rpartition(".")
     return f"{top[base]}.{suffix}" if base in top else None
+
+
+@functools.lru_cache(maxsize=1)
+def _moe_block() -> tuple[dict[str, str], dict[str, int]]:
+    """llama.cpp's MoE block tensors (names from gguf-py's constants): those that map to one HF
+    tensor of the layer's MLP, and the stacked expert tensors -> their (gate, up, down) index."""
+    from gguf.constants import MODEL_TENSOR, TENSOR_NAMES  # lazy: only MoE files need gguf-py here
+    kind = lambda t: TENSOR_NAMES[t].removeprefix("blk.{bid}.")
+    single = {kind(MODEL_TENSOR.FFN_GATE_INP): "gate", kind(MODEL_TENSOR.FFN_GATE_SHEXP): "shared_expert.gate_proj",
+              kind(MODEL_TENSOR.FFN_UP_SHEXP): "shared_expert.up_proj",
+              kind(MODEL_TENSOR.FFN_DOWN_SHEXP): "shared_expert.down_proj",
+              kind(MODEL_TENSOR.FFN_GATE_INP_SHEXP): "shared_expert_gate"}
+    stacked = {kind(MODEL_TENSOR.FFN_GATE_EXP): 0, kind(MODEL_TENSOR.FFN_UP_EXP): 1,
+               kind(MODEL_TENSOR.FFN_DOWN_EXP): 2}
+    return single, stacked
+
+
+def hf_tensor_names(gguf_name: str, arch: str, experts: int = 0) -> list[str]:
+    """The HF checkpoint names a llama.cpp tensor holds: one, or one per expert for a stacked expert
+    tensor (`blk.N.ffn_gate_exps` -> `...mlp.experts.{e}.gate_proj`, Mixtral's `w1`); [] for tensors no
+    model reads. `experts`: the file's experts per layer (0: a dense model)."""
+    name = hf_tensor_name(gguf_name, arch)
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if name is None and experts and arch == "llama" and (legacy := _LEGACY_EXPERT_RE.fullmatch(gguf_name)):
+        # Mixtral files converted before llama.cpp stacked experts: one tensor per expert
+        part = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}[legacy[2]]
+        return [f"model.layers.{legacy[1]}.block_sparse_moe.experts.{legacy[3]}.{part}.weight"]
+    if name is not None or match is None or not experts:
+        return [] if name is None else [name]
+    single, stacked = _moe_block()
+    mixtral = arch == "llama"
+    prefix = f"model.layers.{match[1]}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    if match[2] in single:
+        return [f"{prefix}.{single[match[2]]}.{match[3]}"]
+    if match[2] in stacked:
+        part = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))[stacked[match[2]]]
+        return [f"{prefix}.experts.{e}.{part}.{match[3]}" for e in range(experts)]
+    return []
 
 
 def _unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
@@ -72,14 +115,17 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
         return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]
     if arch == "gpt2" and kind in _GPT2_TRANSPOSED and not isinstance(tensor, QuantizedWeight) and tensor.dim() == 2:
         return tensor.t()
+    if kind.endswith("_inp_shexp") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+        return tensor[None]        # the converter squeezes the shared expert's [1, H] gate to [H]
     return tensor
 
 
 def gguf_scheme(path: Path) -> Scheme:
     """Which checkpoint tensors (by HF name) a GGUF file holds in a type with a quantized kernel."""
     facts = gguf_facts(path)
-    arch = facts.meta["general.architecture"]
-    types = {hf_tensor_name(name, arch): T.__members__[kind] for name, kind in facts.types.items()}
+    arch, experts = facts.meta["general.architecture"], num_experts_of(hf_config_from_gguf(path))
+    types = {hf: T.__members__[kind] for name, kind in facts.types.items()
+             for hf in hf_tensor_names(name, arch, experts)}
     return lambda hf_name, shape: types[hf_name] if types.get(hf_name) in SUPPORTED else None
 
 
@@ -127,30 +173,40 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     facts = gguf_facts(path)
     arch = facts.meta["general.architecture"]
     table, dtype = model.weight_table(), cast(torch.dtype, model.dtype)
-    named = [(t, hf_tensor_name(t.name, arch)) for t in facts.tensors]
-    mine = [(t, name) for t, name in named if name is not None and model.is_stage_weight(name)]
-    _check_complete(model, table, [name for _, name in mine], path)
+    named = [(t, hf_tensor_names(t.name, arch, num_experts_of(hf_config))) for t in facts.tensors]
+    mine = [(t, names) for t, names in named if names and model.is_stage_weight(names[0])]
+    _check_complete(model, table, [name for _, names in mine for name in names], path)
 
     def tensors(file):  # one tensor at a time: at most one tensor's bytes and float copy are alive
-        for tensor, name in mine:
-            slot = table[model.canonical_name(name)]
-            qtype, held = T(tensor.tensor_type), model.held_module(slot)
-            expected = slot.shape
+        for tensor, names in mine:
+            qtype, held = T(tensor.tensor_type), model.held_module(table[model.canonical_name(names[0])])
+            shape = _shape(tensor)
             if qtype in SUPPORTED and held is not None:
-                value = QuantizedWeight.from_gguf(read_raw(tensor, file), qtype, _shape(tensor))
-                expected = expected[::-1] if held.in_out_layout else expected
+                value = QuantizedWeight.from_gguf(read_raw(tensor, file), qtype, (math.prod(shape[:-1]), shape[-1]))
                 kept[qtype.name] += 1
             else:
                 value = dequantize_raw(read_raw(tensor, file), tensor, path).to(dtype)
                 converted[qtype.name] += 1
-            value = _to_hf_layout(value, tensor.name, arch, hf_config)
-            if tuple(value.shape) != expected:
-                raise ValueError(f"Tensor {tensor.name} in {path} has shape {tuple(value.shape)}, but the file's "
-                                 f"metadata implies {expected}; the GGUF file is inconsistent.")
-            yield name, value
+            # a stacked expert tensor [E, R, K] holds one checkpoint tensor per expert
+            rows = shape[-2] if len(names) > 1 else None
+            for e, name in enumerate(names):
+                part = value if rows is None else (value.take_rows(slice(e * rows, (e + 1) * rows))
+                                                   if isinstance(value, QuantizedWeight) else value[e])
+                yield name, _checked(_to_hf_layout(part, tensor.name, arch, hf_config), tensor.name, path,
+                                     table[model.canonical_name(name)].shape, held)
     with open(path, "rb", buffering=0) as file:
         model.load_weights(tensors(file))
     _log_load(model, kept, converted, dtype, time.perf_counter() - started)
+
+
+def _checked(value, gguf_name: str, path: Path, expected: tuple[int, ...], held) -> torch.Tensor | QuantizedWeight:
+    """`value` if it has the checkpoint tensor's shape (a quantized layer's rows: [out, in])."""
+    if isinstance(value, QuantizedWeight) and held is not None and held.in_out_layout:
+        expected = expected[::-1]
+    if tuple(value.shape) != expected:
+        raise ValueError(f"Tensor {gguf_name} in {path} has shape {tuple(value.shape)}, but the file's "
+                         f"metadata implies {expected}; the GGUF file is inconsistent.")
+    return value
 
 
 def _log_load(model, kept: Counter, converted: Counter, dtype: torch.dtype, seconds: float) -> None:

@@ -48,7 +48,9 @@ def kv_heads_of(hf_config) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool | str):
+        """`qk_norm`: RMSNorm of q and k per head (True, Qwen3) or over the whole projection ("full",
+        OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
@@ -58,8 +60,11 @@ class LlamaAttention(nn.Module):
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
         self.o_proj = Linear(q_rows, hf_config.hidden_size, bias=o_bias, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype) if qk_norm else None
+        self.full_qk_norm = qk_norm == "full"
+        q_width, k_width = (q_rows, kv_rows) if self.full_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, hf_config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, hf_config.rms_norm_eps, dtype) if qk_norm else None
+        self.clip_qkv = getattr(hf_config, "clip_qkv", None) if self.full_qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -79,8 +84,15 @@ class LlamaAttention(nn.Module):
                 q, k = qk[:, :hq], qk[:, hq:]                         # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None   # built together with q_norm
-            q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
-            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
+            if self.full_qk_norm:
+                q = self.q_norm(qkv[:, :hq * d]).view(T, hq, d)
+                k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d]).view(T, hkv, d)
+                if self.clip_qkv is not None:
+                    clip = self.clip_qkv
+                    q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
+            else:
+                q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
+                k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
         if written:     # graph batches' attention takes no kv_written (they never get here)
             out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
@@ -90,15 +102,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, **attn_kwargs):
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
+        """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block)."""
         super().__init__()
         self.layer_id = layer_id
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
-                            getattr(hf_config, "mlp_bias", False), dtype)
+        self.mlp = mlp if mlp is not None else GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                                                        hf_config.hidden_act, getattr(hf_config, "mlp_bias", False),
+                                                        dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +130,7 @@ class LlamaForCausalLM(StageModel):
     """One pipeline stage of a Llama-style decoder; see `StageModel` for weight loading."""
 
     proxy_keys = FULL_CONTRACT
-    qk_norm = False
+    qk_norm: bool | str = False
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:
@@ -136,7 +150,8 @@ class LlamaForCausalLM(StageModel):
         self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
-            hf_config, i, dtype, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm))
+            hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), qkv_bias=qkv_bias, o_bias=o_bias,
+            qk_norm=self.qk_norm))
         self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
@@ -145,6 +160,10 @@ class LlamaForCausalLM(StageModel):
         self.lm_head = Linear(self.hidden_size, vocab, bias=False, dtype=dtype) if needs_head else None
         if self.embed_tokens is not None:
             self.embed_tokens.serves_head = stage.is_last and not needs_head
+
+    def make_mlp(self, hf_config, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
+        """Layer `layer_id`'s MLP; None: the dense gated MLP of the config (MoE families override)."""
+        return None
 
     def _warn_sliding_window(self, hf_config) -> None:
         window = getattr(hf_config, "sliding_window", None)
@@ -239,7 +258,8 @@ class LlamaForCausalLM(StageModel):
                       "exact": set(), "eps": set()}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if mlp.act is not F.silu or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+            if type(mlp) is not GatedMLP or mlp.act is not F.silu or any(
+                    m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
                 return None
             for ln in (layer.input_layernorm, layer.post_attention_layernorm):
                 plan["norms"].append(ln.weight.detach())

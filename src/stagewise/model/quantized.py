@@ -79,8 +79,13 @@ class _Held(nn.Module):
                              f"expects {rows}x{self.in_features}; the checkpoint does not match its config.")
 
     def _store(self, index: int, seg: Segment, start: int, weight: QuantizedWeight) -> None:
-        """Keep file rows until the segment is whole, then pack them into its buffer."""
+        """Keep file rows until the segment is whole, then pack them into its buffer; where every part
+        of the segment starts on a panel pair (`_direct`), pack each part into its panels as it arrives
+        (a MoE layer's experts: one expert's bytes alive at a time, not the layer's)."""
         assert seg.qtype is not None, "float segments are copied, not packed"
+        if index in self.__dict__.get("_direct", ()):
+            _pack_into(getattr(self, f"segment{index}")[(start - seg.start) // quant_pack.PANEL:], weight)
+            return
         pending = self._pending.setdefault(index, {})
         pending[start] = weight
         if sum(w.shape[0] for w in pending.values()) < seg.rows:
@@ -112,6 +117,7 @@ class QuantLinear(_Held):
             self.register_buffer(f"segment{i}", torch.zeros(shape, dtype=dtype if seg.qtype is None else torch.uint8))
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype)) if bias else None
         self._init_pending()
+        self.__dict__["_direct"] = _direct_segments(self.segments, hf_parts)
 
     def held_weights(self) -> dict[str, tuple[int, int]]:
         """The checkpoint weight this module holds in buffers, with its checkpoint shape."""
@@ -243,6 +249,8 @@ def _replacement(model, name: str, module: nn.Module, scheme: Scheme, exact: boo
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or isinstance(module, _Held):
         return None
+    if getattr(module, "keep_float", False):    # e.g. a MoE router, or experts whose rows the kernels cannot slice
+        return None
     in_out = bool(getattr(module, "in_out_layout", False))
     dtype = weight.dtype
     if isinstance(module, nn.Embedding):
@@ -267,6 +275,23 @@ def _replacement(model, name: str, module: nn.Module, scheme: Scheme, exact: boo
     with torch.device(weight.device):
         return QuantLinear(k, _segments([rows for _, rows in named], types), bias is not None, dtype, exact,
                            hf_parts=parts, in_out_layout=in_out)
+
+
+def _direct_segments(segments: tuple[Segment, ...], parts: tuple[tuple[str, int], ...] | None) -> frozenset[int]:
+    """The quantized segments of several parts whose parts all start on a panel pair and end on one or
+    at the segment's end: each part can be packed alone into its own panels."""
+    starts, at = [], 0
+    for _, rows in parts or ():
+        starts.append((at, rows))
+        at += rows
+    direct = set()
+    for i, seg in enumerate(segments):
+        inside = [(a - seg.start, r) for a, r in starts if seg.start <= a < seg.start + seg.rows]
+        if seg.qtype is not None and len(inside) > 1 and all(
+                a % quant_pack.ROW_ALIGN == 0 and ((a + r) % quant_pack.ROW_ALIGN == 0 or a + r == seg.rows)
+                for a, r in inside):
+            direct.add(i)
+    return frozenset(direct)
 
 
 def _segments(rows: list[int], types: list[T | None]) -> list[Segment]:

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from stagewise.model.gpt2 import GPT2LMHeadModel
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from stagewise.model.llama_moe import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from stagewise.model.vlm import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
 
 _MODELS: dict[str, type] = {}
@@ -54,6 +60,7 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel,
+for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+             Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, GPT2LMHeadModel,
              LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)

@@ -76,6 +76,8 @@ def _cat(t: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) -> torc
 def family_of(model_or_class: Any) -> str | None:
     """The family whose rules shard this model (by class, or any base class), or None."""
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    if getattr(cls, "tensor_parallel", True) is False:      # a family that opts out (its layers need whole heads)
+        return None
     return next((c.__name__ for c in cls.__mro__ if c.__name__ in RULES), None)
 
 
@@ -109,7 +111,8 @@ def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int
     if size == 1:
         return
     if family is None:
-        raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3) and GPT-2 families; "
+        raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE "
+                         f"and Mixtral with every expert on each rank) and GPT-2 families; "
                          f"{arch} runs with tp_size 1.")
     if num_heads < size:
         raise ValueError(f"tp_size {size} is more than the model's {num_heads} attention heads (each rank needs "
