@@ -16,13 +16,14 @@ import threading
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
+from ..runtime.cluster_plan import NodeReport
 from ..runtime.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
 from .node_reports import publish_report
 from .rendezvous import Store, join_store, serve_store
-from .spawn import prepare_stage_env, spawn_stages, start_spares
+from .spawn import prepare_stage_env, spawn_stages, start_warm, wait_warm
 from .store import StoreServer
 
 log = logging.getLogger("stagewise.executor")
@@ -35,9 +36,9 @@ ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's he
 LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
 ALIVE_EVERY_S = 0.5
 SILENT_S = 2.5                 # a node whose counter stood still this long is taken for gone
-# A rebuilt pipeline's stages recompute the live requests first: this node's spares (seconds of CPU
-# importing torch) start this long after its new stages do (the driver waits for the first token).
-SPARES_AFTER_REBUILD_S = 10.0
+# A rebuilt pipeline's stages recompute the live requests first: a warm process that had to be
+# started again (seconds of CPU importing torch) starts this long after the new stages do.
+WARM_AFTER_REBUILD_S = 10.0
 LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
@@ -149,24 +150,31 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     """A non-driver node: run this node's stages in each pipeline the driver builds, until it
     stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
     When this node's stages fail, or the driver starts a new pipeline, the old stages are
-    killed and new ones join the new pipeline. The first stage processes start (import) at once,
-    while the driver may still be starting."""
-    addr, port, k = config.cluster.master_addr, config.cluster.master_port, config.ranks_per_node
+    killed and new ones join the new pipeline. Once this node is measured, its warm process starts
+    importing (executor/zygote.py), while the driver may still be starting; the node says it is
+    ready for a pipeline only once that process can fork stages, so a pipeline it joins (or one
+    that moves stages here) waits for no import."""
+    addr, port = config.cluster.master_addr, config.cluster.master_port
     heals = config.recovery.max_pipeline_restarts > 0
     token = cluster_token(config.cluster.cluster_token)
     warn_if_open(token, master_ip(addr), True)
     config = config.replace(node_memory_bytes=measured_node_bytes())    # before this node loads anything
     prepare_stage_env(config, addr)
-    start_spares(k, model_dir)
+    report = NodeReport.measure()           # NOTE: before the warm process imports on the same CPUs
+    warm = config.recovery.pipeline_spares
+    if warm:
+        start_warm(model_dir)
     wait_s = max(config.cluster.dist_timeout_s, 300.0)
     try:
         store = join_store(addr, port, config.parallel.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
-        publish_report(store, config.cluster.node_rank)      # what the driver plans this node's share by
+        publish_report(store, config.cluster.node_rank, report)      # what the driver plans this node's share by
         _serve_until_told(store, config.cluster.node_rank, lambda: join_store(addr, port, config.parallel.pp_size + 1,
                                                                       time.monotonic() + wait_s, wait_s, key_of(token)))
         last, code = 0, 1
         while (generation := _await_generation(store, last)) is not None:
             last = generation
+            if warm:
+                wait_warm(model_dir, wait_s)
             stages, partition = _join_generation(store, generation, config.cluster.node_rank)
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
@@ -185,11 +193,9 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
                 if not heals:
                     return _exit(config, 1, "a stage failed to start and --max-pipeline-restarts is 0")
                 continue
-            spares_at = None
-            if heals and config.recovery.pipeline_spares:     # soon after start; after a rebuild, once it recomputed
-                spares_at = time.monotonic() + (config.recovery.pipeline_spares_delay_s if generation == 1
-                                                 else SPARES_AFTER_REBUILD_S)
-            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir),
+            # a warm process that died meanwhile starts again once the rebuilt pipeline recomputed
+            warm_at = time.monotonic() + WARM_AFTER_REBUILD_S if warm else None
+            code = _watch_stages(procs, store, generation, warm_at, lambda: start_warm(model_dir),
                                  config.cluster.node_rank)
             for p in procs:
                 if p.is_alive():
@@ -317,11 +323,11 @@ def _announce_leave(store: Store, node: int) -> None:
         _leave.announced = True
 
 
-def _watch_stages(procs: list, store: Store, generation: int, spares_at: float | None, start,
+def _watch_stages(procs: list, store: Store, generation: int, start_at: float | None, start,
                   node: int) -> int:
     """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
     pipeline (1: at once) or stops or is gone (the stages' exit codes, after a moment to exit in
-    order); `start` (spares) runs once at `spares_at`. A leave asked for is announced here, and
+    order); `start` (the warm process) runs once at `start_at`. A leave asked for is announced here, and
     given up on (the stages stop, as in a failure) after LEAVE_WAIT_S."""
     while True:
         _announce_leave(store, node)
@@ -337,9 +343,9 @@ def _watch_stages(procs: list, store: Store, generation: int, spares_at: float |
             stopped = True
         if stopped:
             return _reaped_code(procs)
-        if spares_at is not None and time.monotonic() >= spares_at:
+        if start_at is not None and time.monotonic() >= start_at:
             start()
-            spares_at = None
+            start_at = None
         time.sleep(HEADLESS_POLL_S)
 
 
