@@ -34,8 +34,10 @@ LAYOUT_KEY = "stagewise/g{generation}/layout"         # that generation's node o
 PARTITION_KEY = "stagewise/g{generation}/partition"   # that generation's layers per stage (JSON)
 ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's headless loop advances
 LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
-ALIVE_EVERY_S = 0.5
-SILENT_S = 2.5                 # a node whose counter stood still this long is taken for gone
+ALIVE_EVERY_S = 0.25
+# A node whose counter stood still this long is taken for gone (6 beats: a node throttled by its CPU
+# quota or a loaded machine still beats within it); a rebuild after a node is lost waits about this.
+SILENT_S = 1.5
 # A rebuilt pipeline's stages recompute the live requests first: a warm process that had to be
 # started again (seconds of CPU importing torch) starts this long after the new stages do.
 WARM_AFTER_REBUILD_S = 10.0
@@ -75,28 +77,20 @@ def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout
     """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once). A
     node that is leaving, or whose heartbeat stood still for SILENT_S, is not waited for once
     `first` nodes are ready (the first pipeline's --min-nodes, less the driver's)."""
-    deadline, beats = time.monotonic() + timeout_s, _Beats(addr, port)
+    deadline = time.monotonic() + timeout_s
     while True:
         ready = ready_nodes(addr, port, generation, nodes)
-        waiting = [n for n in nodes if n not in ready and _absent(addr, port, beats, n) is None]
+        waiting = [n for n in nodes if n not in ready and _absent(addr, port, n) is None]
         if (not waiting and len(ready) >= first) or time.monotonic() > deadline:
             return ready
         time.sleep(HEADLESS_POLL_S)
 
 
-class _Beats:
-    """When each node's heartbeat counter last moved, as seen from the driver."""
-    seen: dict[int, tuple[int, float]]
-
-    def __init__(self, addr: str, port: int):
-        self.store, self.seen = control_store(addr, port), {}   # node -> (count, when it moved)
-        self.t0 = time.monotonic()
-
-    def alive(self, node: int) -> bool:
-        count, now = int(self.store.add(ALIVE_KEY.format(node=node), 0)), time.monotonic()
-        if count and self.seen.get(node, (None,))[0] != count:
-            self.seen[node] = (count, now)
-        return now - self.seen.get(node, (0, self.t0))[1] < SILENT_S
+def _alive(addr: str, port: int, node: int) -> bool:
+    """The node's heartbeat counter moved within SILENT_S (never: a node that is not up, or still
+    warming up, is not waited for)."""
+    since = control_store(addr, port).since_changed(ALIVE_KEY.format(node=node))
+    return since is not None and since < SILENT_S
 
 
 def nodes_gone(addr: str, port: int, nodes: list[int]):
@@ -104,11 +98,10 @@ def nodes_gone(addr: str, port: int, nodes: list[int]):
     one of them asked to leave or stopped beating, else None."""
     if not nodes:
         return lambda: None
-    beats = _Beats(addr, port)
 
     def check() -> str | None:
         for node in nodes:
-            if (why := _absent(addr, port, beats, node)) is not None:
+            if (why := _absent(addr, port, node)) is not None:
                 gone = "" if why == LEFT else " (it is gone)"
                 return f"node {node} {why} while the pipeline was linking up{gone}."
         return None
@@ -118,11 +111,11 @@ def nodes_gone(addr: str, port: int, nodes: list[int]):
 LEFT = "asked to leave"
 
 
-def _absent(addr: str, port: int, beats: _Beats, node: int) -> str | None:
+def _absent(addr: str, port: int, node: int) -> str | None:
     """Why a rebuild need not wait for `node` (it asked to leave, or its heartbeat stood still), else None."""
     if leaving(addr, port, node):
         return LEFT
-    return None if beats.alive(node) else "stopped beating"
+    return None if _alive(addr, port, node) else "stopped beating"
 
 
 def leaving(addr: str, port: int, node: int) -> bool:
@@ -151,9 +144,10 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
     When this node's stages fail, or the driver starts a new pipeline, the old stages are
     killed and new ones join the new pipeline. Once this node is measured, its warm process starts
-    importing (executor/zygote.py), while the driver may still be starting; the node says it is
-    ready for a pipeline only once that process can fork stages, so a pipeline it joins (or one
-    that moves stages here) waits for no import."""
+    importing (executor/zygote.py), while the driver may still be starting; the node beats and
+    says it is ready for a pipeline only once that process can fork stages, so a pipeline it
+    joins (or one that moves stages here) waits for no import, and a rebuild meanwhile does not
+    wait for it."""
     addr, port = config.cluster.master_addr, config.cluster.master_port
     heals = config.recovery.max_pipeline_restarts > 0
     token = cluster_token(config.cluster.cluster_token)
@@ -168,6 +162,8 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     try:
         store = join_store(addr, port, config.parallel.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
         publish_report(store, config.cluster.node_rank, report)      # what the driver plans this node's share by
+        if warm:          # NOTE: before it beats: a rebuild waits for no node that is still importing
+            wait_warm(model_dir, wait_s)
         _serve_until_told(store, config.cluster.node_rank, lambda: join_store(addr, port, config.parallel.pp_size + 1,
                                                                       time.monotonic() + wait_s, wait_s, key_of(token)))
         last, code = 0, 1
