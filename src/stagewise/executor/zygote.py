@@ -121,7 +121,7 @@ class Zygote:
                 try:
                     if self.conn.poll(min(left, 0.1)):
                         self._read()
-                except EOFError:
+                except (EOFError, OSError):         # the warm process is gone (or stopped here)
                     return -signal.SIGKILL        # it died with its warm process (PR_SET_PDEATHSIG)
             return self.exits[pid]
 
