@@ -17,6 +17,7 @@ import threading
 import time
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.reduction import recv_handle, send_handle
+from pathlib import Path
 from typing import NoReturn
 
 from .hygiene import die_with_parent, exit_now, forked_from, name_process, track
@@ -154,7 +155,10 @@ class ForkedStage:
     @property
     def exitcode(self) -> int | None:
         if self._exitcode is None and not self.is_alive():
-            self._exitcode = self.zygote.exit_code(self.pid, EXIT_WAIT_S)
+            # NOTE: a zombie's status is there before the warm process reaps it (it may be stopped or busy)
+            code = self.zygote.exits.get(self.pid)
+            code = _zombie_exit_code(self.pid) if code is None else code
+            self._exitcode = self.zygote.exit_code(self.pid, EXIT_WAIT_S) if code is None else code
         return self._exitcode
 
     def join(self, timeout: float | None = None) -> None:
@@ -168,6 +172,18 @@ class ForkedStage:
             pass
 
     terminate = kill
+
+
+def _zombie_exit_code(pid: int) -> int | None:
+    """The exit code of an ended, not yet reaped process (field 52 of /proc/PID/stat: its wait
+    status), else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
 
 
 def zygote_main(conn, model_dir: str) -> None:
