@@ -43,7 +43,7 @@ SILENT_S = 1.5
 WARM_AFTER_REBUILD_S = 10.0
 LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
-REAP_S = 1.0
+REAP_S = 5.0                   # a stage that passed the driver's Shutdown on exits within it (also on a loaded machine)
 _control: dict[tuple[str, int], StoreServer] = {}     # (addr, port) -> the store this driver serves for all
 
 
