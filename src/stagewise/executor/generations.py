@@ -43,7 +43,8 @@ SILENT_S = 1.5
 WARM_AFTER_REBUILD_S = 10.0
 LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
-REAP_S = 5.0                   # a stage that passed the driver's Shutdown on exits within it (also on a loaded machine)
+REAP_S = 1.0
+STOPPED_REAP_S = 5.0           # the driver stopped: its Shutdown passed, the stages exit (slowly on a loaded machine)
 _control: dict[tuple[str, int], StoreServer] = {}     # (addr, port) -> the store this driver serves for all
 
 
@@ -338,15 +339,15 @@ def _watch_stages(procs: list, store: Store, generation: int, start_at: float | 
         except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
             stopped = True
         if stopped:
-            return _reaped_code(procs)
+            return _reaped_code(procs, STOPPED_REAP_S)
         if start_at is not None and time.monotonic() >= start_at:
             start()
             start_at = None
         time.sleep(HEADLESS_POLL_S)
 
 
-def _reaped_code(procs: list) -> int:
-    """0 if every stage exited 0 (within a moment each), else 1."""
+def _reaped_code(procs: list, wait_s: float = REAP_S) -> int:
+    """0 if every stage exited 0 (within wait_s each), else 1."""
     for p in procs:
-        p.join(REAP_S)
+        p.join(wait_s)
     return 0 if all(p.exitcode == 0 for p in procs) else 1
