@@ -75,18 +75,22 @@ class Node:
             time.sleep(0.1)
 
     def stage_pids(self, comm: str | None = None) -> list[int]:
-        """This node's stage processes (children started by multiprocessing's spawn); with `comm`,
-        only those of that process name (stagewise-st1: stage 1, stagewise-spare: a spare)."""
-        pids = []
+        """This node's stage processes (forked by its warm process stagewise-warm, or children
+        started by multiprocessing's spawn); with `comm`, only those of that process name
+        (stagewise-st1: stage 1)."""
+        parents = {}
         for pid in self.host.pids():
             try:
-                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except (OSError, ValueError, IndexError):
+                parents.pop(pid, None)
                 continue
-            if ppid == self.proc.pid and b"spawn_main" in cmd and (comm is None or _comm(pid) == comm):
-                pids.append(pid)
-        return pids
+            if b"spawn_main" not in cmd:      # forked stages keep their warm process's command line
+                parents.pop(pid)
+        warm = {pid for pid, ppid in parents.items() if ppid == self.proc.pid and _comm(pid) == "stagewise-warm"}
+        return [pid for pid, ppid in parents.items() if (ppid == self.proc.pid or ppid in warm) and pid not in warm
+                and (comm is None or _comm(pid) == comm)]
 
     def stop_hard(self) -> None:
         if self.proc.poll() is None:

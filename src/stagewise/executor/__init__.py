@@ -17,7 +17,7 @@ class Executor(Protocol):
     memory_plans: list           # one runtime.memory.MemoryPlan per stage
     dead: str | None             # why the executor stopped working, once it has
     cause: str | None            # what kind of fault stopped it: stage_died, timeout, link, ... (recovery counts)
-    startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s (none for one process)
+    startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s, stage_cpu_s (none for one process)
     generation: int | None       # across nodes, the pipeline's generation in the cluster's store
     layout: tuple[int, ...]      # the node of each stage
     partition: tuple[int, ...]   # the layers of each stage
