@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
-LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0, "gguf_meta": 0, "saved_tokenizer": 0,
+LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0,
           "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "runtime": 3, "executor": 4, "recovery": 5,
           "grammar": 5, "engine": 6, "serve": 7, "multimodal": 7, "server": 8, "cli": 8,
           "cli_flags": 8, "llm": 8, "__main__": 9, "__init__": 9}

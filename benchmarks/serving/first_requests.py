@@ -113,7 +113,7 @@ def bench_one(args, model: str | None, flags: list[str], requests, log_path: Pat
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from stagewise.checkpoint import load_hf_config
+    from stagewise.checkpoint.files import load_hf_config
     from stagewise.model.source import resolve_model
     model = resolve_model(args.model)
     requests = prompts(args, int(load_hf_config(model).vocab_size))

@@ -48,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def check_before_loading(config: EngineConfig) -> None:
     """Refuse, in one sentence, what the model's config alone shows cannot run, before anything loads."""
-    from .checkpoint import load_hf_config, num_layers_of
+    from .checkpoint.files import load_hf_config, num_layers_of
     hf = load_hf_config(str(config.load.model))
     layers = num_layers_of(hf, str(config.load.model))
     if config.parallel.pp_size > layers:
@@ -238,7 +238,7 @@ def _worker_role(config: EngineConfig) -> int | None:
     if not (env and env["rank"] > 0) and config.cluster.node_rank == 0:
         return None
     # below: a stage or headless node only (these import torch; `serve`'s HTTP front process never does)
-    from .checkpoint import eos_token_ids_of, load_hf_config
+    from .checkpoint.files import eos_token_ids_of, load_hf_config
     from .executor.generations import run_headless
     from .executor.hygiene import exit_now
     model_dir = str(config.load.model)        # resolved by config_from_args
@@ -300,7 +300,7 @@ def build_kernels(config: EngineConfig) -> None:
     the built libraries in the shared cache."""
     if config.load.resolved_device != "cpu":
         return
-    from .checkpoint import gguf_file_of
+    from .checkpoint.files import gguf_file_of
     from .kernels import attention, build, gemm, quant_kernels
     before = len(build.built_seconds)
     gemm.available()
@@ -439,7 +439,7 @@ def cmd_plan(args) -> int:
     from .runtime.plan_report import plan_report
     config = config_from_args(args)
     if args.cluster:
-        from .checkpoint import load_hf_config
+        from .checkpoint.files import load_hf_config
         from .runtime.cluster_plan import cluster_report, parse_cluster
         assert config.load.model is not None, "resolved by config_from_args"
         print(cluster_report(config, load_hf_config(config.load.model), parse_cluster(args.cluster)))

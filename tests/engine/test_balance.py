@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 import transformers as tf
 
-from stagewise.checkpoint import load_hf_config
+from stagewise.checkpoint.files import load_hf_config
 from stagewise.config import EngineConfig
 from stagewise.engine.balance import ChunkCosts, DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
 from stagewise.engine.block_manager import BlockManager

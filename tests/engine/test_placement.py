@@ -19,7 +19,7 @@ def test_off_spreads_the_stages_evenly_over_the_nodes_there_are():
 
 
 def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
-    from stagewise.checkpoint import load_hf_config
+    from stagewise.checkpoint.files import load_hf_config
     from stagewise.config import EngineConfig
     from stagewise.recovery.placement import plan_over_nodes
     from stagewise.runtime.cluster_plan import NodeReport

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stagewise import LLM
-from stagewise.checkpoint import load_hf_config
+from stagewise.checkpoint.files import load_hf_config
 from stagewise.cli import main
 from stagewise.config import EngineConfig
 from stagewise.parallel.partition import StageInfo

@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from typing import Iterator, NoReturn
 
-from ..checkpoint import max_model_len
+from ..checkpoint.files import max_model_len
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor

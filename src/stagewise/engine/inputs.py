@@ -11,7 +11,7 @@ class Tokenizer:
     """The checkpoint's HF tokenizer plus the facts the engine needs from it and its config."""
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None = None):
-        from ..checkpoint import eos_token_ids_of, hidden_size_of, load_hf_config, load_tokenizer, vocab_size_of
+        from ..checkpoint.files import eos_token_ids_of, hidden_size_of, load_hf_config, load_tokenizer, vocab_size_of
         self.hf_config = load_hf_config(model_dir)
         self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
         # NOTE: the engine checks prompt lengths against its own context (one sentence); HF's

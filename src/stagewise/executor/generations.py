@@ -212,7 +212,7 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
 
 def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
-    from ..checkpoint import load_hf_config, num_layers_of
+    from ..checkpoint.files import load_hf_config, num_layers_of
     from ..parallel.partition import stage_infos
     from ..runtime.stage_cost import with_resolved_partition
     hf = load_hf_config(model_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..checkpoint import load_hf_config, num_layers_of
+from ..checkpoint.files import load_hf_config, num_layers_of
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
 from ..runtime.worker import Worker

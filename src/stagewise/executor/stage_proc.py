@@ -95,7 +95,7 @@ def standby_main(conn, model_dir: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process("stagewise-spare")
-    from ..checkpoint import load_hf_config
+    from ..checkpoint.files import load_hf_config
     from ..runtime import worker  # noqa: F401
     try:
         load_hf_config(model_dir)
@@ -112,7 +112,7 @@ def standby_main(conn, model_dir: str) -> None:
 
 
 def _stage_of(config, model_dir: str, stage_idx: int):
-    from ..checkpoint import load_hf_config, num_layers_of
+    from ..checkpoint.files import load_hf_config, num_layers_of
     from ..runtime.stage_cost import with_resolved_partition
     hf = load_hf_config(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here

@@ -165,7 +165,7 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
 
 def check_tp(config, model_dir: str) -> None:
     """One sentence, before any process starts, when `config.parallel.tp_size` ranks cannot split this model here."""
-    from ..checkpoint import load_hf_config
+    from ..checkpoint.files import load_hf_config
     from ..model.loader import _architecture
     from ..model.registry import get_model_class
     from ..parallel import tp

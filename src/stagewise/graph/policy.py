@@ -86,8 +86,8 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
     architecture), read once per model: the driver and an in-process stage both ask. A GGUF file's
     metadata is parsed at start-up anyway (its facts are cached per process)."""
     from .. import envs
-    from ..checkpoint import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
-    from ..gguf_meta import held_quantized
+    from ..checkpoint.files import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
+    from ..checkpoint.gguf_meta import held_quantized
     from ..kernels.build import cpu_flags, mode
     config = load_hf_config(model)
     hidden = getattr(config, "hidden_size", None)

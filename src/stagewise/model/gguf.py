@@ -5,7 +5,7 @@ undoing the converter's layout changes (Llama/Mistral Q/K rows permuted for llam
 layout, GPT-2 projections transposed). Tensors of a type with a quantized kernel stay in their own
 bytes (`model.quantized`; `gguf_scheme` says which); F32/F16/BF16 and other quant types are
 dequantized into the engine dtype. A stage reads only its own tensors, one at a time, with pread
-(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint`.
+(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint.gguf_meta`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from stagewise.gguf_meta import GGMLType, gguf_facts
+from stagewise.checkpoint.gguf_meta import GGMLType, gguf_facts
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
 from stagewise.model.quantized import Scheme

@@ -17,9 +17,9 @@ from typing import Iterator, cast
 import torch
 from torch import nn
 
-from stagewise.checkpoint import CONTENTS as _CONTENTS
-from stagewise.checkpoint import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
-from stagewise.checkpoint import require as _require
+from stagewise.checkpoint.files import CONTENTS as _CONTENTS
+from stagewise.checkpoint.files import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
+from stagewise.checkpoint.files import require as _require
 from stagewise.errors import CheckpointNotFoundError
 from stagewise.kernels import build as kernel_build
 from stagewise.model import cpu_gemm

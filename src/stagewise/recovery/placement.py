@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..checkpoint import load_hf_config
+from ..checkpoint.files import load_hf_config
 from ..config import EngineConfig
 from ..executor.generations import control_store
 from ..executor.node_reports import read_reports

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import max_model_len
+from ..checkpoint.files import max_model_len
 from ..config import EngineConfig, parse_size
 from ..model.loader import resolve_dtype
 from ..parallel.partition import StageInfo

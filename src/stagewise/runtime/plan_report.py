@@ -12,9 +12,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..checkpoint import gguf_file_of, load_hf_config, max_model_len, num_layers_of
+from ..checkpoint.files import gguf_file_of, load_hf_config, max_model_len, num_layers_of
+from ..checkpoint.gguf_meta import gguf_facts
 from ..config import EngineConfig
-from ..gguf_meta import gguf_facts
 from ..kernels.quant import SUPPORTED, T
 from ..model.loader import _architecture, exact_mode, resolve_dtype, stage_skeleton
 from ..model.quantized import weight_bytes

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_hf_config, max_model_len
+from ..checkpoint.files import load_hf_config, max_model_len
 from ..config import EngineConfig
 from ..graph.policy import policy_for
 from ..model import attention as model_attention

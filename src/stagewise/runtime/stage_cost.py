@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import load_hf_config, num_layers_of
+from ..checkpoint.files import load_hf_config, num_layers_of
 from ..config import EngineConfig
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import EngineConfig
-from .errors import CheckpointNotFoundError
+from ..config import EngineConfig
+from ..errors import CheckpointNotFoundError
 from .gguf_meta import gguf_facts, hf_config_from_gguf, tokenizer_from_gguf
 
 SINGLE_FILE = "model.safetensors"
