@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stagewise import LLM
-from stagewise.checkpoint.files import load_hf_config
+from stagewise.checkpoint.facts import read_facts
 from stagewise.cli import main
 from stagewise.config import EngineConfig
 from stagewise.parallel.partition import StageInfo
@@ -73,13 +73,13 @@ def test_kv_pool_is_capped_floored_or_explicit():
     assert explicit.num_blocks == 3                                  # the user's size, whatever the budget
 
 
-def _smallest_fitting(config: EngineConfig, hf) -> int:
+def _smallest_fitting(config: EngineConfig, facts) -> int:
     """The least node budget with which `config` is accepted (bisection over fit_to_memory)."""
     low, high = 1, 64 * MIB
     while low < high:
         mid = (low + high) // 2
         try:
-            fit_to_memory(config.replace(node_memory_bytes=mid), hf)
+            fit_to_memory(config.replace(node_memory_bytes=mid), facts)
             high = mid
         except ValueError:
             low = mid + 1
@@ -89,10 +89,10 @@ def _smallest_fitting(config: EngineConfig, hf) -> int:
 @pytest.fixture(scope="module")
 def budgets(llama_dir):
     """Least budgets for the tiny llama: one machine, two machines (one stage each), one machine in int8."""
-    hf, config = load_hf_config(llama_dir), EngineConfig.from_kwargs(model=str(llama_dir))
+    facts, config = read_facts(llama_dir), EngineConfig.from_kwargs(model=str(llama_dir))
     two = config.replace(pp_size=2, nnodes=2, master_port=1)
-    return (_smallest_fitting(config, hf), _smallest_fitting(two, hf),
-            _smallest_fitting(config.replace(quantization="int8"), hf))
+    return (_smallest_fitting(config, facts), _smallest_fitting(two, facts),
+            _smallest_fitting(config.replace(quantization="int8"), facts))
 
 
 def test_a_model_too_big_is_refused_before_loading_with_the_fewest_machines(llama_dir, budgets, monkeypatch, capsys):

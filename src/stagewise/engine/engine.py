@@ -14,7 +14,6 @@ import logging
 from collections import deque
 from typing import Iterator, NoReturn
 
-from ..checkpoint.files import max_model_len
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor
@@ -46,13 +45,13 @@ class Engine:
             raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
         self.model_dir = config.load.model
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
-        self.max_model_len = max_model_len(config, self.tok.hf_config)
-        self.config = config = resolved_for_stages(config, self.tok.hf_config)
+        self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
+        self.config = config = resolved_for_stages(config, self.tok.facts)
         self.policy = policy_for(config, config.load.resolved_device)
         for line in self.policy.log_lines:
             log.info(line)
         # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
-        self.config = config = fit_to_memory(config, self.tok.hf_config)
+        self.config = config = fit_to_memory(config, self.tok.facts)
         self.dead: str | None = None
         executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids)
         log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
@@ -71,7 +70,7 @@ class Engine:
         self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler)
         clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
                                    config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
-        self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.hf_config), clocks)
+        self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.facts), clocks)
         self._ids = itertools.count()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
         self.grammar_limits = GrammarLimits.of(config.limits)

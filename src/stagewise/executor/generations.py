@@ -212,12 +212,12 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
 
 def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
-    from ..checkpoint.files import load_hf_config, num_layers_of
+    from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
     from ..runtime.stage_cost import with_resolved_partition
-    hf = load_hf_config(model_dir)
-    resolved = with_resolved_partition(config.replace(model=model_dir), hf)
-    infos = stage_infos(num_layers_of(hf, model_dir), config.parallel.pp_size, resolved.parallel.pp_layer_partition)
+    facts = read_facts(model_dir)
+    resolved = with_resolved_partition(config.replace(model=model_dir), facts)
+    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 

@@ -95,10 +95,10 @@ def standby_main(conn, model_dir: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_process("stagewise-spare")
-    from ..checkpoint.files import load_hf_config
+    from ..checkpoint.facts import read_facts
     from ..runtime import worker  # noqa: F401
     try:
-        load_hf_config(model_dir)
+        read_facts(model_dir)
     except Exception:  # noqa: BLE001  (the stage itself reports a bad checkpoint)
         pass
     try:
@@ -112,12 +112,12 @@ def standby_main(conn, model_dir: str) -> None:
 
 
 def _stage_of(config, model_dir: str, stage_idx: int):
-    from ..checkpoint.files import load_hf_config, num_layers_of
+    from ..checkpoint.facts import read_facts
     from ..runtime.stage_cost import with_resolved_partition
-    hf = load_hf_config(model_dir)
-    config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
+    facts = read_facts(model_dir)
+    config = with_resolved_partition(config.replace(model=model_dir), facts)   # headless nodes resolve `auto` here
     parallel = config.parallel
-    return stage_infos(num_layers_of(hf, model_dir), parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
+    return stage_infos(facts.num_layers, parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..checkpoint.files import load_hf_config
+from ..checkpoint.facts import ModelFacts, read_facts
 from ..config import EngineConfig
 from ..executor.generations import control_store
 from ..executor.node_reports import read_reports
-from ..runtime.cluster_plan import NodeReport, model_facts, plan_cluster
+from ..runtime.cluster_plan import NodeReport, cluster_needs, plan_cluster
 from ..runtime.memory import DRIVER_RUNTIME_BYTES
 
 _node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
@@ -41,7 +41,8 @@ class NodePlan:
     shares: tuple[float, ...]      # each stage's predicted share of a step
 
 
-def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeReport], num_stages: int | None = None,
+def plan_over_nodes(config: EngineConfig, facts: ModelFacts, reports: dict[int, NodeReport],
+                    num_stages: int | None = None,
                     keep_partition: bool = False) -> NodePlan:
     """The partition and layout for the nodes in `reports` (node rank -> what it reported; node 0,
     the driver's, must be there): `num_stages` stages (default --pp-size), each fitting its node's
@@ -55,7 +56,7 @@ def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeRepo
     listed = [reports[r] for r in ranks]
     if config.parallel.pp_node_rates is not None:        # given on the command line: they win over the probes
         listed = [NodeReport(rep.available_bytes, config.parallel.pp_node_rates[r]) for rep, r in zip(listed, ranks)]
-    plan = plan_cluster(model_facts(config, hf_config), listed, num_stages or config.parallel.pp_size,
+    plan = plan_cluster(cluster_needs(config, facts), listed, num_stages or config.parallel.pp_size,
                         use_speed=config.parallel.pp_node_fit == "speed" or config.parallel.pp_node_rates is not None,
                         partition=partition, ranks=ranks)
     return NodePlan(plan.partition, tuple(ranks[j] for j in plan.layout), tuple(ranks[j] for j in plan.left_out),
@@ -80,7 +81,7 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = T
             here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
         _node0[:] = [here]
     reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
-    plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
+    plan = plan_over_nodes(c, read_facts(model_dir), reports)
     return c.replace(pp_layer_partition=plan.partition), plan.layout
 
 

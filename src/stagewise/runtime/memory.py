@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..checkpoint.facts import ModelFacts
+    from ..config import EngineConfig
+    from ..parallel.partition import StageInfo
 
 CUDA_UTILIZATION = 0.9
 MARGIN_FRACTION = 0.1              # of the available memory: the driver, tokenizer, allocator slack
@@ -191,6 +196,25 @@ def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers:
         raise ValueError(f"Stage {stage}'s KV cache of {kv / (1 << 20):.2f} MiB holds {num_blocks} blocks of "
                          f"{block_bytes / (1 << 20):.2f} MiB; it needs at least 2 — raise kv_cache_memory.")
     return plan
+
+
+def stage_plan(config: EngineConfig, facts: ModelFacts, stage: StageInfo, itemsize: int, *, weights: int,
+               graph_buffers: int, block_bytes: int, budget: int, refuse: bool = True) -> MemoryPlan:
+    """One stage's plan from the engine's options and the model's facts: the one place the activation
+    peak, the KV cap (`max_num_seqs` full-length sequences) and the KV floor are worked out, for a
+    stage that loads (runtime/setup.py), `stagewise plan` and the cluster planner alike."""
+    max_len = facts.max_len(config.scheduler.max_model_len)
+    activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, facts.hidden, facts.intermediate,
+                                           facts.vocab, config.scheduler.max_num_seqs, itemsize)
+    return plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=graph_buffers, graph_pools=0,
+                   activation=activation, block_bytes=block_bytes, explicit_kv=config.cache.kv_cache_memory,
+                   budget=budget, cap_blocks=cap_blocks(config, max_len),
+                   min_blocks=min_kv_blocks(max_len, config.cache.block_size), refuse=refuse)
+
+
+def cap_blocks(config: EngineConfig, max_len: int) -> int:
+    """The KV blocks `max_num_seqs` full-length sequences can use, plus the reserved block 0."""
+    return config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1
 
 
 def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> NotEnoughMemory | None:
