@@ -129,6 +129,6 @@ def test_a_tp_size_that_cannot_split_the_model_names_the_sizes_that_can():
 
 
 def test_the_memory_table_says_what_the_kv_column_is():
-    from stagewise.runtime.memory import MemoryPlan, format_memory_table
+    from stagewise.planning.memory import MemoryPlan, format_memory_table
     plan = MemoryPlan(0, (0, 30), 2 << 30, 92 << 20, 0, 0, 33 << 20, 11520 << 20, 32769, 368640)
     assert format_memory_table([plan]).splitlines()[-1].startswith("KV MiB is each pool's ceiling")

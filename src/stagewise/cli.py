@@ -436,11 +436,11 @@ def _steps_text(replayed: int, eager: int, waited_s: float | None, prefill_graph
 
 
 def cmd_plan(args) -> int:
-    from .runtime.plan_report import plan_report
+    from .planning.report import plan_report
     config = config_from_args(args)
     if args.cluster:
         from .checkpoint.facts import read_facts
-        from .runtime.cluster_plan import cluster_report, parse_cluster
+        from .planning.cluster import cluster_report, parse_cluster
         assert config.load.model is not None, "resolved by config_from_args"
         print(cluster_report(config, read_facts(config.load.model), parse_cluster(args.cluster)))
         return 0
@@ -448,7 +448,7 @@ def cmd_plan(args) -> int:
     if args.measure_rate:
         import torch
 
-        from .runtime.stage_cost import measure_node_rate
+        from .planning.stage_cost import measure_node_rate
         from .runtime.threads import thread_choice
         threads, _ = thread_choice(config)
         torch.set_num_threads(threads)

@@ -19,8 +19,8 @@ from stagewise.model.loader import _architecture
 from stagewise.model.registry import get_model_class
 from stagewise.parallel.partition import balanced_partition, partition_layers, stage_costs
 from stagewise.plan import StepResult
+from stagewise.planning.stage_cost import cost_model, resolve_partition
 from stagewise.request import FinishReason, Request, SamplingParams
-from stagewise.runtime.stage_cost import cost_model, resolve_partition
 
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 

@@ -21,8 +21,8 @@ def test_off_spreads_the_stages_evenly_over_the_nodes_there_are():
 def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
     from stagewise.checkpoint.facts import read_facts
     from stagewise.config import EngineConfig
+    from stagewise.planning.cluster import NodeReport
     from stagewise.recovery.placement import plan_over_nodes
-    from stagewise.runtime.cluster_plan import NodeReport
     facts = read_facts(llama_dir)
     config = EngineConfig.from_kwargs(model=str(llama_dir), dtype="float32", pp_size=2, nnodes=2, master_port=29999,
                           pp_layer_partition=(2, 2), pp_node_fit="speed")

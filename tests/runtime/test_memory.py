@@ -12,10 +12,10 @@ from stagewise.checkpoint.facts import read_facts
 from stagewise.cli import main
 from stagewise.config import EngineConfig
 from stagewise.parallel.partition import StageInfo
-from stagewise.runtime import memory
+from stagewise.planning import memory
+from stagewise.planning.memory import NotEnoughMemory, available_bytes, node_budget_bytes, plan_kv
+from stagewise.planning.report import fit_to_memory
 from stagewise.runtime.kv_cache import allocate_kv_caches
-from stagewise.runtime.memory import NotEnoughMemory, available_bytes, node_budget_bytes, plan_kv
-from stagewise.runtime.plan_report import fit_to_memory
 
 GIB, MIB = 1 << 30, 1 << 20
 MEMINFO = "MemTotal:       24683664 kB\nMemFree:  1000 kB\nMemAvailable:   16000000 kB\n"

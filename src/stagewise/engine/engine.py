@@ -21,13 +21,12 @@ from ..grammar.limits import GrammarLimits
 from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
 from ..plan import StepPlan, StepResult
+from ..planning.memory import disk_tier_on, format_memory_table
+from ..planning.report import fit_to_memory
+from ..planning.stage_cost import predicted_shares, resolved_for_stages
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
-from ..runtime.kv_disk import disk_tier_on
-from ..runtime.memory import format_memory_table
-from ..runtime.plan_report import fit_to_memory
 from ..runtime.sampler import NO_TOKEN_LEFT
-from ..runtime.stage_cost import predicted_shares, resolved_for_stages
 from .block_manager import BlockManager
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults

@@ -16,7 +16,7 @@ import threading
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
-from ..runtime.memory import measured_node_bytes
+from ..planning.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
@@ -214,7 +214,7 @@ def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
     from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
-    from ..runtime.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import with_resolved_partition
     facts = read_facts(model_dir)
     resolved = with_resolved_partition(config.replace(model=model_dir), facts)
     infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)

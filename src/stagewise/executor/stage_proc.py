@@ -113,7 +113,7 @@ def standby_main(conn, model_dir: str) -> None:
 
 def _stage_of(config, model_dir: str, stage_idx: int):
     from ..checkpoint.facts import read_facts
-    from ..runtime.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import with_resolved_partition
     facts = read_facts(model_dir)
     config = with_resolved_partition(config.replace(model=model_dir), facts)   # headless nodes resolve `auto` here
     parallel = config.parallel

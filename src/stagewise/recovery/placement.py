@@ -2,8 +2,8 @@
 left or was lost), over the nodes present.
 
 `plan_on` reads what each node reported when it joined (its memory and speed), measures node 0,
-and `plan_over_nodes` chooses the layer split and the node of each stage (runtime/cluster_plan.py,
-parallel/planner.py); with --pp-node-fit off the command line's split stays and the stages are
+and `plan_over_nodes` chooses the layer split and the node of each stage (planning/cluster.py,
+planning/planner.py); with --pp-node-fit off the command line's split stays and the stages are
 spread evenly (`spread_stages`).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ..checkpoint.facts import ModelFacts, read_facts
 from ..config import EngineConfig
 from ..executor.generations import control_store
 from ..executor.node_reports import read_reports
-from ..runtime.cluster_plan import NodeReport, cluster_needs, plan_cluster
-from ..runtime.memory import DRIVER_RUNTIME_BYTES
+from ..planning.cluster import NodeReport, cluster_needs, plan_cluster
+from ..planning.memory import DRIVER_RUNTIME_BYTES
 
 _node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
 

@@ -20,10 +20,10 @@ from ..model.loader import exact_mode, load_model, resolve_dtype
 from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
+from ..planning.memory import MemoryPlan, kv_bytes_per_block, measured_node_bytes, stage_budget_bytes, stage_plan
 from . import cpu_pool
 from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
-from .kv_cache import allocate_kv_caches, kv_bytes_per_block
-from .memory import MemoryPlan, measured_node_bytes, stage_budget_bytes, stage_plan
+from .kv_cache import allocate_kv_caches
 from .team import decode_threads
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 

@@ -22,12 +22,13 @@ from ..model.quantized import weight_bytes
 from ..model.registry import get_model_class
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
-from .kv_cache import kv_bytes_per_block
-from .kv_disk import budget_line
 from .memory import (
     MemoryPlan,
     NotEnoughMemory,
+    disk_tier_on,
     format_memory_table,
+    kv_bytes_per_block,
+    kv_dir,
     measured_node_bytes,
     min_kv_blocks,
     shortfall,
@@ -245,3 +246,15 @@ def _weights_line(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype) -
 
 def _partition_text(config: EngineConfig, facts: ModelFacts) -> str:
     return "".join(line + "\n" for line in partition_lines(config, facts)) if config.parallel.pp_size > 1 else ""
+
+
+def budget_line(config) -> str:
+    """What `stagewise plan` says about the disk tier."""
+    if not config.cache.kv_cache_disk:
+        return "KV disk tier: off (--kv-cache-disk SIZE keeps prefix-cache pages on disk across restarts)"
+    if not disk_tier_on(config):
+        why = ("the prefix cache is off" if not config.cache.enable_prefix_caching
+               else "tensor parallelism is not paged yet")
+        return f"KV disk tier: off ({why})"
+    return (f"KV disk tier: {size_text(config.cache.kv_cache_disk)} in {kv_dir(config)}, split over the stages by "
+            f"their layers (least recently used pages go first)")

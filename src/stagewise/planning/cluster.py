@@ -1,4 +1,4 @@
-"""A model's needs and the nodes' reports, as the partition planner (parallel/planner.py) takes
+"""A model's needs and the nodes' reports, as the partition planner (planning/planner.py) takes
 them: weights as held per layer (quantized as stored), the KV floor, activations and each
 process's runtime per stage, the driver's process on node 0; node budgets from what each node
 reported (MemAvailable and its cgroup's room, less the engine's margin). `stagewise plan
@@ -15,20 +15,20 @@ from ..checkpoint.facts import ModelFacts
 from ..config import EngineConfig, parse_size
 from ..model.loader import resolve_dtype
 from ..parallel.partition import StageInfo
-from ..parallel.planner import ClusterPlan, ModelNeeds, Node, plan_partition, useful_nodes
-from .kv_cache import kv_bytes_per_block
 from .memory import (
     DRIVER_RUNTIME_BYTES,
     FALLBACK_CPU_BYTES,
     STAGE_RUNTIME_BYTES,
     available_bytes,
     cap_blocks,
+    kv_bytes_per_block,
     min_kv_blocks,
     node_budget_bytes,
     size_text,
     stage_plan,
 )
-from .plan_report import ModelBytes, _weights_of
+from .planner import ClusterPlan, ModelNeeds, Node, plan_partition, useful_nodes
+from .report import ModelBytes, _weights_of
 from .stage_cost import cost_model_for, measure_node_rate
 
 log = logging.getLogger("stagewise.partition")

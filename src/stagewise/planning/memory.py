@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..config import cache_root
+
 if TYPE_CHECKING:
+    import torch
+
     from ..checkpoint.facts import ModelFacts
     from ..config import EngineConfig
     from ..parallel.partition import StageInfo
@@ -237,3 +241,20 @@ def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None
             "resident only as blocks are written on CPU; --max-num-seqs, --max-model-len or --kv-cache-memory "
             "lower it.")
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + [note])
+
+
+def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block_size: int,
+                       dtype: torch.dtype) -> int:
+    itemsize = dtype.itemsize
+    return 2 * block_size * num_kv_heads * head_dim * itemsize * (stage.end - stage.start)
+
+
+def disk_tier_on(config) -> bool:
+    """Whether this engine keeps pages on disk: a budget was given (--kv-cache-disk), the prefix
+    cache is on, and the stages are not tensor-parallel (their ranks' shards are not paged yet)."""
+    return bool(config.cache.kv_cache_disk) and config.cache.enable_prefix_caching and config.parallel.tp_size == 1
+
+
+def kv_dir(config) -> Path:
+    """--kv-cache-dir, else `$STAGEWISE_CACHE/kv`."""
+    return Path(config.cache.kv_cache_dir) if config.cache.kv_cache_dir else cache_root() / "kv"
