@@ -37,3 +37,27 @@ def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
     assert plan_over_nodes(config, facts, {0: NodeReport(4 * gib)}, num_stages=2).layout == (0, 0)
     with pytest.raises(ValueError, match="cannot hold the model: .* is missing"):
         plan_over_nodes(config, facts, {0: NodeReport(700 << 20), 2: NodeReport(600 << 20)})
+
+
+def test_an_explicit_partition_is_kept_on_every_node(llama_dir):
+    """`--pp-layer-partition 3,1` across nodes: the driver's plan over the nodes' reports keeps the
+    counts (only the nodes are chosen), at the start and at every rebuild; `auto` is re-planned by
+    memory (a 3,1 split is never what the planner picks for four equal layers on equal nodes)."""
+    import socket
+
+    from stagewise.config import EngineConfig
+    from stagewise.executor.generations import control_store, next_generation
+    from stagewise.executor.node_reports import publish_report
+    from stagewise.planning.cluster import NodeReport
+    from stagewise.recovery.placement import plan_on
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    next_generation("127.0.0.1", port, b"facts-test-key")
+    publish_report(control_store("127.0.0.1", port), 1, NodeReport(4 << 30, 1.0))
+    config = EngineConfig.from_kwargs(model=str(llama_dir), dtype="float32", pp_size=2, nnodes=2, master_port=port,
+                                      master_addr="127.0.0.1", pp_layer_partition=(3, 1))
+    kept, layout = plan_on(config, str(llama_dir), [0, 1], keep_partition=True)
+    assert kept.parallel.pp_layer_partition == (3, 1) and sorted(set(layout)) == [0, 1]
+    replanned, _ = plan_on(config, str(llama_dir), [0, 1])
+    assert replanned.parallel.pp_layer_partition != (3, 1)

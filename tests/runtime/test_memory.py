@@ -156,3 +156,18 @@ print(kept, rss() - base)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     kept, left = (int(v) for v in done.stdout.split())
     assert kept > 96 and left < 32, (kept, left)
+
+
+def test_a_node_whose_sys_hides_its_cgroup_reads_the_limit_through_its_parents_view_or_says_it_does_not_know():
+    """`ip netns exec` mounts a fresh /sys: /sys/fs/cgroup is empty there, but /proc/self/cgroup still
+    names the node's memory cgroup, and the parent's root (/proc/PPID/root) still shows the cgroup filesystem."""
+    hidden = "/proc/4321/root/sys/fs/cgroup/memory/stagewise-facts/n1"
+    read = files({"/proc/meminfo": MEMINFO, "/proc/self/cgroup": "4:memory:/stagewise-facts/n1\n0::/\n",
+                  "/proc/self/stat": "99 (python (x)) S 4321 99 99", "/proc/4321/stat": "4321 (sh) S 1 1 1",
+                  f"{hidden}/memory.limit_in_bytes": f"{1100 << 20}\n",
+                  f"{hidden}/memory.usage_in_bytes": f"{100 << 20}\n"})
+    assert available_bytes(read) == 1000 << 20 and memory.cgroup_unknown(read) is None
+    blind = files({"/proc/meminfo": MEMINFO, "/proc/self/cgroup": "4:memory:/stagewise-facts/n1\n0::/\n"})
+    assert available_bytes(blind) == 16000000 * 1024         # MemAvailable alone...
+    assert "memory cgroup /stagewise-facts/n1 but cannot read its limit" in memory.cgroup_unknown(blind)  # ...said
+    assert memory.cgroup_unknown(files({"/proc/self/cgroup": "4:memory:/\n0::/\n"})) is None

@@ -45,6 +45,7 @@ class Engine:
         self.model_dir = config.load.model
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
+        explicit = isinstance(config.parallel.pp_layer_partition, tuple)    # kept on every node and rebuild
         self.config = config = resolved_for_stages(config, self.tok.facts)
         self.policy = policy_for(config, config.load.resolved_device)
         for line in self.policy.log_lines:
@@ -52,7 +53,7 @@ class Engine:
         # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
         self.config = config = fit_to_memory(config, self.tok.facts)
         self.dead: str | None = None
-        executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids)
+        executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids, keep_partition=explicit)
         log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
         blocks = BlockManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                               disk_tier_on(config))
@@ -66,7 +67,8 @@ class Engine:
                                    stop_rule=self._stop_rule, speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
-        self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler)
+        self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler,
+                                             keep_partition=explicit)
         clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
                                    config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
         self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.facts), clocks)

@@ -21,6 +21,7 @@ from .memory import (
     STAGE_RUNTIME_BYTES,
     available_bytes,
     cap_blocks,
+    cgroup_unknown,
     kv_bytes_per_block,
     min_kv_blocks,
     node_budget_bytes,
@@ -51,6 +52,9 @@ class NodeReport:
 
     @classmethod
     def measure(cls, probe_s: float = SPEED_PROBE_S) -> NodeReport:
+        unknown = cgroup_unknown()
+        if unknown:
+            log.warning("%s", unknown)
         return cls(available_bytes(), measure_node_rate(seconds=probe_s))
 
 

@@ -55,21 +55,70 @@ def meminfo_available(read: Reader = read_text) -> int | None:
     return None
 
 
-def _cgroup_dirs(read: Reader) -> list[tuple[str, str]]:
-    """(directory, version) of this process's memory cgroup and its ancestors (each may set a limit)."""
+# Where the cgroup filesystems are: this process's view of /sys, else an ancestor's (a node started
+# by `ip netns exec` has a fresh /sys that hides them; its parent's /proc/PID/root still shows them)
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_roots(read: Reader) -> list[str]:
+    roots, pid = [CGROUP_ROOT], "self"
+    for _ in range(8):                  # a few ancestors: the shell or launcher that made the namespace
+        stat = read(f"/proc/{pid}/stat") or ""
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) < 2 or fields[1] in ("0", "1"):
+            break
+        pid = fields[1]
+        roots.append(f"/proc/{pid}/root{CGROUP_ROOT}")
+    return [*roots, f"/proc/1/root{CGROUP_ROOT}"]
+
+
+def _own_cgroups(read: Reader) -> list[tuple[str, str]]:
+    """(version, path) of this process's memory cgroup, as /proc/self/cgroup names it."""
     found = []
     for line in (read("/proc/self/cgroup") or "").splitlines():
         num, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if num == "0" and controllers == "":
-            found.append(("/sys/fs/cgroup", "v2", path))
+            found.append(("v2", path))
         elif "memory" in controllers.split(","):
-            found.append(("/sys/fs/cgroup/memory", "v1", path))
+            found.append(("v1", path))
+    return found
+
+
+def _mount(read: Reader, version: str, path: str) -> str | None:
+    """The first cgroup root (this process's view, then its ancestors') where this process's memory
+    cgroup (`path`) can be read."""
+    path = path.rstrip("/")
+    for root in _cgroup_roots(read):
+        if version == "v1" and read(f"{root}/memory{path}/memory.usage_in_bytes") is not None:
+            return f"{root}/memory"
+        if version == "v2" and read(f"{root}{path}/memory.current") is not None:
+            return root
+    return None
+
+
+def _cgroup_dirs(read: Reader) -> list[tuple[str, str]]:
+    """(directory, version) of this process's memory cgroup and its ancestors (each may set a limit)."""
     dirs = []
-    for mount, version, path in found:
+    for version, path in _own_cgroups(read):
+        mount = _mount(read, version, path)
+        if mount is None:
+            continue
         parts = [p for p in path.split("/") if p]
         dirs += [("/".join([mount, *parts[:n]]), version) for n in range(len(parts), -1, -1)]
     return dirs
+
+
+def cgroup_unknown(read: Reader = read_text) -> str | None:
+    """Why this node cannot know its cgroup's limit (it is in a memory cgroup whose files no view
+    shows), else None: the planner then goes by MemAvailable alone, which may be more than it may use."""
+    hidden = [path for version, path in _own_cgroups(read)
+              if path not in ("", "/") and _mount(read, version, path) is None]
+    if not hidden:
+        return None
+    return (f"this node is in memory cgroup {hidden[0]} but cannot read its limit (no cgroup filesystem under "
+            f"{CGROUP_ROOT} in its view or its parents'); its plan goes by MemAvailable, which may be more than "
+            f"the cgroup allows")
 
 
 def _int(text: str | None) -> int | None:

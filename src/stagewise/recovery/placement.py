@@ -63,12 +63,13 @@ def plan_over_nodes(config: EngineConfig, facts: ModelFacts, reports: dict[int, 
                     plan.shares)
 
 
-def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True) -> tuple[EngineConfig,
-                                                                                                tuple[int, ...]]:
+def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True,
+            keep_partition: bool = False) -> tuple[EngineConfig, tuple[int, ...]]:
     """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
     the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
     command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
-    before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
+    before a start, no stage of it runs) or as it was then. `keep_partition` (the user gave the layer
+    counts): the partition stays, on every rebuild, and only the nodes are chosen. ValueError (one sentence) when the
     nodes cannot hold the model."""
     if c.parallel.pp_node_fit == "off" or c.cluster.master_port is None:
         return c, spread_stages(c.parallel.pp_size, nodes)
@@ -81,7 +82,7 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = T
             here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
         _node0[:] = [here]
     reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
-    plan = plan_over_nodes(c, read_facts(model_dir), reports)
+    plan = plan_over_nodes(c, read_facts(model_dir), reports, keep_partition=keep_partition)
     return c.replace(pp_layer_partition=plan.partition), plan.layout
 
 
