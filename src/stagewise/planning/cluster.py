@@ -18,13 +18,13 @@ from ..parallel.partition import StageInfo
 from .memory import (
     DRIVER_RUNTIME_BYTES,
     FALLBACK_CPU_BYTES,
-    STAGE_RUNTIME_BYTES,
     available_bytes,
     cap_blocks,
     cgroup_unknown,
     kv_bytes_per_block,
     min_kv_blocks,
     node_budget_bytes,
+    process_bytes,
     size_text,
     stage_plan,
 )
@@ -111,20 +111,14 @@ def cluster_needs(config: EngineConfig, facts: ModelFacts) -> ClusterNeeds:
     one = StageInfo(0, 1, 0, 1, 1)
     per_layer = kv_bytes_per_block(one, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
     plan = stage_plan(config, facts, one, torch.empty((), dtype=dtype).element_size(), weights=0, graph_buffers=0,
-                      block_bytes=per_layer, budget=0, refuse=False)
+                      block_bytes=per_layer, budget=0, process=process_bytes(config, shares_driver=False), refuse=False)
     floor = min_kv_blocks(facts.max_len(config.scheduler.max_model_len), config.cache.block_size) * per_layer
     needs = ModelNeeds(costs.layer_costs, tuple(b + floor for b in weights.layers), costs.first_extra,
                        costs.last_extra, weights.first_extra, weights.last_extra,
-                       plan.activation_bytes + STAGE_RUNTIME_BYTES + spare_bytes(config),
+                       plan.activation_bytes + plan.process_bytes,
                        weights.single + floor * len(weights.layers))
     return ClusterNeeds(needs, weights, per_layer, config.cache.block_size,
                         cap_blocks(config, facts.max_len(config.scheduler.max_model_len)))
-
-
-def spare_bytes(config: EngineConfig) -> int:
-    """What each stage's idle spare process (--pipeline-spares) holds beside it on its node: a
-    process with torch and the stage code imported, no weights (0 where no spares run)."""
-    return STAGE_RUNTIME_BYTES if config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0 else 0
 
 
 def plan_cluster(facts: ClusterNeeds, reports: list[NodeReport], num_stages: int | None = None,

@@ -1,10 +1,12 @@
-"""Per-stage memory plan: weights (as stored), static graph buffers, graph pools and the activation
-peak come first; the KV pool gets the rest of the stage's budget.
+"""Per-stage memory plan: the stage process's own memory, weights (as held), static graph buffers,
+graph pools and the activation peak come first; the KV pool gets the rest of the stage's budget.
 
 An explicit `kv_cache_memory` sizes the KV pool directly. Otherwise the budget is 90% of the device
 (shared evenly by the stages on it) on CUDA; on CPU it is the memory this process may use
-(`available_bytes`: MemAvailable and the cgroup v1/v2 limit), less a margin, measured once per node
-before any stage loads and shared evenly by the node's stages, and the pool is capped at what
+(`available_bytes`: MemAvailable and the cgroup v1/v2 limit), less a margin and the libraries every
+process maps (one copy per node), measured once per node before any stage loads; the driver's process
+(where the stages run in processes of their own) comes off node 0's, and the rest is shared evenly
+by the node's stages. The pool is capped at what
 `max_num_seqs` full-length sequences can use. A budget that cannot hold the weights and KV for
 `min_kv_tokens` tokens is refused.
 """
@@ -24,16 +26,19 @@ if TYPE_CHECKING:
     from ..parallel.partition import StageInfo
 
 CUDA_UTILIZATION = 0.9
-MARGIN_FRACTION = 0.1              # of the available memory: the driver, tokenizer, allocator slack
-MIN_MARGIN_BYTES = 512 << 20
+MARGIN_FRACTION = 0.1              # of the available memory: allocator slack, page cache the kernel keeps
+MIN_MARGIN_BYTES = 64 << 20
 FALLBACK_CPU_BYTES = 2 << 30       # per stage, where the OS says nothing (not Linux)
 MIN_KV_TOKENS = 4096               # a stage must hold KV for this many tokens (or max_model_len)
-# A process's own memory before any weight: VmRSS after importing torch 2.13 (CPU build), our
-# kernels and the stage (or engine) modules, measured on x86-64 Linux: 222 MiB for a stage process,
-# 249 MiB for the driver (engine, tokenizer library); rounded up for the C kernels' libraries,
-# thread pools and allocator arenas that start with the first step.
-STAGE_RUNTIME_BYTES = 256 << 20
-DRIVER_RUNTIME_BYTES = 320 << 20
+# A process's memory before any weight, after importing torch 2.13 (CPU build), our kernels and the
+# stage (or engine) modules, measured on x86-64 Linux (/proc/self/status). Its libraries' pages are
+# mapped from files (RssFile, 76-81 MiB): the page cache holds one copy per node however many
+# processes map them, so they count once per node. Its own (anonymous) memory counts per process:
+# 149 MiB for a stage process (a spare too), 179 MiB for the driver with the tokenizer loaded; each
+# rounded up for the thread pools and allocator arenas that start with the first step.
+SHARED_LIBRARY_BYTES = 96 << 20
+STAGE_RUNTIME_BYTES = 176 << 20
+DRIVER_RUNTIME_BYTES = 208 << 20
 _NO_LIMIT_BYTES = 1 << 60          # cgroup v1 writes "no limit" as a huge page-rounded number
 GIB = float(1 << 30)
 
@@ -157,8 +162,31 @@ def available_bytes(read: Reader = read_text) -> int | None:
 
 
 def node_budget_bytes(available: int) -> int:
-    """The engine's share of `available`: less a margin of 10% (at least MIN_MARGIN_BYTES)."""
-    return max(0, available - max(int(available * MARGIN_FRACTION), MIN_MARGIN_BYTES))
+    """The engine's share of `available`: less a margin of 10% (at least MIN_MARGIN_BYTES) and the
+    libraries the node's processes map (one copy per node)."""
+    return max(0, available - max(int(available * MARGIN_FRACTION), MIN_MARGIN_BYTES) - SHARED_LIBRARY_BYTES)
+
+
+def in_process(config: EngineConfig) -> bool:
+    """Whether the one stage runs in the driver's process (one stage, no tensor parallelism)."""
+    return config.parallel.pp_size == 1 and config.parallel.tp_size == 1 and config.cluster.nnodes == 1
+
+
+def process_bytes(config: EngineConfig, shares_driver: bool) -> int:
+    """A stage's process before any weight: the driver's own (the stage runs in it), or a stage
+    process's and, with --pipeline-spares, its idle spare's beside it."""
+    if shares_driver:
+        return DRIVER_RUNTIME_BYTES
+    spare = config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0
+    return STAGE_RUNTIME_BYTES * (2 if spare else 1)
+
+
+def node_stage_bytes(config: EngineConfig, node_bytes: int | None, node_rank: int) -> int | None:
+    """What a node's budget leaves its stages: node 0 also holds the driver's process where the
+    stages run in processes of their own."""
+    if node_bytes is None or in_process(config) or node_rank != 0:
+        return node_bytes
+    return max(0, node_bytes - DRIVER_RUNTIME_BYTES)
 
 
 def measured_node_bytes() -> int | None:
@@ -194,14 +222,23 @@ class MemoryPlan:
     kv_bytes: int
     num_blocks: int
     block_bytes: int
+    process_bytes: int = 0        # the stage's process before any weight (and its spare's)
 
     @property
     def fixed_bytes(self) -> int:
-        return self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes + self.activation_bytes
+        return (self.process_bytes + self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes
+                + self.activation_bytes)
+
+    def peak_bytes(self, kv_tokens: int, block_size: int) -> int:
+        """What the stage's process should peak at (RSS, its share of the node's libraries included)
+        with `kv_tokens` of KV written: the CPU pool is resident only as blocks are written."""
+        used = min(self.num_blocks, -(-kv_tokens // block_size) + 1) * self.block_bytes
+        return SHARED_LIBRARY_BYTES + self.fixed_bytes + used
 
     def row(self) -> list[str]:
         mib = lambda b: f"{b / (1 << 20):.1f}"
-        return [str(self.stage), f"[{self.layers[0]},{self.layers[1]})", mib(self.weights_bytes),
+        return [str(self.stage), f"[{self.layers[0]},{self.layers[1]})", mib(self.process_bytes),
+                mib(self.weights_bytes),
                 mib(self.graph_buffer_bytes), mib(self.graph_pool_bytes), mib(self.activation_bytes),
                 mib(self.kv_bytes), str(self.num_blocks)]
 
@@ -211,10 +248,11 @@ class NotEnoughMemory(ValueError):
 
     def __init__(self, plan: MemoryPlan, min_kv_bytes: int):
         self.plan, self.missing_bytes = plan, plan.fixed_bytes + min_kv_bytes - plan.budget_bytes
-        super().__init__(f"Stage {plan.stage} needs {size_text(plan.fixed_bytes + min_kv_bytes)} (weights "
-                         f"{size_text(plan.weights_bytes)}, activations and graphs "
-                         f"{size_text(plan.fixed_bytes - plan.weights_bytes)}, the smallest KV pool "
-                         f"{size_text(min_kv_bytes)}) but its memory budget is {size_text(plan.budget_bytes)}: "
+        super().__init__(f"Stage {plan.stage} needs {size_text(plan.fixed_bytes + min_kv_bytes)} (its process "
+                         f"{size_text(plan.process_bytes)}, weights {size_text(plan.weights_bytes)}, activations and "
+                         f"graphs {size_text(plan.fixed_bytes - plan.weights_bytes - plan.process_bytes)}, the "
+                         f"smallest KV pool {size_text(min_kv_bytes)}) but its memory budget is "
+                         f"{size_text(plan.budget_bytes)}: "
                          f"{size_text(self.missing_bytes)} missing.")
 
 
@@ -230,10 +268,10 @@ def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, v
 
 def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers: int, graph_pools: int,
             activation: int, block_bytes: int, explicit_kv: int | None, budget: int, cap_blocks: int,
-            min_blocks: int, refuse: bool = True) -> MemoryPlan:
+            min_blocks: int, refuse: bool = True, process: int = 0) -> MemoryPlan:
     """The stage's plan: an explicit KV size as given, else the budget's rest up to `cap_blocks`.
     Raises NotEnoughMemory (with `refuse`) when the rest holds fewer than `min_blocks` blocks."""
-    fixed = weights + graph_buffers + graph_pools + activation
+    fixed = process + weights + graph_buffers + graph_pools + activation
     if explicit_kv is not None:
         kv = explicit_kv
         budget = fixed + kv
@@ -241,7 +279,7 @@ def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers:
         kv = min(budget - fixed, cap_blocks * block_bytes)
     num_blocks = max(0, kv // block_bytes)
     plan = MemoryPlan(stage, layers, budget, weights, graph_buffers, graph_pools, activation,
-                      num_blocks * block_bytes, num_blocks, block_bytes)
+                      num_blocks * block_bytes, num_blocks, block_bytes, process)
     problem = shortfall(plan, explicit_kv, min(min_blocks, cap_blocks))
     if problem is not None and refuse:
         raise problem
@@ -252,7 +290,7 @@ def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers:
 
 
 def stage_plan(config: EngineConfig, facts: ModelFacts, stage: StageInfo, itemsize: int, *, weights: int,
-               graph_buffers: int, block_bytes: int, budget: int, refuse: bool = True) -> MemoryPlan:
+               graph_buffers: int, block_bytes: int, budget: int, process: int, refuse: bool = True) -> MemoryPlan:
     """One stage's plan from the engine's options and the model's facts: the one place the activation
     peak, the KV cap (`max_num_seqs` full-length sequences) and the KV floor are worked out, for a
     stage that loads (runtime/setup.py), `stagewise plan` and the cluster planner alike."""
@@ -260,7 +298,8 @@ def stage_plan(config: EngineConfig, facts: ModelFacts, stage: StageInfo, itemsi
     activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, facts.hidden, facts.intermediate,
                                            facts.vocab, config.scheduler.max_num_seqs, itemsize)
     return plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=graph_buffers, graph_pools=0,
-                   activation=activation, block_bytes=block_bytes, explicit_kv=config.cache.kv_cache_memory,
+                   activation=activation, process=process, block_bytes=block_bytes,
+                   explicit_kv=config.cache.kv_cache_memory,
                    budget=budget, cap_blocks=cap_blocks(config, max_len),
                    min_blocks=min_kv_blocks(max_len, config.cache.block_size), refuse=refuse)
 
@@ -279,7 +318,7 @@ def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> Not
 
 def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None) -> str:
     """One row per plan; `labels` replace the stage numbers (tensor-parallel ranks: stage/rank)."""
-    head = ["stage" if labels is None else "stage/rank", "layers", "weights MiB", "graph bufs MiB",
+    head = ["stage" if labels is None else "stage/rank", "layers", "process MiB", "weights MiB", "graph bufs MiB",
             "graph pools MiB", "activations MiB", "KV MiB", "KV blocks"]
     rows = [head] + [p.row() for p in plans]
     for row, label in zip(rows[1:], labels or []):

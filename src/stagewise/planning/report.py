@@ -27,10 +27,13 @@ from .memory import (
     NotEnoughMemory,
     disk_tier_on,
     format_memory_table,
+    in_process,
     kv_bytes_per_block,
     kv_dir,
     measured_node_bytes,
     min_kv_blocks,
+    node_stage_bytes,
+    process_bytes,
     shortfall,
     size_text,
     stage_budget_bytes,
@@ -82,12 +85,13 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
            stages_on_node: int, node_bytes: int | None, refuse: bool) -> list[MemoryPlan]:
     dtype = resolve_dtype(config.load.dtype, facts.hf, "cpu")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
+    budget = stage_budget_bytes(node_bytes=node_stage_bytes(config, node_bytes, 0), stages_on_node=stages_on_node)
+    process = process_bytes(config, in_process(config))
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
         block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
         plans.append(stage_plan(config, facts, stage, itemsize, weights=held, graph_buffers=0, block_bytes=block_bytes,
-                                budget=budget, refuse=refuse))
+                                budget=budget, process=process, refuse=refuse))
     return plans
 
 

@@ -20,7 +20,16 @@ from ..model.loader import exact_mode, load_model, resolve_dtype
 from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
-from ..planning.memory import MemoryPlan, kv_bytes_per_block, measured_node_bytes, stage_budget_bytes, stage_plan
+from ..planning.memory import (
+    MemoryPlan,
+    in_process,
+    kv_bytes_per_block,
+    measured_node_bytes,
+    node_stage_bytes,
+    process_bytes,
+    stage_budget_bytes,
+    stage_plan,
+)
 from . import cpu_pool
 from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
 from .kv_cache import allocate_kv_caches
@@ -107,6 +116,9 @@ def _plan(config, stage, model, runner, facts, dtype, device, block_bytes) -> Me
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
-        budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
+        budget = stage_budget_bytes(node_bytes=node_stage_bytes(config, config.cache.node_memory_bytes,
+                                                                config.cluster.node_rank),
+                                    stages_on_node=config.ranks_per_node)
     return stage_plan(config, facts, stage, torch.empty((), dtype=dtype).element_size(), weights=weight_bytes(model),
-                      graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget)
+                      graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget,
+                      process=process_bytes(config, in_process(config)) if device.type == "cpu" else 0)
