@@ -55,9 +55,8 @@ def test_cgroup_v1_the_tightest_level_wins_and_huge_limits_mean_none():
 
 
 def test_margin_and_even_shares():
-    libraries = memory.SHARED_LIBRARY_BYTES                          # one copy per node
-    assert node_budget_bytes(20 * GIB) == 18 * GIB - libraries       # 10%
-    assert node_budget_bytes(512 * MIB) == 448 * MIB - libraries     # at least 64 MiB
+    assert node_budget_bytes(20 * GIB) == 18 * GIB                   # 10%
+    assert node_budget_bytes(512 * MIB) == 448 * MIB                 # at least 64 MiB
     assert memory.stage_budget_bytes(node_bytes=9 * GIB, stages_on_node=3) == 3 * GIB
     assert memory.stage_budget_bytes(node_bytes=None, stages_on_node=2) == memory.FALLBACK_CPU_BYTES
 

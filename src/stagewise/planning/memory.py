@@ -3,10 +3,11 @@ graph pools and the activation peak come first; the KV pool gets the rest of the
 
 An explicit `kv_cache_memory` sizes the KV pool directly. Otherwise the budget is 90% of the device
 (shared evenly by the stages on it) on CUDA; on CPU it is the memory this process may use
-(`available_bytes`: MemAvailable and the cgroup v1/v2 limit), less a margin and the libraries every
-process maps (one copy per node), measured once per node before any stage loads; the driver's process
-(where the stages run in processes of their own) comes off node 0's, and the rest is shared evenly
-by the node's stages. The pool is capped at what
+(`available_bytes`: MemAvailable and the cgroup v1/v2 limit), less a margin, measured once per node
+by a running process (the driver, or a node's headless process: its own memory and the libraries
+it maps are in use then, not available) before any stage loads, and shared evenly by the node's
+stages, each of which counts the process it adds (none where it runs in the driver's). The pool is
+capped at what
 `max_num_seqs` full-length sequences can use. A budget that cannot hold the weights and KV for
 `min_kv_tokens` tokens is refused.
 """
@@ -33,7 +34,8 @@ MIN_KV_TOKENS = 4096               # a stage must hold KV for this many tokens (
 # A process's memory before any weight, after importing torch 2.13 (CPU build), our kernels and the
 # stage (or engine) modules, measured on x86-64 Linux (/proc/self/status). Its libraries' pages are
 # mapped from files (RssFile, 76-81 MiB): the page cache holds one copy per node however many
-# processes map them, so they count once per node. Its own (anonymous) memory counts per process:
+# processes map them, and the process that measures a node's memory has mapped them already, so
+# budgets never count them again (only a predicted peak does). Its own (anonymous) memory counts per process:
 # 149 MiB for a stage process (a spare too), 179 MiB for the driver with the tokenizer loaded; each
 # rounded up for the thread pools and allocator arenas that start with the first step.
 SHARED_LIBRARY_BYTES = 96 << 20
@@ -162,9 +164,9 @@ def available_bytes(read: Reader = read_text) -> int | None:
 
 
 def node_budget_bytes(available: int) -> int:
-    """The engine's share of `available`: less a margin of 10% (at least MIN_MARGIN_BYTES) and the
-    libraries the node's processes map (one copy per node)."""
-    return max(0, available - max(int(available * MARGIN_FRACTION), MIN_MARGIN_BYTES) - SHARED_LIBRARY_BYTES)
+    """The engine's share of `available` (measured by a running process): less a margin of 10% (at
+    least MIN_MARGIN_BYTES)."""
+    return max(0, available - max(int(available * MARGIN_FRACTION), MIN_MARGIN_BYTES))
 
 
 def in_process(config: EngineConfig) -> bool:
@@ -173,20 +175,13 @@ def in_process(config: EngineConfig) -> bool:
 
 
 def process_bytes(config: EngineConfig, shares_driver: bool) -> int:
-    """A stage's process before any weight: the driver's own (the stage runs in it), or a stage
-    process's and, with --pipeline-spares, its idle spare's beside it."""
+    """What a stage adds to its node before any weight: nothing where it runs in the driver's process
+    (running when the node's memory was measured), else a stage process and, with --pipeline-spares,
+    its idle spare beside it."""
     if shares_driver:
-        return DRIVER_RUNTIME_BYTES
+        return 0
     spare = config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0
     return STAGE_RUNTIME_BYTES * (2 if spare else 1)
-
-
-def node_stage_bytes(config: EngineConfig, node_bytes: int | None, node_rank: int) -> int | None:
-    """What a node's budget leaves its stages: node 0 also holds the driver's process where the
-    stages run in processes of their own."""
-    if node_bytes is None or in_process(config) or node_rank != 0:
-        return node_bytes
-    return max(0, node_bytes - DRIVER_RUNTIME_BYTES)
 
 
 def measured_node_bytes() -> int | None:
@@ -229,11 +224,12 @@ class MemoryPlan:
         return (self.process_bytes + self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes
                 + self.activation_bytes)
 
-    def peak_bytes(self, kv_tokens: int, block_size: int) -> int:
-        """What the stage's process should peak at (RSS, its share of the node's libraries included)
-        with `kv_tokens` of KV written: the CPU pool is resident only as blocks are written."""
+    def peak_bytes(self, kv_tokens: int, block_size: int, running: int = 0) -> int:
+        """What the stage adds at its peak with `kv_tokens` of KV written (the CPU pool is resident
+        only as blocks are written), plus `running`: what was in use before it (e.g. the driver's
+        process and the libraries, where the stage runs in it)."""
         used = min(self.num_blocks, -(-kv_tokens // block_size) + 1) * self.block_bytes
-        return SHARED_LIBRARY_BYTES + self.fixed_bytes + used
+        return running + self.fixed_bytes + used
 
     def row(self) -> list[str]:
         mib = lambda b: f"{b / (1 << 20):.1f}"

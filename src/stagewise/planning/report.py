@@ -32,7 +32,6 @@ from .memory import (
     kv_dir,
     measured_node_bytes,
     min_kv_blocks,
-    node_stage_bytes,
     process_bytes,
     shortfall,
     size_text,
@@ -85,7 +84,9 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
            stages_on_node: int, node_bytes: int | None, refuse: bool) -> list[MemoryPlan]:
     dtype = resolve_dtype(config.load.dtype, facts.hf, "cpu")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    budget = stage_budget_bytes(node_bytes=node_stage_bytes(config, node_bytes, 0), stages_on_node=stages_on_node)
+    # NOTE: `node_bytes` is measured by a process that runs (the driver, or `stagewise plan`): its own
+    # memory is in use, not available, so it is not taken off again
+    budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
     process = process_bytes(config, in_process(config))
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):

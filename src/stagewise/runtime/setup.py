@@ -25,7 +25,6 @@ from ..planning.memory import (
     in_process,
     kv_bytes_per_block,
     measured_node_bytes,
-    node_stage_bytes,
     process_bytes,
     stage_budget_bytes,
     stage_plan,
@@ -116,9 +115,7 @@ def _plan(config, stage, model, runner, facts, dtype, device, block_bytes) -> Me
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
-        budget = stage_budget_bytes(node_bytes=node_stage_bytes(config, config.cache.node_memory_bytes,
-                                                                config.cluster.node_rank),
-                                    stages_on_node=config.ranks_per_node)
+        budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
     return stage_plan(config, facts, stage, torch.empty((), dtype=dtype).element_size(), weights=weight_bytes(model),
                       graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget,
                       process=process_bytes(config, in_process(config)) if device.type == "cpu" else 0)
