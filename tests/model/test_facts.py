@@ -1,6 +1,8 @@
 """`ModelFacts`: one record per checkpoint, read once, with the shapes transformers' own config
 reports (the oracle), layer kinds, and each layer's bytes as stored in the file."""
 import ast
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,8 +50,14 @@ def test_a_gguf_file_has_the_same_shapes_and_its_quantized_bytes(llama_dir, tiny
     assert facts.eos_token_ids
 
 
-def test_facts_are_read_once_per_file(llama_dir):
+def test_facts_are_read_once_per_file_version(llama_dir, tmp_path):
     assert read_facts(llama_dir) is read_facts(str(llama_dir))
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_dir, copy)
+    before = read_facts(copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 77}))   # rewritten in place
+    assert before.max_positions != 77 and read_facts(copy).max_positions == 77
 
 
 def test_layer_kinds_follow_the_config():

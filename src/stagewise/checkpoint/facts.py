@@ -7,6 +7,7 @@ A model is a list of layers, each with a kind and its bytes as stored: a family 
 planner sizes each layer by its own entry."""
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -50,7 +51,13 @@ class ModelFacts:
     gguf: str | None               # the GGUF file, if the checkpoint is one
     quantized_as: str | None       # a GGUF file's quantized type name ("Q8_0", ...), else None
     eos_token_ids: tuple[int, ...]
-    hf: Any = field(compare=False, repr=False)   # the config object the model classes are built from
+    config: Any = field(compare=False, repr=False)   # as read; `hf` hands out copies
+
+    @property
+    def hf(self) -> Any:
+        """The config object the model classes are built from: a copy, since callers may change it
+        (e.g. a test widening a model) and the facts are shared by everyone in the process."""
+        return copy.deepcopy(self.config)
 
     @property
     def num_layers(self) -> int:
@@ -68,14 +75,27 @@ class ModelFacts:
 
 
 def read_facts(model_path: str | Path) -> ModelFacts:
-    """The facts of a checkpoint directory or GGUF file, read once per file version."""
-    path = Path(model_path)
-    stamp = path.stat().st_mtime_ns if path.exists() else 0
-    return _read_facts(str(path), stamp)
+    """The facts of a checkpoint directory or GGUF file, read once per version of its files."""
+    return _read_facts(str(model_path), _stamp(Path(model_path)))
+
+
+def _stamp(path: Path) -> tuple:
+    """What changes when the checkpoint does: each file's name, size and modification time (a
+    directory's own time does not change when a file in it is rewritten in place)."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stamps = []
+    for file in files:
+        if file.suffix in (".json", ".safetensors", ".gguf"):
+            try:
+                info = file.stat()
+            except OSError:
+                continue
+            stamps.append((file.name, info.st_size, info.st_mtime_ns))
+    return tuple(stamps)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_facts(path: str, _stamp: int) -> ModelFacts:
+def _read_facts(path: str, _stamp: tuple) -> ModelFacts:
     hf = load_hf_config(path)
     gguf = gguf_file_of(path)
     n = _first(hf, "num_hidden_layers", "n_layer")
@@ -101,7 +121,7 @@ def facts_of_config(hf, path: str = "the checkpoint", stored: list[int] | None =
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         layers=tuple(LayerFacts(kind, b) for kind, b in zip(_layer_kinds(hf, n), stored or [0] * n)),
         other_bytes=other_bytes, stored_dtype=None if gguf else _dtype_name(hf), gguf=gguf,
-        quantized_as=None if gguf is None else held_quantized(gguf), eos_token_ids=eos_token_ids, hf=hf)
+        quantized_as=None if gguf is None else held_quantized(gguf), eos_token_ids=eos_token_ids, config=hf)
 
 
 def _first(hf, *names: str) -> int:
