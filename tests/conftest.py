@@ -210,10 +210,11 @@ class EagerPipeline:
 
     def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32,
                  tp=None, quantization=None):
+        from stagewise.checkpoint.facts import read_facts
         from stagewise.model.attention import ForwardBatch
-        from stagewise.model.loader import load_hf_config, load_model
+        from stagewise.model.loader import load_model
         from stagewise.parallel.partition import stage_infos
-        num_layers = load_hf_config(model_dir).num_hidden_layers
+        num_layers = read_facts(model_dir).num_layers
         self.block_size, self.num_blocks = 16, num_blocks
         infos = stage_infos(num_layers, pp_size, partition)
         self.stages = [load_model(model_dir, info, dtype, tp=tp, quantization=quantization) for info in infos]

@@ -118,17 +118,18 @@ def test_a_hugging_face_id_says_ids_are_not_fetched(capsys, no_loading):
 def test_a_tp_size_that_cannot_split_the_model_names_the_sizes_that_can():
     import transformers as tf
 
+    from stagewise.checkpoint.facts import facts_of_config
     from stagewise.cli import _check_tp_size
     # the default model's shape (SmolLM2-135M)
     hf = tf.LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                         intermediate_size=1536, num_hidden_layers=30, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match=r"^--tp-size 4 cannot split this model \(9 attention heads, 3 KV heads, "
                                          r"49152 vocabulary entries\); use --tp-size 1, 2, 3 or 6\.$"):
-        _check_tp_size(hf, "model", 4)
-    _check_tp_size(hf, "model", 3)
+        _check_tp_size(facts_of_config(hf), 4)
+    _check_tp_size(facts_of_config(hf), 3)
 
 
 def test_the_memory_table_says_what_the_kv_column_is():
-    from stagewise.runtime.memory import MemoryPlan, format_memory_table
+    from stagewise.planning.memory import MemoryPlan, format_memory_table
     plan = MemoryPlan(0, (0, 30), 2 << 30, 92 << 20, 0, 0, 33 << 20, 11520 << 20, 32769, 368640)
     assert format_memory_table([plan]).splitlines()[-1].startswith("KV MiB is each pool's ceiling")

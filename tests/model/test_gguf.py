@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stagewise import LLM, SamplingParams
-from stagewise.checkpoint import eos_token_ids_of, load_hf_config, load_tokenizer
+from stagewise.checkpoint.files import eos_token_ids_of, load_hf_config, load_tokenizer
 from stagewise.cli import main
 from stagewise.config import cache_root
 from stagewise.model import gguf as gguf_loader
@@ -52,7 +52,7 @@ def test_quantized_gguf_logits_match_hf_on_dequantized_weights(family, qtype, ti
 
 def test_held_quantized_reads_the_block_matrices_types(tiny_gguf):
     """What `--prefill-graph auto` on CPU asks of a GGUF file (graph/policy.py): quantized-kernel types run eager."""
-    from stagewise.gguf_meta import held_quantized
+    from stagewise.checkpoint.gguf_meta import held_quantized
     assert held_quantized(tiny_gguf("llama", "Q8_0")) == "Q8_0" and held_quantized(tiny_gguf("llama", "Q4_1")) == "Q4_1"
     assert held_quantized(tiny_gguf("llama", "F32")) is None and held_quantized(tiny_gguf("llama", "F16")) is None
 

@@ -16,8 +16,8 @@ import threading
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
-from ..runtime.cluster_plan import NodeReport
-from ..runtime.memory import measured_node_bytes
+from ..planning.cluster import NodeReport
+from ..planning.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
@@ -222,12 +222,12 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
 
 def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
-    from ..checkpoint import load_hf_config, num_layers_of
+    from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
-    from ..runtime.stage_cost import with_resolved_partition
-    hf = load_hf_config(model_dir)
-    resolved = with_resolved_partition(config.replace(model=model_dir), hf)
-    infos = stage_infos(num_layers_of(hf, model_dir), config.parallel.pp_size, resolved.parallel.pp_layer_partition)
+    from ..planning.stage_cost import with_resolved_partition
+    facts = read_facts(model_dir)
+    resolved = with_resolved_partition(config.replace(model=model_dir), facts)
+    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 

@@ -16,8 +16,8 @@ from ..kernels.report import KernelInfo
 from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
 from ..parallel.transport import Link, PendingSend
 from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
+from ..planning.memory import MemoryPlan
 from ..request import SamplingParams, StructuredOutputs, TokenLogprob
-from ..runtime.memory import MemoryPlan
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # NOTE: how long the driver waits for every ReadyMsg, and a stage for its first ring message: the

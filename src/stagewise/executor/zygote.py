@@ -226,11 +226,11 @@ def zygote_main(conn, model_dir: str) -> None:
 
 def _warm_up(model_dir: str) -> None:
     """Import what a stage imports before it loads weights (the model class of this checkpoint too)."""
-    from ..checkpoint import load_hf_config
+    from ..checkpoint.facts import read_facts
     from ..model.registry import get_model_class
     from ..runtime import worker  # noqa: F401
     from . import stage_proc  # noqa: F401
-    hf = load_hf_config(model_dir)
+    hf = read_facts(model_dir).config
     for arch in getattr(hf, "architectures", None) or []:
         try:
             get_model_class(arch)

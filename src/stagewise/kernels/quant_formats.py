@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.gguf_meta import GGML_SIZES, KERNEL_TYPES, GGMLType
+from stagewise.checkpoint.gguf_meta import GGML_SIZES, KERNEL_TYPES, GGMLType
 
 T = GGMLType
 SUPPORTED = tuple(GGMLType[name] for name in KERNEL_TYPES)

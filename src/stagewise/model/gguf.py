@@ -5,7 +5,7 @@ undoing the converter's layout changes (Llama/Mistral Q/K rows permuted for llam
 layout, GPT-2 projections transposed). Tensors of a type with a quantized kernel stay in their own
 bytes (`model.quantized`; `gguf_scheme` says which); F32/F16/BF16 and other quant types are
 dequantized into the engine dtype. A stage reads only its own tensors, one at a time, with pread
-(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint`.
+(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint.gguf_meta`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from stagewise.gguf_meta import GGMLType, gguf_facts, hf_config_from_gguf
+from stagewise.checkpoint.facts import read_facts
+from stagewise.checkpoint.gguf_meta import GGMLType, gguf_facts
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
 from stagewise.model.moe import num_experts_of
@@ -123,7 +124,7 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
 def gguf_scheme(path: Path) -> Scheme:
     """Which checkpoint tensors (by HF name) a GGUF file holds in a type with a quantized kernel."""
     facts = gguf_facts(path)
-    arch, experts = facts.meta["general.architecture"], num_experts_of(hf_config_from_gguf(path))
+    arch, experts = facts.meta["general.architecture"], num_experts_of(read_facts(path).config)
     types = {hf: T.__members__[kind] for name, kind in facts.types.items()
              for hf in hf_tensor_names(name, arch, experts)}
     return lambda hf_name, shape: types[hf_name] if types.get(hf_name) in SUPPORTED else None

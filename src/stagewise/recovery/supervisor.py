@@ -63,7 +63,8 @@ class LiveRequests(Protocol):
     def restart(self, num_blocks: int) -> int: ...    # requeue all for recompute on a new, empty cache
 
 
-def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...]) -> Executor:
+def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...],
+                   keep_partition: bool = False) -> Executor:
     """The first pipeline (the supervisor heals it from then on). Across nodes: on the nodes ready
     (all --nnodes, or at least --min-nodes within --node-rejoin-timeout-s), over the partition and
     layout their reported memory and speed give (`plan_on`)."""
@@ -87,7 +88,7 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
         log.warning("the first pipeline runs on node(s) %s of %d; the others join when they start",
                     ", ".join(map(str, [0, *present])), c.cluster.nnodes)
     try:
-        c, layout = plan_on(c, model_dir, [0, *present])
+        c, layout = plan_on(c, model_dir, [0, *present], keep_partition=keep_partition)
     except ValueError as exc:
         raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
     return make_executor(c, model_dir, eos_token_ids, generation=generation, layout=layout)
@@ -97,8 +98,9 @@ class PipelineSupervisor:
     """Heals the executor it is given: teardown, rebuild, placement, spares, returning nodes."""
 
     def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...], executor: Executor,
-                 requests: LiveRequests):
+                 requests: LiveRequests, keep_partition: bool = False):
         self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
+        self.keep_partition = keep_partition     # the user gave the layer counts: rebuilds keep them
         self.executor, self.requests = executor, requests
         # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
         # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
@@ -212,7 +214,7 @@ class PipelineSupervisor:
                               c.recovery.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
         try:
-            c, layout = plan_on(c, self.model_dir, [0, *present])
+            c, layout = plan_on(c, self.model_dir, [0, *present], keep_partition=self.keep_partition)
         except ValueError as exc:
             self.recovery.recovering, self._no_room = None, True
             self.die(f"The pipeline cannot be rebuilt on the nodes left: {exc}")
@@ -265,7 +267,8 @@ class PipelineSupervisor:
         """Whether the pipeline would run otherwise with the nodes in `back` (else they are standbys)."""
         ex = self.executor
         try:
-            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False)
+            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False,
+                                keep_partition=self.keep_partition)
         except ValueError:
             return True        # (it cannot hold now: a rebuild says so in one sentence)
         if layout != ex.layout or c.parallel.pp_layer_partition != ex.partition:

@@ -10,7 +10,7 @@ unchanged. Tensor data is read by `model.gguf`; the tokenizer arrays by transfor
 Nothing here imports transformers into the process that runs the model (it costs ~190 MB resident
 with the torch._dynamo, sympy and accelerate modules it pulls in, twice the default model's weights):
 the config is a `GGUFConfig` record, and the tokenizer is converted from the metadata once, by
-transformers in a child process (`python -m stagewise.gguf_meta`), cached on disk and read back
+transformers in a child process (`python -m stagewise.checkpoint.gguf_meta`), cached on disk and read back
 with the `tokenizers` library (`saved_tokenizer.SavedTokenizer`).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from .config import cache_root
+from ..config import cache_root
 
 log = logging.getLogger("stagewise.checkpoint")
 
@@ -449,12 +449,12 @@ def _convert_tokenizer(path: Path, target: Path):
 
 
 def _run_converter(path: Path, out: Path) -> None:
-    """`python -m stagewise.gguf_meta PATH OUT` in a child process: transformers (and the seconds and
+    """`python -m stagewise.checkpoint.gguf_meta PATH OUT` in a child process: transformers (and the seconds and
     ~190 MB it costs) stays out of this one. Its one-sentence error becomes this process's."""
     log.info("converting the tokenizer in %s's metadata (once; cached in %s)", path.name, out.parent)
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-m", "stagewise.gguf_meta", str(path), str(out)], env=env,
+    done = subprocess.run([sys.executable, "-m", "stagewise.checkpoint.gguf_meta", str(path), str(out)], env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if done.returncode == 0:
         return
