@@ -129,7 +129,7 @@ def test_the_plan_counts_every_expert_as_held(qwen3_moe_dir, tiny_gguf):
     """Memory: the planner's per-layer bytes (`stagewise plan`, the cluster plan) hold all of a layer's
     experts, float or in the file's quantized type; a dense layer holds its MLP."""
     from stagewise.model.quantized import weight_bytes
-    from stagewise.runtime.plan_report import ModelBytes
+    from stagewise.planning.report import ModelBytes
     config = load_hf_config(qwen3_moe_dir)
     h, experts, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
     attention = (64 + 2 * 32 + 64) * h + 2 * 16 + 2 * h            # q, k, v, o, q/k norms, two layer norms
