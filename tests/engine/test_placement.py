@@ -28,15 +28,15 @@ def test_plan_over_nodes_re_partitions_by_memory_and_speed(llama_dir, caplog):
                           pp_layer_partition=(2, 2), pp_node_fit="speed")
     gib = 1 << 30
     # node 1 is gone; node 3 joined; node 2 is too small for any stage
-    reports = {0: NodeReport(2 * gib, 1.0), 2: NodeReport(300 << 20, 1.0), 3: NodeReport(2 * gib, 1.0)}
+    reports = {0: NodeReport(2 * gib, 1.0), 2: NodeReport(200 << 20, 1.0), 3: NodeReport(2 * gib, 1.0)}
     with caplog.at_level("INFO", logger="stagewise.partition"):
         plan = plan_over_nodes(config, facts, reports)
     assert plan.layout == (0, 3) and plan.left_out == (2,) and sum(plan.partition) == 4
-    assert "node 2 (300.0 MiB available, speed 1) is left out" in caplog.text
+    assert "node 2 (200.0 MiB available, speed 1) is left out" in caplog.text
     assert plan_over_nodes(config, facts, reports, keep_partition=True).partition == (2, 2)
     assert plan_over_nodes(config, facts, {0: NodeReport(4 * gib)}, num_stages=2).layout == (0, 0)
     with pytest.raises(ValueError, match="cannot hold the model: .* is missing"):
-        plan_over_nodes(config, facts, {0: NodeReport(500 << 20), 2: NodeReport(400 << 20)})
+        plan_over_nodes(config, facts, {0: NodeReport(300 << 20), 2: NodeReport(200 << 20)})
 
 
 def test_an_explicit_partition_is_kept_on_every_node(llama_dir):

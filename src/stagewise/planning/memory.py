@@ -36,7 +36,7 @@ MIN_KV_TOKENS = 4096               # a stage must hold KV for this many tokens (
 # mapped from files (RssFile, 76-81 MiB): the page cache holds one copy per node however many
 # processes map them, and the process that measures a node's memory has mapped them already, so
 # budgets never count them again (only a predicted peak does). Its own (anonymous) memory counts per process:
-# 149 MiB for a stage process (a spare too), 179 MiB for the driver with the tokenizer loaded; each
+# 149 MiB for a stage process (a warm process too), 179 MiB for the driver with the tokenizer loaded; each
 # rounded up for the thread pools and allocator arenas that start with the first step.
 SHARED_LIBRARY_BYTES = 96 << 20
 STAGE_RUNTIME_BYTES = 176 << 20
@@ -176,12 +176,11 @@ def in_process(config: EngineConfig) -> bool:
 
 def process_bytes(config: EngineConfig, shares_driver: bool) -> int:
     """What a stage adds to its node before any weight: nothing where it runs in the driver's process
-    (running when the node's memory was measured), else a stage process and, with --pipeline-spares,
-    its idle spare beside it."""
-    if shares_driver:
-        return 0
-    spare = config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0
-    return STAGE_RUNTIME_BYTES * (2 if spare else 1)
+    (running when the node's memory was measured), else a stage process. With --pipeline-spares the
+    stage is forked from the node's warm process and shares its imported modules, so the warm
+    process and its stage together hold about one process's worth (counted per stage: a node of
+    several stages is over-counted by the modules they share)."""
+    return 0 if shares_driver else STAGE_RUNTIME_BYTES
 
 
 def measured_node_bytes() -> int | None:
@@ -217,7 +216,7 @@ class MemoryPlan:
     kv_bytes: int
     num_blocks: int
     block_bytes: int
-    process_bytes: int = 0        # the stage's process before any weight (and its spare's)
+    process_bytes: int = 0        # the stage's process before any weight
 
     @property
     def fixed_bytes(self) -> int:
