@@ -88,7 +88,7 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
     from .. import envs
     from ..checkpoint import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
     from ..gguf_meta import held_quantized
-    from ..kernels.build import cpu_flags, mode
+    from ..kernels.build import mode
     config = load_hf_config(model)
     hidden = getattr(config, "hidden_size", None)
     if (getattr(config, "architectures", None) or [None])[0] not in ONE_CALL_ARCHITECTURES or mode() == "off":
@@ -99,9 +99,8 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
     qtype = held_quantized(path) if path is not None else None
     if path is not None and qtype:
         return hidden, f"{path.name} holds them as {qtype}"
-    # float weights: packed where the packed float kernels run (float32 with AVX2 FMA; bfloat16 needs a
-    # native-bf16 CPU, where `auto` picks it)
-    if envs.STAGEWISE_PACKED_WEIGHTS and {"avx2", "fma"} <= cpu_flags():
+    # float weights: packed wherever the kernels built (every build has the packed float kernels)
+    if envs.STAGEWISE_PACKED_WEIGHTS:
         return hidden, "float weights packed for the kernels"
     return hidden, None
 

@@ -4,9 +4,10 @@
    once for all the rows while it is in registers); portable (8-lane vectors), and bf16 pairs on
    AVX512-BF16 (small_linear_bf16dp).
    packed_linear_*: weights reordered once at load into panels of output columns (one stream per
-   panel, no horizontal sums, any N): float32 on AVX-512 (16 lanes) or AVX2 + FMA (8 lanes),
-   bfloat16 as pairs on AVX512-BF16, else widened into the float32 tiles. Absent where the
-   compiler targets none of those instructions (the portable build).
+   panel, no horizontal sums, any N): float32 on AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or
+   portable vectors (8 lanes, multiply then add), bfloat16 as pairs on AVX512-BF16, else widened
+   into the float32 tiles. Every build has them, so every build gives a row the same bits in any
+   batch and a weight's shards the whole weight's bits.
    Callers check shapes, dtypes and strides (kernels/gemm.py); these functions trust them. */
 #include <string.h>
 
@@ -108,6 +109,25 @@ typedef __m256 fvec;
 #define FSET1 _mm256_set1_ps
 #define FFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define FADD _mm256_add_ps
+#else
+/* portable: 8-lane vectors of the compiler's own; a multiply and an add (two roundings) where
+   the build has no FMA, in the tiles and their tails alike */
+#define FLANES 8
+typedef v8 fvec;
+#define FLOAD ld_f32
+#define FSTORE(p, v) (*(v8u*)(p) = (v))
+#define FZERO() ((v8){0})
+#define FSET1(s) ((v8){s, s, s, s, s, s, s, s})
+#define FFMA fma8
+#define FADD(a, b) ((a) + (b))
+#ifdef __FMA__
+#define SFMA(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define SFMA(a, b, c) ((a) * (b) + (c))       /* never contracted (-std=c11), as fma8 */
+#endif
+#endif
+#ifndef SFMA
+#define SFMA(a, b, c) __builtin_fmaf(a, b, c)   /* a vector lane's fused multiply-add, one output */
 #endif
 #ifdef FLANES
 #define FPANEL (2 * FLANES)
@@ -115,8 +135,10 @@ int packed_f32_panel(void) { return FPANEL; }
 /* bf16 widened exactly to float32: a vector of FLANES weights, one activation */
 #if FLANES == 16
 #define FLOAD_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
-#else
+#elif defined(__AVX2__)
 #define FLOAD_bf16(p) ((__m256)ld_bf16(p))
+#else
+#define FLOAD_bf16 ld_bf16
 #endif
 #define FLOAD_f32 FLOAD
 static inline float val_f32(float v) { return v; }
@@ -151,7 +173,7 @@ static void ftail_##WT(const WT##_t* x, int64_t ldx, const WT##_t* wp, int64_t K
         for (int64_t c = c0; c < pw; c++) {                                                     \
             float acc = 0.f;                                                                    \
             for (int64_t k = 0; k < K; k++)                                                     \
-                acc = __builtin_fmaf(val_##WT(x[m * ldx + k]), val_##WT(wp[k * pw + c]), acc);  \
+                acc = SFMA(val_##WT(x[m * ldx + k]), val_##WT(wp[k * pw + c]), acc);            \
             y[m * ldy + c] = b ? acc + b[c] : acc;                                              \
         }                                                                                       \
 }
