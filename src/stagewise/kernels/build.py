@@ -127,7 +127,7 @@ class BuildFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
-_libs: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], ctypes.CDLL | None] = {}
 # seconds each library this process built took (C and C++), so a command can report its first
 # run's builds apart from its own work
 built_seconds: list[float] = []
@@ -147,7 +147,7 @@ def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, .
     current = mode()
     if current == "off":
         return None
-    key = (name, tuple(sources), tuple(flags))
+    key = (name, tuple(sources), tuple(flags), isa())
     with _lock:
         if key not in _libs:
             try:
