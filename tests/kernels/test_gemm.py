@@ -97,15 +97,7 @@ def test_the_compiled_op_picks_by_rows_at_run_time():
 
 # --- prepacked weights ----------------------------------------------------------------------
 
-def _packs(dtype):
-    """Skip where the CPU lacks the packed kernel's instructions (not where the kernel failed to build)."""
-    flags = build.cpu_flags()
-    has = {"avx2", "fma"} <= flags or "avx512f" in flags
-    return pytest.mark.skipif(not has, reason=f"no packed {dtype} kernel on this CPU (it needs AVX2 FMA or AVX-512)")
-
-
-needs_packed = _packs(torch.bfloat16)
-DTYPES = [pytest.param(dtype, marks=_packs(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+DTYPES = [torch.bfloat16, torch.float32]          # every build has the packed kernels of both
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,7 +168,6 @@ def test_a_head_embedding_of_any_vocabulary_packs(dtype):
 
 
 @pytest.mark.slow
-@needs_packed
 def test_layers_pack_in_place_and_the_compiled_op_matches(monkeypatch):
     """`pack_linears` reorders a Linear's weight (and a head-serving Embedding's) in its own
     storage; outputs and token lookups stay what they were, eager and under torch.compile."""
