@@ -88,7 +88,7 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
     metadata is parsed at start-up anyway (its facts are cached per process)."""
     from .. import envs
     from ..checkpoint.facts import read_facts  # lazy: only `auto` on CPU asks
-    from ..kernels.build import cpu_flags, mode
+    from ..kernels.build import mode
     facts = read_facts(model)
     hidden = facts.hidden or None
     if facts.architecture not in ONE_CALL_ARCHITECTURES or mode() == "off":
@@ -97,9 +97,8 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
         return hidden, f"--quantization {quantization}"
     if facts.gguf is not None and facts.quantized_as:
         return hidden, f"{Path(facts.gguf).name} holds them as {facts.quantized_as}"
-    # float weights: packed where the packed float kernels run (float32 with AVX2 FMA; bfloat16 needs a
-    # native-bf16 CPU, where `auto` picks it)
-    if envs.STAGEWISE_PACKED_WEIGHTS and {"avx2", "fma"} <= cpu_flags():
+    # float weights: packed wherever the kernels built (every build has the packed float kernels)
+    if envs.STAGEWISE_PACKED_WEIGHTS:
         return hidden, "float weights packed for the kernels"
     return hidden, None
 
