@@ -73,3 +73,20 @@ def test_yarn_tables_equal_transformers(rope):
     params = rope_parameters(config)
     assert torch.equal(rope_inv_freq(64, params), want_inv)
     assert rope_attention_scaling(params) == pytest.approx(want_scale, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_engine_greedy_matches_hf(gpt_oss_dir, hf_greedy, pp_size):
+    """Through the engine: batched prompts in chunks of 32 rows, then one that hits the prefix cache
+    (the window layers' masks over cached blocks), decode rows of several sequences in one step."""
+    from stagewise import LLM, SamplingParams
+    shared = [(7 * i) % 800 + 5 for i in range(40)]
+    prompts = [shared + [11, 12, 13], list(range(10, 31)), [5], shared + [99]]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(model=str(gpt_oss_dir), pp_size=pp_size, chunked_prefill_size=32, enable_prefix_caching=True,
+             dtype="float32", prefill_graph="off") as llm:
+        first = llm.generate(prompt_token_ids=prompts[:3], sampling_params=greedy, use_tqdm=False)
+        second = llm.generate(prompt_token_ids=prompts[3:], sampling_params=greedy, use_tqdm=False)
+    assert second[0].num_cached_tokens == 32
+    assert [o.outputs[0].token_ids for o in first + second] == hf_greedy(gpt_oss_dir, prompts, 10)
