@@ -4,6 +4,8 @@ and PP=2, a batch mixing fresh prompts, a continued prefill and decode rows; YaR
 transformers' for other settings too."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -90,3 +92,105 @@ def test_engine_greedy_matches_hf(gpt_oss_dir, hf_greedy, pp_size):
         second = llm.generate(prompt_token_ids=prompts[3:], sampling_params=greedy, use_tqdm=False)
     assert second[0].num_cached_tokens == 32
     assert [o.outputs[0].token_ids for o in first + second] == hf_greedy(gpt_oss_dir, prompts, 10)
+
+
+def _gguf_tensors(hf_dir, mxfp4: bool) -> tuple[dict, dict]:
+    """The checkpoint as llama.cpp's gpt-oss converter writes it (gate/up de-interleaved, experts
+    stacked `[E, rows, K]`, in MXFP4 when `mxfp4`), and the expert matrices the file holds, back in
+    transformers' layout (for the reference checkpoint)."""
+    import gguf
+    from safetensors.torch import load_file
+    mx = gguf.GGMLQuantizationType.MXFP4
+    block = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+             "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+             **{f"self_attn.{p}_proj.{s}": f"attn_{'output' if p == 'o' else p}.{s}" for p in "qkvo"
+                for s in ("weight", "bias")}}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+
+    def stored(name: str, w: torch.Tensor) -> torch.Tensor:
+        """Write `w` `[E, rows, K]` as `name`; returns the values the file holds."""
+        if not mxfp4:
+            out[name] = w.contiguous().numpy()
+            return w
+        out[name] = (raw := gguf.quants.quantize(w.contiguous().numpy(), mx), mx)
+        return torch.from_numpy(gguf.quants.dequantize(raw, mx))
+
+    out: dict = {}
+    held: dict = {}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        if name in top:
+            out[top[name]] = t.numpy()
+        elif rest in block:
+            out[f"blk.{layer}.{block[rest]}"] = t.numpy()
+        elif rest == "mlp.experts.gate_up_proj":       # [E, H, 2I], gate/up interleaved -> [E, I, H] each
+            gate = stored(f"blk.{layer}.ffn_gate_exps.weight", t[:, :, ::2].transpose(1, 2))
+            up = stored(f"blk.{layer}.ffn_up_exps.weight", t[:, :, 1::2].transpose(1, 2))
+            held[name] = torch.stack([gate.transpose(1, 2), up.transpose(1, 2)], -1).flatten(-2)   # interleaved
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            out[f"blk.{layer}.ffn_gate_exps.bias"], out[f"blk.{layer}.ffn_up_exps.bias"] = (t[:, ::2].numpy(),
+                                                                                          t[:, 1::2].numpy())
+        elif rest == "mlp.experts.down_proj":           # [E, I, H] -> [E, H, I]
+            held[name] = stored(f"blk.{layer}.ffn_down_exps.weight", t.transpose(1, 2)).transpose(1, 2)
+        else:
+            raise AssertionError(f"no GGUF name for {name}")
+    return out, held
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipeline, hf_logits, hf_greedy,
+                                            tmp_path, mxfp4):
+    """A `gpt-oss` GGUF file (experts F32 or MXFP4, held in their bytes and dequantized per routed
+    expert) against transformers on the values the file holds, at PP=1 and PP=2."""
+    from safetensors.torch import load_file, save_file
+
+    from stagewise.model.gpt_oss import ExpertStack
+    tensors, held = _gguf_tensors(gpt_oss_dir, mxfp4)
+    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=tensors)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for f in gpt_oss_dir.iterdir():
+        if f.name != "model.safetensors":
+            (reference / f.name).write_bytes(f.read_bytes())
+    # a GGUF file stores no SwiGLU clamp: llama.cpp's graph fixes it at 7.0 (the test config's is 1.5)
+    saved = json.loads((reference / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**saved, "swiglu_limit": 7.0}))
+    weights = load_file(str(gpt_oss_dir / "model.safetensors"))
+    save_file({**weights, **{k: v.contiguous() for k, v in held.items()}}, str(reference / "model.safetensors"))
+    pipe = eager_pipeline(path)
+    stacks = [m for m in pipe.stages[0].modules() if isinstance(m, ExpertStack)]
+    assert len(stacks) == 9 and all((s.weight.dtype == torch.uint8) == mxfp4 for s in stacks)
+    for ids in PROMPTS:
+        torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    assert eager_pipeline(path, pp_size=2).greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]
+
+
+def test_mxfp4_values_equal_gguf_dequantizer():
+    """Every byte pattern: scales across the whole E8M0 range (subnormal ones too), all 16 codes."""
+    import gguf
+    import numpy as np
+
+    from stagewise.kernels.quant_formats import mxfp4_values
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(64, 17 * 4), dtype=np.uint8)
+    raw[:, ::17] = np.arange(64 * 4, dtype=np.uint8).reshape(64, 4) % 255     # every scale but NaN's 255
+    with np.errstate(over="ignore"):       # the largest scales times 6 overflow to inf, in both
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(mxfp4_values(torch.from_numpy(raw), 128).numpy(), want)
+
+
+def test_the_plan_counts_mxfp4_experts_in_their_bytes(gpt_oss_dir, gguf_tools, tmp_path):
+    from stagewise.model.loader import load_model
+    from stagewise.model.quantized import weight_bytes
+    from stagewise.parallel.partition import StageInfo
+    from stagewise.runtime.plan_report import ModelBytes
+    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "mx.gguf", tensors=_gguf_tensors(gpt_oss_dir, True)[0])
+    layers = ModelBytes.measure(str(path), torch.float32, None, True).layers
+    model = load_model(path, StageInfo.single(3), torch.float32)
+    assert layers == tuple(weight_bytes(model.layers[i]) for i in range(3))
+    experts_mx = 8 * 3 * 64 * 32 // 32 * 17            # gate, up [32, 64] and down [64, 32] per expert, 17 B / 32
+    float_layer = ModelBytes.measure(str(gpt_oss_dir), torch.float32, None, True).layers[0]
+    assert float_layer - layers[0] == 8 * 3 * 64 * 32 * 4 - experts_mx

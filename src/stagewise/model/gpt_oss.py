@@ -2,14 +2,18 @@
 sinks, sliding-window layers alternating with full ones (`layer_types`; the cache holds every
 position, the window is a mask), YaRN rope (`model.layers`), and a routed MLP whose router has a
 bias (top-k of the logits, softmax over the k) and whose experts have biases and a clamped SwiGLU.
-Experts are held as transformers stores them: `gate_up_proj` `[E, H, 2I]` with gate and up
-columns interleaved, `down_proj` `[E, I, H]`; a step reads only the routed experts' slices.
+Experts are held as their checkpoint stores them: from a directory as transformers does
+(`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`), from a
+GGUF file as llama.cpp stacks them (`ffn_{gate,up,down}_exps` `[E, rows, K]`, MXFP4 kept in its
+bytes and dequantized one expert at a time when routed); a step reads only the routed experts.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from stagewise.gguf_meta import GGMLType
+from stagewise.kernels.quant_formats import mxfp4_values
 from stagewise.model.attention import ForwardBatch
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
 from stagewise.model.moe import RouterLinear, num_experts_of
@@ -46,14 +50,67 @@ class GptOssExperts(nn.Module):
         """Expert `e` on rows x `[n, H]`: the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`,
         gate clamped above at `limit`, up to [-limit, limit]."""
         gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]       # [n, 2I], gate/up interleaved
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+        act = _swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
+        return act @ self.down_proj[e] + self.down_proj_bias[e]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit]."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ExpertStack(nn.Module):
+    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` (float, or MXFP4
+    bytes `[E, R, K / 32 * 17]` that the loader fills as stored) and `bias` `[E, R]`."""
+
+    def __init__(self, num_experts: int, rows: int, k: int, stored: str | None, dtype: torch.dtype):
+        super().__init__()
+        self.shape, self.mxfp4 = (num_experts, rows, k), stored == "MXFP4"
+        if self.mxfp4 and k % 32:
+            raise ValueError(f"MXFP4 expert rows hold blocks of 32 values, but these rows have {k}; the GGUF "
+                             f"file is inconsistent.")
+        self.raw_types = (GGMLType.MXFP4,) if self.mxfp4 else ()
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, k // 32 * 17, dtype=torch.uint8), False) \
+            if self.mxfp4 else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype))
+
+    def held_weights(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": self.shape} if self.mxfp4 else {}
+
+    def load_rows(self, name: str, start: int, value) -> None:
+        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), kept in its bytes."""
+        if getattr(value, "qtype", None) != GGMLType.MXFP4 or tuple(value.shape) != self.shape:
+            raise ValueError(f"Tensor {name} must be MXFP4 of shape {self.shape} like the file's other expert "
+                             f"tensors, not {getattr(value, 'qtype', 'float')} {tuple(value.shape)}.")
+        with torch.no_grad():
+            self.weight.copy_(value.data.view(self.weight.shape))
+
+    def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x `[n, K]` through expert e's rows (dequantized here when held as MXFP4) -> `[n, R]`."""
+        w = mxfp4_values(self.weight[e], self.shape[2]).to(x.dtype) if self.mxfp4 else self.weight[e]
+        return torch.nn.functional.linear(x, w, self.bias[e])
+
+
+class GgufExperts(nn.Module):
+    """A layer's experts in llama.cpp's layout: gate, up and down stacked separately."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, stored: dict,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.gate_exps = ExpertStack(num_experts, inter, hidden, stored.get("ffn_gate_exps"), dtype)
+        self.up_exps = ExpertStack(num_experts, inter, hidden, stored.get("ffn_up_exps"), dtype)
+        self.down_exps = ExpertStack(num_experts, hidden, inter, stored.get("ffn_down_exps"), dtype)
+        self.alpha, self.limit = alpha, limit
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        act = _swiglu(self.gate_exps.linear(x, e), self.up_exps.linear(x, e), self.alpha, self.limit)
+        return self.down_exps.linear(act, e)
 
 
 @torch.compiler.disable   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
-def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: GptOssExperts,
-                 num_experts: int) -> torch.Tensor:
+def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 experts: GptOssExperts | GgufExperts, num_experts: int) -> torch.Tensor:
     """Each token's chosen experts weighted and summed: rows grouped by expert (ascending, as
     transformers adds them), one call per active expert over all its rows."""
     k = ids.shape[1]
@@ -83,9 +140,11 @@ class GptOssMoE(nn.Module):
                              f"not {self.top_k}; the config's num_experts_per_tok is wrong.")
         hidden = hf_config.hidden_size
         self.router = RouterLinear(hidden, self.num_experts, bias=True, dtype=dtype)
-        self.experts = GptOssExperts(hidden, hf_config.intermediate_size, self.num_experts,
-                                     float(getattr(hf_config, "swiglu_alpha", 1.702)),
-                                     float(getattr(hf_config, "swiglu_limit", 7.0)), dtype)
+        alpha, limit = float(getattr(hf_config, "swiglu_alpha", 1.702)), float(getattr(hf_config, "swiglu_limit", 7.0))
+        stored = getattr(hf_config, "gguf_expert_types", None)      # set for a GGUF file (gguf_meta)
+        self.experts: GptOssExperts | GgufExperts = (
+            GptOssExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, dtype) if stored is None
+            else GgufExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, stored, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)         # [T, k] each
