@@ -194,3 +194,11 @@ def test_the_plan_counts_mxfp4_experts_in_their_bytes(gpt_oss_dir, gguf_tools, t
     experts_mx = 8 * 3 * 64 * 32 // 32 * 17            # gate, up [32, 64] and down [64, 32] per expert, 17 B / 32
     float_layer = ModelBytes.measure(str(gpt_oss_dir), torch.float32, None, True).layers[0]
     assert float_layer - layers[0] == 8 * 3 * 64 * 32 * 4 - experts_mx
+
+
+def test_long_prompt_cut_by_the_mask_budget_matches_hf(gpt_oss_dir, eager_pipeline, hf_logits, monkeypatch):
+    """Full-attention rows cut into runs of a few rows (a small budget) give the same logits."""
+    from stagewise.model import sink_attention
+    monkeypatch.setattr(sink_attention, "MASK_BUDGET", 4 * 50 * 3)      # 4 heads: 3 rows of 49 keys per call
+    pipe = eager_pipeline(gpt_oss_dir)
+    torch.testing.assert_close(pipe.prefill_logits(PROMPTS[2]), hf_logits(gpt_oss_dir, PROMPTS[2]), atol=1e-4, rtol=0)

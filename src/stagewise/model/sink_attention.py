@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from stagewise.model.attention import AttentionMetadata, ForwardBatch, write_kv
 
-QUERY_CHUNK = 256      # query rows of one sequence per SDPA call: bounds the [H, rows, keys] mask
+QUERY_CHUNK = 256      # query rows of one sequence per SDPA call at most
+MASK_BUDGET = 1 << 24  # mask elements (heads x rows x keys) per call a long prompt's chunk is cut to
 
 
 @dataclass
@@ -29,12 +30,15 @@ class _Call:
     row_ids: torch.Tensor      # [n_rows] which of the T live rows these are
 
 
-def _pieces(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
-    """(sequence, first row, rows, first query position) of every run of at most QUERY_CHUNK rows."""
+def _pieces(meta: AttentionMetadata, window: int | None, heads: int) -> list[tuple[int, int, int, int]]:
+    """(sequence, first row, rows, first query position) of every run of at most QUERY_CHUNK rows,
+    fewer where its mask would pass MASK_BUDGET (a long prompt's full-attention layers)."""
     out, row = [], 0
     for seq, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
-        for first in range(0, q_len, QUERY_CHUNK):
-            n = min(QUERY_CHUNK, q_len - first)
+        keys = min(s_len, window + QUERY_CHUNK) if window else s_len
+        chunk = max(1, min(QUERY_CHUNK, MASK_BUDGET // (heads * (keys + 1))))
+        for first in range(0, q_len, chunk):
+            n = min(chunk, q_len - first)
             out.append((seq, row + first, n, s_len - q_len + first))
         row += q_len
     return out
@@ -71,16 +75,16 @@ def _call(meta: AttentionMetadata, pieces: list[tuple[int, int, int, int]], wind
                  q_index.flatten()[out_index].to(**to))
 
 
-def _plan(meta: AttentionMetadata, window: int | None, device) -> list[_Call]:
+def _plan(meta: AttentionMetadata, window: int | None, heads: int, device) -> list[_Call]:
     """The step's calls for `window`, cached on the metadata (every layer of that kind shares them):
     one-row pieces (decode rows) together, each longer piece alone."""
     cache = meta.__dict__.setdefault("_sink_plans", {})
-    if window not in cache:
-        pieces = _pieces(meta)
+    if (window, heads) not in cache:
+        pieces = _pieces(meta, window, heads)
         single = [p for p in pieces if p[2] == 1]
         groups = ([single] if single else []) + [[p] for p in pieces if p[2] > 1]
-        cache[window] = [_call(meta, g, window, device) for g in groups]
-    return cache[window]
+        cache[window, heads] = [_call(meta, g, window, device) for g in groups]
+    return cache[window, heads]
 
 
 @torch.compiler.disable      # data-dependent indexing on the live metadata: a compiled body breaks here
@@ -107,7 +111,7 @@ def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch
     keys, values = cache[0].view(nb * bs, hkv, d), cache[1].view(nb * bs, hkv, d)
     q_pad = torch.cat([q[:T], q.new_zeros(1, hq, d)])                       # [T + 1, Hq, D]
     sink_col = sinks.to(q.dtype).view(1, hq, 1, 1)
-    for call in _plan(meta, window, q.device):
+    for call in _plan(meta, window, hq, q.device):
         n, qmax = call.q_index.shape
         zero = q.new_zeros(n, 1, hkv, d)                                     # the sink's key and value
         kg = torch.cat([keys[call.slots], zero], 1).transpose(1, 2)          # [N, Hkv, L + 1, D]
