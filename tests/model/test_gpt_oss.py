@@ -202,3 +202,41 @@ def test_long_prompt_cut_by_the_mask_budget_matches_hf(gpt_oss_dir, eager_pipeli
     monkeypatch.setattr(sink_attention, "MASK_BUDGET", 4 * 50 * 3)      # 4 heads: 3 rows of 49 keys per call
     pipe = eager_pipeline(gpt_oss_dir)
     torch.testing.assert_close(pipe.prefill_logits(PROMPTS[2]), hf_logits(gpt_oss_dir, PROMPTS[2]), atol=1e-4, rtol=0)
+
+
+def test_mxfp4_checkpoint_directory_matches_hf_on_its_values(gpt_oss_dir, eager_pipeline, hf_logits, hf_greedy,
+                                                             tmp_path):
+    """The released checkpoints' layout (`*_blocks` / `*_scales` and `quantization_config` mxfp4): the
+    experts stay in their bytes; transformers' own dequantizer gives the reference's float experts."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from stagewise.model.gpt_oss import GptOssExperts, hf_mxfp4_values
+    gen = torch.Generator().manual_seed(1)
+    weights = load_file(str(gpt_oss_dir / "model.safetensors"))
+    packed, floats = dict(weights), dict(weights)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, rows = weights[name].shape                   # transformers' [E, in, out]
+        blocks = torch.randint(0, 256, (e, rows, k // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 126, (e, rows, k // 32), generator=gen, dtype=torch.uint8)
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        floats[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(hf_mxfp4_values(blocks[0], scales[0]), floats[name][0].T)
+    mx_dir, reference = tmp_path / "mxfp4", tmp_path / "reference"
+    for out, tensors in ((mx_dir, packed), (reference, floats)):
+        out.mkdir()
+        for f in gpt_oss_dir.iterdir():
+            if f.name != "model.safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+        save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((mx_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx_dir / "config.json").write_text(json.dumps(config))
+    pipe = eager_pipeline(mx_dir, pp_size=2)
+    experts = [m for stage in pipe.stages for m in stage.modules() if isinstance(m, GptOssExperts)]
+    assert len(experts) == 3 and all(m.mxfp4 and m.gate_up_proj_blocks.dtype == torch.uint8 for m in experts)
+    for ids in PROMPTS:
+        torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]

@@ -35,23 +35,54 @@ class GptOssAttention(LlamaAttention):
         return sink_attention(batch, self.layer_id, q, k, v, self.scale, self.sinks, self.window, kv_written=written)
 
 
-class GptOssExperts(nn.Module):
-    """A layer's experts in transformers' layout (parameter names and shapes as the checkpoint's)."""
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, dtype: torch.dtype):
+
+def hf_mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A transformers MXFP4 matrix (`*_blocks` `[R, K / 32, 16]`: low nibble the even value, high the
+    odd one; `*_scales` `[R, K / 32]`: E8M0, 2^(s - 127)) -> float32 `[R, K]`, as transformers'
+    `convert_moe_packed_tensors` computes it (before its transpose)."""
+    table = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()      # [R, G, 32]
+    values = torch.ldexp(table[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
+class GptOssExperts(nn.Module):
+    """A layer's experts in transformers' layout (parameter names and shapes as the checkpoint's):
+    float, or MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, dequantized one
+    routed expert at a time)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, dtype: torch.dtype,
+                 mxfp4: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter, dtype=dtype))
+        self.mxfp4, self.alpha, self.limit = mxfp4, alpha, limit
+        if mxfp4:
+            if hidden % 32 or inter % 32:
+                raise ValueError(f"MXFP4 experts hold blocks of 32 values, but hidden_size {hidden} or "
+                                 f"intermediate_size {inter} is not a multiple of 32; config.json is wrong.")
+            u8 = lambda *shape: nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+            self.gate_up_proj_blocks = u8(num_experts, 2 * inter, hidden // 32, 16)
+            self.gate_up_proj_scales = u8(num_experts, 2 * inter, hidden // 32)
+            self.down_proj_blocks = u8(num_experts, hidden, inter // 32, 16)
+            self.down_proj_scales = u8(num_experts, hidden, inter // 32)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter, dtype=dtype))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, dtype=dtype))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
-        self.alpha, self.limit = alpha, limit
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert `e` on rows x `[n, H]`: the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`,
         gate clamped above at `limit`, up to [-limit, limit]."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]       # [n, 2I], gate/up interleaved
+        if self.mxfp4:       # [out, in] rows: one expert dequantized
+            gate_up_w = hf_mxfp4_values(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e]).to(x.dtype).T
+            down_w = hf_mxfp4_values(self.down_proj_blocks[e], self.down_proj_scales[e]).to(x.dtype).T
+        else:
+            gate_up_w, down_w = self.gate_up_proj[e], self.down_proj[e]
+        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]                 # [n, 2I], gate/up interleaved
         act = _swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
-        return act @ self.down_proj[e] + self.down_proj_bias[e]
+        return act @ down_w + self.down_proj_bias[e]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -142,9 +173,16 @@ class GptOssMoE(nn.Module):
         self.router = RouterLinear(hidden, self.num_experts, bias=True, dtype=dtype)
         alpha, limit = float(getattr(hf_config, "swiglu_alpha", 1.702)), float(getattr(hf_config, "swiglu_limit", 7.0))
         stored = getattr(hf_config, "gguf_expert_types", None)      # set for a GGUF file (gguf_meta)
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        mxfp4 = quant.get("quant_method") == "mxfp4"        # the released checkpoints' experts
+        if quant and not mxfp4:
+            raise ValueError(f"gpt-oss checkpoints quantized with {quant.get('quant_method')!r} are not supported; "
+                             f"use the MXFP4 or a float checkpoint.")
         self.experts: GptOssExperts | GgufExperts = (
-            GptOssExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, dtype) if stored is None
-            else GgufExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, stored, dtype))
+            GptOssExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, dtype, mxfp4)
+            if stored is None else
+            GgufExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, stored, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)         # [T, k] each
