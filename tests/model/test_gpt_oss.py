@@ -78,16 +78,17 @@ def test_yarn_tables_equal_transformers(rope):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp_size", [1, 2])
-def test_engine_greedy_matches_hf(gpt_oss_dir, hf_greedy, pp_size):
+@pytest.mark.parametrize("pp_size,decode_graph", [(1, False), (2, False), (1, True)])
+def test_engine_greedy_matches_hf(gpt_oss_dir, hf_greedy, pp_size, decode_graph):
     """Through the engine: batched prompts in chunks of 32 rows, then one that hits the prefix cache
-    (the window layers' masks over cached blocks), decode rows of several sequences in one step."""
+    (the window layers' masks over cached blocks), decode rows of several sequences in one step;
+    with decode graphs too (attention a graph break on the live metadata)."""
     from stagewise import LLM, SamplingParams
     shared = [(7 * i) % 800 + 5 for i in range(40)]
     prompts = [shared + [11, 12, 13], list(range(10, 31)), [5], shared + [99]]
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     with LLM(model=str(gpt_oss_dir), pp_size=pp_size, chunked_prefill_size=32, enable_prefix_caching=True,
-             dtype="float32", prefill_graph="off") as llm:
+             dtype="float32", prefill_graph="off", decode_graph=decode_graph) as llm:
         first = llm.generate(prompt_token_ids=prompts[:3], sampling_params=greedy, use_tqdm=False)
         second = llm.generate(prompt_token_ids=prompts[3:], sampling_params=greedy, use_tqdm=False)
     assert second[0].num_cached_tokens == 32

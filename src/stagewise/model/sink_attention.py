@@ -95,7 +95,7 @@ def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch
     -> `[rows, Hq, D]`. `kv_written`: the live rows' k and v are in the cache already."""
     if hasattr(batch, "static"):
         raise ValueError("Attention with sinks (gpt-oss) reads the step's live metadata, which full graphs "
-                         "freeze; run this model with --decode-graph off.")
+                         "freeze; run this model with graphs whose attention stays live (breakable) or off.")
     meta, cache = batch.meta, batch.kv_caches[layer_id]
     if cache is None or meta is None:
         raise RuntimeError(f"Layer {layer_id} has no KV cache or no step metadata on this stage.")
