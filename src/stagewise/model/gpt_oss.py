@@ -3,9 +3,10 @@ sinks, sliding-window layers alternating with full ones (`layer_types`; the cach
 position, the window is a mask), YaRN rope (`model.layers`), and a routed MLP whose router has a
 bias (top-k of the logits, softmax over the k) and whose experts have biases and a clamped SwiGLU.
 Experts are held as their checkpoint stores them: from a directory as transformers does
-(`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`), from a
-GGUF file as llama.cpp stacks them (`ffn_{gate,up,down}_exps` `[E, rows, K]`, MXFP4 kept in its
-bytes and dequantized one expert at a time when routed); a step reads only the routed experts.
+(`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`, or the
+released MXFP4 `*_blocks` / `*_scales`), from a GGUF file as llama.cpp stacks them
+(`ffn_{gate,up,down}_exps` `[E, rows, K]`); MXFP4 stays in its bytes and is dequantized one
+routed expert at a time, so a step reads only the routed experts.
 """
 from __future__ import annotations
 
