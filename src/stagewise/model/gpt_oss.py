@@ -42,11 +42,14 @@ _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 def hf_mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A transformers MXFP4 matrix (`*_blocks` `[R, K / 32, 16]`: low nibble the even value, high the
     odd one; `*_scales` `[R, K / 32]`: E8M0, 2^(s - 127)) -> float32 `[R, K]`, as transformers'
-    `convert_moe_packed_tensors` computes it (before its transpose)."""
-    table = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()      # [R, G, 32]
-    values = torch.ldexp(table[codes], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2)
+    `convert_moe_packed_tensors` computes it (before its transpose): one lookup per byte (its two
+    values), then the block's power of two (a product by 2^k is exact, as ldexp)."""
+    fp4 = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
+    every = torch.arange(256, device=blocks.device)
+    pairs = torch.stack([fp4[every & 0x0F], fp4[every >> 4]], -1)                 # [256, 2]
+    values = torch.nn.functional.embedding(blocks.long(), pairs).flatten(-2)      # [R, G, 32]
+    scale = torch.ldexp(torch.ones(scales.shape, device=blocks.device), scales.to(torch.int32) - 127)
+    return (values * scale[..., None]).flatten(-2)
 
 
 class GptOssExperts(nn.Module):
