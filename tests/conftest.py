@@ -65,6 +65,11 @@ def _family_config(family: str, vocab: int):
                                  shared_expert_intermediate_size=64, **moe)
     if family == "olmoe":  # q/k norms over the whole projections, q/k/v clamped
         return tf.OlmoeConfig(num_hidden_layers=2, num_experts=8, clip_qkv=2.0, **{**moe, "intermediate_size": 32})
+    if family == "gpt_oss":  # sliding (window 8) / full / sliding layers, YaRN that moves every band, tight clamps
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
+        return tf.GptOssConfig(num_hidden_layers=3, head_dim=16, num_local_experts=8, sliding_window=8,
+                               swiglu_limit=1.5, rope_parameters=yarn, **{**moe, "intermediate_size": 32})
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -131,6 +136,7 @@ qwen3_moe_768_dir = _family_fixture("qwen3_moe_768")
 mixtral_dir = _family_fixture("mixtral")
 qwen2_moe_dir = _family_fixture("qwen2_moe")
 olmoe_dir = _family_fixture("olmoe")
+gpt_oss_dir = _family_fixture("gpt_oss")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import re
 import time
 from collections import Counter
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -41,7 +41,12 @@ _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "a
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
              "output": "lm_head"}
-_NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+# gpt-oss: the router and the stacked experts keep the file's layout (model/gpt_oss.py reads them so)
+_GPT_OSS_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                  "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_exps",
+                  "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_exps"}
+_NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+          "gpt-oss": (_LLAMA_TOP, _GPT_OSS_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -57,7 +62,10 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match:
         part = block.get(match[2])
-        return None if part is None else f"{layers}.{match[1]}.{part}.{match[3]}"
+        if part is None:
+            return None
+        # a parameter, not a module (transformers' gpt-oss `sinks`): no suffix
+        return f"{layers}.{match[1]}.{part}" + ("" if part.endswith(".sinks") else f".{match[3]}")
     base, _, suffix = gguf_name.rpartition(".")
     return f"{top[base]}.{suffix}" if base in top else None
 
@@ -182,7 +190,10 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
         for tensor, names in mine:
             qtype, held = T(tensor.tensor_type), model.held_module(table[model.canonical_name(names[0])])
             shape = _shape(tensor)
-            if qtype in SUPPORTED and held is not None:
+            if held is not None and qtype in getattr(held, "raw_types", ()):   # held in the file's own bytes
+                value = RawBlocks(read_raw(tensor, file), qtype, shape)
+                kept[qtype.name] += 1
+            elif qtype in SUPPORTED and held is not None:
                 value = QuantizedWeight.from_gguf(read_raw(tensor, file), qtype, (math.prod(shape[:-1]), shape[-1]))
                 kept[qtype.name] += 1
             else:
@@ -198,6 +209,13 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     with open(path, "rb", buffering=0) as file:
         model.load_weights(tensors(file))
     _log_load(model, kept, converted, dtype, time.perf_counter() - started)
+
+
+class RawBlocks(NamedTuple):
+    """A tensor's bytes as the file stores them, for a layer that holds that type itself (`raw_types`)."""
+    data: torch.Tensor          # uint8, the whole tensor
+    qtype: T
+    shape: tuple[int, ...]      # torch order
 
 
 def _checked(value, gguf_name: str, path: Path, expected: tuple[int, ...], held) -> torch.Tensor | QuantizedWeight:

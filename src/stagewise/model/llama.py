@@ -94,21 +94,27 @@ class LlamaAttention(nn.Module):
                 q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
+        return self.o_proj(self.attend(batch, q, k, v, written).reshape(T, -1))
+
+    def attend(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               written: bool) -> torch.Tensor:
+        """Roped q `[T, Hq, D]`, k and v `[T, Hkv, D]` -> `[T, Hq, D]`; `written`: k and v are in the
+        cache already (a family with another attention overrides this)."""
         if written:     # graph batches' attention takes no kv_written (they never get here)
-            out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
-        else:
-            out = batch.attention(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(T, -1))
+            return batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)
+        return batch.attention(self.layer_id, q, k, v, self.scale)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
-        """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block)."""
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
+        """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block);
+        `attention`: the attention class (a family's subclass)."""
         super().__init__()
         self.layer_id = layer_id
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.self_attn = attention(hf_config, layer_id, dtype, **attn_kwargs)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = mlp if mlp is not None else GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                                                         hf_config.hidden_act, getattr(hf_config, "mlp_bias", False),
@@ -131,6 +137,7 @@ class LlamaForCausalLM(StageModel):
 
     proxy_keys = FULL_CONTRACT
     qk_norm: bool | str = False
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:
@@ -150,8 +157,8 @@ class LlamaForCausalLM(StageModel):
         self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
-            hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), qkv_bias=qkv_bias, o_bias=o_bias,
-            qk_norm=self.qk_norm))
+            hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), self.attention_class, qkv_bias=qkv_bias,
+            o_bias=o_bias, qk_norm=self.qk_norm))
         self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy

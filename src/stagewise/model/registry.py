@@ -5,6 +5,7 @@ Built-in families are registered at import; `register_model` adds or replaces on
 from __future__ import annotations
 
 from stagewise.model.gpt2 import GPT2LMHeadModel
+from stagewise.model.gpt_oss import GptOssForCausalLM
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from stagewise.model.llama_moe import (
     MixtralForCausalLM,
@@ -61,6 +62,6 @@ def supported_architectures() -> list[str]:
 
 
 for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
-             Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, GPT2LMHeadModel,
+             Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, GptOssForCausalLM, GPT2LMHeadModel,
              LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)
