@@ -2,6 +2,7 @@
 one-sentence errors (no model loads for the checks; the numbers use the demo model)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,9 @@ def test_first_run_builds_kernels_before_the_prompt(tmp_path):
 def test_bench_says_how_its_steps_ran(capsys):
     from stagewise.cli import _steps_text, main
     assert main(["--log-level", "WARNING", "bench", "--model", "demo", "--num-requests", "2", "--output-len", "4"]) == 0
-    assert capsys.readouterr().out.strip().endswith("(eager: every step, --prefill-graph auto)")
+    out = capsys.readouterr().out.strip()
+    assert "tok/s (eager: every step, --prefill-graph auto); time to first token" in out
+    assert re.search(r"; \d+ engine steps$", out), out
     assert _steps_text(10, 0, 0.0, "auto") == "compiled graphs"
     assert _steps_text(7, 3, 42.0, "auto") == ("compiled graphs, 3 of 10 steps eager; waited 42.0 s for the "
                                                "background compile first")
