@@ -58,6 +58,7 @@ class ImageIntake:
 
 def image_intake(model_dir: str, tok: Any, limits: ImageLimits | None) -> ImageIntake | None:
     """The intake of a vision-language checkpoint; None for a text-only model."""
-    if getattr(getattr(tok, "hf_config", None), "multimodal_config", None) is None:   # or a stand-in tokenizer
+    facts = getattr(tok, "facts", None)          # None: a stand-in tokenizer
+    if getattr(getattr(facts, "config", None), "multimodal_config", None) is None:
         return None
     return ImageIntake(model_dir, tok, limits or ImageLimits())
