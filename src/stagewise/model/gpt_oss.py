@@ -16,6 +16,7 @@ from torch import nn
 from stagewise.checkpoint.gguf_meta import GGMLType
 from stagewise.kernels.quant_formats import mxfp4_values
 from stagewise.model.attention import ForwardBatch
+from stagewise.model.layers import eager_only
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
 from stagewise.model.moe import RouterLinear, num_experts_of
 from stagewise.model.sink_attention import sink_attention
@@ -143,7 +144,7 @@ class GgufExperts(nn.Module):
         return self.down_exps.linear(act, e)
 
 
-@torch.compiler.disable   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
+@eager_only   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
 def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  experts: GptOssExperts | GgufExperts, num_experts: int) -> torch.Tensor:
     """Each token's chosen experts weighted and summed: rows grouped by expert (ascending, as

@@ -5,7 +5,9 @@ stage's parameters so a stage loads only its own weights. Everything is token-ma
 """
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from typing import Any, Callable, Iterable, NamedTuple, cast
 
 import torch
@@ -39,6 +41,23 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"Activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}.")
     return _ACTIVATIONS[name]
+
+
+def eager_only(fn: Callable) -> Callable:
+    """`torch.compiler.disable(fn)` for code a compiled stage body must run eagerly (data-dependent
+    grouping or indexing: a graph break there), applied only once something compiles: decorating
+    with `torch.compiler.disable` at import would import torch._dynamo (~115 MB resident with sympy
+    and triton) into every process that merely loads the model."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+    return call
 
 
 class RMSNorm(nn.Module):

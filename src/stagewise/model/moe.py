@@ -17,7 +17,7 @@ from stagewise.kernels.quant import QuantizedWeight
 from stagewise.kernels.quant_pack import PANEL, ROW_ALIGN
 from stagewise.model.cpu_gemm import Linear
 from stagewise.model.cpu_gemm import linear as float_linear
-from stagewise.model.layers import FusedLinear, GatedMLP, activation
+from stagewise.model.layers import FusedLinear, GatedMLP, activation, eager_only
 from stagewise.model.quantized import QuantLinear
 
 
@@ -100,7 +100,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights.to(logits.dtype), ids
 
 
-@torch.compiler.disable   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
+@eager_only   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: nn.Module, down: nn.Module,
                 act: Callable[[torch.Tensor], torch.Tensor], num_experts: int, inter: int) -> torch.Tensor:
     """The weighted sum of each token's chosen experts: pairs sorted by expert, one gate/up and one

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stagewise.model.attention import AttentionMetadata, ForwardBatch, write_kv
+from stagewise.model.layers import eager_only
 
 QUERY_CHUNK = 256      # query rows of one sequence per SDPA call at most
 MASK_BUDGET = 1 << 24  # mask elements (heads x rows x keys) per call a long prompt's chunk is cut to
@@ -87,7 +88,7 @@ def _plan(meta: AttentionMetadata, window: int | None, heads: int, device) -> li
     return cache[window, heads]
 
 
-@torch.compiler.disable      # data-dependent indexing on the live metadata: a compiled body breaks here
+@eager_only      # data-dependent indexing on the live metadata: a compiled body breaks here
 def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float, sinks: torch.Tensor, window: int | None, *, kv_written: bool = False
                    ) -> torch.Tensor:
