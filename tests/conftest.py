@@ -16,6 +16,7 @@ import torch
 TINY_VOCAB = 1000
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")    # tests/model/test_moe.py
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite")    # tests/model/test_dense_families.py
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
 # them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
 torch.set_num_threads(1)
@@ -65,6 +66,13 @@ def _family_config(family: str, vocab: int):
                                  shared_expert_intermediate_size=64, **moe)
     if family == "olmoe":  # q/k norms over the whole projections, q/k/v clamped
         return tf.OlmoeConfig(num_hidden_layers=2, num_experts=8, clip_qkv=2.0, **{**moe, "intermediate_size": 32})
+    if family == "smollm3":  # layers 1 and 3 without rope (NoPE), tied head as the released models
+        return tf.SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0], **common)
+    if family == "olmo2":  # norms after attention and MLP, q/k norms over the whole projections
+        return tf.Olmo2Config(num_hidden_layers=3, num_key_value_heads=2, **common)
+    if family == "granite":  # every multiplier away from 1
+        return tf.GraniteConfig(num_hidden_layers=3, num_key_value_heads=2, embedding_multiplier=3.0,
+                                attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **common)
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -131,6 +139,9 @@ qwen3_moe_768_dir = _family_fixture("qwen3_moe_768")
 mixtral_dir = _family_fixture("mixtral")
 qwen2_moe_dir = _family_fixture("qwen2_moe")
 olmoe_dir = _family_fixture("olmoe")
+smollm3_dir = _family_fixture("smollm3")
+olmo2_dir = _family_fixture("olmo2")
+granite_dir = _family_fixture("granite")
 
 
 @pytest.fixture(scope="session")

@@ -48,14 +48,17 @@ def kv_heads_of(hf_config) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool | str):
+                 qk_norm: bool | str, use_rope: bool = True, scale: float | None = None):
         """`qk_norm`: RMSNorm of q and k per head (True, Qwen3) or over the whole projection ("full",
-        OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it)."""
+        OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it). `use_rope`: False
+        for a layer without positional rotation (SmolLM3's no-rope layers); `scale`: the softmax scale
+        where it is not 1/sqrt(head_dim) (Granite's attention_multiplier)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
         self.head_dim = head_dim_of(hf_config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.use_rope = use_rope
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
@@ -73,7 +76,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)                                   # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)                   # [T, Hkv, D]
         written = False
-        if self.q_norm is None:
+        if not self.use_rope and self.q_norm is None:   # q and k as projected; attention writes the cache
+            q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+        elif self.q_norm is None:
             # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache
             roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
             written = roped is not None
@@ -93,7 +98,8 @@ class LlamaAttention(nn.Module):
             else:
                 q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
-            q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
+            if self.use_rope:
+                q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
         if written:     # graph batches' attention takes no kv_written (they never get here)
             out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
         else:
@@ -102,6 +108,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # what the attention and MLP outputs are multiplied by before joining the residual stream (Granite's
+    # residual_multiplier); None: added as they are
+    out_scale: float | None = None
+
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
         """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block)."""
         super().__init__()
@@ -122,8 +132,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, batch)
+        if self.out_scale is not None:
+            hidden = hidden * self.out_scale
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        return (hidden if self.out_scale is None else hidden * self.out_scale), residual
 
 
 class LlamaForCausalLM(StageModel):
@@ -131,6 +144,10 @@ class LlamaForCausalLM(StageModel):
 
     proxy_keys = FULL_CONTRACT
     qk_norm: bool | str = False
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer    # a family's block (same constructor and call)
+    # False: a family whose blocks `stagewise::decode_layers` cannot express (no-rope layers, multipliers,
+    # other norm placements) always runs its modules
+    one_call_decode = True
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:
@@ -149,9 +166,9 @@ class LlamaForCausalLM(StageModel):
         # `model.embed_tokens(ids [T]) -> [T, H]` is the engine's embedding entry point (first stage).
         self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
+        self.layers = build_layers(stage, lambda i: self.decoder_layer(
             hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), qkv_bias=qkv_bias, o_bias=o_bias,
-            qk_norm=self.qk_norm))
+            qk_norm=self.qk_norm, **self.attention_options(hf_config, i)))
         self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
@@ -164,6 +181,18 @@ class LlamaForCausalLM(StageModel):
     def make_mlp(self, hf_config, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
         """Layer `layer_id`'s MLP; None: the dense gated MLP of the config (MoE families override)."""
         return None
+
+    def attention_options(self, hf_config, layer_id: int) -> dict:
+        """Layer `layer_id`'s extra `LlamaAttention` arguments (`use_rope`, `scale`); families override."""
+        return {}
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first stage's input rows (token embeddings or given `input_embeds`) as layer 0 takes them."""
+        return hidden
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's float32 logits as the family returns them (Granite divides, Gemma soft-caps)."""
+        return logits
 
     def _warn_sliding_window(self, hf_config) -> None:
         window = getattr(hf_config, "sliding_window", None)
@@ -188,6 +217,7 @@ class LlamaForCausalLM(StageModel):
         if self.stage.is_first:
             assert self.embed_tokens is not None   # built on the first stage
             hidden = input_embeds if input_embeds is not None else self.embed_tokens(input_ids)  # [T, H]
+            hidden = self.scale_embeddings(hidden)
             residual = None  # layer 0 starts the residual stream from the embeddings
         else:
             assert pp_proxy_tensors is not None, "a non-first stage runs on the previous stage's tensors"
@@ -251,15 +281,16 @@ class LlamaForCausalLM(StageModel):
         the float kernels (biases or not), silu, one eps, no hooks (tensor parallelism's gathers),
         and the C++ op and the kernels it calls built."""
         layers: list[Any] = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
-        if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
+        if (not layers or self.qk_norm or not self.one_call_decode or self.__dict__.get("tp_size", 1) != 1
+                or not cpu_layers.available()
                 or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
             return None
         plan: dict = {"norms": [], "data": [], "qtypes": [], "ns": [], "parts": [], "biases": [], "bias_of": [],
                       "exact": set(), "eps": set()}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(mlp) is not GatedMLP or mlp.act is not F.silu or any(
-                    m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+            if (type(mlp) is not GatedMLP or mlp.act is not F.silu or not attn.use_rope or layer.out_scale is not None
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())):
                 return None
             for ln in (layer.input_layernorm, layer.post_attention_layernorm):
                 plan["norms"].append(ln.weight.detach())
@@ -295,6 +326,9 @@ class LlamaForCausalLM(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
+        return self.finish_logits(self._head_logits(hidden))
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         if head is not None:
             if isinstance(head, QuantLinear):

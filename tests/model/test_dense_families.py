@@ -1,0 +1,71 @@
+"""Dense families with their own details (SmolLM3's no-rope layers, OLMo 2's norm placement, Granite's
+multipliers) against HF transformers (fp32): prompt logits and greedy tokens at PP=1 and PP=2 (the
+split falls between layers of different kinds where a family has kinds), input embeddings, mixed
+prefill batches, and the one-call C decode left to the plain Llama blocks it expresses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagewise.model.attention import AttentionMetadata
+
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite")
+PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
+           list(range(10, 410, 9))]  # 5, 17 and 45 tokens
+
+
+@pytest.fixture(scope="session", params=DENSE_FAMILIES)
+def dense_dir(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_logits_and_greedy_match_hf(dense_dir, eager_pipeline, hf_logits, hf_greedy, pp_size):
+    pipe = eager_pipeline(dense_dir, pp_size=pp_size)
+    for ids in PROMPTS:
+        torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(dense_dir, ids), atol=1e-4, rtol=0)
+    assert [pipe.greedy(ids, 16) for ids in PROMPTS[1:]] == hf_greedy(dense_dir, PROMPTS[1:], 16)
+
+
+def test_input_embeds_equal_token_ids(dense_dir, eager_pipeline, hf_logits):
+    """Given embeddings go through the family's input scaling as HF's do (Granite's multiplier)."""
+    pipe = eager_pipeline(dense_dir, pp_size=2)
+    ids = PROMPTS[1]
+    embeds = pipe.stages[0].embed_tokens(torch.tensor(ids))
+    by_embeds = pipe.prefill_logits(ids, input_embeds=embeds)
+    torch.testing.assert_close(by_embeds, pipe.prefill_logits(ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(by_embeds, hf_logits(dense_dir, ids, inputs_embeds=embeds), atol=1e-4, rtol=0)
+
+
+def test_mixed_prefill_batch_matches_hf(dense_dir, eager_pipeline, hf_logits):
+    pipe = eager_pipeline(dense_dir)
+    lens = [len(p) for p in PROMPTS]
+    meta = AttentionMetadata.build(lens, lens, [pipe.table(i) for i in range(3)], pipe.block_size)
+    pipe.reset()
+    hidden = pipe.forward(torch.tensor([t for p in PROMPTS for t in p]), torch.cat([torch.arange(n) for n in lens]),
+                          meta)
+    for ids, rows in zip(PROMPTS, pipe.stages[-1].compute_logits(hidden).split(lens)):
+        torch.testing.assert_close(rows, hf_logits(dense_dir, ids), atol=1e-4, rtol=0)
+
+
+def test_smollm3_split_falls_between_a_nope_and_a_rope_layer(smollm3_dir, eager_pipeline):
+    first, second = eager_pipeline(smollm3_dir, pp_size=2).stages
+    assert not first.layers[1].self_attn.use_rope and second.layers[2].self_attn.use_rope
+
+
+def test_only_plain_llama_blocks_plan_the_one_call_decode(dense_dir, llama_dir, eager_pipeline):
+    """The C decode of packed Llama blocks has no no-rope layers, multipliers or post-norms: these
+    families' stages plan none and run their modules (whose tokens the greedy test checks)."""
+    from stagewise.kernels import layers as cpu_layers
+    if not cpu_layers.available():
+        pytest.skip("the one-call decode op is not built here")
+    assert eager_pipeline(llama_dir).stages[0]._plan_decode_layers() is not None    # the check can pass
+    assert eager_pipeline(dense_dir).stages[0]._plan_decode_layers() is None
+
+
+def test_bfloat16_stage_runs_close_to_float32(dense_dir, eager_pipeline):
+    ids = PROMPTS[1]
+    full = eager_pipeline(dense_dir).prefill_logits(ids)
+    half = eager_pipeline(dense_dir, pp_size=2, dtype=torch.bfloat16).prefill_logits(ids)
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    assert (half - full).abs().max() < 0.1 * full.abs().max()
