@@ -16,7 +16,7 @@ import torch
 TINY_VOCAB = 1000
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")    # tests/model/test_moe.py
-DENSE_FAMILIES = ("smollm3", "olmo2", "granite")    # tests/model/test_dense_families.py
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini")    # tests/model/test_dense_families.py
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
 # them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
 torch.set_num_threads(1)
@@ -73,6 +73,17 @@ def _family_config(family: str, vocab: int):
     if family == "granite":  # every multiplier away from 1
         return tf.GraniteConfig(num_hidden_layers=3, num_key_value_heads=2, embedding_multiplier=3.0,
                                 attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **common)
+    if family in ("phi3", "phi3_short"):  # long-rope past 32 positions (the long factors, cos/sin scaled) or
+        # within them (the short factors)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 2.0 * i for i in range(8)]}
+        return tf.Phi3Config(num_hidden_layers=3, num_key_value_heads=2, original_max_position_embeddings=32,
+                             rope_parameters=rope, sliding_window=None,
+                             **{**common, "max_position_embeddings": 512 if family == "phi3" else 32})
+    if family == "phi4_mini":  # partial rotary (half of each head), tied head, as Phi-4-mini
+        return tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
+                             rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                             sliding_window=None, **common)
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -142,6 +153,9 @@ olmoe_dir = _family_fixture("olmoe")
 smollm3_dir = _family_fixture("smollm3")
 olmo2_dir = _family_fixture("olmo2")
 granite_dir = _family_fixture("granite")
+phi3_dir = _family_fixture("phi3")
+phi3_short_dir = _family_fixture("phi3_short")
+phi4_mini_dir = _family_fixture("phi4_mini")
 
 
 @pytest.fixture(scope="session")

@@ -20,12 +20,13 @@ from stagewise.model.layers import (
     FusedLinear,
     GatedMLP,
     RMSNorm,
-    RotaryEmbedding,
     StageModel,
-    apply_rotary_full,
+    apply_rotary,
     build_layers,
     rope_kv_kernel,
     rope_parameters,
+    rotary_dim,
+    rotary_embedding,
 )
 from stagewise.model.quantized import QuantLinear
 from stagewise.parallel.partition import StageInfo
@@ -59,6 +60,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(hf_config)
         self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.use_rope = use_rope
+        self.rotary_dim = rotary_dim(self.head_dim, rope_parameters(hf_config))    # < head_dim: partial rotary
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
@@ -79,13 +81,14 @@ class LlamaAttention(nn.Module):
         if not self.use_rope and self.q_norm is None:   # q and k as projected; attention writes the cache
             q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
         elif self.q_norm is None:
-            # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache
-            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
+            # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache (whole heads only)
+            target = batch.kv_target(self.layer_id) if self.rotary_dim == d else None
+            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, target)
             written = roped is not None
             if roped is not None:
                 q, k = roped                                          # [T, Hq, D], [T, Hkv, D]
             else:               # q and k are adjacent columns: rope both heads' sets in one pass
-                qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
+                qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]                         # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None   # built together with q_norm
@@ -99,7 +102,7 @@ class LlamaAttention(nn.Module):
                 q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             if self.use_rope:
-                q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if written:     # graph batches' attention takes no kv_written (they never get here)
             out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
         else:
@@ -169,7 +172,7 @@ class LlamaForCausalLM(StageModel):
         self.layers = build_layers(stage, lambda i: self.decoder_layer(
             hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), qkv_bias=qkv_bias, o_bias=o_bias,
             qk_norm=self.qk_norm, **self.attention_options(hf_config, i)))
-        self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
+        self.rotary = rotary_embedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
         # loaded from the embedding tensor (hf_name maps it), so no parameter is shared across modules.
@@ -290,6 +293,7 @@ class LlamaForCausalLM(StageModel):
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if (type(mlp) is not GatedMLP or mlp.act is not F.silu or not attn.use_rope or layer.out_scale is not None
+                    or attn.rotary_dim != attn.head_dim
                     or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())):
                 return None
             for ln in (layer.input_layernorm, layer.post_attention_layernorm):

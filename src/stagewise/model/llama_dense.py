@@ -1,9 +1,12 @@
 """Dense families on the Llama-style decoder that differ from it in a detail or two: SmolLM3
 (layers without rope), OLMo 2 (norms after attention and MLP, q/k norms over the whole
-projections) and Granite (embedding, attention, residual and logit multipliers). Each is
-`LlamaForCausalLM` with its hooks set; none runs the one-call C decode of plain Llama blocks.
+projections), Granite (embedding, attention, residual and logit multipliers) and Phi-3 / Phi-4
+(fused checkpoint projections; partial rotary and long-rope in the rope code). Each is
+`LlamaForCausalLM` with its hooks set; of these only Phi-3's blocks run the one-call C decode.
 """
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,3 +83,19 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits / self.multipliers[1]
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4: Llama blocks whose checkpoint holds q/k/v as one `qkv_proj` and gate/up as one
+    `gate_up_proj` (the fused projections here, loaded whole); partial rotary and long-rope come from
+    the rope code. The one-call C decode serves it where every head is rotated whole."""
+
+    tensor_parallel = False      # the fused checkpoint tensors are not cut by heads
+
+    def __init__(self, hf_config, stage, dtype: torch.dtype):
+        super().__init__(hf_config, stage, dtype)
+        for i in range(stage.start, stage.end):
+            layer = cast(LlamaDecoderLayer, self.layers[i])
+            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)
+            for proj, name in ((attn.qkv_proj, "qkv_proj"), (mlp.gate_up_proj, "gate_up_proj")):
+                proj.hf_parts = ((name, proj.out_features),)
