@@ -16,7 +16,7 @@ import torch
 TINY_VOCAB = 1000
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")    # tests/model/test_moe.py
-DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini")    # tests/model/test_dense_families.py
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini", "gemma3")    # tests/model/test_dense_families.py
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
 # them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
 torch.set_num_threads(1)
@@ -84,6 +84,14 @@ def _family_config(family: str, vocab: int):
         return tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
                              rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                              sliding_window=None, **common)
+    if family == "gemma3":  # 6 layers: 5 window layers (window 8) then a global one; soft-capped logits
+        return tf.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}},
+                                   **common)
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -108,7 +116,7 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
-    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2")
+    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2") else tf.Gemma3ForCausalLM if family == "gemma3"
            else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
@@ -156,6 +164,7 @@ granite_dir = _family_fixture("granite")
 phi3_dir = _family_fixture("phi3")
 phi3_short_dir = _family_fixture("phi3_short")
 phi4_mini_dir = _family_fixture("phi4_mini")
+gemma3_dir = _family_fixture("gemma3")
 
 
 @pytest.fixture(scope="session")

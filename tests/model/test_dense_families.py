@@ -9,7 +9,7 @@ import torch
 
 from stagewise.model.attention import AttentionMetadata
 
-DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini")
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini", "gemma3")
 PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
            list(range(10, 410, 9))]  # 5, 17 and 45 tokens
 
@@ -98,3 +98,29 @@ def test_bfloat16_stage_runs_close_to_float32(dense_dir, eager_pipeline):
     half = eager_pipeline(dense_dir, pp_size=2, dtype=torch.bfloat16).prefill_logits(ids)
     assert half.dtype == torch.float32 and torch.isfinite(half).all()
     assert (half - full).abs().max() < 0.1 * full.abs().max()
+
+
+def test_gemma3_split_between_window_and_global_layers_matches_hf(gemma3_dir, eager_pipeline, hf_logits, hf_greedy):
+    """Five window layers on one stage, the global layer on the next (the boundary between kinds)."""
+    pipe = eager_pipeline(gemma3_dir, pp_size=2, partition=[5, 1])
+    assert [m.stage.end - m.stage.start for m in pipe.stages] == [5, 1]
+    assert pipe.stages[0].layers[4].self_attn.window == 8 and pipe.stages[1].layers[5].self_attn.window is None
+    torch.testing.assert_close(pipe.prefill_logits(PROMPTS[2]), hf_logits(gemma3_dir, PROMPTS[2]), atol=1e-4, rtol=0)
+    assert pipe.greedy(PROMPTS[1], 24) == hf_greedy(gemma3_dir, PROMPTS[1:2], 24)[0]
+
+
+def test_gemma3_window_layers_refuse_graph_batches(gemma3_dir, eager_pipeline):
+    from stagewise.model.window import window_attention
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="run eagerly only"):
+        window_attention(object(), 0, q, q[:, :2], q[:, :2], 0.25, 8)   # type: ignore[arg-type]
+
+
+def test_gemma3_attention_soft_capping_is_refused_in_one_sentence(gemma3_dir):
+    from stagewise.model.llama_dense import Gemma3ForCausalLM
+    from stagewise.model.loader import load_hf_config
+    from stagewise.parallel.partition import stage_infos
+    config = load_hf_config(gemma3_dir)
+    config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        Gemma3ForCausalLM(config, stage_infos(6, 1)[0], torch.float32)

@@ -29,6 +29,7 @@ from stagewise.model.layers import (
     rotary_embedding,
 )
 from stagewise.model.quantized import QuantLinear
+from stagewise.model.window import window_attention
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
@@ -49,17 +50,18 @@ def kv_heads_of(hf_config) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool | str, use_rope: bool = True, scale: float | None = None):
+                 qk_norm: bool | str, use_rope: bool = True, scale: float | None = None, window: int | None = None):
         """`qk_norm`: RMSNorm of q and k per head (True, Qwen3) or over the whole projection ("full",
         OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it). `use_rope`: False
         for a layer without positional rotation (SmolLM3's no-rope layers); `scale`: the softmax scale
-        where it is not 1/sqrt(head_dim) (Granite's attention_multiplier)."""
+        where it is not 1/sqrt(head_dim) (Granite's attention_multiplier); `window`: a sliding-window
+        layer's window (`model.window`; Gemma 3's local layers)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
         self.head_dim = head_dim_of(hf_config)
         self.scale = self.head_dim ** -0.5 if scale is None else scale
-        self.use_rope = use_rope
+        self.use_rope, self.window = use_rope, window
         self.rotary_dim = rotary_dim(self.head_dim, rope_parameters(hf_config))    # < head_dim: partial rotary
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
@@ -103,7 +105,9 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             if self.use_rope:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if written:     # graph batches' attention takes no kv_written (they never get here)
+        if self.window is not None:
+            out = window_attention(batch, self.layer_id, q, k, v, self.scale, self.window)
+        elif written:     # graph batches' attention takes no kv_written (they never get here)
             out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
         else:
             out = batch.attention(self.layer_id, q, k, v, self.scale)
@@ -189,6 +193,10 @@ class LlamaForCausalLM(StageModel):
         """Layer `layer_id`'s extra `LlamaAttention` arguments (`use_rope`, `scale`); families override."""
         return {}
 
+    def layer_rope(self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s rope tables: the model's (`cos`, `sin`) unless its kind has its own (Gemma 3)."""
+        return cos, sin
+
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first stage's input rows (token embeddings or given `input_embeds`) as layer 0 takes them."""
         return hidden
@@ -231,7 +239,7 @@ class LlamaForCausalLM(StageModel):
             hidden, residual = one_call(hidden, residual, cos, sin)
         else:
             for layer_id in range(self.stage.start, self.stage.end):
-                hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
+                hidden, residual = self.layers[layer_id](hidden, residual, *self.layer_rope(layer_id, cos, sin), batch)
         if not self.stage.is_last:
             if residual is None:  # first stage that ran no layer: the stream so far is all in `hidden`
                 residual = torch.zeros_like(hidden)
@@ -293,7 +301,7 @@ class LlamaForCausalLM(StageModel):
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if (type(mlp) is not GatedMLP or mlp.act is not F.silu or not attn.use_rope or layer.out_scale is not None
-                    or attn.rotary_dim != attn.head_dim
+                    or attn.rotary_dim != attn.head_dim or attn.window is not None
                     or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())):
                 return None
             for ln in (layer.input_layernorm, layer.post_attention_layernorm):
