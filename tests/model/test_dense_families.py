@@ -124,3 +124,21 @@ def test_gemma3_attention_soft_capping_is_refused_in_one_sentence(gemma3_dir):
     config.attn_logit_softcapping = 50.0
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         Gemma3ForCausalLM(config, stage_infos(6, 1)[0], torch.float32)
+
+
+def test_auto_graphs_leave_window_models_eager(tmp_path):
+    """A Gemma 3 big enough for auto to compile (hidden 512) runs eager: its window layers attend
+    outside captured graphs; a Qwen3 of that size compiles (the rule can fail)."""
+    import transformers as tf
+
+    from stagewise.config import EngineConfig
+    from stagewise.graph.policy import COMPILE_MIN_HIDDEN, policy_for
+    tf.Gemma3TextConfig(hidden_size=COMPILE_MIN_HIDDEN, architectures=["Gemma3ForCausalLM"]).save_pretrained(
+        tmp_path / "gemma")
+    tf.Qwen3Config(hidden_size=COMPILE_MIN_HIDDEN, architectures=["Qwen3ForCausalLM"]).save_pretrained(
+        tmp_path / "qwen3")
+    gemma = policy_for(EngineConfig.from_kwargs(model=str(tmp_path / "gemma")), "cpu")
+    assert gemma.backend == "off" and any("sliding-window" in line for line in gemma.log_lines)
+    from stagewise.kernels.build import cxx_compiler
+    if cxx_compiler() is not None:
+        assert policy_for(EngineConfig.from_kwargs(model=str(tmp_path / "qwen3")), "cpu").backend == "compiled"
