@@ -142,3 +142,17 @@ def test_auto_graphs_leave_window_models_eager(tmp_path):
     from stagewise.kernels.build import cxx_compiler
     if cxx_compiler() is not None:
         assert policy_for(EngineConfig.from_kwargs(model=str(tmp_path / "qwen3")), "cpu").backend == "compiled"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "phi4_mini", "olmo2"])
+def test_llm_at_pp1_and_pp2_matches_hf(family, request, hf_greedy):
+    """The engine end to end (PP=2 in stage processes, its scheduler, its graph policy) per family kind."""
+    from stagewise import LLM, SamplingParams
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(model_dir, PROMPTS[1:], 12)
+    for pp in (1, 2):
+        with LLM(model=str(model_dir), pp_size=pp) as llm:
+            out = llm.generate(prompt_token_ids=PROMPTS[1:], sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == want, pp

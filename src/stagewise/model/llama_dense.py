@@ -15,6 +15,7 @@ from stagewise.model.attention import ForwardBatch
 from stagewise.model.cpu_gemm import Embedding
 from stagewise.model.layers import GatedMLP, RMSNorm, rotary_embedding
 from stagewise.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
+from stagewise.parallel.proxy import ProxyTensors
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
@@ -199,11 +200,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         window = hf_config.sliding_window if hf_config.layer_types[layer_id] == "sliding_attention" else None
         return {"scale": float(hf_config.query_pre_attn_scalar) ** -0.5, "window": window}
 
-    def forward(self, input_ids, positions, batch, **kwargs):
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch: ForwardBatch, *,
+                input_embeds: torch.Tensor | None = None, pp_proxy_tensors: ProxyTensors | None = None):
         # the window layers' tables, once per forward for every layer that needs them
         self._local = self.local_rotary.tables(positions, self.dtype) if self.stage.start < self.stage.end else None
         try:
-            return super().forward(input_ids, positions, batch, **kwargs)
+            return super().forward(input_ids, positions, batch, input_embeds=input_embeds,
+                                   pp_proxy_tensors=pp_proxy_tensors)
         finally:
             self._local = None
 
