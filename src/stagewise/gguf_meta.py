@@ -38,7 +38,7 @@ log = logging.getLogger("stagewise.checkpoint")
 # A "llama" file whose blocks hold experts (`llama.expert_count`) is Mixtral.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                      "olmoe": "OlmoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                      "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -57,6 +57,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2moe": dict(model_type="qwen2_moe", dtype=None, pad_token_id=None, sliding_window=None,
                      use_sliding_window=False, decoder_sparse_step=1),
     "olmoe": dict(model_type="olmoe", dtype=None, pad_token_id=None),
+    "olmo2": dict(model_type="olmo2", dtype=None, pad_token_id=None),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
 }

@@ -156,3 +156,19 @@ def test_llm_at_pp1_and_pp2_matches_hf(family, request, hf_greedy):
         with LLM(model=str(model_dir), pp_size=pp) as llm:
             out = llm.generate(prompt_token_ids=PROMPTS[1:], sampling_params=params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == want, pp
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_olmo2_gguf_matches_hf_at_pp1_and_pp2(olmo2_dir, tiny_gguf, eager_pipeline, hf_logits, hf_greedy, qtype,
+                                               gguf_tools, tmp_path):
+    """An `olmo2` file as llama.cpp's converter writes it (post_attention_norm, post_ffw_norm, no q/k
+    row permutation); Q8_0 against transformers on the file's dequantized values."""
+    from stagewise.checkpoint import load_hf_config as config_of
+    path = tiny_gguf("olmo2", qtype)
+    ref = olmo2_dir if qtype == "F32" else gguf_tools.dequantized_hf_dir(olmo2_dir, tmp_path / "dq", qtype)
+    assert config_of(path).architectures == ["Olmo2ForCausalLM"]
+    for pp in (1, 2):
+        pipe = eager_pipeline(path, pp_size=pp)
+        torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(ref, PROMPTS[1]),
+                                   atol=1e-4 if qtype == "F32" else 2e-3, rtol=0)
+    assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(ref, PROMPTS[2:], 12)[0]
