@@ -45,8 +45,10 @@ _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe"
              "output": "lm_head"}
 _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
-          "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"),
+          "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
+# the archs whose converter (llama.cpp's LlamaModel and its subclasses) permutes the q/k rows
+_PERMUTED_QK = ("llama", "granite")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
@@ -113,7 +115,7 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
     """A float tensor or a QuantizedWeight in the layout the HF checkpoint has (quantized GPT-2
     projections stay [out, in]: a quantized layer holds rows)."""
     kind = gguf_name.split(".")[-2]
-    if arch == "llama" and kind in ("attn_q", "attn_k"):
+    if arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
         heads = hf_config.num_attention_heads if kind == "attn_q" else hf_config.num_key_value_heads
         index = _unpermute_index(tensor.shape[0], heads)
         return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]
