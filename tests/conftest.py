@@ -68,6 +68,8 @@ def _family_config(family: str, vocab: int):
         return tf.OlmoeConfig(num_hidden_layers=2, num_experts=8, clip_qkv=2.0, **{**moe, "intermediate_size": 32})
     if family == "smollm3":  # layers 1 and 3 without rope (NoPE), tied head as the released models
         return tf.SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0], **common)
+    if family == "smollm3_nope4":  # the released models' rule (every 4th layer without rope), as GGUF files hold
+        return tf.SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, **common)
     if family == "olmo2":  # norms after attention and MLP, q/k norms over the whole projections
         return tf.Olmo2Config(num_hidden_layers=3, num_key_value_heads=2, **common)
     if family == "granite":  # every multiplier away from 1
@@ -160,6 +162,7 @@ qwen2_moe_dir = _family_fixture("qwen2_moe")
 olmoe_dir = _family_fixture("olmoe")
 smollm3_dir = _family_fixture("smollm3")
 olmo2_dir = _family_fixture("olmo2")
+smollm3_nope4_dir = _family_fixture("smollm3_nope4")
 granite_dir = _family_fixture("granite")
 phi3_dir = _family_fixture("phi3")
 phi3_short_dir = _family_fixture("phi3_short")

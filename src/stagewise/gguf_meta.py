@@ -39,7 +39,7 @@ log = logging.getLogger("stagewise.checkpoint")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                      "gpt2": "GPT2LMHeadModel"}
+                      "smollm3": "SmolLM3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -60,6 +60,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "olmoe": dict(model_type="olmoe", dtype=None, pad_token_id=None),
     "olmo2": dict(model_type="olmo2", dtype=None, pad_token_id=None),
     "granite": dict(model_type="granite", dtype=None, pad_token_id=None),
+    "smollm3": dict(model_type="smollm3", dtype=None, pad_token_id=None, sliding_window=None,
+                    use_sliding_window=False),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
 }
@@ -316,6 +318,8 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
     kwargs = _gpt2_kwargs(facts, path) if arch == "gpt2" else _llama_kwargs(facts, arch, path)
     if arch == "granite":
         kwargs.update(_granite_kwargs(facts, kwargs["head_dim"], path))
+    if arch == "smollm3":   # every 4th layer without rope: llama.cpp's fixed rule (its files carry no key)
+        kwargs["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(kwargs["num_hidden_layers"])]
     moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
     if moe and arch == "llama":
         common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])

@@ -16,7 +16,7 @@ import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "olmo2": "olmo2",
-             "granite": "granite"}
+             "granite": "granite", "smollm3": "smollm3"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -105,9 +105,9 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
         if name is None and ".mlp." in hf_name:     # a dense layer of a MoE model (Qwen's mlp_only_layers)
             name = dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        if arch in ("llama", "granite") and ".q_proj." in hf_name:
+        if arch in ("llama", "granite", "smollm3") and ".q_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_attention_heads)
-        elif arch in ("llama", "granite") and ".k_proj." in hf_name:
+        elif arch in ("llama", "granite", "smollm3") and ".k_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
         elif arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             array = array.T

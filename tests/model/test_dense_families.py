@@ -159,17 +159,20 @@ def test_llm_at_pp1_and_pp2_matches_hf(family, request, hf_greedy):
 
 
 @pytest.mark.parametrize("family,qtype", [("olmo2", "F32"), ("olmo2", "Q8_0"), ("granite", "F32"),
-                                          ("granite", "Q8_0")])
+                                          ("granite", "Q8_0"), ("smollm3_nope4", "F32")])
 def test_gguf_matches_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager_pipeline, hf_logits, hf_greedy,
                                         gguf_tools, tmp_path):
     """Files as llama.cpp's converter writes them: `olmo2` (post_attention_norm, post_ffw_norm, q/k rows
     as HF's) and `granite` (the multipliers as embedding/residual/logit/attention scales, q/k rows
-    permuted); Q8_0 against transformers on the file's dequantized values."""
+    permuted), `smollm3` (q/k rows permuted, every 4th layer without rope as llama.cpp fixes it);
+    Q8_0 against transformers on the file's dequantized values."""
     from stagewise.checkpoint import load_hf_config as config_of
     model_dir = request.getfixturevalue(f"{family}_dir")
     path = tiny_gguf(family, qtype)
     ref = model_dir if qtype == "F32" else gguf_tools.dequantized_hf_dir(model_dir, tmp_path / "dq", qtype)
     assert config_of(path).architectures == config_of(model_dir).architectures
+    if family.startswith("smollm3"):
+        assert config_of(path).no_rope_layers == [1, 1, 1, 0] == config_of(model_dir).no_rope_layers
     for pp in (1, 2):
         pipe = eager_pipeline(path, pp_size=pp)
         torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(ref, PROMPTS[1]),

@@ -46,9 +46,10 @@ _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe"
 _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+          "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 # the archs whose converter (llama.cpp's LlamaModel and its subclasses) permutes the q/k rows
-_PERMUTED_QK = ("llama", "granite")
+_PERMUTED_QK = ("llama", "granite", "smollm3")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
