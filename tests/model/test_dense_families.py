@@ -178,3 +178,22 @@ def test_gguf_matches_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager
         torch.testing.assert_close(pipe.prefill_logits(PROMPTS[1]), hf_logits(ref, PROMPTS[1]),
                                    atol=1e-4 if qtype == "F32" else 2e-3, rtol=0)
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(ref, PROMPTS[2:], 12)[0]
+
+
+@pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3"])
+def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eager_pipeline, tp_threads):
+    """Heads split over 2 ranks (window layers, no-rope layers and multipliers included)."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    want = eager_pipeline(model_dir).greedy(PROMPTS[1], 12)
+    pipes = tp_threads.sharded(model_dir, 2)
+    assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]
+
+
+@pytest.mark.parametrize("family", ["olmo2", "phi3"])
+def test_families_without_tensor_parallelism_refuse_it_in_one_sentence(family, request):
+    from stagewise.model.loader import load_hf_config
+    from stagewise.model.registry import get_model_class
+    from stagewise.parallel import tp
+    config = load_hf_config(request.getfixturevalue(f"{family}_dir"))
+    with pytest.raises(ValueError, match="runs with tp_size 1"):
+        tp.check_model(config, get_model_class(config.architectures[0]), 2)
