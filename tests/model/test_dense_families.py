@@ -197,3 +197,12 @@ def test_families_without_tensor_parallelism_refuse_it_in_one_sentence(family, r
     config = load_hf_config(request.getfixturevalue(f"{family}_dir"))
     with pytest.raises(ValueError, match="runs with tp_size 1"):
         tp.check_model(config, get_model_class(config.architectures[0]), 2)
+
+
+def test_gemma3_quantized_at_load_keeps_its_embedding_scale(gemma3_dir, eager_pipeline):
+    """int8 at load quantizes the projections; the scaled token embedding stays float (and scaled)."""
+    from stagewise.model.llama_dense import ScaledEmbedding
+    full = eager_pipeline(gemma3_dir).prefill_logits(PROMPTS[1])
+    pipe = eager_pipeline(gemma3_dir, quantization="int8")
+    assert type(pipe.stages[0].embed_tokens) is ScaledEmbedding
+    assert (pipe.prefill_logits(PROMPTS[1]) - full).abs().max() < 0.1 * full.abs().max()

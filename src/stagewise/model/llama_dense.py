@@ -122,9 +122,11 @@ class GemmaRMSNorm(RMSNorm):
 
 class ScaledEmbedding(Embedding):
     """Token embeddings times `embed_scale` (Gemma's sqrt(hidden), rounded to the weight dtype as
-    transformers'); as the tied head it is the plain weight."""
+    transformers'); as the tied head it is the plain weight. Kept float under `--quantization`: the
+    quantized embedding that would replace it does not scale."""
 
     embed_scale = 1.0
+    keep_float = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) * torch.tensor(self.embed_scale).to(self.weight.dtype)
