@@ -94,6 +94,11 @@ def _family_config(family: str, vocab: int):
                                                     "sliding_attention": {"rope_type": "default",
                                                                           "rope_theta": 10000.0}},
                                    **common)
+    if family == "gpt_oss":  # sliding (window 8) / full / sliding layers, YaRN that moves every band, tight clamps
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
+        return tf.GptOssConfig(num_hidden_layers=3, head_dim=16, num_local_experts=8, sliding_window=8,
+                               swiglu_limit=1.5, rope_parameters=yarn, **{**moe, "intermediate_size": 32})
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -168,6 +173,7 @@ phi3_dir = _family_fixture("phi3")
 phi3_short_dir = _family_fixture("phi3_short")
 phi4_mini_dir = _family_fixture("phi4_mini")
 gemma3_dir = _family_fixture("gemma3")
+gpt_oss_dir = _family_fixture("gpt_oss")
 
 
 @pytest.fixture(scope="session")
@@ -247,10 +253,11 @@ class EagerPipeline:
 
     def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32,
                  tp=None, quantization=None):
+        from stagewise.checkpoint.facts import read_facts
         from stagewise.model.attention import ForwardBatch
-        from stagewise.model.loader import load_hf_config, load_model
+        from stagewise.model.loader import load_model
         from stagewise.parallel.partition import stage_infos
-        num_layers = load_hf_config(model_dir).num_hidden_layers
+        num_layers = read_facts(model_dir).num_layers
         self.block_size, self.num_blocks = 16, num_blocks
         infos = stage_infos(num_layers, pp_size, partition)
         self.stages = [load_model(model_dir, info, dtype, tp=tp, quantization=quantization) for info in infos]

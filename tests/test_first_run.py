@@ -2,6 +2,7 @@
 one-sentence errors (no model loads for the checks; the numbers use the demo model)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,9 @@ def test_first_run_builds_kernels_before_the_prompt(tmp_path):
 def test_bench_says_how_its_steps_ran(capsys):
     from stagewise.cli import _steps_text, main
     assert main(["--log-level", "WARNING", "bench", "--model", "demo", "--num-requests", "2", "--output-len", "4"]) == 0
-    assert capsys.readouterr().out.strip().endswith("(eager: every step, --prefill-graph auto)")
+    out = capsys.readouterr().out.strip()
+    assert "tok/s (eager: every step, --prefill-graph auto); time to first token" in out
+    assert re.search(r"; \d+ engine steps$", out), out
     assert _steps_text(10, 0, 0.0, "auto") == "compiled graphs"
     assert _steps_text(7, 3, 42.0, "auto") == ("compiled graphs, 3 of 10 steps eager; waited 42.0 s for the "
                                                "background compile first")
@@ -118,17 +121,18 @@ def test_a_hugging_face_id_says_ids_are_not_fetched(capsys, no_loading):
 def test_a_tp_size_that_cannot_split_the_model_names_the_sizes_that_can():
     import transformers as tf
 
+    from stagewise.checkpoint.facts import facts_of_config
     from stagewise.cli import _check_tp_size
     # the default model's shape (SmolLM2-135M)
     hf = tf.LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                         intermediate_size=1536, num_hidden_layers=30, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match=r"^--tp-size 4 cannot split this model \(9 attention heads, 3 KV heads, "
                                          r"49152 vocabulary entries\); use --tp-size 1, 2, 3 or 6\.$"):
-        _check_tp_size(hf, "model", 4)
-    _check_tp_size(hf, "model", 3)
+        _check_tp_size(facts_of_config(hf), 4)
+    _check_tp_size(facts_of_config(hf), 3)
 
 
 def test_the_memory_table_says_what_the_kv_column_is():
-    from stagewise.runtime.memory import MemoryPlan, format_memory_table
+    from stagewise.planning.memory import MemoryPlan, format_memory_table
     plan = MemoryPlan(0, (0, 30), 2 << 30, 92 << 20, 0, 0, 33 << 20, 11520 << 20, 32769, 368640)
     assert format_memory_table([plan]).splitlines()[-1].startswith("KV MiB is each pool's ceiling")

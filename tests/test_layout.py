@@ -1,4 +1,4 @@
-"""The import direction: config/request/plan -> parallel/model -> graph -> runtime -> executor ->
+"""The import direction: config/request/plan/checkpoint -> parallel/model -> graph -> planning -> runtime -> executor ->
 recovery/grammar -> engine -> core -> server/cli. A module may import only its own layer or lower ones."""
 import ast
 from pathlib import Path
@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
-LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0, "gguf_meta": 0, "saved_tokenizer": 0,
-          "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "runtime": 3, "executor": 4, "recovery": 5,
-          "grammar": 5, "engine": 6, "core": 7, "multimodal": 7, "server": 8, "cli": 8,
-          "cli_flags": 8, "llm": 8, "__main__": 9, "__init__": 9}
+LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0,
+          "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "planning": 3, "runtime": 4,
+          "executor": 5, "recovery": 6, "grammar": 6, "engine": 7, "core": 8, "multimodal": 8, "server": 9, "cli": 9,
+          "cli_flags": 9, "llm": 9, "__main__": 10, "__init__": 10}
 
 
 def _layer(parts: list[str]) -> int:

@@ -142,8 +142,8 @@ def gemv_rows(model_dir: str) -> list[list]:
     per-row scales) and fp32, at 1 and 2 threads. Median ms per pass over all matrices."""
     import torch.nn.functional as F
 
-    from stagewise.checkpoint import load_hf_config
-    c = load_hf_config(model_dir)
+    from stagewise.checkpoint.facts import read_facts
+    c = read_facts(model_dir).hf
     d = c.hidden_size // c.num_attention_heads
     shapes = [((c.num_attention_heads + 2 * c.num_key_value_heads) * d, c.hidden_size),
               (c.hidden_size, c.num_attention_heads * d), (2 * c.intermediate_size, c.hidden_size),
@@ -194,8 +194,8 @@ def auto_rule_rows(tmp: Path, quick: bool, src: Path) -> list[list]:
 
 
 def prefill_flops(model_dir: str, tokens: int = 512) -> float:
-    from stagewise.checkpoint import load_hf_config
-    c = load_hf_config(model_dir)
+    from stagewise.checkpoint.facts import read_facts
+    c = read_facts(model_dir).hf
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     per_layer = c.hidden_size * (hq + 2 * hkv) * d + hq * d * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     attention = 2 * hq * d * tokens * tokens            # q.k and p.v, causal half of 2 * 2 * T^2

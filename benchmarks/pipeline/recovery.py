@@ -2,7 +2,7 @@
 offline engine, greedy. With N live requests decoding, stage 1 is SIGKILLed; the time from the
 kill to the next generated token is split into detection (kill -> the driver knows), teardown,
 start (processes + rendezvous), weight load and recompute (rebuilt -> first token, the KV of
-every live request recomputed from its tokens). Rows with warm spare stage processes (the
+every live request recomputed from its tokens). Rows with stages forked from the warm process (the
 default) and without (--no-pipeline-spares: fresh processes import torch and transformers), and
 with the KV disk tier (`--pages off,on`: the rebuilt stages read the pages of the live requests'
 full blocks and recompute only the rest), the two interleaved over `--rounds`.
@@ -30,8 +30,8 @@ def measure(llm: LLM, live: int, prompt_len: int, warmup_tokens: int) -> dict:
     """One kill with `live` requests decoding (each `warmup_tokens` into its output)."""
     engine = llm.engine
     if engine.config.recovery.pipeline_spares:
-        deadline = time.monotonic() + 120      # the spares: due at once, or a few seconds after a recovery
-        while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120      # the warm process (it forked the stages: ready at once)
+        while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
             engine.fault()                     # an idle engine's supervisor starts them when due
             time.sleep(0.2)
     vocab = engine.tok.vocab_size

@@ -113,10 +113,10 @@ def bench_one(args, model: str | None, flags: list[str], requests, log_path: Pat
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from stagewise.checkpoint import load_hf_config
+    from stagewise.checkpoint.facts import read_facts
     from stagewise.model.source import resolve_model
     model = resolve_model(args.model)
-    requests = prompts(args, int(load_hf_config(model).vocab_size))
+    requests = prompts(args, int(read_facts(model).hf.vocab_size))
     configs = configurations(args.configs)
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     with tempfile.TemporaryDirectory(prefix="stagewise-first-") as tmp:

@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     else:
         model_dir = args.model
     if Path(model_dir).is_file():          # a GGUF file: its embedding's rows
-        from stagewise.gguf_meta import gguf_facts
+        from stagewise.checkpoint.gguf_meta import gguf_facts
         vocab = gguf_facts(model_dir).shapes["token_embd.weight"][0]
     else:
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

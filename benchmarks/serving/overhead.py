@@ -76,9 +76,9 @@ def child_env(args, layout: str | None = None) -> dict:
 
 def model_and_vocab(args) -> tuple[str, int]:
     code = ("import json, sys; from stagewise.model.source import resolve_model; "
-            "from stagewise.checkpoint import load_hf_config, vocab_size_of; "
+            "from stagewise.checkpoint.facts import read_facts; "
             "m = str(resolve_model(sys.argv[1] or None)); "
-            "print(json.dumps([m, vocab_size_of(load_hf_config(m))]))")
+            "print(json.dumps([m, read_facts(m).vocab]))")
     out = subprocess.run([sys.executable, "-c", code, args.model or ""], capture_output=True, text=True,
                          env=child_env(args), check=True).stdout
     model, vocab = json.loads(out.strip().splitlines()[-1])

@@ -47,31 +47,31 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def check_before_loading(config: EngineConfig) -> None:
     """Refuse, in one sentence, what the model's config alone shows cannot run, before anything loads."""
-    from .checkpoint import load_hf_config, num_layers_of
-    hf = load_hf_config(str(config.load.model))
-    layers = num_layers_of(hf, str(config.load.model))
+    from .checkpoint.facts import read_facts
+    facts = read_facts(str(config.load.model))
+    layers = facts.num_layers
     if config.parallel.pp_size > layers:
         raise ValueError(f"--pp-size {config.parallel.pp_size} asks for more stages than the model's {layers} layers; "
                          f"use --pp-size {layers} or fewer.")
     if config.parallel.tp_size > 1:
-        _check_tp_size(hf, str(config.load.model), config.parallel.tp_size)
+        _check_tp_size(facts, config.parallel.tp_size)
 
 
-def _check_tp_size(hf, model_dir: str, size: int) -> None:
+def _check_tp_size(facts, size: int) -> None:
     """The ranks must split the model's heads, vocabulary and MLP: name the sizes that do."""
     from .model.loader import _architecture
     from .model.registry import get_model_class
     from .parallel import tp
-    model_cls = get_model_class(_architecture(hf, model_dir))
+    hf = facts.hf
+    model_cls = get_model_class(_architecture(hf, facts.path))
     try:
         tp.check_model(hf, model_cls, size)
     except ValueError as exc:
-        fits = [n for n in range(1, hf.num_attention_heads + 1) if _tp_fits(hf, model_cls, n)]
+        fits = [n for n in range(1, facts.heads + 1) if _tp_fits(hf, model_cls, n)]
         if fits == [1]:
             raise
-        heads, kv_heads = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        raise ValueError(f"--tp-size {size} cannot split this model ({heads} attention heads, {kv_heads} KV heads, "
-                         f"{hf.vocab_size} vocabulary entries); use --tp-size "
+        raise ValueError(f"--tp-size {size} cannot split this model ({facts.heads} attention heads, {facts.kv_heads} "
+                         f"KV heads, {facts.vocab} vocabulary entries); use --tp-size "
                          f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}.") from exc
 
 
@@ -237,11 +237,11 @@ def _worker_role(config: EngineConfig) -> int | None:
     if not (env and env["rank"] > 0) and config.cluster.node_rank == 0:
         return None
     # below: a stage or headless node only (these import torch; `serve`'s HTTP front process never does)
-    from .checkpoint import eos_token_ids_of, load_hf_config
+    from .checkpoint.facts import read_facts
     from .executor.generations import run_headless
     from .executor.hygiene import exit_now
     model_dir = str(config.load.model)        # resolved by config_from_args
-    eos_ids = eos_token_ids_of(model_dir, load_hf_config(model_dir))
+    eos_ids = read_facts(model_dir).eos_token_ids
     if env and env["rank"] > 0:
         from .executor.netif import master_ip
         from .executor.stage_proc import stage_main
@@ -304,7 +304,7 @@ def build_kernels(config: EngineConfig) -> None:
     the built libraries in the shared cache."""
     if config.load.resolved_device != "cpu":
         return
-    from .checkpoint import gguf_file_of
+    from .checkpoint.files import gguf_file_of
     from .kernels import attention, build, gemm, quant_kernels
     before = len(build.built_seconds)
     gemm.available()
@@ -464,19 +464,19 @@ def _steps_text(replayed: int, eager: int, waited_s: float | None, prefill_graph
 
 
 def cmd_plan(args) -> int:
-    from .runtime.plan_report import plan_report
+    from .planning.report import plan_report
     config = config_from_args(args)
     if args.cluster:
-        from .checkpoint import load_hf_config
-        from .runtime.cluster_plan import cluster_report, parse_cluster
+        from .checkpoint.facts import read_facts
+        from .planning.cluster import cluster_report, parse_cluster
         assert config.load.model is not None, "resolved by config_from_args"
-        print(cluster_report(config, load_hf_config(config.load.model), parse_cluster(args.cluster)))
+        print(cluster_report(config, read_facts(config.load.model), parse_cluster(args.cluster)))
         return 0
     print(plan_report(config))
     if args.measure_rate:
         import torch
 
-        from .runtime.stage_cost import measure_node_rate
+        from .planning.stage_cost import measure_node_rate
         from .runtime.threads import thread_choice
         threads, _ = thread_choice(config)
         torch.set_num_threads(threads)

@@ -302,10 +302,11 @@ class RecoveryConfig:
     node_rejoin_timeout_s: float = flag(60.0, "after a failure, seconds a rebuild waits for a remote node to rejoin; "
                                         "then its stages move to node 0 if its memory holds them (else the "
                                         "engine fails); the node gets them back at a later rebuild")
-    pipeline_spares: bool = flag(True, "keep one started, idle process per local stage ready to replace a failed "
-                                 "one (rebuilds skip seconds of process start-up; ~300 MB of memory each)")
-    pipeline_spares_delay_s: float = flag(30.0, "start the spare stage processes this long after the pipeline is "
-                                          "up (short runs never pay for them); after a rebuild at once")
+    pipeline_spares: bool = flag(True, "keep a warm process per node (torch and the engine imported) that forks "
+                                 "each stage in milliseconds, for any layer range (starts and rebuilds skip the "
+                                 "imports); off: every stage process is spawned and imports on its own")
+    pipeline_spares_delay_s: float = flag(30.0, "no effect since stages fork from the node's warm process from the "
+                                          "first pipeline on (kept so that older command lines run)")
 
     def __post_init__(self):
         if not isinstance(self.max_pipeline_restarts, int) or self.max_pipeline_restarts < 0:

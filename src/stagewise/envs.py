@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 KERNEL_MODES = ("auto", "required", "off")
+KERNEL_ISAS = ("native", "avx2", "portable")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,13 @@ def _kernels(raw: str | None) -> str:
     value = (raw or "auto").strip().lower() or "auto"
     if value not in KERNEL_MODES:
         raise ValueError(f"STAGEWISE_KERNELS must be one of {', '.join(KERNEL_MODES)}, got {raw!r}.")
+    return value
+
+
+def _kernel_isa(raw: str | None) -> str:
+    value = (raw or "native").strip().lower() or "native"
+    if value not in KERNEL_ISAS:
+        raise ValueError(f"STAGEWISE_KERNEL_ISA must be one of {', '.join(KERNEL_ISAS)}, got {raw!r}.")
     return value
 
 
@@ -78,6 +86,11 @@ VARIABLES: tuple[Variable, ...] = (
              "the C kernels: `auto` uses them and falls back to PyTorch's ops (one log line) where one cannot be "
              "built; `required` makes that an error, as is a build missing an instruction set the CPU has (CI "
              "sets it); `off` runs PyTorch's ops everywhere", _kernels),
+    Variable("STAGEWISE_KERNEL_ISA", "`native` \\| `avx2` \\| `portable`", "`native`",
+             "the instruction set the C kernels are built for: `native` this CPU's (`-march=native`); `avx2` "
+             "x86-64-v3 (AVX2, FMA, F16C: no AVX-512, no AMX) and `portable` the x86-64 baseline (no AVX), each "
+             "as on a CPU that has no more, for testing every build on one machine ([Kernels](kernels.md)); "
+             "a build this CPU cannot run fails as any build does", _kernel_isa),
     Variable("STAGEWISE_CPU_KERNELS", "`0`", "unset",
              "the older spelling of `STAGEWISE_KERNELS=off` (wins when set to `0`)", _on_unless_zero),
     Variable("STAGEWISE_PACKED_WEIGHTS", "`0`", "unset (packed)",
@@ -122,6 +135,7 @@ _BY_NAME = {v.name: v for v in VARIABLES}
 if TYPE_CHECKING:
     STAGEWISE_CACHE: Path
     STAGEWISE_KERNELS: str
+    STAGEWISE_KERNEL_ISA: str
     STAGEWISE_CPU_KERNELS: bool
     STAGEWISE_PACKED_WEIGHTS: bool
     STAGEWISE_PIN_THREADS: bool

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 import transformers as tf
 
-from stagewise.checkpoint import load_hf_config
+from stagewise.checkpoint.facts import facts_of_config, read_facts
 from stagewise.config import EngineConfig
 from stagewise.engine.balance import ChunkCosts, DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
 from stagewise.engine.block_manager import BlockManager
@@ -19,8 +19,8 @@ from stagewise.model.loader import _architecture
 from stagewise.model.registry import get_model_class
 from stagewise.parallel.partition import balanced_partition, partition_layers, stage_costs
 from stagewise.plan import StepResult
+from stagewise.planning.stage_cost import cost_model, resolve_partition
 from stagewise.request import FinishReason, Request, SamplingParams
-from stagewise.runtime.stage_cost import cost_model, resolve_partition
 
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 
@@ -58,14 +58,14 @@ def test_even_and_explicit_rules_are_unchanged():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_partitions_are_valid_for_every_family(tiny_model_dirs, family):
     model_dir = str(tiny_model_dirs[family])
-    hf = load_hf_config(model_dir)
-    n = hf.num_hidden_layers
+    facts = read_facts(model_dir)
+    n = facts.num_layers
     for pp in range(2, n + 1):
-        sizes = resolve_partition(EngineConfig.from_kwargs(model=model_dir, pp_size=pp), hf)
+        sizes = resolve_partition(EngineConfig.from_kwargs(model=model_dir, pp_size=pp), facts)
         assert len(sizes) == pp and all(s >= 1 for s in sizes) and sum(sizes) == n
     explicit = tuple([1] * (n - 1) + [1]) if n == 2 else (n - 1, 1)
     given = EngineConfig.from_kwargs(model=model_dir, pp_size=2, pp_layer_partition=explicit)
-    assert resolve_partition(given, hf) == explicit
+    assert resolve_partition(given, facts) == explicit
 
 
 def _heavy_head(family: str, tied: bool):
@@ -81,21 +81,21 @@ def _heavy_head(family: str, tied: bool):
 def test_a_heavy_head_gets_fewer_layers_on_the_last_stage(family, tied):
     hf = _heavy_head(family, tied)
     cls = get_model_class(_architecture(hf, "heavy"))
-    model = cost_model(hf, cls, __import__("torch").float32)
+    model = cost_model(facts_of_config(hf), cls, __import__("torch").float32)
     sizes = model.partition(2)
     assert sizes[-1] < sizes[0], sizes
     even = (4, 4)
     assert max(model.stage_costs(sizes)) < max(model.stage_costs(even))
     # the head is V x H multiply-adds per sampled row, whether tied or not
     assert model.last_extra >= 32000 * 64
-    prefill = cost_model(hf, cls, __import__("torch").float32, mix="prefill", chunk_len=512)
+    prefill = cost_model(facts_of_config(hf), cls, __import__("torch").float32, mix="prefill", chunk_len=512)
     assert prefill.last_extra < model.last_extra / 100        # one sampled row per chunk
     assert sum(prefill.partition(2)) == 8
 
 
 def test_cost_model_counts_layer_weights():
     hf = _heavy_head("llama", False)
-    model = cost_model(hf, LlamaForCausalLM, __import__("torch").float32)
+    model = cost_model(facts_of_config(hf), LlamaForCausalLM, __import__("torch").float32)
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64      # q, o, k, v, mlp, two norms
     assert model.layer_costs[0] == pytest.approx(per_layer + 2 * 256 * 64)   # + attention over 256 (512 / 2)
     costs = model.stage_costs((6, 2))

@@ -48,8 +48,9 @@ def test_in_order_decode_attention_equals_the_general_path():
 
 
 def test_dtype_auto_keeps_small_models_in_float32(llama_dir):
-    from stagewise.model.loader import load_hf_config, resolve_dtype
-    config = load_hf_config(llama_dir)
+    from stagewise.checkpoint.facts import read_facts
+    from stagewise.model.loader import resolve_dtype
+    config = read_facts(llama_dir).hf
     assert resolve_dtype("auto", config, "cpu") == torch.float32            # hidden 64
     config.hidden_size = 256
     cpuinfo = Path("/proc/cpuinfo")

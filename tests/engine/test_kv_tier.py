@@ -12,6 +12,8 @@ import stat
 import torch
 
 from stagewise.engine.block_manager import BlockManager
+from stagewise.planning import memory
+from stagewise.planning.report import budget_line
 from stagewise.request import Request, SamplingParams
 from stagewise.runtime import kv_disk
 from stagewise.runtime.kv_disk import HEADER, DiskTier, model_identity
@@ -174,13 +176,13 @@ def test_the_budget_splits_by_layers_and_plan_says_so(tmp_path):
     from stagewise.config import EngineConfig
     from stagewise.parallel.partition import StageInfo
     config = EngineConfig.from_kwargs(kv_cache_disk="3GiB", kv_cache_dir=str(tmp_path))
-    assert kv_disk.disk_tier_on(config) and kv_disk.kv_dir(config) == tmp_path
+    assert memory.disk_tier_on(config) and memory.kv_dir(config) == tmp_path
     assert kv_disk.stage_budget(config, StageInfo(0, 2, 0, 10, 30)) == 1 << 30
-    assert f"3.00 GiB in {tmp_path}" in kv_disk.budget_line(config)
-    assert "off" in kv_disk.budget_line(EngineConfig())
+    assert f"3.00 GiB in {tmp_path}" in budget_line(config)
+    assert "off" in budget_line(EngineConfig())
     assert EngineConfig.from_kwargs(kv_cache_disk=0).cache.kv_cache_disk is None
-    assert not kv_disk.disk_tier_on(config.replace(tp_size=2))
-    assert "tensor parallelism" in kv_disk.budget_line(config.replace(tp_size=2))
+    assert not memory.disk_tier_on(config.replace(tp_size=2))
+    assert "tensor parallelism" in budget_line(config.replace(tp_size=2))
 
 
 def test_the_scheduler_books_a_probe_then_runs_from_what_every_stage_read():

@@ -4,10 +4,11 @@ import pytest
 import torch
 from tape import TapeBackend
 
+from stagewise.checkpoint.facts import read_facts
 from stagewise.graph.policy import decide_verdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
 from stagewise.model.attention import AttentionMetadata, ForwardBatch
-from stagewise.model.loader import load_hf_config, load_model
+from stagewise.model.loader import load_model
 from stagewise.parallel.partition import stage_infos
 from stagewise.parallel.proxy import ProxyTensors
 
@@ -18,7 +19,7 @@ class GraphPipeline:
     """Every stage of a checkpoint in this process, each behind its own StageGraphRunner."""
 
     def __init__(self, model_dir, pp_size, emulation):
-        num_layers = load_hf_config(model_dir).num_hidden_layers
+        num_layers = read_facts(model_dir).num_layers
         # a short explicit list keeps tape capture quick; 47 tokens -> 48, 21 -> 24
         self.policy = resolve_graph_policy("breakable", buckets=[8, 24, 48], pp_size=pp_size, device_type="cpu",
                                            decode_graph=True, decode_graph_max_bs=4)

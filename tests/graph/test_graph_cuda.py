@@ -75,10 +75,11 @@ def test_cuda_breakable_segments_per_layer_and_decode_full():
 
 
 def test_cuda_pp2_checkpoint_greedy_matches_hf(llama_dir, hf_greedy):
+    from stagewise.checkpoint.facts import read_facts
     from stagewise.model.attention import AttentionMetadata, ForwardBatch
-    from stagewise.model.loader import load_hf_config, load_model
+    from stagewise.model.loader import load_model
     from stagewise.parallel.partition import stage_infos
-    n_layers = load_hf_config(llama_dir).num_hidden_layers
+    n_layers = read_facts(llama_dir).num_layers
     policy = resolve_graph_policy("breakable", chunked_prefill_size=64, pp_size=2, device_type="cuda",
                                   decode_graph=True, decode_graph_max_bs=4)
     stages = []

@@ -1,7 +1,8 @@
 """The kernel build: a cache directory on another filesystem than $TMPDIR, the switch
 (`STAGEWISE_KERNELS` / `STAGEWISE_CPU_KERNELS`), a missing and a broken compiler (the compiler's own
-output logged, or raised under `required`), the compiler in the cache key, and an instruction set
-the compiler left out. Most cases build `isa.c` alone (`library(name, [])`): a tenth of a second."""
+output logged, or raised under `required`), the compiler in the cache key, an instruction set
+the compiler left out, and the forced builds of `STAGEWISE_KERNEL_ISA`. Most cases build `isa.c`
+alone (`library(name, [])`): a tenth of a second."""
 import logging
 import os
 import stat
@@ -18,6 +19,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_logged", set())
     monkeypatch.setenv("STAGEWISE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("STAGEWISE_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("STAGEWISE_KERNEL_ISA", raising=False)
     monkeypatch.setenv("STAGEWISE_KERNELS", "auto")
 
 
@@ -125,3 +127,40 @@ def test_an_instruction_set_the_cpu_has_but_the_build_lacks(monkeypatch, tmp_pat
         build.library("old", [])
     monkeypatch.setenv("CC", "cc")
     assert build.library("current", []) is not None            # the real compiler misses nothing
+
+
+@pytest.mark.parametrize("isa,has", [("avx2", {"avx2", "fma", "f16c"}), ("portable", set())])
+def test_a_forced_build_is_what_that_cpu_would_build(monkeypatch, isa, has):
+    """`STAGEWISE_KERNEL_ISA` builds (and caches apart) the library of a CPU with no more than that
+    instruction set, and `cpu_flags()` reports what such a CPU has; the native build is unchanged."""
+    if build.isa_runs_here(isa):
+        pytest.skip(f"this machine cannot run the {isa} build: {build.isa_runs_here(isa)}")
+    native = build.library("forced", [])
+    monkeypatch.setenv("STAGEWISE_KERNEL_ISA", isa)
+    lib = build.library("forced", [])
+    assert lib is not None and build.isa_of(lib) == has
+    assert not {f for f in build.cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni"))}
+    assert ({"avx2", "fma", "f16c"} & build.cpu_flags()) == has and not build.native_bf16()
+    assert len(list(build.cache_dir().glob("forced_*.so"))) == 2 and native is not lib
+    monkeypatch.setenv("STAGEWISE_KERNEL_ISA", "native")
+    assert build.library("forced", []) is native and build.cpu_flags() == build.machine_flags()
+
+
+def test_a_build_the_cpu_cannot_run_is_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(build, "machine_flags", lambda: frozenset({"sse2"}))
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("STAGEWISE_KERNEL_ISA", "avx2")
+    with caplog.at_level(logging.WARNING, logger="stagewise.kernels"):
+        assert build.library("cannot", []) is None
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+        "CPU kernels unavailable: STAGEWISE_KERNEL_ISA=avx2 cannot run here: this CPU lacks avx2, fma, f16c"]
+    monkeypatch.setattr(build, "_libs", {})
+    monkeypatch.setenv("STAGEWISE_KERNELS", "required")
+    with pytest.raises(build.KernelError, match="this CPU lacks avx2, fma, f16c"):
+        build.library("cannot", [])
+
+
+def test_a_bad_isa_is_one_sentence(monkeypatch):
+    monkeypatch.setenv("STAGEWISE_KERNEL_ISA", "avx9")
+    with pytest.raises(ValueError, match="STAGEWISE_KERNEL_ISA must be one of native, avx2, portable, got 'avx9'"):
+        build.library("bad", [])

@@ -1,7 +1,7 @@
 """The small-row CPU linear kernel against `F.linear`: every row count the tiles cover (full and
 partial weight tiles, blocks of four rows), biases, bf16 weights, strided activation rows, batch invariance, and
 the dispatch that keeps MKL from `MAX_ROWS` rows up and for what the kernel does not serve; the
-packed bf16 kernel (native bf16 CPUs) likewise, and packing layers in place."""
+packed kernels likewise (any N; a weight's row slices give the whole's bits), and packing layers in place."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,16 +97,7 @@ def test_the_compiled_op_picks_by_rows_at_run_time():
 
 # --- prepacked weights ----------------------------------------------------------------------
 
-def _packs(dtype):
-    """Skip where the CPU lacks the packed kernel's instructions (not where the kernel failed to build)."""
-    flags = build.cpu_flags()
-    has = build.native_bf16() if dtype == torch.bfloat16 else {"avx2", "fma"} <= flags or "avx512f" in flags
-    return pytest.mark.skipif(not has,
-                              reason=f"no packed {dtype} kernel on this CPU (bf16: AVX512-BF16; fp32: AVX2 FMA)")
-
-
-needs_packed = _packs(torch.bfloat16)
-DTYPES = [pytest.param(dtype, marks=_packs(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+DTYPES = [torch.bfloat16, torch.float32]          # every build has the packed kernels of both
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,8 +134,40 @@ def test_packed_kernel_equals_f_linear(rows, n, k, dtype):
         torch.testing.assert_close(wide, F.linear(x.float(), w.float(), b.float()), atol=1e-4 * k ** 0.5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_any_n_and_its_shards_give_the_whole_weights_bits(dtype):
+    """A weight of any N packs (the last panel's columns past its last vector one by one, the same
+    chain per output; bf16 pairs excepted, N % 16 == 0), and its row slices, packed apart as
+    tensor-parallel ranks hold them, give each output the bits of the whole weight's."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 64, generator=gen).to(dtype)
+    for n in (1000, 37, 11, 1):
+        w, b = torch.randn(n, 64, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+        if not cpu_gemm.packable(w):
+            assert cpu_gemm.layout(dtype)[1] == 2 and n % 16, (n, cpu_gemm.layout(dtype))
+            continue
+        whole = cpu_gemm.linear_packed(x, cpu_gemm.pack(w), b)
+        torch.testing.assert_close(whole.float(), F.linear(x.float(), w.float(), b.float()),
+                                   **(dict(atol=0.05, rtol=1e-2) if dtype == torch.bfloat16 else {}))
+        for cut in {n // 2, n // 3}:
+            parts = [cpu_gemm.linear_packed(x, cpu_gemm.pack(w[s].contiguous()), b[s])
+                     for s in (slice(0, cut), slice(cut, n)) if s.stop > s.start]
+            assert torch.equal(torch.cat(parts, dim=1), whole), (n, cut)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_head_embedding_of_any_vocabulary_packs(dtype):
+    """A tied head's Embedding packs whatever its row count; lookups gather each token's row out of
+    the packed layout, the narrower last panel too."""
+    for n in (1000, 16 * 3 + 5):
+        emb = layers.Embedding(n, 64, dtype=dtype).requires_grad_(False)
+        emb.serves_head = True
+        ref = emb.weight.clone()
+        ids = torch.tensor([[0, n - 1, n // 2], [n - 2, 17, 1]])
+        assert emb.pack_() == cpu_gemm.packable(ref) and torch.equal(emb(ids), ref[ids])
+
+
 @pytest.mark.slow
-@needs_packed
 def test_layers_pack_in_place_and_the_compiled_op_matches(monkeypatch):
     """`pack_linears` reorders a Linear's weight (and a head-serving Embedding's) in its own
     storage; outputs and token lookups stay what they were, eager and under torch.compile."""

@@ -19,10 +19,10 @@ ISAS = {"avx512_vnni", "avx512", "avx_vnni", "avx2_vnni", "avx2", "portable", "a
 
 
 def _load(model_dir, quantization=None, dtype="float32"):
-    from stagewise.checkpoint import load_hf_config, num_layers_of
+    from stagewise.checkpoint.facts import read_facts
     from stagewise.model.loader import load_model
     from stagewise.parallel.partition import StageInfo
-    stage = StageInfo.single(num_layers_of(load_hf_config(model_dir), model_dir))
+    stage = StageInfo.single(read_facts(model_dir).num_layers)
     return load_model(model_dir, stage, dtype, quantization=quantization)
 
 

@@ -16,7 +16,7 @@ import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "olmo2": "olmo2",
-             "granite": "granite", "smollm3": "smollm3"}
+             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -65,6 +65,14 @@ def _write_hparams(writer, config, arch: str) -> None:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         if getattr(config, "clip_qkv", None) is not None:
             writer.add_clamp_kqv(config.clip_qkv)
+    if arch == "gpt-oss":      # what llama.cpp's GptOssModel converter writes besides
+        import gguf
+        rope = config.rope_parameters
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _llama3_rope_freqs(config) -> np.ndarray | None:

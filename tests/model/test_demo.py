@@ -7,15 +7,16 @@ import json
 import torch
 from transformers import AutoTokenizer
 
+from stagewise.checkpoint.facts import read_facts
 from stagewise.model.demo import build_demo_model, default_demo_dir, ensure_demo_model
-from stagewise.model.loader import load_hf_config, load_model
+from stagewise.model.loader import load_model
 from stagewise.parallel.partition import StageInfo
 
 
 def test_demo_model_builds_and_runs(tmp_path, eager_pipeline):
     path = build_demo_model(tmp_path / "demo")
     tok = AutoTokenizer.from_pretrained(path)
-    config = load_hf_config(path)
+    config = read_facts(path).hf
     assert config.vocab_size == len(tok) and config.num_hidden_layers == 4
     assert config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|eos|>")
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == config.eos_token_id

@@ -22,8 +22,8 @@ def dense_dir(request):
 def _prompts(model_dir) -> list[list[int]]:
     """The prompts transformers rotates as we do: with long-rope beyond the original length, those
     longer than it (transformers uses the short factors within it, see LongRopeEmbedding)."""
+    from stagewise.checkpoint.files import load_hf_config
     from stagewise.model.layers import rope_parameters
-    from stagewise.model.loader import load_hf_config
     params = rope_parameters(load_hf_config(model_dir))
     if params["rope_type"] != "longrope":
         return PROMPTS
@@ -117,8 +117,8 @@ def test_gemma3_window_layers_refuse_graph_batches(gemma3_dir, eager_pipeline):
 
 
 def test_gemma3_attention_soft_capping_is_refused_in_one_sentence(gemma3_dir):
+    from stagewise.checkpoint.files import load_hf_config
     from stagewise.model.llama_dense import Gemma3ForCausalLM
-    from stagewise.model.loader import load_hf_config
     from stagewise.parallel.partition import stage_infos
     config = load_hf_config(gemma3_dir)
     config.attn_logit_softcapping = 50.0
@@ -166,7 +166,7 @@ def test_gguf_matches_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager
     as HF's) and `granite` (the multipliers as embedding/residual/logit/attention scales, q/k rows
     permuted), `smollm3` (q/k rows permuted, every 4th layer without rope as llama.cpp fixes it);
     Q8_0 against transformers on the file's dequantized values."""
-    from stagewise.checkpoint import load_hf_config as config_of
+    from stagewise.checkpoint.files import load_hf_config as config_of
     model_dir = request.getfixturevalue(f"{family}_dir")
     path = tiny_gguf(family, qtype)
     ref = model_dir if qtype == "F32" else gguf_tools.dequantized_hf_dir(model_dir, tmp_path / "dq", qtype)
@@ -191,7 +191,7 @@ def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eage
 
 @pytest.mark.parametrize("family", ["olmo2", "phi3"])
 def test_families_without_tensor_parallelism_refuse_it_in_one_sentence(family, request):
-    from stagewise.model.loader import load_hf_config
+    from stagewise.checkpoint.files import load_hf_config
     from stagewise.model.registry import get_model_class
     from stagewise.parallel import tp
     config = load_hf_config(request.getfixturevalue(f"{family}_dir"))

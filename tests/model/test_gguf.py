@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stagewise import LLM, SamplingParams
-from stagewise.checkpoint import eos_token_ids_of, load_hf_config, load_tokenizer
+from stagewise.checkpoint.files import eos_token_ids_of, load_hf_config, load_tokenizer
 from stagewise.cli import main
 from stagewise.config import cache_root
 from stagewise.model import gguf as gguf_loader
@@ -52,7 +52,7 @@ def test_quantized_gguf_logits_match_hf_on_dequantized_weights(family, qtype, ti
 
 def test_held_quantized_reads_the_block_matrices_types(tiny_gguf):
     """What `--prefill-graph auto` on CPU asks of a GGUF file (graph/policy.py): quantized-kernel types run eager."""
-    from stagewise.gguf_meta import held_quantized
+    from stagewise.checkpoint.gguf_meta import held_quantized
     assert held_quantized(tiny_gguf("llama", "Q8_0")) == "Q8_0" and held_quantized(tiny_gguf("llama", "Q4_1")) == "Q4_1"
     assert held_quantized(tiny_gguf("llama", "F32")) is None and held_quantized(tiny_gguf("llama", "F16")) is None
 
@@ -152,7 +152,7 @@ def _write_variant(tools, llama_dir, out: Path, arch: str | None = None, bad_typ
     ("truncated", "is truncated or damaged"),
     ("not_gguf", "is not a GGUF file"),
     ("unknown_arch", "holds a 'phi3' model, which stagewise cannot run from GGUF; supported GGUF architectures: "
-                     "gpt2, granite, llama, olmo2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe, smollm3."),
+                     "gpt-oss, gpt2, granite, llama, olmo2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe, smollm3."),
     ("bad_quant", "Tensor blk.0.attn_q.weight in .* is stored as Q8_1, which stagewise cannot dequantize"),
 ])
 def test_bad_gguf_gets_one_sentence(case, message, tiny_gguf, llama_dir, tmp_path, capsys, gguf_tools):

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from stagewise import gguf_meta
+from stagewise.checkpoint import gguf_meta
 from stagewise.model.source import default_model_path
 
 
@@ -56,7 +56,7 @@ def test_large_tokenizer_arrays_are_skipped_not_built(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     # measured in a fresh process: tracemalloc counts every thread's allocations (this one's may run engines)
-    measure = ("import sys, tracemalloc, gguf; from stagewise import gguf_meta; tracemalloc.start(); "
+    measure = ("import sys, tracemalloc, gguf; from stagewise.checkpoint import gguf_meta; tracemalloc.start(); "
                "facts = gguf_meta._gguf_facts_uncached(sys.argv[1], int(sys.argv[2])); "
                "print(tracemalloc.get_traced_memory()[1], facts.meta['llama.block_count'], len(facts.meta))")
     done = subprocess.run([sys.executable, "-c", measure, str(path), str(path.stat().st_size)], check=True,

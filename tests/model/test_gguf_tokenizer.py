@@ -14,12 +14,12 @@ import gguf
 import jinja2
 import pytest
 
-from stagewise.checkpoint import load_hf_config, load_tokenizer
+from stagewise.checkpoint.files import load_hf_config, load_tokenizer
+from stagewise.checkpoint.gguf_meta import config_fields_from_gguf
+from stagewise.checkpoint.saved_tokenizer import SavedTokenizer
 from stagewise.config import cache_root
-from stagewise.gguf_meta import config_fields_from_gguf
 from stagewise.model.layers import rope_parameters
 from stagewise.model.source import ensure_default_model
-from stagewise.saved_tokenizer import SavedTokenizer
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 MISSING = object()

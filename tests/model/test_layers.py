@@ -34,8 +34,8 @@ def test_rope_parameters_reads_old_and_new_styles():
     plain = SimpleNamespace(rope_theta=1e4, rope_scaling=None)
     assert rope_parameters(new) == rope_parameters(old) == {"rope_theta": 5e5, **LLAMA3}
     assert rope_parameters(plain) == {"rope_theta": 1e4, "rope_type": "default"}
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(16, {"rope_theta": 1e4, "rope_type": "yarn"})
+    with pytest.raises(ValueError, match="'dynamic' is not supported; supported: .*yarn"):
+        rope_inv_freq(16, {"rope_theta": 1e4, "rope_type": "dynamic"})
 
 
 def test_rms_norm_fused_add():

@@ -11,14 +11,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from stagewise.checkpoint.facts import read_facts
 from stagewise.kernels.gemm import pack
 from stagewise.model.layers import StagePlaceholder
-from stagewise.model.loader import load_hf_config, load_model, resolve_dtype
+from stagewise.model.loader import load_model, resolve_dtype
 from stagewise.parallel.partition import StageInfo, stage_infos
 
 
 def _stages(model_dir, pp_size):
-    n = load_hf_config(model_dir).num_hidden_layers
+    n = read_facts(model_dir).num_layers
     return [load_model(model_dir, info, torch.float32) for info in stage_infos(n, pp_size)]
 
 
@@ -38,7 +39,7 @@ def test_stage_layout_keeps_global_ids(llama_dir):
 
 
 def test_loaded_model_is_eval_and_frozen(family_dir):
-    model = load_model(family_dir, StageInfo.single(load_hf_config(family_dir).num_hidden_layers), "auto")
+    model = load_model(family_dir, StageInfo.single(read_facts(family_dir).num_layers), "auto")
     assert not model.training
     assert all(not p.requires_grad for p in model.parameters())
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
@@ -47,7 +48,7 @@ def test_loaded_model_is_eval_and_frozen(family_dir):
 def test_stage_parameters_sum_to_whole(family_dir):
     whole = _num_params(_stages(family_dir, 1)[0])
     split = _stages(family_dir, 2)
-    config = load_hf_config(family_dir)
+    config = read_facts(family_dir).hf
     tied = bool(getattr(config, "tie_word_embeddings", False))
     duplicate = config.vocab_size * config.hidden_size if tied else 0  # the last stage's copy of the embedding
     assert sum(_num_params(m) for m in split) == whole + duplicate
@@ -172,7 +173,7 @@ def test_stage_for_wrong_layer_count(llama_dir):
 
 
 def test_resolve_dtype(llama_dir):
-    config = load_hf_config(llama_dir)
+    config = read_facts(llama_dir).hf
     assert resolve_dtype("auto", config, "cpu") == torch.float32
     config.dtype = torch.bfloat16
     assert resolve_dtype("auto", config, "cuda") == torch.bfloat16

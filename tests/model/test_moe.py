@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stagewise.checkpoint.files import load_hf_config
 from stagewise.model import moe
 from stagewise.model.attention import AttentionMetadata
-from stagewise.model.loader import load_hf_config, load_model
+from stagewise.model.loader import load_model
 from stagewise.parallel.partition import StageInfo
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
@@ -128,7 +129,7 @@ def test_the_plan_counts_every_expert_as_held(qwen3_moe_dir, tiny_gguf):
     """Memory: the planner's per-layer bytes (`stagewise plan`, the cluster plan) hold all of a layer's
     experts, float or in the file's quantized type; a dense layer holds its MLP."""
     from stagewise.model.quantized import weight_bytes
-    from stagewise.runtime.plan_report import ModelBytes
+    from stagewise.planning.report import ModelBytes
     config = load_hf_config(qwen3_moe_dir)
     h, experts, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
     attention = (64 + 2 * 32 + 64) * h + 2 * 16 + 2 * h            # q, k, v, o, q/k norms, two layer norms
@@ -153,7 +154,7 @@ def test_unsupported_architecture_names_itself_and_the_supported_list():
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_f32_gguf_matches_hf_at_pp1_and_pp2(family, request, tiny_gguf, eager_pipeline, hf_logits, hf_greedy):
-    from stagewise.checkpoint import load_hf_config as config_of
+    from stagewise.checkpoint.files import load_hf_config as config_of
     model_dir, path = request.getfixturevalue(f"{family}_dir"), tiny_gguf(family)
     assert config_of(path).architectures == config_of(model_dir).architectures
     for pp in (1, 2):
@@ -207,7 +208,7 @@ def test_mixtral_gguf_with_one_tensor_per_expert_matches_hf(mixtral_dir, tmp_pat
 def test_the_expert_count_key_is_gguf_pys():
     from gguf.constants import Keys
 
-    from stagewise.gguf_meta import EXPERT_COUNT_KEY
+    from stagewise.checkpoint.gguf_meta import EXPERT_COUNT_KEY
     assert EXPERT_COUNT_KEY == Keys.LLM.EXPERT_COUNT
 
 

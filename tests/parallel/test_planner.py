@@ -1,4 +1,4 @@
-"""The partition planner (parallel/planner.py): every stage fits its node, the slowest stage is as
+"""The partition planner (planning/planner.py): every stage fits its node, the slowest stage is as
 fast as possible, too-small nodes are left out, and what is missing is said in one sentence."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from stagewise.parallel.partition import balanced_partition
-from stagewise.parallel.planner import ModelNeeds, Node, plan_partition
+from stagewise.planning.planner import ModelNeeds, Node, plan_partition
 
 MIB = 1 << 20
 
@@ -46,7 +46,7 @@ def test_a_fast_node_gets_more_work():
 
 
 def test_a_node_too_small_is_left_out_with_one_line(caplog):
-    from stagewise.runtime.cluster_plan import NodeReport, left_out_reason, nodes_of
+    from stagewise.planning.cluster import NodeReport, left_out_reason, nodes_of
     n = needs()
     nodes = [Node(2000 * MIB), Node(1500 * MIB), Node(100 * MIB)]
     plan = plan_partition(n, nodes)

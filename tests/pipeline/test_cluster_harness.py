@@ -61,7 +61,7 @@ def test_links_have_their_delay_and_rate_and_keep_order(cluster, probe_server, n
 
 
 def test_a_node_sees_its_memory_limit_and_is_held_to_it(cluster):
-    code = ("from stagewise.runtime.memory import available_bytes, cgroup_available; "
+    code = ("from stagewise.planning.memory import available_bytes, cgroup_available; "
             "print(cgroup_available(), available_bytes())")
     res = _python(cluster, 1, code)
     assert res.returncode == 0, res.stderr

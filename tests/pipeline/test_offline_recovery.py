@@ -34,8 +34,8 @@ def reference(healing_llm):
 
 @pytest.fixture(scope="module")
 def healing_llm(llama_dir):
-    """A PP=2 LLM whose stages (those it starts later too) crash on CRASH_TOKEN, with its spare
-    stage processes warm (as they are a few seconds after start-up)."""
+    """A PP=2 LLM whose stages (those it starts later too) crash on CRASH_TOKEN, forked from its
+    warm process (which took the variable from this process when it forked them)."""
     old = os.environ.get("STAGEWISE_TEST_CRASH_TOKEN")
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)      # the stages inherit it
     try:
@@ -52,10 +52,11 @@ def healing_llm(llama_dir):
 
 
 def _wait_spares(llm, timeout_s: float = 60) -> None:
-    llm.engine.step()                     # starts the spares (they are due at once here)
+    llm.engine.step()
     deadline = time.monotonic() + timeout_s
-    while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
+    while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert llm.stats()["recovery"]["spares_ready"] == 1      # the warm process that forked the stages
 
 
 def _kill_after(llm, steps: int, stage: int, signum: int = signal.SIGKILL, sent: dict | None = None) \
@@ -112,7 +113,7 @@ def test_a_stage_that_stops_answering_is_found_by_its_heartbeats(healing_llm, re
 
 def test_a_crash_loop_fails_after_the_restart_limit(healing_llm):
     """A request that kills stage 1 whenever it runs: one rebuild (the limit here), and the second
-    failure ends the engine as a failure without recovery does (the spares may still be starting)."""
+    failure ends the engine as a failure without recovery does."""
     llm = healing_llm
     llm.engine.supervisor.restarts.times.clear()
     t0 = time.monotonic()

@@ -33,8 +33,8 @@ from stagewise.graph.policy import GraphVerdict
 from stagewise.parallel.codec import WireError
 from stagewise.parallel.transport import MAGIC, PREFIX, Link, LinkError
 from stagewise.plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
+from stagewise.planning.memory import MemoryPlan
 from stagewise.request import SamplingParams, StructuredOutputs, TokenLogprob
-from stagewise.runtime.memory import MemoryPlan
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "stagewise"
 ids = st.lists(st.integers(0, 2**31), max_size=12)

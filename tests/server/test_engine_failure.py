@@ -72,7 +72,8 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.steps, self.die_at_step, self.bug, self.shut_down = 0, die_at_step, bug, False
 
-    def add_request(self, prompt=None, params=None, *, prompt_token_ids=None, input_embeds=None, request_id=None):
+    def add_request(self, prompt=None, params=None, *, prompt_token_ids=None, input_embeds=None, request_id=None,
+                    tenant=None):
         with self.lock:
             self.inbox.append(("add", (request_id, prompt_token_ids, params)))
 

@@ -5,8 +5,8 @@ SIGKILLed: every request ends with its normal finish reason, the streamed text e
 run (nothing repeated or changed), /health is 503 `recovering` during the rebuild and 200 after, and
 /metrics counts the rebuilds by cause. A request that crashes the pipeline each time it runs (the
 stage test hook STAGEWISE_TEST_CRASH_TOKEN) fails alone after two crashes; the others finish. Real
-processes and signals; stage processes are found by name (stagewise-st0, stagewise-st1,
-stagewise-spare)."""
+processes and signals; stage processes are found by name (stagewise-st0, stagewise-st1, and
+stagewise-warm: the warm process they fork from)."""
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +41,7 @@ def server(llama_dir, tmp_path_factory, launch):
     os.environ["STAGEWISE_TEST_CRASH_TOKEN"] = str(CRASH_TOKEN)     # the server's processes inherit it
     try:
         srv = launch(llama_dir, tmp_path_factory.mktemp("healing"), "--pp-size", "2", "--dist-timeout-s",
-                     str(DIST_TIMEOUT_S), "--max-pipeline-restarts", "20", "--pipeline-spares-delay-s", "0")
+                     str(DIST_TIMEOUT_S), "--max-pipeline-restarts", "20")
     finally:
         if old is None:
             del os.environ["STAGEWISE_TEST_CRASH_TOKEN"]
@@ -52,7 +52,7 @@ def server(llama_dir, tmp_path_factory, launch):
     finally:
         pids = srv.descendants()
         srv.stop()
-        assert not wait_gone(pids), "a stage or spare process outlived the server"
+        assert not wait_gone(pids), "a stage or warm process outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +100,9 @@ def _health(server) -> tuple[int, dict]:
 
 
 def _ready_for_a_fault(server) -> None:
-    """Healthy, with both spare stage processes started. NOTE: not waiting for them to be warm: a
-    rebuild waits for what is left of their imports, which overlaps the clients' streaming here."""
+    """Healthy, with the warm process the stages fork from (it forked them, so it is warm)."""
     _wait(lambda: _health(server)[0] == 200, 60, "/health 200")
-    _wait(lambda: len(_stage_pids(server).get("stagewise-spare", [])) >= 2, 60, "two spare stage processes")
+    _wait(lambda: len(_stage_pids(server).get("stagewise-warm", [])) == 1, 60, "the warm process")
 
 
 async def _stream(client, url: str, prompt: list[int], progress: list[int], i: int):
@@ -169,16 +168,16 @@ def test_sigkill_of_stage_1_mid_decode_loses_no_request(server, reference):
 
 def test_a_stopped_stage_is_replaced_after_the_timeout(server, reference):
     """SIGSTOP: the missing heartbeats find it in seconds; /health says `recovering` while the rebuild
-    waits (for the spares, held here), and names the silent stage."""
+    waits (for the warm process, held here), and names the silent stage."""
     _ready_for_a_fault(server)
     before = _rebuilds(server, "timeout")
     pids = _stage_pids(server)
-    spares, victim = pids["stagewise-spare"], pids["stagewise-st1"][0]
+    warm, victim = pids["stagewise-warm"], pids["stagewise-st1"][0]
     seen = {}
 
     def fault():
         t0 = time.monotonic()
-        for pid in spares:
+        for pid in warm:
             os.kill(pid, signal.SIGSTOP)
         os.kill(victim, signal.SIGSTOP)
         try:
@@ -186,7 +185,7 @@ def test_a_stopped_stage_is_replaced_after_the_timeout(server, reference):
             seen["found_s"] = time.monotonic() - t0
             time.sleep(0.5)
         finally:
-            for pid in spares:
+            for pid in warm:
                 os.kill(pid, signal.SIGCONT)
 
     results, _, _ = _clients_with_fault(server, PROMPTS[:8], fault)
@@ -200,21 +199,21 @@ def test_a_stopped_stage_is_replaced_after_the_timeout(server, reference):
 
 
 def test_sigkill_of_stage_0_reports_recovering_until_rebuilt(server, reference):
-    """The spares are held (SIGSTOP) so the rebuild waits, and /health must say `recovering`."""
+    """The warm process is held (SIGSTOP) so the rebuild waits, and /health must say `recovering`."""
     _ready_for_a_fault(server)
     pids = _stage_pids(server)
-    spares, victim = pids["stagewise-spare"], pids["stagewise-st0"][0]
+    warm, victim = pids["stagewise-warm"], pids["stagewise-st0"][0]
     seen = {}
 
     def fault():
-        for pid in spares:
+        for pid in warm:
             os.kill(pid, signal.SIGSTOP)
         os.kill(victim, signal.SIGKILL)
         try:
             seen["health"] = _wait(lambda: (h := _health(server))[0] == 503 and h, 20, "/health 503")
             time.sleep(0.5)
         finally:
-            for pid in spares:
+            for pid in warm:
                 os.kill(pid, signal.SIGCONT)
 
     results, _, _ = _clients_with_fault(server, PROMPTS[:16], fault)

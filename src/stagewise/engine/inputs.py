@@ -11,15 +11,16 @@ class Tokenizer:
     """The checkpoint's HF tokenizer plus the facts the engine needs from it and its config."""
 
     def __init__(self, model_dir: str, tokenizer_dir: str | None = None):
-        from ..checkpoint import eos_token_ids_of, hidden_size_of, load_hf_config, load_tokenizer, vocab_size_of
-        self.hf_config = load_hf_config(model_dir)
+        from ..checkpoint.facts import read_facts
+        from ..checkpoint.files import load_tokenizer
+        self.facts = facts = read_facts(model_dir)
         self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
         # NOTE: the engine checks prompt lengths against its own context (one sentence); HF's
         # "Token indices sequence length is longer than ..." warning would only repeat it, worse.
         self.tokenizer.model_max_length = int(1e30)
-        self.eos_token_ids = eos_token_ids_of(model_dir, self.hf_config)
-        self.vocab_size = vocab_size_of(self.hf_config)
-        self.hidden_size = hidden_size_of(self.hf_config)
+        self.eos_token_ids = facts.eos_token_ids
+        self.vocab_size = facts.vocab
+        self.hidden_size = facts.hidden
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

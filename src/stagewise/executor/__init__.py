@@ -14,10 +14,10 @@ from ..plan import StepPlan, StepResult
 class Executor(Protocol):
     """Everything the engine and the pipeline supervisor (recovery/) use of an executor."""
     num_blocks: int              # KV blocks every stage can hold (the smallest stage's pool)
-    memory_plans: list           # one runtime.memory.MemoryPlan per stage
+    memory_plans: list           # one planning.memory.MemoryPlan per stage
     dead: str | None             # why the executor stopped working, once it has
     cause: str | None            # what kind of fault stopped it: stage_died, timeout, link, ... (recovery counts)
-    startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s (none for one process)
+    startup: dict[str, float]    # seconds of its start: spawn_s, load_s, total_s, stage_cpu_s (none for one process)
     generation: int | None       # across nodes, the pipeline's generation in the cluster's store
     layout: tuple[int, ...]      # the node of each stage
     partition: tuple[int, ...]   # the layers of each stage

@@ -16,14 +16,15 @@ import threading
 import time
 
 from ..parallel.auth import cluster_token, key_of, warn_if_open
-from ..runtime.memory import measured_node_bytes
+from ..planning.cluster import NodeReport
+from ..planning.memory import measured_node_bytes
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
 from .node_options import adopt_options
 from .node_reports import publish_report
 from .rendezvous import Store, join_store, serve_store
-from .spawn import prepare_stage_env, spawn_stages, start_spares
+from .spawn import prepare_stage_env, spawn_stages, start_warm, wait_warm
 from .store import StoreServer
 
 log = logging.getLogger("stagewise.executor")
@@ -35,14 +36,17 @@ PARTITION_KEY = "stagewise/g{generation}/partition"   # that generation's layers
 OPTIONS_KEY = "stagewise/g{generation}/options"       # the driver's engine options (JSON, node_options.py)
 ALIVE_KEY = "stagewise/alive/node{node}"              # a counter each node's headless loop advances
 LEAVING_KEY = "stagewise/leaving/node{node}"          # "1": the node asked to leave; "0": it serves
-ALIVE_EVERY_S = 0.5
-SILENT_S = 2.5                 # a node whose counter stood still this long is taken for gone
-# A rebuilt pipeline's stages recompute the live requests first: this node's spares (seconds of CPU
-# importing torch) start this long after its new stages do (the driver waits for the first token).
-SPARES_AFTER_REBUILD_S = 10.0
+ALIVE_EVERY_S = 0.25
+# A node whose counter stood still this long is taken for gone (6 beats: a node throttled by its CPU
+# quota or a loaded machine still beats within it); a rebuild after a node is lost waits about this.
+SILENT_S = 1.5
+# A rebuilt pipeline's stages recompute the live requests first: a warm process that had to be
+# started again (seconds of CPU importing torch) starts this long after the new stages do.
+WARM_AFTER_REBUILD_S = 10.0
 LEAVE_WAIT_S = 60.0            # a leaving node waits this long for the driver's pipeline without it
 HEADLESS_POLL_S = 0.1
 REAP_S = 1.0
+STOPPED_REAP_S = 5.0           # the driver stopped: its Shutdown passed, the stages exit (slowly on a loaded machine)
 _control: dict[tuple[str, int], StoreServer] = {}     # (addr, port) -> the store this driver serves for all
 
 
@@ -79,28 +83,20 @@ def await_nodes(addr: str, port: int, generation: int, nodes: list[int], timeout
     """The nodes among `nodes` that are ready for `generation` within timeout_s (all: at once). A
     node that is leaving, or whose heartbeat stood still for SILENT_S, is not waited for once
     `first` nodes are ready (the first pipeline's --min-nodes, less the driver's)."""
-    deadline, beats = time.monotonic() + timeout_s, _Beats(addr, port)
+    deadline = time.monotonic() + timeout_s
     while True:
         ready = ready_nodes(addr, port, generation, nodes)
-        waiting = [n for n in nodes if n not in ready and _absent(addr, port, beats, n) is None]
+        waiting = [n for n in nodes if n not in ready and _absent(addr, port, n) is None]
         if (not waiting and len(ready) >= first) or time.monotonic() > deadline:
             return ready
         time.sleep(HEADLESS_POLL_S)
 
 
-class _Beats:
-    """When each node's heartbeat counter last moved, as seen from the driver."""
-    seen: dict[int, tuple[int, float]]
-
-    def __init__(self, addr: str, port: int):
-        self.store, self.seen = control_store(addr, port), {}   # node -> (count, when it moved)
-        self.t0 = time.monotonic()
-
-    def alive(self, node: int) -> bool:
-        count, now = int(self.store.add(ALIVE_KEY.format(node=node), 0)), time.monotonic()
-        if count and self.seen.get(node, (None,))[0] != count:
-            self.seen[node] = (count, now)
-        return now - self.seen.get(node, (0, self.t0))[1] < SILENT_S
+def _alive(addr: str, port: int, node: int) -> bool:
+    """The node's heartbeat counter moved within SILENT_S (never: a node that is not up, or still
+    warming up, is not waited for)."""
+    since = control_store(addr, port).since_changed(ALIVE_KEY.format(node=node))
+    return since is not None and since < SILENT_S
 
 
 def nodes_gone(addr: str, port: int, nodes: list[int]):
@@ -108,11 +104,10 @@ def nodes_gone(addr: str, port: int, nodes: list[int]):
     one of them asked to leave or stopped beating, else None."""
     if not nodes:
         return lambda: None
-    beats = _Beats(addr, port)
 
     def check() -> str | None:
         for node in nodes:
-            if (why := _absent(addr, port, beats, node)) is not None:
+            if (why := _absent(addr, port, node)) is not None:
                 gone = "" if why == LEFT else " (it is gone)"
                 return f"node {node} {why} while the pipeline was linking up{gone}."
         return None
@@ -122,11 +117,11 @@ def nodes_gone(addr: str, port: int, nodes: list[int]):
 LEFT = "asked to leave"
 
 
-def _absent(addr: str, port: int, beats: _Beats, node: int) -> str | None:
+def _absent(addr: str, port: int, node: int) -> str | None:
     """Why a rebuild need not wait for `node` (it asked to leave, or its heartbeat stood still), else None."""
     if leaving(addr, port, node):
         return LEFT
-    return None if beats.alive(node) else "stopped beating"
+    return None if _alive(addr, port, node) else "stopped beating"
 
 
 def leaving(addr: str, port: int, node: int) -> bool:
@@ -154,24 +149,34 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     """A non-driver node: run this node's stages in each pipeline the driver builds, until it
     stops building them (or, with --max-pipeline-restarts 0, until the first pipeline ends).
     When this node's stages fail, or the driver starts a new pipeline, the old stages are
-    killed and new ones join the new pipeline. The first stage processes start (import) at once,
-    while the driver may still be starting."""
-    addr, port, k = config.cluster.master_addr, config.cluster.master_port, config.ranks_per_node
+    killed and new ones join the new pipeline. Once this node is measured, its warm process starts
+    importing (executor/zygote.py), while the driver may still be starting; the node beats and
+    says it is ready for a pipeline only once that process can fork stages, so a pipeline it
+    joins (or one that moves stages here) waits for no import, and a rebuild meanwhile does not
+    wait for it."""
+    addr, port = config.cluster.master_addr, config.cluster.master_port
     heals = config.recovery.max_pipeline_restarts > 0
     token = cluster_token(config.cluster.cluster_token)
     warn_if_open(token, master_ip(addr), True)
     config = config.replace(node_memory_bytes=measured_node_bytes())    # before this node loads anything
     prepare_stage_env(config, addr)
-    start_spares(k, model_dir)
+    report = NodeReport.measure()           # NOTE: before the warm process imports on the same CPUs
+    warm = config.recovery.pipeline_spares
+    if warm:
+        start_warm(model_dir)
     wait_s = max(config.cluster.dist_timeout_s, 300.0)
     try:
         store = join_store(addr, port, config.parallel.pp_size + 1, time.monotonic() + wait_s, wait_s, key_of(token))
-        publish_report(store, config.cluster.node_rank)      # what the driver plans this node's share by
+        publish_report(store, config.cluster.node_rank, report)      # what the driver plans this node's share by
+        if warm:          # NOTE: before it beats: a rebuild waits for no node that is still importing
+            wait_warm(model_dir, wait_s)
         _serve_until_told(store, config.cluster.node_rank, lambda: join_store(addr, port, config.parallel.pp_size + 1,
                                                                       time.monotonic() + wait_s, wait_s, key_of(token)))
         last, code, told = 0, 1, set[str]()
         while (generation := _await_generation(store, last)) is not None:
             last = generation
+            if warm:
+                wait_warm(model_dir, wait_s)
             stages, partition = _join_generation(store, generation, config.cluster.node_rank)
             if not stages:          # left out (gone too long) or superseded: wait for the next one
                 continue
@@ -192,11 +197,9 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
                 if not heals:
                     return _exit(config, 1, "a stage failed to start and --max-pipeline-restarts is 0")
                 continue
-            spares_at = None
-            if heals and config.recovery.pipeline_spares:     # soon after start; after a rebuild, once it recomputed
-                spares_at = time.monotonic() + (config.recovery.pipeline_spares_delay_s if generation == 1
-                                                 else SPARES_AFTER_REBUILD_S)
-            code = _watch_stages(procs, store, generation, spares_at, lambda: start_spares(k, model_dir),
+            # a warm process that died meanwhile starts again once the rebuilt pipeline recomputed
+            warm_at = time.monotonic() + WARM_AFTER_REBUILD_S if warm else None
+            code = _watch_stages(procs, store, generation, warm_at, lambda: start_warm(model_dir),
                                  config.cluster.node_rank)
             for p in procs:
                 if p.is_alive():
@@ -219,12 +222,12 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
 
 def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
-    from ..checkpoint import load_hf_config, num_layers_of
+    from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
-    from ..runtime.stage_cost import with_resolved_partition
-    hf = load_hf_config(model_dir)
-    resolved = with_resolved_partition(config.replace(model=model_dir), hf)
-    infos = stage_infos(num_layers_of(hf, model_dir), config.parallel.pp_size, resolved.parallel.pp_layer_partition)
+    from ..planning.stage_cost import with_resolved_partition
+    facts = read_facts(model_dir)
+    resolved = with_resolved_partition(config.replace(model=model_dir), facts)
+    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 
@@ -332,11 +335,11 @@ def _announce_leave(store: Store, node: int) -> None:
         _leave.announced = True
 
 
-def _watch_stages(procs: list, store: Store, generation: int, spares_at: float | None, start,
+def _watch_stages(procs: list, store: Store, generation: int, start_at: float | None, start,
                   node: int) -> int:
     """Wait until this node's stages end (0: all stopped in order), the driver starts a newer
     pipeline (1: at once) or stops or is gone (the stages' exit codes, after a moment to exit in
-    order); `start` (spares) runs once at `spares_at`. A leave asked for is announced here, and
+    order); `start` (the warm process) runs once at `start_at`. A leave asked for is announced here, and
     given up on (the stages stop, as in a failure) after LEAVE_WAIT_S."""
     while True:
         _announce_leave(store, node)
@@ -351,15 +354,15 @@ def _watch_stages(procs: list, store: Store, generation: int, spares_at: float |
         except Exception:  # noqa: BLE001  (the driver's store closed: the driver exited)
             stopped = True
         if stopped:
-            return _reaped_code(procs)
-        if spares_at is not None and time.monotonic() >= spares_at:
+            return _reaped_code(procs, STOPPED_REAP_S)
+        if start_at is not None and time.monotonic() >= start_at:
             start()
-            spares_at = None
+            start_at = None
         time.sleep(HEADLESS_POLL_S)
 
 
-def _reaped_code(procs: list) -> int:
-    """0 if every stage exited 0 (within a moment each), else 1."""
+def _reaped_code(procs: list, wait_s: float = REAP_S) -> int:
+    """0 if every stage exited 0 (within wait_s each), else 1."""
     for p in procs:
-        p.join(REAP_S)
+        p.join(wait_s)
     return 0 if all(p.exitcode == 0 for p in procs) else 1

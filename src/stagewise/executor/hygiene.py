@@ -14,11 +14,18 @@ import weakref
 from typing import NoReturn
 
 _local_stages: weakref.WeakSet = weakref.WeakSet()     # every stage process this process started
+_forked_from: list[int] = []     # the warm process that forked this one (executor/zygote.py), if any
 
 
 def track(process) -> None:
     """Count `process` among this process's stage processes (kill_local_stages ends it)."""
     _local_stages.add(process)
+
+
+def forked_from(pid: int) -> None:
+    """This process was forked by the warm process `pid`: that is the parent it dies with (the warm
+    process dies with the one that started it)."""
+    _forked_from[:] = [pid]
 
 
 def die_with_parent() -> None:
@@ -29,7 +36,8 @@ def die_with_parent() -> None:
     except OSError:
         return
     parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:   # the parent died before prctl took effect
+    expected = _forked_from[0] if _forked_from else parent.pid if parent is not None else None
+    if expected is not None and os.getppid() != expected:   # the parent died before prctl took effect
         os._exit(1)
 
 

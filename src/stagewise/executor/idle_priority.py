@@ -1,11 +1,9 @@
-"""A spare stage process warms up (imports torch, the engine and the checkpoint's config: seconds
-of CPU) beside the running stages of its node. It warms at idle priority (SCHED_IDLE: it runs only
-on CPU time no other thread of the machine wants), so a pipeline on one-CPU nodes no longer loses
-those seconds mid-run, and every thread of it returns to normal priority once it is given a stage.
-The entry point lives here, apart
-from the stage code, so the spare is idle before it imports anything heavy. Where the process
-could not return (leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE), it
-warms at normal priority, as a fresh stage would start.
+"""A node's warm process (zygote.py) imports torch, the engine and the checkpoint's config (seconds
+of CPU) beside the running stages of its node. It imports at idle priority (SCHED_IDLE: it runs only
+on CPU time no other thread of the machine wants), so a pipeline on one-CPU nodes does not lose
+those seconds mid-run, and every thread of it returns to normal priority before it forks a stage.
+Where the process could not return (leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE), it
+imports at normal priority, as a fresh stage would.
 """
 from __future__ import annotations
 
@@ -43,11 +41,3 @@ def _may_raise_priority() -> bool:
     except OSError:
         return False
     return True
-
-
-def spare_main(conn, model_dir: str) -> None:
-    """A spare's entry point (spawn.start_spares): idle first, then every import (the stage code's
-    own bring torch: most of the warm-up), then stage_proc.standby_main."""
-    idle = warm_at_idle_priority()
-    from .stage_proc import standby_main
-    standby_main(conn, model_dir, back_to_normal if idle else None)

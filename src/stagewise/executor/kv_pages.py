@@ -14,7 +14,8 @@ import torch
 
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
-from ..runtime.kv_disk import FORMAT_VERSION, HEADER, DiskTier, disk_tier_on, kv_dir, model_identity, stage_budget
+from ..planning.memory import disk_tier_on, kv_dir
+from ..runtime.kv_disk import FORMAT_VERSION, HEADER, DiskTier, model_identity, stage_budget
 
 log = logging.getLogger("stagewise.kv_disk")
 READERS = 4

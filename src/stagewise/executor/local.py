@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..checkpoint import load_hf_config, num_layers_of
+from ..checkpoint.facts import read_facts
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
 from ..runtime.worker import Worker
@@ -13,7 +13,7 @@ from .kv_pages import StagePages, before_plan, finish_result, pages_only
 
 class LocalExecutor:
     def __init__(self, config, model_dir: str, eos_token_ids: tuple[int, ...]):
-        stage = StageInfo.single(num_layers_of(load_hf_config(model_dir), model_dir))
+        stage = StageInfo.single(read_facts(model_dir).num_layers)
         self.worker = Worker(config, model_dir, stage, eos_token_ids)
         self.stage = stage
         self.pages = StagePages.open(config, model_dir, stage, self.worker)

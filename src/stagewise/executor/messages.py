@@ -16,8 +16,8 @@ from ..kernels.report import KernelInfo
 from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
 from ..parallel.transport import Link, PendingSend
 from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
+from ..planning.memory import MemoryPlan
 from ..request import SamplingParams, StructuredOutputs, TokenLogprob
-from ..runtime.memory import MemoryPlan
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # NOTE: how long the driver waits for every ReadyMsg, and a stage for its first ring message: the
@@ -48,11 +48,13 @@ class ResultMsg:
 @dataclass
 class ReadyMsg:
     """A stage loaded its weights (its memory plan and how long that took), or could not (`error`);
-    `kernels`: which kernels it runs (kernels/report.py)."""
+    `kernels`: which kernels it runs (kernels/report.py); `start_cpu_s`: CPU seconds its process
+    used from its start until now (imports included unless it was forked from a warm process)."""
     memory_plan: MemoryPlan | None = None
     load_s: float = 0.0
     error: str | None = None
     kernels: list[KernelInfo] = field(default_factory=list)
+    start_cpu_s: float = 0.0
 
 
 @dataclass

@@ -100,7 +100,7 @@ class MultiprocExecutor:
                 self.links = join_pipeline(DRIVER_RANK, config.parallel.pp_size + 1, addr, port, wait_s, key_of(token),
                                            self.generation, control_store(addr, port) if self.generation else None,
                                            config.cluster.dist_ifname)
-            self.memory_plans, load_s, self.kernels = self._await_ready()
+            self.memory_plans, load_s, self.kernels, cpu_s = self._await_ready()
         except Exception as exc:     # noqa: BLE001  (any start-up failure: one sentence, nothing left running)
             self._kill_all()
             if self.links is not None:
@@ -108,27 +108,29 @@ class MultiprocExecutor:
             raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
         self.num_blocks = min(p.num_blocks for p in self.memory_plans)
         total = time.monotonic() - t0
-        self.startup = {"spawn_s": max(0.0, total - load_s), "load_s": load_s, "total_s": total}
+        self.startup = {"spawn_s": max(0.0, total - load_s), "load_s": load_s, "total_s": total,
+                        "stage_cpu_s": cpu_s}
         self.watch = Watch(self.links.controls, config.cluster.heartbeat_timeout_s, self._silent)
         threading.Thread(target=self._monitor, daemon=True, name="stagewise-monitor").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="stagewise-heartbeat").start()
 
-    def _await_ready(self) -> tuple[list, float, list[KernelInfo]]:
-        """Every stage's memory plan, the longest weight load (the stages load in parallel), and
-        which kernels each stage runs (tagged with its stage)."""
+    def _await_ready(self) -> tuple[list, float, list[KernelInfo], float]:
+        """Every stage's memory plan, the longest weight load (the stages load in parallel), which
+        kernels each stage runs (tagged with its stage), and the most CPU seconds a stage process
+        took to get ready (imports included where it was not forked from a warm process)."""
         assert self.links is not None, "joined"
-        plans, load_s, kernels = [], 0.0, []
+        plans, load_s, kernels, cpu_s = [], 0.0, [], 0.0
         for stage, link in enumerate(self.links.controls):
             msg = recv_message(link, max(self.timeout, READY_WAIT_S), CONTROL)
             assert isinstance(msg, ReadyMsg), "a stage's first control message says it is ready"
             if msg.error is not None or msg.memory_plan is None:
                 raise RuntimeError(msg.error)
             plans.append(msg.memory_plan)
-            load_s = max(load_s, msg.load_s)
+            load_s, cpu_s = max(load_s, msg.load_s), max(cpu_s, msg.start_cpu_s)
             kernels += [replace(k, stage=stage) for k in msg.kernels]
             # the stage logged it too, but stage processes log warnings only: the driver says it
             log.info("stage %d kernels: %s", stage, describe(msg.kernels))
-        return plans, load_s, kernels
+        return plans, load_s, kernels, cpu_s
 
     # the links
     def submit(self, plan: StepPlan) -> None:

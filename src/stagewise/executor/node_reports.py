@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..runtime.cluster_plan import NodeReport
+from ..planning.cluster import NodeReport
 from .rendezvous import Store
 
 log = logging.getLogger("stagewise.executor")

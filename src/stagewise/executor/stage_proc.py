@@ -45,7 +45,8 @@ CRASH_HOOK_ENV = "STAGEWISE_TEST_CRASH_TOKEN"
 def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos_ids, spawned: bool = True,
                models: dict | None = None, generation: int | None = None, tp: tuple[int, str] | None = None,
                started=None) -> None:
-    """Entry point of one stage (spawned by the driver, a headless node, or torchrun).
+    """Entry point of one stage (forked from a node's warm process, spawned by the driver or a
+    headless node, or started by torchrun; `started` says so to the spawner).
     `models` re-registers the driver's model table (user-registered architectures); `generation`
     is the driver's pipeline number across nodes (executor/generations.py); `tp` (rank, directory)
     this process's tensor-parallel rank of the stage and where its ranks meet (executor/tp_ranks.py)."""
@@ -88,40 +89,13 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
     sys.exit(code)
 
 
-def standby_main(conn, model_dir: str, on_stage=None) -> None:
-    """A spare stage process (spawn.start_spares, through idle_priority.spare_main): import what a
-    stage of `model_dir` needs (its first checkpoint config read imports seconds of transformers),
-    then wait for the driver to name a stage (`stage_main`'s arguments), or for the pipe to close
-    (exit). `on_stage` runs once it is given a stage (a spare that warmed at idle priority returns
-    to normal)."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    name_process("stagewise-spare")
-    from ..checkpoint import load_hf_config
-    from ..runtime import worker  # noqa: F401
-    try:
-        load_hf_config(model_dir)
-    except Exception:  # noqa: BLE001  (the stage itself reports a bad checkpoint)
-        pass
-    try:
-        conn.send("warm")
-        args = conn.recv()
-    except (EOFError, OSError):
-        exit_now(0)
-    if on_stage is not None:
-        on_stage()
-    config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp = args
-    # NOTE: the same pipe says when the stage runs (`started`)
-    stage_main(config, model_dir, stage_idx, addr, port, eos_ids, spawned, models, generation, tp, started=conn)
-
-
 def _stage_of(config, model_dir: str, stage_idx: int):
-    from ..checkpoint import load_hf_config, num_layers_of
-    from ..runtime.stage_cost import with_resolved_partition
-    hf = load_hf_config(model_dir)
-    config = with_resolved_partition(config.replace(model=model_dir), hf)   # headless nodes resolve `auto` here
+    from ..checkpoint.facts import read_facts
+    from ..planning.stage_cost import with_resolved_partition
+    facts = read_facts(model_dir)
+    config = with_resolved_partition(config.replace(model=model_dir), facts)   # headless nodes resolve `auto` here
     parallel = config.parallel
-    return stage_infos(num_layers_of(hf, model_dir), parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
+    return stage_infos(facts.num_layers, parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:
@@ -146,7 +120,9 @@ def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks
     freeze_heap()
     from ..kernels.report import announce
     kernels = announce(worker.model, worker.device, stage_idx)      # the INFO line, and the driver's stats
-    send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0, kernels=kernels)).wait()
+    # NOTE: process_time counts from this process's start: a forked stage's holds no imports
+    send_message(links.control, ReadyMsg(worker.memory_plan, time.monotonic() - t0, kernels=kernels,
+                                         start_cpu_s=time.process_time())).wait()
     start_beating(links.control, stage_idx, config.cluster.heartbeat_timeout_s)
     pending: list = []
     crash_token = _crash_token(stage)

@@ -33,6 +33,7 @@ class StoreServer:
     def __init__(self, addr: str, port: int, key: bytes):
         self.listener = listen_on(addr, port)
         self.data: dict[str, str] = {}
+        self.changed: dict[str, float] = {}      # key -> when its value last changed (monotonic)
         self.lock = threading.Lock()
         self.closed = False
         self.gate = Gate(f"the rendezvous store on {addr}:{self.listener.getsockname()[1]}", key, self._serve)
@@ -59,9 +60,17 @@ class StoreServer:
         with self.lock:
             return all(k in self.data for k in keys)
 
+    def since_changed(self, key: str) -> float | None:
+        """Seconds since `key` last changed here (None: never set); what node heartbeats are judged by."""
+        with self.lock:
+            when = self.changed.get(key)
+        return None if when is None else time.monotonic() - when
+
     def _put(self, key: str, value: str) -> None:
         if key not in self.data and len(self.data) >= MAX_KEYS:
             raise ValueError("the rendezvous store is full")
+        if self.data.get(key) != value:
+            self.changed[key] = time.monotonic()
         self.data[key] = value
 
     def close(self) -> None:

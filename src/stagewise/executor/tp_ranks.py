@@ -165,7 +165,7 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
 
 def check_tp(config, model_dir: str) -> None:
     """One sentence, before any process starts, when `config.parallel.tp_size` ranks cannot split this model here."""
-    from ..checkpoint import load_hf_config
+    from ..checkpoint.facts import read_facts
     from ..model.loader import _architecture
     from ..model.registry import get_model_class
     from ..parallel import tp
@@ -174,7 +174,7 @@ def check_tp(config, model_dir: str) -> None:
     if torchrun_env():
         raise ValueError("torchrun starts one process per stage; run tensor parallelism (--tp-size) without "
                          "torchrun, with --nnodes for several machines.")
-    hf = load_hf_config(model_dir)
+    hf = read_facts(model_dir).hf
     tp.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.parallel.tp_size)
     cpus = usable_cpus()
     if config.parallel.tp_size > cpus.cpus:

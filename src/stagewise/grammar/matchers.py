@@ -33,7 +33,7 @@ class Matcher(Protocol):
 def _as_transformers(tokenizer):
     """xgrammar reads a transformers fast tokenizer (and imports transformers itself): a GGUF model's
     `SavedTokenizer` goes to it as one over a copy of the same backend and special tokens."""
-    from ..saved_tokenizer import SavedTokenizer
+    from ..checkpoint.saved_tokenizer import SavedTokenizer
     if not isinstance(tokenizer, SavedTokenizer):
         return tokenizer
     from transformers import PreTrainedTokenizerFast

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 
 from ..config import PREFILL_GRAPH_CHOICES
 from ..kernels.build import cxx_compiler
@@ -89,10 +90,9 @@ def policy_for(config, device_type: str) -> GraphPolicy:
         decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], one_call=facts[1])
 
 
-@lru_cache(maxsize=8)
 def _architecture(model: str) -> str | None:
-    from ..checkpoint import load_hf_config  # lazy: only `auto` on CPU asks
-    return (getattr(load_hf_config(model), "architectures", None) or [None])[0]
+    from ..checkpoint.facts import read_facts  # lazy: only `auto` on CPU asks (read once per file version)
+    return read_facts(model).architecture
 
 
 @lru_cache(maxsize=8)
@@ -102,22 +102,18 @@ def _cpu_facts(model: str, quantization: str | None) -> tuple[int | None, str | 
     architecture), read once per model: the driver and an in-process stage both ask. A GGUF file's
     metadata is parsed at start-up anyway (its facts are cached per process)."""
     from .. import envs
-    from ..checkpoint import gguf_file_of, load_hf_config  # lazy: only `auto` on CPU asks
-    from ..gguf_meta import held_quantized
-    from ..kernels.build import cpu_flags, mode
-    config = load_hf_config(model)
-    hidden = getattr(config, "hidden_size", None)
-    if (getattr(config, "architectures", None) or [None])[0] not in ONE_CALL_ARCHITECTURES or mode() == "off":
+    from ..checkpoint.facts import read_facts  # lazy: only `auto` on CPU asks
+    from ..kernels.build import mode
+    facts = read_facts(model)
+    hidden = facts.hidden or None
+    if facts.architecture not in ONE_CALL_ARCHITECTURES or mode() == "off":
         return hidden, None
     if quantization is not None:
         return hidden, f"--quantization {quantization}"
-    path = gguf_file_of(model)
-    qtype = held_quantized(path) if path is not None else None
-    if path is not None and qtype:
-        return hidden, f"{path.name} holds them as {qtype}"
-    # float weights: packed where the packed float kernels run (float32 with AVX2 FMA; bfloat16 needs a
-    # native-bf16 CPU, where `auto` picks it)
-    if envs.STAGEWISE_PACKED_WEIGHTS and {"avx2", "fma"} <= cpu_flags():
+    if facts.gguf is not None and facts.quantized_as:
+        return hidden, f"{Path(facts.gguf).name} holds them as {facts.quantized_as}"
+    # float weights: packed wherever the kernels built (every build has the packed float kernels)
+    if envs.STAGEWISE_PACKED_WEIGHTS:
         return hidden, "float weights packed for the kernels"
     return hidden, None
 

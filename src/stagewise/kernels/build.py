@@ -1,10 +1,14 @@
 """Build and load the C kernels of `csrc/`: the system compiler, the stagewise cache, one switch.
 
-`library(name, sources)` compiles csrc files (plus `isa.c`) with `-march=native` into one shared
-library in `<cache>/kernels/`, loads it through ctypes and returns it; a later start loads it
-from the cache. The cache key covers every csrc source and header, the flags, the CPU's flags and
-the compiler's path and `--version`. The compiler writes a temporary file in the cache directory
-itself, renamed into place, so concurrent builders never load a half-written library.
+`library(name, sources)` compiles csrc files (plus `isa.c`) for this CPU into one shared library
+in `<cache>/kernels/`, loads it through ctypes and returns it; a later start loads it from the
+cache. The cache key covers every csrc source and header, the flags, the CPU's flags and the
+compiler's path and `--version`. `STAGEWISE_KERNEL_ISA` (`isa()`) narrows what "this CPU" means:
+`avx2` or `portable` build every library as on a CPU without AVX-512 (or without AVX at all), and
+`cpu_flags()` then reports only what such a CPU has, so every caller picks the paths it would
+pick there (a build this machine cannot run fails as any build does). The compiler writes a
+temporary file in the cache directory itself, renamed into place, so concurrent builders never
+load a half-written library.
 `STAGEWISE_KERNELS` (`mode()`): `auto` (default) returns None where a library cannot be built
 (one log line with the compiler's own error output) and callers fall back to PyTorch's ops;
 `required` raises `KernelError` instead, also when the compiler left out an instruction set the
@@ -19,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,9 +38,17 @@ log = logging.getLogger("stagewise.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -std=c11: no floating-point contraction behind the kernels' back, so results are what the
 # code spells (FMA only where it asks for one)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # instruction sets the kernels have paths for, as /proc/cpuinfo and isa.c spell them
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni")
+# STAGEWISE_KERNEL_ISA -> (the target flag, the CPU flags a build needs to run, the prefixes of the
+# CPU flags such a CPU lacks). `avx2` is x86-64-v3 (AVX2, FMA, F16C: an AVX2-only EPYC or Core),
+# `portable` the x86-64 baseline (SSE2: the kernels' portable C paths)
+ISAS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "native": ("-march=native", (), ()),
+    "avx2": ("-march=x86-64-v3", ("avx2", "fma", "f16c"), ("avx512", "avx_", "amx")),
+    "portable": ("-march=x86-64", (), ("avx", "amx", "fma", "f16c", "xop")),
+}
 
 
 class KernelError(RuntimeError):
@@ -47,8 +60,30 @@ def mode() -> str:
     return envs.STAGEWISE_KERNELS
 
 
-@functools.cache
+def isa() -> str:
+    """The build the kernels target: `native` (default), `avx2` or `portable` (read on every call)."""
+    return envs.STAGEWISE_KERNEL_ISA
+
+
+def isa_runs_here(name: str) -> str | None:
+    """None where this machine runs the `name` build, else why not (one sentence's end)."""
+    if name == "native":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is an x86 build and this machine is {platform.machine() or 'not x86'}"
+    lacks = [f for f in ISAS[name][1] if f not in machine_flags()]
+    return f"this CPU lacks {', '.join(lacks)}" if lacks else None
+
+
 def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernels see them: /proc/cpuinfo's (empty where there is none
+    to read), less those the build `STAGEWISE_KERNEL_ISA` names leaves out."""
+    dropped = ISAS[isa()][2]
+    return frozenset(f for f in machine_flags() if not f.startswith(dropped)) if dropped else machine_flags()
+
+
+@functools.cache
+def machine_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none to read)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -92,7 +127,7 @@ class BuildFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
-_libs: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], ctypes.CDLL | None] = {}
 # seconds each library this process built took (C and C++), so a command can report its first
 # run's builds apart from its own work
 built_seconds: list[float] = []
@@ -112,7 +147,7 @@ def library(name: str, sources: list[str] | tuple[str, ...], flags: tuple[str, .
     current = mode()
     if current == "off":
         return None
-    key = (name, tuple(sources), tuple(flags))
+    key = (name, tuple(sources), tuple(flags), isa())
     with _lock:
         if key not in _libs:
             try:
@@ -150,11 +185,18 @@ def _load(name: str, sources: tuple[str, ...], current: str, flags: tuple[str, .
     cc = c_compiler()
     if cc is None:
         raise BuildFailed(f"no C compiler (CC={os.environ.get('CC') or 'cc'} is not on PATH)")
+    target = isa()
+    why_not = isa_runs_here(target)
+    if why_not:
+        raise BuildFailed(f"STAGEWISE_KERNEL_ISA={target} cannot run here: {why_not}")
     files = [CSRC / s for s in (*sources, "isa.c")]
+    # a test's narrower flags come after the target's, so they narrow the forced build too
+    # the portable build's scalar loops gain nothing from -O3's unrolling but 3x the build time
+    command = [cc, *FLAGS, *(("-O2",) if target == "portable" else ()), ISAS[target][0], *flags]
     try:
-        key = digest(files, [*FLAGS, *flags, " ".join(sorted(cpu_flags())), cc, compiler_version(cc)])
+        key = digest(files, [*command[1:], " ".join(sorted(machine_flags())), cc, compiler_version(cc)])
         path = cache_dir() / f"{name}_{key}.so"
-        compile_into(path, [cc, *FLAGS, *flags, "-I", str(CSRC), *map(str, files)], ["-lm"])
+        compile_into(path, [*command, "-I", str(CSRC), *map(str, files)], ["-lm"])
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildFailed(f"{name!r}: {type(exc).__name__}: {exc}") from exc

@@ -1,9 +1,10 @@
 """Linear-layer kernels (csrc/gemm.c): bindings, argument checks, the packed weight layout, and the
 ops `stagewise::linear` / `stagewise::linear_packed`.
 
-Packed weights: each `[N, K]` weight reordered once at load into panels of output columns (bf16
-on CPUs with native bf16, float32 with AVX2/AVX-512 FMA); one kernel serves every row count, and
-each output is one chain over k in order, so a row's result does not depend on its batch.
+Packed weights: each `[N, K]` weight reordered once at load into panels of output columns (float32
+and bfloat16 with AVX2/AVX-512 FMA: bf16 as pairs on CPUs with native bf16, else widened in the
+kernel); one kernel serves every row count and every N, and each output is one chain over k in
+order, so a row's result depends neither on its batch nor on how the weight's rows are sharded.
 Small-row kernel (weights not packed): steps of at most `MAX_ROWS` rows read each weight row once
 for all the rows; MKL/oneDNN above, and for whatever the kernel does not serve (`supports`).
 Under `torch.compile`, or a dispatch mode that records ops, calls are the opaque ops (`linear`
@@ -42,8 +43,9 @@ def _load() -> ctypes.CDLL | None:
         if hasattr(lib, name):          # bf16dp and the packed kernels exist where their ISA does
             getattr(lib, name).argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
             getattr(lib, name).restype = None
-    if hasattr(lib, "packed_f32_panel"):
-        lib.packed_f32_panel.restype = ctypes.c_int
+    for name in ("packed_f32_panel", "packed_bf16_panel", "packed_bf16_pair"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
     if hasattr(lib, "packed_linear_bf16"):
         lib.packed_linear_bf16.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64]
         lib.packed_linear_bf16.restype = None
@@ -182,16 +184,16 @@ def _kernel_layout(dtype: torch.dtype) -> tuple[int, int] | None:
     lib = _load()
     if lib is None:
         return None
-    if dtype == torch.bfloat16 and NATIVE_BF16 and hasattr(lib, "packed_linear_bf16"):
-        return 64, 2
+    if dtype == torch.bfloat16 and hasattr(lib, "packed_linear_bf16"):
+        return lib.packed_bf16_panel(), lib.packed_bf16_pair()
     if dtype == torch.float32 and hasattr(lib, "packed_f32_panel"):
         return lib.packed_f32_panel(), 1
     return None
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """The packed kernel serves this `[N, K]` weight here: bf16 on a native-bf16 CPU (N % 16 == 0,
-    K even) or float32 with AVX2/AVX-512 FMA (N a multiple of half a panel)."""
+    """The packed kernel serves this `[N, K]` weight here: float32 or bfloat16 with AVX2/AVX-512
+    FMA, any N (bf16 as pairs on a native-bf16 CPU: N % 16 == 0, K even)."""
     found = None if weight.device.type != "cpu" or weight.dim() != 2 else layout(weight.dtype)
     if found is None:
         return False
@@ -200,8 +202,9 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 def _vector(panel: int, pair: int) -> int:
-    """Output columns per vector of a packed tile: the granularity of N."""
-    return 16 if pair == 2 else panel // 2
+    """The granularity of N: the bf16 pair tiles have no tail; the float32 ones finish a panel's
+    last columns one by one with the same chain per output."""
+    return 16 if pair == 2 else 1
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -239,7 +242,7 @@ def _check_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not ok:
         raise ValueError(
             f"stagewise packed linear kernel: x {_describe(x)}, weight {_describe(weight)}, bias {_describe(bias)}; "
-            f"it needs a contiguous packed CPU weight [N, K] (float32, or bfloat16 on CPUs with native bf16; "
+            f"it needs a contiguous packed CPU weight [N, K] (float32 or bfloat16, with AVX2 FMA; "
             f"packed layout here: {found}), x [M, K] with the same K and a bias [N] or none.")
 
 

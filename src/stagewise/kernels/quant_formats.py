@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.gguf_meta import GGML_SIZES, KERNEL_TYPES, GGMLType
+from stagewise.checkpoint.gguf_meta import GGML_SIZES, KERNEL_TYPES, GGMLType
 
 T = GGMLType
 SUPPORTED = tuple(GGMLType[name] for name in KERNEL_TYPES)
@@ -217,3 +217,23 @@ def quantize(weight: torch.Tensor, qtype: T) -> Fields:
         q = torch.trunc((x - low) * inverse(d) + 0.5).to(torch.uint8).clamp(0, levels - 1)
         return Fields(qtype, q.reshape(n, k), d.squeeze(-1).half(), low.squeeze(-1).half())
     raise ValueError(f"stagewise quantizes to Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1, not {qtype.name}")
+
+
+# MXFP4 (OCP microscaling, GGML type 39): blocks of 32 E2M1 codes sharing an E8M0 scale byte; ggml
+# stores the codes doubled (so every value is an integer) with the scale halved, as gguf-py reads them
+_MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def mxfp4_values(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """MXFP4 rows `[..., k / 32 * 17]` uint8 (per block: the scale byte, then 16 bytes whose low
+    nibbles are codes 0-15 and high nibbles codes 16-31) -> float32 `[..., k]`, gguf-py's values."""
+    lead = raw.shape[:-1]
+    blocks = raw.reshape(-1, 17)
+    e = blocks[:, :1].to(torch.int32)
+    # ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 bits (subnormal below e = 2)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    scale = bits.view(torch.float32)
+    qs = blocks[:, 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()                 # [n, 32]
+    table = torch.tensor(_MXFP4_DOUBLED, dtype=torch.float32, device=raw.device)
+    return (scale * table[codes]).reshape(*lead, k)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "load_model": "loader", "load_hf_config": "loader", "resolve_dtype": "loader",
+    "load_model": "loader", "resolve_dtype": "loader",
     "register_model": "registry", "get_model_class": "registry", "supported_architectures": "registry",
     "build_demo_model": "demo", "ensure_demo_model": "demo", "default_demo_dir": "demo",
     "ForwardBatch": "attention", "AttentionMetadata": "attention",

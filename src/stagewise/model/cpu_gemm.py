@@ -58,8 +58,7 @@ class Embedding(torch.nn.Embedding):
 
     def pack_(self) -> bool:
         found = layout(self.weight.dtype)
-        if (self.packed or not self.serves_head or found is None or not packable(self.weight)
-                or self.weight.shape[0] % found[0]):
+        if self.packed or not self.serves_head or found is None or not packable(self.weight):
             return False
         with torch.no_grad():
             self.weight.copy_(pack(self.weight))
@@ -71,9 +70,17 @@ class Embedding(torch.nn.Embedding):
             return super().forward(ids)
         panel, pair = self.layout
         n, k = self.weight.shape
-        panels = self.weight.view(n // panel, k // pair, panel, pair)
         flat = ids.reshape(-1)
-        return panels[flat // panel, :, flat % panel].reshape(*ids.shape, k)      # [..., K/pair, pair] -> [..., K]
+        if n % panel == 0:
+            panels = self.weight.view(n // panel, k // pair, panel, pair)
+            return panels[flat // panel, :, flat % panel].reshape(*ids.shape, k)   # [..., K/pair, pair] -> [..., K]
+        # a last panel narrower than the rest (`pack`): each row's elements by their offsets
+        full = n // panel * panel
+        width = torch.where(flat < full, panel, n - full)
+        at = (flat // panel * panel * k + flat % panel * pair)[:, None] \
+            + (torch.arange(k // pair) * pair)[None, :] * width[:, None]
+        at = (at[:, :, None] + torch.arange(pair)).reshape(-1, k)
+        return self.weight.reshape(-1)[at].reshape(*ids.shape, k)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of `hidden` `[R, H]` against this (tied) weight."""

@@ -5,7 +5,7 @@ undoing the converter's layout changes (Llama/Mistral Q/K rows permuted for llam
 layout, GPT-2 projections transposed). Tensors of a type with a quantized kernel stay in their own
 bytes (`model.quantized`; `gguf_scheme` says which); F32/F16/BF16 and other quant types are
 dequantized into the engine dtype. A stage reads only its own tensors, one at a time, with pread
-(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint`.
+(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint.gguf_meta`.
 """
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ import re
 import time
 from collections import Counter
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
 
-from stagewise.gguf_meta import GGMLType, gguf_facts, hf_config_from_gguf
+from stagewise.checkpoint.facts import read_facts
+from stagewise.checkpoint.gguf_meta import GGMLType, gguf_facts
 from stagewise.kernels.quant import SUPPORTED, QuantizedWeight, T
 from stagewise.model.layers import StageModel
 from stagewise.model.moe import num_experts_of
@@ -43,7 +44,12 @@ _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "a
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
              "output": "lm_head"}
-_NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+# gpt-oss: the router and the stacked experts keep the file's layout (model/gpt_oss.py reads them so)
+_GPT_OSS_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                  "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_exps",
+                  "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_exps"}
+_NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+          "gpt-oss": (_LLAMA_TOP, _GPT_OSS_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
@@ -63,7 +69,10 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match:
         part = block.get(match[2])
-        return None if part is None else f"{layers}.{match[1]}.{part}.{match[3]}"
+        if part is None:
+            return None
+        # a parameter, not a module (transformers' gpt-oss `sinks`): no suffix
+        return f"{layers}.{match[1]}.{part}" + ("" if part.endswith(".sinks") else f".{match[3]}")
     base, _, suffix = gguf_name.rpartition(".")
     return f"{top[base]}.{suffix}" if base in top else None
 
@@ -130,7 +139,7 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
 def gguf_scheme(path: Path) -> Scheme:
     """Which checkpoint tensors (by HF name) a GGUF file holds in a type with a quantized kernel."""
     facts = gguf_facts(path)
-    arch, experts = facts.meta["general.architecture"], num_experts_of(hf_config_from_gguf(path))
+    arch, experts = facts.meta["general.architecture"], num_experts_of(read_facts(path).config)
     types = {hf: T.__members__[kind] for name, kind in facts.types.items()
              for hf in hf_tensor_names(name, arch, experts)}
     return lambda hf_name, shape: types[hf_name] if types.get(hf_name) in SUPPORTED else None
@@ -188,7 +197,10 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
         for tensor, names in mine:
             qtype, held = T(tensor.tensor_type), model.held_module(table[model.canonical_name(names[0])])
             shape = _shape(tensor)
-            if qtype in SUPPORTED and held is not None:
+            if held is not None and qtype in getattr(held, "raw_types", ()):   # held in the file's own bytes
+                value = RawBlocks(read_raw(tensor, file), qtype, shape)
+                kept[qtype.name] += 1
+            elif qtype in SUPPORTED and held is not None:
                 value = QuantizedWeight.from_gguf(read_raw(tensor, file), qtype, (math.prod(shape[:-1]), shape[-1]))
                 kept[qtype.name] += 1
             else:
@@ -204,6 +216,13 @@ def load_gguf_stage(model: StageModel, path: Path, hf_config) -> None:
     with open(path, "rb", buffering=0) as file:
         model.load_weights(tensors(file))
     _log_load(model, kept, converted, dtype, time.perf_counter() - started)
+
+
+class RawBlocks(NamedTuple):
+    """A tensor's bytes as the file stores them, for a layer that holds that type itself (`raw_types`)."""
+    data: torch.Tensor          # uint8, the whole tensor
+    qtype: T
+    shape: tuple[int, ...]      # torch order
 
 
 def _checked(value, gguf_name: str, path: Path, expected: tuple[int, ...], held) -> torch.Tensor | QuantizedWeight:

@@ -93,11 +93,17 @@ def rope_parameters(hf_config) -> dict:
         params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
     legacy_type = params.pop("type", None)  # pre-4.45 configs spell rope_type as "type"
     params["rope_type"] = params.get("rope_type") or legacy_type or "default"
+    if params["rope_type"] == "yarn":   # transformers' standardize_rope_params: the pretraining length
+        params.setdefault("original_max_position_embeddings",
+                          getattr(hf_config, "original_max_position_embeddings", None)
+                          or getattr(hf_config, "max_position_embeddings", None))
+        if params.get("factor") is None:    # transformers: the ratio of the lengths (DeepSeek-V3)
+            params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
 def rope_inv_freq(head_dim: int, params: dict, device=None) -> torch.Tensor:
-    """Inverse frequencies `[D/2]`, bit-identical to HF for rope types default, linear and llama3.
+    """Inverse frequencies `[D/2]`, bit-identical to HF for rope types default, linear, llama3 and yarn.
     `head_dim`: the rotated dims (`rotary_dim`: fewer under `partial_rotary_factor`)."""
     base = float(params["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
@@ -108,7 +114,49 @@ def rope_inv_freq(head_dim: int, params: dict, device=None) -> torch.Tensor:
         return inv / params["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv, params)
-    raise ValueError(f"Rope type {kind!r} is not supported; supported: default, linear, llama3.")
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, base, params, device)
+    raise ValueError(f"Rope type {kind!r} is not supported; supported: default, linear, llama3, yarn.")
+
+
+def _yarn_inv_freq(dim: int, base: float, params: dict, device) -> torch.Tensor:
+    """YaRN (transformers' `_compute_yarn_parameters`): low frequencies interpolated by `factor`,
+    high ones kept, a linear ramp between the dimensions that turn `beta_slow` and `beta_fast` times
+    over the pretraining length."""
+    factor = float(params["factor"])
+    old_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001       # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_scaling(params: dict) -> float:
+    """The factor transformers multiplies the cos/sin tables by: 1, or YaRN's attention factor
+    (`attention_factor`, else from `factor` and `mscale`/`mscale_all_dim`)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def _llama3_inv_freq(inv: torch.Tensor, params: dict) -> torch.Tensor:
@@ -152,6 +200,9 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(self.max_positions, device=device).float()
         freqs = pos[:, None] * inv[None, :]  # [P, D/2] float32, same product as HF
         cos, sin = freqs.cos(), freqs.sin()  # HF's half-width tables (not kept: 2 MiB at 8k positions)
+        scaling = rope_attention_scaling(self.params)
+        if scaling != 1.0:                   # YaRN: HF scales the float32 tables before the cast
+            cos, sin = cos * scaling, sin * scaling
         self.cos_full.copy_(torch.cat((cos, cos), -1))       # [P, D]
         self.sin_signed.copy_(torch.cat((-sin, sin), -1))    # [P, D]
 

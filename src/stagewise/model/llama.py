@@ -105,13 +105,17 @@ class LlamaAttention(nn.Module):
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
             if self.use_rope:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attend(batch, q, k, v, written).reshape(T, -1))
+
+    def attend(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               written: bool) -> torch.Tensor:
+        """Roped q `[T, Hq, D]`, k and v `[T, Hkv, D]` -> `[T, Hq, D]`; `written`: k and v are in the
+        cache already (a family with another attention overrides this)."""
         if self.window is not None:
-            out = window_attention(batch, self.layer_id, q, k, v, self.scale, self.window)
-        elif written:     # graph batches' attention takes no kv_written (they never get here)
-            out = batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)   # [T, Hq, D]
-        else:
-            out = batch.attention(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(T, -1))
+            return window_attention(batch, self.layer_id, q, k, v, self.scale, self.window, kv_written=written)
+        if written:     # graph batches' attention takes no kv_written (they never get here)
+            return batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)
+        return batch.attention(self.layer_id, q, k, v, self.scale)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,13 +123,15 @@ class LlamaDecoderLayer(nn.Module):
     # residual_multiplier); None: added as they are
     out_scale: float | None = None
 
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
-        """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block)."""
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
+        """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block);
+        `attention`: the attention class (a family's subclass)."""
         super().__init__()
         self.layer_id = layer_id
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.self_attn = attention(hf_config, layer_id, dtype, **attn_kwargs)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = mlp if mlp is not None else GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                                                         hf_config.hidden_act, getattr(hf_config, "mlp_bias", False),
@@ -152,6 +158,7 @@ class LlamaForCausalLM(StageModel):
     proxy_keys = FULL_CONTRACT
     qk_norm: bool | str = False
     decoder_layer: type[nn.Module] = LlamaDecoderLayer    # a family's block (same constructor and call)
+    attention_class: type[LlamaAttention] = LlamaAttention
     # False: a family whose blocks `stagewise::decode_layers` cannot express (no-rope layers, multipliers,
     # other norm placements) always runs its modules
     one_call_decode = True
@@ -174,8 +181,8 @@ class LlamaForCausalLM(StageModel):
         self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.layers = build_layers(stage, lambda i: self.decoder_layer(
-            hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), qkv_bias=qkv_bias, o_bias=o_bias,
-            qk_norm=self.qk_norm, **self.attention_options(hf_config, i)))
+            hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), self.attention_class, qkv_bias=qkv_bias,
+            o_bias=o_bias, qk_norm=self.qk_norm, **self.attention_options(hf_config, i)))
         self.rotary = rotary_embedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy

@@ -31,11 +31,12 @@ class Olmo2DecoderLayer(nn.Module):
     """OLMo 2's block: no input norm; attention and MLP outputs are normed before joining the stream
     (`x + norm(attn(x))`, then `x + norm(mlp(x))`)."""
 
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
         super().__init__()
         self.layer_id = layer_id
         eps = hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.self_attn = attention(hf_config, layer_id, dtype, **attn_kwargs)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = mlp if mlp is not None else GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
                                                         hf_config.hidden_act, False, dtype)
@@ -61,8 +62,9 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 class GraniteDecoderLayer(LlamaDecoderLayer):
     """A Llama block whose attention and MLP outputs are scaled by `residual_multiplier` before the add."""
 
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
-        super().__init__(hf_config, layer_id, dtype, mlp, **attn_kwargs)
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
+        super().__init__(hf_config, layer_id, dtype, mlp, attention, **attn_kwargs)
         self.out_scale = float(hf_config.residual_multiplier)
 
 
@@ -136,11 +138,12 @@ class Gemma3DecoderLayer(nn.Module):
     """Gemma 3's block: norms before and after attention and MLP (`(1 + w)` scales), per-head q/k norms,
     GeGLU MLP; a sliding-window layer attends its last `sliding_window` keys."""
 
-    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None, **attn_kwargs):
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
         super().__init__()
         self.layer_id = layer_id
         eps, hidden, d = hf_config.rms_norm_eps, hf_config.hidden_size, head_dim_of(hf_config)
-        self.self_attn = LlamaAttention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.self_attn = attention(hf_config, layer_id, dtype, **attn_kwargs)
         self.self_attn.q_norm, self.self_attn.k_norm = GemmaRMSNorm(d, eps, dtype), GemmaRMSNorm(d, eps, dtype)
         self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_activation, False, dtype)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)

@@ -17,9 +17,10 @@ from typing import Iterator, cast
 import torch
 from torch import nn
 
-from stagewise.checkpoint import CONTENTS as _CONTENTS
-from stagewise.checkpoint import INDEX_FILE, SINGLE_FILE, gguf_file_of, load_hf_config
-from stagewise.checkpoint import require as _require
+from stagewise.checkpoint.facts import read_facts
+from stagewise.checkpoint.files import CONTENTS as _CONTENTS
+from stagewise.checkpoint.files import INDEX_FILE, SINGLE_FILE, gguf_file_of
+from stagewise.checkpoint.files import require as _require
 from stagewise.errors import CheckpointNotFoundError
 from stagewise.kernels import build as kernel_build
 from stagewise.model import cpu_gemm
@@ -120,7 +121,7 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
                    device: str | torch.device = "cpu") -> StageModel:
     """This stage's model on the meta device, its quantized layers in place (sizes as stored); `tp`
     (rank, size): only that tensor-parallel rank's slices (parallel/tp.py)."""
-    hf_config = load_hf_config(model_dir)
+    hf_config = read_facts(model_dir).hf
     cls = get_model_class(_architecture(hf_config, model_dir))
     if stage.num_layers != hf_config.num_hidden_layers:
         raise ValueError(f"Stage {stage.rank} was planned for {stage.num_layers} layers, but {model_dir} has "
@@ -141,7 +142,7 @@ def load_model(model_dir: str | Path, stage: StageInfo, dtype: str | torch.dtype
     """Build this stage's model from `model_dir`, reading only the tensors the stage owns. Eval mode, no grad.
     `tp` (rank, size): only that tensor-parallel rank's slices (parallel/tp.py); `quantization`: int8 |
     int4 for a float checkpoint; `exact` (default: `exact_mode(dtype, ...)`) for quantized layers."""
-    hf_config = load_hf_config(model_dir)
+    hf_config = read_facts(model_dir).hf
     gguf_path = gguf_file_of(model_dir)
     locations = tensor_locations(model_dir) if gguf_path is None else None
     resolved = resolve_dtype(dtype, hf_config, device)

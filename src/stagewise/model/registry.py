@@ -5,6 +5,7 @@ Built-in families are registered at import; `register_model` adds or replaces on
 from __future__ import annotations
 
 from stagewise.model.gpt2 import GPT2LMHeadModel
+from stagewise.model.gpt_oss import GptOssForCausalLM
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from stagewise.model.llama_dense import (
     Gemma3ForCausalLM,
@@ -69,6 +70,6 @@ def supported_architectures() -> list[str]:
 
 for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
              Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM,
-             GraniteForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, GPT2LMHeadModel,
+             GraniteForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, GPT2LMHeadModel,
              LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)

@@ -14,7 +14,7 @@ _HEAD = "language_model.lm_head.weight"
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """LLaVA (transformers' `LlavaForConditionalGeneration`) with a Llama/Mistral/Qwen2 text model.
-    `hf_config` is the text view `checkpoint.load_hf_config` returns for a vision-language checkpoint."""
+    `hf_config` is the text view `checkpoint.files.load_hf_config` returns for a vision-language checkpoint."""
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:

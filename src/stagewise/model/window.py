@@ -12,9 +12,10 @@ from stagewise.model.attention import ForwardBatch, write_kv
 
 
 def window_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float, window: int) -> torch.Tensor:
+                     scale: float, window: int, *, kv_written: bool = False) -> torch.Tensor:
     """q `[rows, Hq, D]`, k/v `[rows, Hkv, D]` -> `[rows, Hq, D]`: each live row at position p attends
-    the keys at positions max(0, p - window + 1)..p of its sequence; padding rows get zeros."""
+    the keys at positions max(0, p - window + 1)..p of its sequence; padding rows get zeros.
+    `kv_written`: the live rows' k and v are in the cache already."""
     if type(batch) is not ForwardBatch:
         raise ValueError("Sliding-window layers run eagerly only; turn off captured graphs "
                          "(--prefill-graph and decode graphs) for this model.")
@@ -22,7 +23,8 @@ def window_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: tor
     if meta is None or cache is None:
         raise RuntimeError(f"Layer {layer_id} attended without its KV cache or the step's metadata.")
     rows, bs = meta.num_tokens, meta.block_size
-    write_kv(cache, meta.slot_mapping, k[:rows], v[:rows])
+    if not kv_written:
+        write_kv(cache, meta.slot_mapping, k[:rows], v[:rows])
     out = q.new_zeros(q.shape)
     first = 0
     for q_len, s_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):

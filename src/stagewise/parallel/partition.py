@@ -1,6 +1,6 @@
 """Layer placement: which global layer ids each pipeline stage owns. The even split gives N // P
 layers each and one more to the last N % P stages; `balanced_partition` splits by cost instead (the
-cost model itself lives in runtime/stage_cost.py). Every stage keeps global layer ids."""
+cost model itself lives in planning/stage_cost.py). Every stage keeps global layer ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,11 +37,11 @@ def partition_layers(num_layers: int, pp_size: int,
                      ) -> list[tuple[int, int]]:
     """Split `num_layers` over `pp_size` stages: `partition` as given (validated), else evenly, the
     last `N % P` stages getting one more layer. `auto` with several stages must be resolved first
-    (runtime.stage_cost)."""
+    (planning.stage_cost)."""
     if isinstance(partition, str):
         if partition != "even" and pp_size > 1:
             raise ValueError(f"pp_layer_partition {partition!r} must be resolved to layer counts before the "
-                             "stages are built (runtime.stage_cost.resolve_partition).")
+                             "stages are built (planning.stage_cost.resolve_partition).")
         partition = None
     if pp_size < 1:
         raise ValueError(f"pp_size must be at least 1, got {pp_size}.")

@@ -2,8 +2,8 @@
 left or was lost), over the nodes present.
 
 `plan_on` reads what each node reported when it joined (its memory and speed), measures node 0,
-and `plan_over_nodes` chooses the layer split and the node of each stage (runtime/cluster_plan.py,
-parallel/planner.py); with --pp-node-fit off the command line's split stays and the stages are
+and `plan_over_nodes` chooses the layer split and the node of each stage (planning/cluster.py,
+planning/planner.py); with --pp-node-fit off the command line's split stays and the stages are
 spread evenly (`spread_stages`).
 """
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..checkpoint import load_hf_config
+from ..checkpoint.facts import ModelFacts, read_facts
 from ..config import EngineConfig
 from ..executor.generations import control_store
 from ..executor.node_reports import read_reports
-from ..runtime.cluster_plan import NodeReport, model_facts, plan_cluster
-from ..runtime.memory import DRIVER_RUNTIME_BYTES
+from ..planning.cluster import NodeReport, cluster_needs, plan_cluster
+from ..planning.memory import DRIVER_RUNTIME_BYTES
 
 _node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
 
@@ -41,7 +41,8 @@ class NodePlan:
     shares: tuple[float, ...]      # each stage's predicted share of a step
 
 
-def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeReport], num_stages: int | None = None,
+def plan_over_nodes(config: EngineConfig, facts: ModelFacts, reports: dict[int, NodeReport],
+                    num_stages: int | None = None,
                     keep_partition: bool = False) -> NodePlan:
     """The partition and layout for the nodes in `reports` (node rank -> what it reported; node 0,
     the driver's, must be there): `num_stages` stages (default --pp-size), each fitting its node's
@@ -55,19 +56,20 @@ def plan_over_nodes(config: EngineConfig, hf_config, reports: dict[int, NodeRepo
     listed = [reports[r] for r in ranks]
     if config.parallel.pp_node_rates is not None:        # given on the command line: they win over the probes
         listed = [NodeReport(rep.available_bytes, config.parallel.pp_node_rates[r]) for rep, r in zip(listed, ranks)]
-    plan = plan_cluster(model_facts(config, hf_config), listed, num_stages or config.parallel.pp_size,
+    plan = plan_cluster(cluster_needs(config, facts), listed, num_stages or config.parallel.pp_size,
                         use_speed=config.parallel.pp_node_fit == "speed" or config.parallel.pp_node_rates is not None,
                         partition=partition, ranks=ranks)
     return NodePlan(plan.partition, tuple(ranks[j] for j in plan.layout), tuple(ranks[j] for j in plan.left_out),
                     plan.shares)
 
 
-def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True) -> tuple[EngineConfig,
-                                                                                                tuple[int, ...]]:
+def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = True,
+            keep_partition: bool = False) -> tuple[EngineConfig, tuple[int, ...]]:
     """(the config with the layer partition, the node of each stage) for a pipeline on `nodes`: by
     the memory and speed each node reported (recovery/placement.py), or with --pp-node-fit off the
     command line's partition with the stages spread evenly. Node 0 is measured now (`measure`:
-    before a start, no stage of it runs) or as it was then. ValueError (one sentence) when the
+    before a start, no stage of it runs) or as it was then. `keep_partition` (the user gave the layer
+    counts): the partition stays, on every rebuild, and only the nodes are chosen. ValueError (one sentence) when the
     nodes cannot hold the model."""
     if c.parallel.pp_node_fit == "off" or c.cluster.master_port is None:
         return c, spread_stages(c.parallel.pp_size, nodes)
@@ -80,7 +82,7 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = T
             here = NodeReport(here.available_bytes + DRIVER_RUNTIME_BYTES, here.speed)
         _node0[:] = [here]
     reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
-    plan = plan_over_nodes(c, load_hf_config(model_dir), reports)
+    plan = plan_over_nodes(c, read_facts(model_dir), reports, keep_partition=keep_partition)
     return c.replace(pp_layer_partition=plan.partition), plan.layout
 
 

@@ -112,7 +112,7 @@ class RecoveryStats:
         self.recovered_requests += num_requeued
         self.last.update(teardown_s=teardown_s, rejoin_s=startup.get("rejoin_s", 0.0),
                          spawn_s=startup.get("spawn_s", 0.0), load_s=startup.get("load_s", 0.0),
-                         requeued=num_requeued)
+                         stage_cpu_s=startup.get("stage_cpu_s", 0.0), requeued=num_requeued)
         self._recompute_from = time.monotonic()
         if not num_requeued:
             self._done()

@@ -2,9 +2,9 @@
 
 It owns the executor's lifetime: the first start, teardown and rebuild after a stage dies, hangs
 or loses a link (new processes and links; across nodes, a new generation on the nodes that rejoin
-in time, with the layers and the node of each stage planned over them: placement.py), spare stage
-processes, and nodes that join (or wait as standbys) and leave. Beside it (rules.py): the restart
-budget, the poison-plan rule (an admission rule of the scheduler) and the recovery counters. The
+in time, with the layers and the node of each stage planned over them: placement.py), the warm
+process stages fork from, and nodes that join (or wait as standbys) and leave. Beside it
+(rules.py): the restart budget, the poison-plan rule (an admission rule of the scheduler) and the recovery counters. The
 engine calls `tend` before each step and `lost` when the executor failed, and reports applied
 plans and finished requests (they clear suspects); requests change only through the scheduler,
 seen here as `LiveRequests`. A pipeline that cannot be healed raises `Unrecoverable`.
@@ -29,7 +29,7 @@ from ..executor.generations import (
 )
 from ..executor.netif import master_ip
 from ..executor.rendezvous import torchrun_env
-from ..executor.spawn import spares_ready, start_spares, stop_spares
+from ..executor.spawn import start_warm, stop_warm, warm_ready
 from ..parallel.auth import cluster_token, key_of, warn_if_open
 from ..plan import StepPlan, StepResult
 from ..request import Request
@@ -38,8 +38,8 @@ from .rules import RecoveryStats, RestartBudget, Suspects, poison_message
 
 log = logging.getLogger("stagewise.engine")
 NODE_CHECK_S = 1.0             # how often a pipeline with a node left out looks for it
-# After a rebuild the spares start this long after the new pipeline's first token: a spare's start
-# (importing torch) takes seconds of CPU that the stages need for the recompute.
+# After a rebuild a warm process that had to be started again (it died) starts this long after the new
+# pipeline's first token: its start (importing torch) takes seconds of CPU the recompute needs.
 SPARES_AFTER_RECOVERY_S = 5.0
 NODE_RETURNED = "node_returned"    # the cause of a rebuild that gives a returned node its stages back
 NODE_LEAVING = "node_leaving"      # the cause of a rebuild without a node that asked to leave
@@ -63,7 +63,8 @@ class LiveRequests(Protocol):
     def restart(self, num_blocks: int) -> int: ...    # requeue all for recompute on a new, empty cache
 
 
-def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...]) -> Executor:
+def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...],
+                   keep_partition: bool = False) -> Executor:
     """The first pipeline (the supervisor heals it from then on). Across nodes: on the nodes ready
     (all --nnodes, or at least --min-nodes within --node-rejoin-timeout-s), over the partition and
     layout their reported memory and speed give (`plan_on`)."""
@@ -87,7 +88,7 @@ def start_pipeline(config: EngineConfig, model_dir: str, eos_token_ids: tuple[in
         log.warning("the first pipeline runs on node(s) %s of %d; the others join when they start",
                     ", ".join(map(str, [0, *present])), c.cluster.nnodes)
     try:
-        c, layout = plan_on(c, model_dir, [0, *present])
+        c, layout = plan_on(c, model_dir, [0, *present], keep_partition=keep_partition)
     except ValueError as exc:
         raise EngineDeadError(f"The pipeline failed to start: {exc}") from None
     return make_executor(c, model_dir, eos_token_ids, generation=generation, layout=layout)
@@ -97,8 +98,9 @@ class PipelineSupervisor:
     """Heals the executor it is given: teardown, rebuild, placement, spares, returning nodes."""
 
     def __init__(self, config: EngineConfig, model_dir: str, eos_token_ids: tuple[int, ...], executor: Executor,
-                 requests: LiveRequests):
+                 requests: LiveRequests, keep_partition: bool = False):
         self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
+        self.keep_partition = keep_partition     # the user gave the layer counts: rebuilds keep them
         self.executor, self.requests = executor, requests
         # NOTE: not under torchrun: its agent, not this process, would have to restart the other ranks
         # (across nodes, the other nodes' `run_headless` rejoins each pipeline this driver builds).
@@ -212,7 +214,7 @@ class PipelineSupervisor:
                               c.recovery.node_rejoin_timeout_s)
         self._rejoin_s = time.monotonic() - t0
         try:
-            c, layout = plan_on(c, self.model_dir, [0, *present])
+            c, layout = plan_on(c, self.model_dir, [0, *present], keep_partition=self.keep_partition)
         except ValueError as exc:
             self.recovery.recovering, self._no_room = None, True
             self.die(f"The pipeline cannot be rebuilt on the nodes left: {exc}")
@@ -265,7 +267,8 @@ class PipelineSupervisor:
         """Whether the pipeline would run otherwise with the nodes in `back` (else they are standbys)."""
         ex = self.executor
         try:
-            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False)
+            c, layout = plan_on(self.config, self.model_dir, sorted({0, *ex.layout, *back}), measure=False,
+                                keep_partition=self.keep_partition)
         except ValueError:
             return True        # (it cannot hold now: a rebuild says so in one sentence)
         if layout != ex.layout or c.parallel.pp_layer_partition != ex.partition:
@@ -278,7 +281,7 @@ class PipelineSupervisor:
     def _start_spares(self) -> None:
         self._spares_due = None
         if self.heals and self.config.recovery.pipeline_spares and self.config.recovery.max_pipeline_restarts:
-            start_spares(self.config.ranks_per_node, self.model_dir)
+            start_warm(self.model_dir)
 
     def _start_spares_when_due(self) -> None:
         if self._spares_due is not None and time.monotonic() >= self._spares_due:
@@ -286,7 +289,7 @@ class PipelineSupervisor:
 
     def stats(self) -> dict:
         layout, partition = self.executor.layout, self.executor.partition
-        return {**self.recovery.snapshot(), "spares_ready": spares_ready() if self.heals else 0,
+        return {**self.recovery.snapshot(), "spares_ready": warm_ready() if self.heals else 0,
                 "nodes": sorted(set(layout)), "standby": sorted(self.standby), "layout": list(layout),
                 "moves": len(self.moves),
                 "partition": list(partition),
@@ -297,4 +300,4 @@ class PipelineSupervisor:
         if self.config.cluster.nnodes > 1:
             end_generations()
         if self.heals:
-            stop_spares()
+            stop_warm()

@@ -364,32 +364,9 @@ def _write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def disk_tier_on(config) -> bool:
-    """Whether this engine keeps pages on disk: a budget was given (--kv-cache-disk), the prefix
-    cache is on, and the stages are not tensor-parallel (their ranks' shards are not paged yet)."""
-    return bool(config.cache.kv_cache_disk) and config.cache.enable_prefix_caching and config.parallel.tp_size == 1
-
-
-def kv_dir(config) -> Path:
-    """--kv-cache-dir, else `$STAGEWISE_CACHE/kv`."""
-    from ..config import cache_root
-    return Path(config.cache.kv_cache_dir) if config.cache.kv_cache_dir else cache_root() / "kv"
-
-
 def stage_budget(config, stage) -> int:
     """A stage's share of the disk budget: its share of the layers (every stage then holds as many
     pages, as a page holds the KV of the stage's layers)."""
     return config.cache.kv_cache_disk * (stage.end - stage.start) // stage.num_layers
 
 
-def budget_line(config) -> str:
-    """What `stagewise plan` says about the disk tier."""
-    if not config.cache.kv_cache_disk:
-        return "KV disk tier: off (--kv-cache-disk SIZE keeps prefix-cache pages on disk across restarts)"
-    if not disk_tier_on(config):
-        why = ("the prefix cache is off" if not config.cache.enable_prefix_caching
-               else "tensor parallelism is not paged yet")
-        return f"KV disk tier: off ({why})"
-    from ..runtime.memory import size_text
-    return (f"KV disk tier: {size_text(config.cache.kv_cache_disk)} in {kv_dir(config)}, split over the stages by "
-            f"their layers (least recently used pages go first)")

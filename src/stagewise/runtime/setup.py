@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_hf_config, max_model_len
+from ..checkpoint.facts import read_facts
 from ..config import EngineConfig
 from ..graph.policy import policy_for
 from ..model import attention as model_attention
@@ -20,17 +20,18 @@ from ..model.loader import exact_mode, load_model, resolve_dtype
 from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
+from ..planning.memory import (
+    MemoryPlan,
+    in_process,
+    kv_bytes_per_block,
+    measured_node_bytes,
+    process_bytes,
+    stage_budget_bytes,
+    stage_plan,
+)
 from . import cpu_pool
 from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
-from .kv_cache import allocate_kv_caches, kv_bytes_per_block
-from .memory import (
-    MemoryPlan,
-    estimate_activation_bytes,
-    measured_node_bytes,
-    min_kv_blocks,
-    plan_kv,
-    stage_budget_bytes,
-)
+from .kv_cache import allocate_kv_caches
 from .team import decode_threads
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
@@ -67,7 +68,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     if device.type == "cpu":
         pool = cpu_pool.for_stage(config, stage.rank, configure_threads(config), tp_group.rank if tp_group else 0)
         return_freed_memory()
-    hf_config = load_hf_config(model_dir)
+    facts = read_facts(model_dir)
+    hf_config = facts.hf
     dtype = resolve_dtype(config.load.dtype, hf_config, device.type)
     if device.type == "cpu" and config.cache.node_memory_bytes is None:   # torchrun: no driver measured it
         config = config.replace(node_memory_bytes=measured_node_bytes())
@@ -83,10 +85,10 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     model_attention.INVARIANT = config.scheduler.invariant_attention   # process-wide: one engine's stages per process
     batch = ForwardBatch(None, [None] * stage.num_layers)
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
-                              max_seq_len=max_model_len(config, hf_config))
+                              max_seq_len=facts.max_len(config.scheduler.max_model_len))
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype)
-    plan = _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes)
+    plan = _plan(config, stage, model, runner, facts, dtype, device, block_bytes)
     if tp_group is not None:
         plan = _agreed(plan, tp_group)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.cache.block_size, num_kv_heads,
@@ -107,21 +109,13 @@ def _agreed(plan: MemoryPlan, group: Any) -> MemoryPlan:
     return replace(plan, num_blocks=blocks, kv_bytes=blocks * plan.block_bytes)
 
 
-def _plan(config, stage, model, runner, hf_config, dtype, device, block_bytes) -> MemoryPlan:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    hidden = model.hidden_size
-    intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
-    activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, hidden, intermediate,
-                                           hf_config.vocab_size, config.scheduler.max_num_seqs, itemsize)
+def _plan(config, stage, model, runner, facts, dtype, device, block_bytes) -> MemoryPlan:
     if device.type == "cuda":
         budget = stage_budget_bytes(node_bytes=None, stages_on_node=1,
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
         budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
-    max_len = max_model_len(config, hf_config)
-    return plan_kv(stage.rank, (stage.start, stage.end), weights=weight_bytes(model),
-                   graph_buffers=runner.static_bytes(), graph_pools=0, activation=activation, block_bytes=block_bytes,
-                   explicit_kv=config.cache.kv_cache_memory, budget=budget,
-                   cap_blocks=config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1,
-                   min_blocks=min_kv_blocks(max_len, config.cache.block_size))
+    return stage_plan(config, facts, stage, torch.empty((), dtype=dtype).element_size(), weights=weight_bytes(model),
+                      graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget,
+                      process=process_bytes(config, in_process(config)) if device.type == "cpu" else 0)

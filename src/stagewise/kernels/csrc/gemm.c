@@ -4,8 +4,10 @@
    once for all the rows while it is in registers); portable (8-lane vectors), and bf16 pairs on
    AVX512-BF16 (small_linear_bf16dp).
    packed_linear_*: weights reordered once at load into panels of output columns (one stream per
-   panel, no horizontal sums): float32 on AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), bfloat16 on
-   AVX512-BF16. Absent where the compiler does not target those instructions.
+   panel, no horizontal sums, any N): float32 on AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or
+   portable vectors (8 lanes, multiply then add), bfloat16 as pairs on AVX512-BF16, else widened
+   into the float32 tiles. Every build has them, so every build gives a row the same bits in any
+   batch and a weight's shards the whole weight's bits.
    Callers check shapes, dtypes and strides (kernels/gemm.py); these functions trust them. */
 #include <string.h>
 
@@ -107,21 +109,53 @@ typedef __m256 fvec;
 #define FSET1 _mm256_set1_ps
 #define FFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define FADD _mm256_add_ps
+#else
+/* portable: 8-lane vectors of the compiler's own; a multiply and an add (two roundings) where
+   the build has no FMA, in the tiles and their tails alike */
+#define FLANES 8
+typedef v8 fvec;
+#define FLOAD ld_f32
+#define FSTORE(p, v) (*(v8u*)(p) = (v))
+#define FZERO() ((v8){0})
+#define FSET1(s) ((v8){s, s, s, s, s, s, s, s})
+#define FFMA fma8
+#define FADD(a, b) ((a) + (b))
+#ifdef __FMA__
+#define SFMA(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define SFMA(a, b, c) ((a) * (b) + (c))       /* never contracted (-std=c11), as fma8 */
+#endif
+#endif
+#ifndef SFMA
+#define SFMA(a, b, c) __builtin_fmaf(a, b, c)   /* a vector lane's fused multiply-add, one output */
 #endif
 #ifdef FLANES
 #define FPANEL (2 * FLANES)
 int packed_f32_panel(void) { return FPANEL; }
-#define FTILE(MB, NV)                                                                           \
-static void ftile_##MB##x##NV(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t pw, \
-                              const float* b, float* y, int64_t ldy) {                          \
+/* bf16 widened exactly to float32: a vector of FLANES weights, one activation */
+#if FLANES == 16
+#define FLOAD_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
+#elif defined(__AVX2__)
+#define FLOAD_bf16(p) ((__m256)ld_bf16(p))
+#else
+#define FLOAD_bf16 ld_bf16
+#endif
+#define FLOAD_f32 FLOAD
+static inline float val_f32(float v) { return v; }
+static inline float val_bf16(bf16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+/* A tile of MB rows x NV vectors of FLANES columns, weights WT (float32, or bf16 widened in
+   registers), activations of the same type, float32 results into y */
+#define FTILE(WT, MB, NV)                                                                       \
+static void ftile_##WT##_##MB##x##NV(const WT##_t* x, int64_t ldx, const WT##_t* wp, int64_t K, int64_t pw, \
+                                     const float* b, float* y, int64_t ldy) {                   \
     fvec acc[MB][NV];                                                                           \
     for (int m = 0; m < MB; m++)                                                                \
         for (int j = 0; j < NV; j++) acc[m][j] = FZERO();                                       \
     for (int64_t k = 0; k < K; k++) {                                                           \
         fvec wv[NV];                                                                            \
-        for (int j = 0; j < NV; j++) wv[j] = FLOAD(wp + k * pw + FLANES * j);                   \
+        for (int j = 0; j < NV; j++) wv[j] = FLOAD_##WT(wp + k * pw + FLANES * j);              \
         for (int m = 0; m < MB; m++) {                                                          \
-            fvec xb = FSET1(x[m * ldx + k]);                                                    \
+            fvec xb = FSET1(val_##WT(x[m * ldx + k]));                                          \
             for (int j = 0; j < NV; j++) acc[m][j] = FFMA(xb, wv[j], acc[m][j]);                \
         }                                                                                       \
     }                                                                                           \
@@ -129,19 +163,70 @@ static void ftile_##MB##x##NV(const float* x, int64_t ldx, const float* wp, int6
         for (int j = 0; j < NV; j++)                                                            \
             FSTORE(y + m * ldy + FLANES * j, b ? FADD(acc[m][j], FLOAD(b + FLANES * j)) : acc[m][j]); \
 }
-#define FTILES(MB) FTILE(MB, 1) FTILE(MB, 2)
-FTILES(1) FTILES(2) FTILES(3) FTILES(4) FTILES(5) FTILES(6)
-typedef void (*ftile_fn)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t);
-#define FROW(MB) {0, ftile_##MB##x1, ftile_##MB##x2}
+/* Columns c0 <= c < pw of a panel (a last panel's tail of fewer than FLANES): the same chain
+   per output as a vector lane (a fused multiply-add over k in order, then the bias), so a weight
+   of any N gives each output the bits it has in a full panel */
+#define FTAIL(WT)                                                                               \
+static void ftail_##WT(const WT##_t* x, int64_t ldx, const WT##_t* wp, int64_t K, int64_t pw, int64_t c0, \
+                       int64_t mb, const float* b, float* y, int64_t ldy) {                     \
+    for (int64_t m = 0; m < mb; m++)                                                            \
+        for (int64_t c = c0; c < pw; c++) {                                                     \
+            float acc = 0.f;                                                                    \
+            for (int64_t k = 0; k < K; k++)                                                     \
+                acc = SFMA(val_##WT(x[m * ldx + k]), val_##WT(wp[k * pw + c]), acc);            \
+            y[m * ldy + c] = b ? acc + b[c] : acc;                                              \
+        }                                                                                       \
+}
+#define FTILES(WT, MB) FTILE(WT, MB, 1) FTILE(WT, MB, 2)
+#define FROW(WT, MB) {0, ftile_##WT##_##MB##x1, ftile_##WT##_##MB##x2}
+/* mb rows of one panel pw wide (pw <= FPANEL): its whole vectors by a tile, the rest by FTAIL */
+#define FPANEL_RUN(WT)                                                                          \
+FTILES(WT, 1) FTILES(WT, 2) FTILES(WT, 3) FTILES(WT, 4) FTILES(WT, 5) FTILES(WT, 6) FTAIL(WT)   \
+typedef void (*ftile_##WT##_fn)(const WT##_t*, int64_t, const WT##_t*, int64_t, int64_t, const float*, float*, int64_t); \
+static void fpanel_##WT(const WT##_t* x, int64_t ldx, const WT##_t* wp, int64_t K, int64_t pw, int64_t mb, \
+                        const float* b, float* y, int64_t ldy) {                                \
+    static const ftile_##WT##_fn tiles[7][3] = {{0}, FROW(WT, 1), FROW(WT, 2), FROW(WT, 3), FROW(WT, 4), \
+                                                FROW(WT, 5), FROW(WT, 6)};                      \
+    int64_t nv = pw / FLANES;                                                                   \
+    if (nv) tiles[mb][nv](x, ldx, wp, K, pw, b, y, ldy);                                        \
+    if (pw % FLANES) ftail_##WT(x, ldx, wp, K, pw, nv * FLANES, mb, b, y, ldy);                 \
+}
+FPANEL_RUN(f32)
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed w (+ b [N]); N % FLANES == 0.
-   Tasks as in FOR_PACKED_TILES. */
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ packed w (+ b [N]); any N. Tasks as
+   in FOR_PACKED_TILES. */
 void packed_linear_f32(const float* x, int64_t ldx, const float* wp, const float* b, float* y,
                        int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    static const ftile_fn tiles[7][3] = {{0}, FROW(1), FROW(2), FROW(3), FROW(4), FROW(5), FROW(6)};
-    FOR_PACKED_TILES(FPANEL, M, N, tiles[mb][pw / FLANES](x + m0 * ldx, ldx, wp + n0 * K, K, pw, b ? b + n0 : 0,
-                                                          y + m0 * ldy + n0, ldy))
+    FOR_PACKED_TILES(FPANEL, M, N, fpanel_f32(x + m0 * ldx, ldx, wp + n0 * K, K, pw, mb, b ? b + n0 : 0,
+                                              y + m0 * ldy + n0, ldy))
 }
+
+#ifndef __AVX512BF16__
+/* Packed bf16 weights without native bf16 (AVX2, or AVX-512 without BF16): the float32 layout
+   and tiles, weights and activations widened exactly in registers, so each output is one fused
+   chain over k in order whatever the row count (as the native kernel's is); bf16 output rounded
+   to nearest even, or float32 into y32 */
+int packed_bf16_panel(void) { return FPANEL; }
+int packed_bf16_pair(void) { return 1; }
+FPANEL_RUN(bf16)
+static void bf16_panel_out(const bf16_t* x, int64_t ldx, const bf16_t* wp, int64_t K, int64_t pw, int64_t mb,
+                           const float* b, bf16_t* y, float* y32, int64_t ldy) {
+    if (y32) {
+        fpanel_bf16(x, ldx, wp, K, pw, mb, b, y32, ldy);
+        return;
+    }
+    float out[6 * FPANEL];
+    fpanel_bf16(x, ldx, wp, K, pw, mb, b, out, FPANEL);
+    for (int64_t m = 0; m < mb; m++)
+        for (int64_t c = 0; c < pw; c++) y[m * ldy + c] = f2bf(out[m * FPANEL + c]);
+}
+
+void packed_linear_bf16(const bf16_t* x, int64_t ldx, const bf16_t* wp, const float* b, bf16_t* y,
+                        float* y32, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    FOR_PACKED_TILES(FPANEL, M, N, bf16_panel_out(x + m0 * ldx, ldx, wp + n0 * K, K, pw, mb, b ? b + n0 : 0,
+                                                  y + m0 * ldy + n0, y32 ? y32 + m0 * ldy + n0 : 0, ldy))
+}
+#endif
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -177,6 +262,8 @@ TILES(DPTILE, bf16dp) LINEAR(bf16dp, bf16_t, bf16_t)
    of 16 columns broadcasts each row's (x[k], x[k+1]) pair against them: no horizontal sums, the
    panel is read as one stream, and every output is one chain over k in order, whatever M is. */
 #define PANEL 64
+int packed_bf16_panel(void) { return PANEL; }
+int packed_bf16_pair(void) { return 2; }
 #define PTILE(MB, NV)                                                                           \
 static void ptile_##MB##x##NV(const bf16_t* x, int64_t ldx, const bf16_t* wp, int64_t K,        \
                               int64_t pw, const float* b, bf16_t* y, float* y32, int64_t ldy) { \

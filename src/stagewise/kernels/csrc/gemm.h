@@ -1,5 +1,5 @@
 /* The entry points of gemm.c (C, also included by gemm_ops.cpp). bf16 values are uint16_t.
-   small_linear_bf16dp, packed_f32_panel, packed_linear_f32 and packed_linear_bf16 exist only
+   small_linear_bf16dp and the packed_* functions exist only
    where the build targets their instruction sets (see gemm.c). */
 #ifndef STAGEWISE_GEMM_H
 #define STAGEWISE_GEMM_H
@@ -20,7 +20,11 @@ void small_linear_bf16dp(const uint16_t* x, int64_t ldx, const uint16_t* w, cons
 int packed_f32_panel(void);
 void packed_linear_f32(const float* x, int64_t ldx, const float* wp, const float* b, float* y, int64_t ldy,
                        int64_t M, int64_t N, int64_t K);
-/* bf16 panels of 64 columns; output bf16 into y, or float32 into y32 when y32 is not NULL */
+/* bf16 panels of packed_bf16_panel() columns, packed_bf16_pair() k per pair (64 and 2 on
+   AVX512-BF16, the float32 panel and 1 elsewhere); output bf16 into y, or float32 into y32 when
+   y32 is not NULL */
+int packed_bf16_panel(void);
+int packed_bf16_pair(void);
 void packed_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const float* b, uint16_t* y, float* y32,
                         int64_t ldy, int64_t M, int64_t N, int64_t K);
 

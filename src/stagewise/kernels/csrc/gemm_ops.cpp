@@ -10,6 +10,8 @@
 #pragma weak packed_f32_panel
 #pragma weak packed_linear_f32
 #pragma weak packed_linear_bf16
+#pragma weak packed_bf16_panel
+#pragma weak packed_bf16_pair
 
 namespace stagewise {
 namespace {
@@ -77,7 +79,8 @@ Tensor linear(Tensor x, Tensor w, std::optional<Tensor> bias) {
 
 /* (panel width, k per pair) of the packed kernel for dtype, as kernels/gemm.py `_kernel_layout` */
 std::optional<std::array<int64_t, 2>> packed_layout(ScalarType dt) {
-    if (dt == ScalarType::BFloat16 && native_bf16 && packed_linear_bf16) return std::array<int64_t, 2>{64, 2};
+    if (dt == ScalarType::BFloat16 && packed_linear_bf16)
+        return std::array<int64_t, 2>{packed_bf16_panel(), packed_bf16_pair()};
     if (dt == ScalarType::Float && packed_f32_panel) return std::array<int64_t, 2>{packed_f32_panel(), 1};
     return std::nullopt;
 }
@@ -85,14 +88,14 @@ std::optional<std::array<int64_t, 2>> packed_layout(ScalarType dt) {
 /* kernels/gemm.py `_check_packed` */
 void check_packed(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias) {
     auto found = w.is_cpu() && w.dim() == 2 ? packed_layout(w.scalar_type()) : std::nullopt;
-    bool ok = found && w.is_contiguous() && w.size(0) % ((*found)[1] == 2 ? 16 : (*found)[0] / 2) == 0
+    bool ok = found && w.is_contiguous() && w.size(0) % ((*found)[1] == 2 ? 16 : 1) == 0
               && w.size(1) % (*found)[1] == 0 && x.is_cpu() && x.dim() == 2 && x.size(1) == w.size(1)
               && (!bias || (bias->dim() == 1 && bias->size(0) == w.size(0)));
     if (!ok) {
         std::string layout = found ? "(" + std::to_string((*found)[0]) + ", " + std::to_string((*found)[1]) + ")" : "None";
         throw std::invalid_argument(
             "stagewise packed linear kernel: x " + describe(x) + ", weight " + describe(w) + ", bias " + describe(bias)
-            + "; it needs a contiguous packed CPU weight [N, K] (float32, or bfloat16 on CPUs with native bf16; "
+            + "; it needs a contiguous packed CPU weight [N, K] (float32 or bfloat16, with AVX2 FMA; "
               "packed layout here: " + layout + "), x [M, K] with the same K and a bias [N] or none.");
     }
 }

@@ -1,10 +1,9 @@
-"""Spare stage processes warm up at idle priority (SCHED_IDLE: their seconds of imports take no CPU
-a running stage wants) and run at normal priority once given a stage, every thread of them."""
+"""A node's warm process imports at idle priority (SCHED_IDLE: its seconds of imports take no CPU a
+running stage wants) and is back at normal priority, every thread of it, before it forks stages."""
 import multiprocessing as mp
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -43,27 +42,22 @@ def test_idle_while_warming_then_normal_in_every_thread():
     assert after == {os.SCHED_OTHER}
 
 
-def _spares(parent: int) -> list[int]:
+def _warm(parent: int) -> list[int]:
     kids = [int(k) for t in os.listdir(f"/proc/{parent}/task")
             for k in open(f"/proc/{parent}/task/{t}/children").read().split()]
-    return [k for k in kids if open(f"/proc/{k}/comm").read().strip() == "stagewise-spare"]
+    return [k for k in kids if open(f"/proc/{k}/comm").read().strip() == "stagewise-warm"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="leaving SCHED_IDLE needs CAP_SYS_NICE")
-def test_spares_wait_idle_and_a_rebuilt_stage_runs_at_normal_priority(llama_dir):
-    with LLM(model=str(llama_dir), pp_size=2, pipeline_spares_delay_s=0, max_pipeline_restarts=1) as llm:
+def test_the_warm_process_and_a_rebuilt_stage_run_at_normal_priority(llama_dir):
+    with LLM(model=str(llama_dir), pp_size=2, max_pipeline_restarts=1) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY,
                                                              use_tqdm=False)]
-        deadline = time.monotonic() + 60
-        while llm.stats()["recovery"]["spares_ready"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        spares = _spares(os.getpid())
-        assert len(spares) == 2 and all(_policies(pid) == {os.SCHED_IDLE} for pid in spares)
+        warm = _warm(os.getpid())
+        assert len(warm) == 1 and _policies(warm[0]) == {os.SCHED_OTHER}
         os.kill(llm.engine.executor.procs[1].pid, signal.SIGKILL)
         got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY,
                                                             use_tqdm=False)]
         assert got == want and llm.stats()["recovery"]["rebuilds"] == {"stage_died": 1}
-        stages = [p.pid for p in llm.engine.executor.procs]
-        assert set(stages) <= set(spares)          # the rebuilt pipeline runs on the spares
-        assert all(_policies(pid) == {os.SCHED_OTHER} for pid in stages)
+        assert all(_policies(p.pid) == {os.SCHED_OTHER} for p in llm.engine.executor.procs)

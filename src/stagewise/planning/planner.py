@@ -1,6 +1,6 @@
 """Partitions by memory and speed: which contiguous layers each stage runs and which node runs it,
 so that every stage fits its node's memory and the slowest stage (cost / speed) is as fast as
-possible. Pure arithmetic over what the caller measured (runtime/cluster_plan.py builds the inputs
+possible. Pure arithmetic over what the caller measured (planning/cluster.py builds the inputs
 from a model and the nodes' reports); an exact dynamic programme over (layer, node, stage) states.
 """
 from __future__ import annotations

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import EngineConfig
-from .errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError
 from .gguf_meta import gguf_facts, hf_config_from_gguf, tokenizer_from_gguf
 
 SINGLE_FILE = "model.safetensors"
@@ -76,21 +75,6 @@ def text_view(hf_config):
     return text
 
 
-def num_layers_of(hf_config, model_dir: str | Path = "the checkpoint") -> int:
-    n = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer", None)
-    if not n:
-        raise ValueError(f"{model_dir}/config.json names no layer count (num_hidden_layers or n_layer).")
-    return int(n)
-
-
-def vocab_size_of(hf_config) -> int:
-    return int(hf_config.vocab_size)
-
-
-def hidden_size_of(hf_config) -> int:
-    return int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config, "n_embd", 0))
-
-
 def eos_token_ids_of(model_dir: str | Path, hf_config) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json; for GGUF, the tokenizer's eos/eot/eom ids."""
     gguf_path = gguf_file_of(model_dir)
@@ -109,14 +93,6 @@ def eos_token_ids_of(model_dir: str | Path, hf_config) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def max_model_len(config: EngineConfig, hf_config) -> int:
-    """The context length: `config.scheduler.max_model_len`, at most the model's position limit."""
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
-    if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.scheduler.max_model_len} exceeds the model's {limit} positions.")
-    return config.scheduler.max_model_len or limit
 
 
 def load_tokenizer(path: str | Path):

@@ -10,7 +10,7 @@ unchanged. Tensor data is read by `model.gguf`; the tokenizer arrays by transfor
 Nothing here imports transformers into the process that runs the model (it costs ~190 MB resident
 with the torch._dynamo, sympy and accelerate modules it pulls in, twice the default model's weights):
 the config is a `GGUFConfig` record, and the tokenizer is converted from the metadata once, by
-transformers in a child process (`python -m stagewise.gguf_meta`), cached on disk and read back
+transformers in a child process (`python -m stagewise.checkpoint.gguf_meta`), cached on disk and read back
 with the `tokenizers` library (`saved_tokenizer.SavedTokenizer`).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from .config import cache_root
+from ..config import cache_root
 
 log = logging.getLogger("stagewise.checkpoint")
 
@@ -39,7 +39,7 @@ log = logging.getLogger("stagewise.checkpoint")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -62,6 +62,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "granite": dict(model_type="granite", dtype=None, pad_token_id=None),
     "smollm3": dict(model_type="smollm3", dtype=None, pad_token_id=None, sliding_window=None,
                     use_sliding_window=False),
+    # llama.cpp's gpt-oss: the clamped SwiGLU's constants are fixed in its graph, not stored
+    "gpt-oss": dict(model_type="gpt_oss", dtype=None, pad_token_id=None, swiglu_alpha=1.702, swiglu_limit=7.0),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False),
 }
@@ -323,7 +325,20 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
     moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
     if moe and arch == "llama":
         common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])
+    if arch == "gpt-oss":
+        moe.update(_gpt_oss_kwargs(facts, moe, int(kwargs["num_hidden_layers"])))
     return arch, {**kwargs, **moe, **common}
+
+
+def _gpt_oss_kwargs(facts: GGUFFacts, moe: dict, layers: int) -> dict:
+    """gpt-oss: the experts' width as its config names it, window layers on even ids (llama.cpp's
+    swa pattern 2, transformers' default `layer_types`), and the GGML type of the stacked expert
+    tensors (the stage holds them in the file's layout, `model.gpt_oss`)."""
+    return dict(intermediate_size=moe.get("moe_intermediate_size"),
+                sliding_window=facts.meta.get("gpt-oss.attention.sliding_window"),
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                gguf_expert_types={kind: facts.types.get(f"blk.0.{kind}.weight")
+                                   for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")})
 
 
 def _moe_kwargs(facts: GGUFFacts, arch: str) -> dict:
@@ -398,8 +413,16 @@ def _rope_parameters(facts: GGUFFacts, get, head_dim: int, path: Path) -> dict:
     kind = get("rope.scaling.type") or "none"
     if kind == "linear":
         params.update(rope_type="linear", factor=float(get("rope.scaling.factor", required=True)))
+    elif kind == "yarn":
+        params.update(rope_type="yarn", factor=float(get("rope.scaling.factor", required=True)),
+                      original_max_position_embeddings=int(get("rope.scaling.original_context_length",
+                                                               required=True)),
+                      beta_fast=float(get("rope.scaling.yarn_beta_fast") or 32.0),
+                      beta_slow=float(get("rope.scaling.yarn_beta_slow") or 1.0),
+                      # gpt-oss's recipe (its config's `truncate: false`); transformers' default elsewhere
+                      truncate=facts.meta.get("general.architecture") != "gpt-oss")
     elif kind != "none":
-        raise ValueError(f"{path} uses {kind!r} rope scaling; stagewise supports none, linear and llama3.")
+        raise ValueError(f"{path} uses {kind!r} rope scaling; stagewise supports none, linear, yarn and llama3.")
     if facts.rope_freqs is not None:
         params.update(_llama3_rope(facts.rope_freqs, params["rope_theta"], head_dim, path))
     return params
@@ -467,12 +490,12 @@ def _convert_tokenizer(path: Path, target: Path):
 
 
 def _run_converter(path: Path, out: Path) -> None:
-    """`python -m stagewise.gguf_meta PATH OUT` in a child process: transformers (and the seconds and
+    """`python -m stagewise.checkpoint.gguf_meta PATH OUT` in a child process: transformers (and the seconds and
     ~190 MB it costs) stays out of this one. Its one-sentence error becomes this process's."""
     log.info("converting the tokenizer in %s's metadata (once; cached in %s)", path.name, out.parent)
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-m", "stagewise.gguf_meta", str(path), str(out)], env=env,
+    done = subprocess.run([sys.executable, "-m", "stagewise.checkpoint.gguf_meta", str(path), str(out)], env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if done.returncode == 0:
         return

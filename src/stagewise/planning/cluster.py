@@ -1,4 +1,4 @@
-"""A model's needs and the nodes' reports, as the partition planner (parallel/planner.py) takes
+"""A model's needs and the nodes' reports, as the partition planner (planning/planner.py) takes
 them: weights as held per layer (quantized as stored), the KV floor, activations and each
 process's runtime per stage, the driver's process on node 0; node budgets from what each node
 reported (MemAvailable and its cgroup's room, less the engine's margin). `stagewise plan
@@ -11,23 +11,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import max_model_len
+from ..checkpoint.facts import ModelFacts
 from ..config import EngineConfig, parse_size
 from ..model.loader import resolve_dtype
 from ..parallel.partition import StageInfo
-from ..parallel.planner import ClusterPlan, ModelNeeds, Node, plan_partition, useful_nodes
-from .kv_cache import kv_bytes_per_block
 from .memory import (
     DRIVER_RUNTIME_BYTES,
     FALLBACK_CPU_BYTES,
-    STAGE_RUNTIME_BYTES,
     available_bytes,
-    estimate_activation_bytes,
+    cap_blocks,
+    cgroup_unknown,
+    kv_bytes_per_block,
     min_kv_blocks,
     node_budget_bytes,
+    process_bytes,
     size_text,
+    stage_plan,
 )
-from .plan_report import ModelBytes, _weights_of
+from .planner import ClusterPlan, ModelNeeds, Node, plan_partition, useful_nodes
+from .report import ModelBytes, _weights_of
 from .stage_cost import cost_model_for, measure_node_rate
 
 log = logging.getLogger("stagewise.partition")
@@ -50,6 +52,9 @@ class NodeReport:
 
     @classmethod
     def measure(cls, probe_s: float = SPEED_PROBE_S) -> NodeReport:
+        unknown = cgroup_unknown()
+        if unknown:
+            log.warning("%s", unknown)
         return cls(available_bytes(), measure_node_rate(seconds=probe_s))
 
 
@@ -80,7 +85,7 @@ def nodes_of(reports: list[NodeReport], use_speed: bool = True) -> list[Node]:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class ClusterNeeds:
     """The model's needs for the planner, with what the report shows per stage."""
     needs: ModelNeeds
     weights: ModelBytes
@@ -98,33 +103,25 @@ class ModelFacts:
         return max(0, min(room // block_bytes, self.cap_blocks) - 1) * self.block_size
 
 
-def model_facts(config: EngineConfig, hf) -> ModelFacts:
-    """Costs from the cost model; bytes as held; per stage the activation peak and runtime."""
-    dtype = resolve_dtype(config.load.dtype, hf, "cpu")
-    weights, costs = _weights_of(config, hf), cost_model_for(config, hf)
-    hidden = int(getattr(hf, "hidden_size", 0) or hf.n_embd)
-    activation = estimate_activation_bytes(config.scheduler.chunked_prefill_size, hidden,
-                                           getattr(hf, "intermediate_size", None) or 4 * hidden, hf.vocab_size,
-                                           config.scheduler.max_num_seqs, torch.empty((), dtype=dtype).element_size())
-    max_len = max_model_len(config, hf)
-    per_layer = kv_bytes_per_block(StageInfo(0, 1, 0, 1, 1), weights.kv_heads, weights.head_dim,
-                                   config.cache.block_size, dtype)
-    floor = min_kv_blocks(max_len, config.cache.block_size) * per_layer
+def cluster_needs(config: EngineConfig, facts: ModelFacts) -> ClusterNeeds:
+    """Costs from the cost model; bytes as held; per stage the activation peak and runtime (from the
+    one-layer stage plan: the same arithmetic a stage sizes itself by)."""
+    dtype = resolve_dtype(config.load.dtype, facts.hf, "cpu")
+    weights, costs = _weights_of(config, facts), cost_model_for(config, facts)
+    one = StageInfo(0, 1, 0, 1, 1)
+    per_layer = kv_bytes_per_block(one, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
+    plan = stage_plan(config, facts, one, torch.empty((), dtype=dtype).element_size(), weights=0, graph_buffers=0,
+                      block_bytes=per_layer, budget=0, process=process_bytes(config, shares_driver=False), refuse=False)
+    floor = min_kv_blocks(facts.max_len(config.scheduler.max_model_len), config.cache.block_size) * per_layer
     needs = ModelNeeds(costs.layer_costs, tuple(b + floor for b in weights.layers), costs.first_extra,
                        costs.last_extra, weights.first_extra, weights.last_extra,
-                       activation + STAGE_RUNTIME_BYTES + spare_bytes(config),
+                       plan.activation_bytes + plan.process_bytes,
                        weights.single + floor * len(weights.layers))
-    return ModelFacts(needs, weights, per_layer, config.cache.block_size,
-                      config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1)
+    return ClusterNeeds(needs, weights, per_layer, config.cache.block_size,
+                        cap_blocks(config, facts.max_len(config.scheduler.max_model_len)))
 
 
-def spare_bytes(config: EngineConfig) -> int:
-    """What each stage's idle spare process (--pipeline-spares) holds beside it on its node: a
-    process with torch and the stage code imported, no weights (0 where no spares run)."""
-    return STAGE_RUNTIME_BYTES if config.recovery.pipeline_spares and config.recovery.max_pipeline_restarts > 0 else 0
-
-
-def plan_cluster(facts: ModelFacts, reports: list[NodeReport], num_stages: int | None = None,
+def plan_cluster(facts: ClusterNeeds, reports: list[NodeReport], num_stages: int | None = None,
                  stages_per_node: list[int] | None = None, use_speed: bool = True,
                  partition: tuple[int, ...] | None = None, ranks: list[int] | None = None) -> ClusterPlan:
     """The planner's choice over `reports` (node 0 first; `ranks`: their node ranks, for the log);
@@ -148,10 +145,10 @@ def _available(report: NodeReport) -> str:
     return "unknown" if report.available_bytes is None else size_text(report.available_bytes)
 
 
-def cluster_report(config: EngineConfig, hf, reports: list[NodeReport]) -> str:
+def cluster_report(config: EngineConfig, model: ModelFacts, reports: list[NodeReport]) -> str:
     """`stagewise plan --cluster`: one row per stage (node, layers, weights, KV, predicted share),
     then the nodes left out."""
-    facts = model_facts(config, hf)
+    facts = cluster_needs(config, model)
     partition = config.parallel.pp_layer_partition if isinstance(config.parallel.pp_layer_partition, tuple) else None
     num_stages = len(partition) if partition else (config.parallel.pp_size if config.parallel.pp_size > 1 else None)
     plan = plan_partition(facts.needs, nodes_of(reports), num_stages, None, partition)    # left-out nodes: below

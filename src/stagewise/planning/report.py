@@ -7,33 +7,36 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import cast
 
 import torch
 from torch import nn
 
-from ..checkpoint import gguf_file_of, load_hf_config, max_model_len, num_layers_of
+from ..checkpoint.facts import ModelFacts, read_facts
+from ..checkpoint.gguf_meta import gguf_facts
 from ..config import EngineConfig
-from ..gguf_meta import gguf_facts
 from ..kernels.quant import SUPPORTED, T
 from ..model.loader import _architecture, exact_mode, resolve_dtype, stage_skeleton
 from ..model.quantized import weight_bytes
 from ..model.registry import get_model_class
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo, balanced_partition, stage_costs, stage_infos
-from .kv_cache import kv_bytes_per_block
-from .kv_disk import budget_line
 from .memory import (
     MemoryPlan,
     NotEnoughMemory,
-    estimate_activation_bytes,
+    disk_tier_on,
     format_memory_table,
+    in_process,
+    kv_bytes_per_block,
+    kv_dir,
     measured_node_bytes,
     min_kv_blocks,
-    plan_kv,
+    process_bytes,
     shortfall,
     size_text,
     stage_budget_bytes,
+    stage_plan,
 )
 from .stage_cost import partition_lines, resolve_partition
 
@@ -53,7 +56,7 @@ class ModelBytes:
     def measure(cls, model_dir: str, dtype: torch.dtype, quantization: str | None, exact: bool,
                 tp: tuple[int, int] | None = None, device: str = "cpu") -> ModelBytes:
         """With `tp` (rank, size): that tensor-parallel rank's bytes and heads (ranks may differ)."""
-        num_layers = num_layers_of(load_hf_config(model_dir), model_dir)
+        num_layers = read_facts(model_dir).num_layers
         build = lambda stage: stage_skeleton(model_dir, stage, dtype, quantization=quantization, exact=exact, tp=tp,
                                               device=device)
         whole = build(StageInfo.single(num_layers))
@@ -77,56 +80,51 @@ class ModelBytes:
         return out
 
 
-def _plans(config: EngineConfig, hf, weights: ModelBytes, sizes: tuple[int, ...], stages_on_node: int,
-           node_bytes: int | None, refuse: bool) -> list[MemoryPlan]:
-    dtype = resolve_dtype(config.load.dtype, hf, "cpu")
+def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: tuple[int, ...],
+           stages_on_node: int, node_bytes: int | None, refuse: bool) -> list[MemoryPlan]:
+    dtype = resolve_dtype(config.load.dtype, facts.hf, "cpu")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    hidden = int(getattr(hf, "hidden_size", 0) or hf.n_embd)
-    act = estimate_activation_bytes(config.scheduler.chunked_prefill_size, hidden,
-                                    getattr(hf, "intermediate_size", None) or 4 * hidden, hf.vocab_size,
-                                    config.scheduler.max_num_seqs, itemsize)
-    heads, head_dim = weights.kv_heads, weights.head_dim
-    max_len = max_model_len(config, hf)
+    # NOTE: `node_bytes` is measured by a process that runs (the driver, or `stagewise plan`): its own
+    # memory is in use, not available, so it is not taken off again
     budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
+    process = process_bytes(config, in_process(config))
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
-        plans.append(plan_kv(stage.rank, (stage.start, stage.end), weights=held, graph_buffers=0, graph_pools=0,
-                             activation=act,
-                             block_bytes=kv_bytes_per_block(stage, heads, head_dim, config.cache.block_size, dtype),
-                             explicit_kv=config.cache.kv_cache_memory, budget=budget,
-                             cap_blocks=config.scheduler.max_num_seqs * -(-max_len // config.cache.block_size) + 1,
-                             min_blocks=min_kv_blocks(max_len, config.cache.block_size), refuse=refuse))
+        block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
+        plans.append(stage_plan(config, facts, stage, itemsize, weights=held, graph_buffers=0, block_bytes=block_bytes,
+                                budget=budget, process=process, refuse=refuse))
     return plans
 
 
-def _problem(config: EngineConfig, hf, plans: list[MemoryPlan]) -> NotEnoughMemory | None:
-    min_blocks = min_kv_blocks(max_model_len(config, hf), config.cache.block_size)
+def _problem(config: EngineConfig, facts: ModelFacts, plans: list[MemoryPlan]) -> NotEnoughMemory | None:
+    min_blocks = min_kv_blocks(facts.max_len(config.scheduler.max_model_len), config.cache.block_size)
     found = [p for p in (shortfall(plan, config.cache.kv_cache_memory, min_blocks) for plan in plans) if p is not None]
     return max(found, key=lambda p: p.missing_bytes) if found else None
 
 
-def _weights_of(config: EngineConfig, hf, quantization: str | None = None, rank: int | None = None) -> ModelBytes:
+def _weights_of(config: EngineConfig, facts: ModelFacts, quantization: str | None = None,
+                rank: int | None = None) -> ModelBytes:
     """One rank's bytes: `rank` of each stage's tensor-parallel group, by default the one holding the
     most heads (what every rank must fit)."""
     assert config.load.model is not None, "plans need the resolved model path"
     device = config.load.resolved_device
-    dtype = resolve_dtype(config.load.dtype, hf, device)
+    dtype = resolve_dtype(config.load.dtype, facts.hf, device)
     tp = None
     if config.parallel.tp_size > 1:
-        heads = hf.num_attention_heads
         size = config.parallel.tp_size
-        tp = (tensor_parallel.heaviest_rank(heads, getattr(hf, "num_key_value_heads", None) or heads, size)
-              if rank is None else rank, size)
+        tp = (tensor_parallel.heaviest_rank(facts.heads, facts.kv_heads, size) if rank is None else rank, size)
     return ModelBytes.measure(config.load.model, dtype, quantization or config.load.quantization,
-                              exact_mode(config.load.dtype, hf), tp, device)
+                              exact_mode(config.load.dtype, facts.hf), tp, device)
 
 
-def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: int | None) -> tuple[int, ...] | None:
+def _fewest_stages(config: EngineConfig, facts: ModelFacts, weights: ModelBytes,
+                   node_bytes: int | None) -> tuple[int, ...] | None:
     """The partition over the fewest machines like this one (one stage each) whose every stage fits:
     the smallest stage count whose memory-balanced split fits (bisection), or None."""
-    single = _plans(config, hf, weights, (len(weights.layers),), 1, node_bytes, refuse=False)[0]
+    single = _plans(config, facts, weights, (len(weights.layers),), 1, node_bytes, refuse=False)[0]
     room = single.budget_bytes - single.activation_bytes
-    kv_per_layer = min_kv_blocks(max_model_len(config, hf), config.cache.block_size) * single.block_bytes // len(
+    kv_per_layer = min_kv_blocks(facts.max_len(config.scheduler.max_model_len),
+                                 config.cache.block_size) * single.block_bytes // len(
         weights.layers)
     costs = [float(b + kv_per_layer) for b in weights.layers]
 
@@ -143,21 +141,22 @@ def _fewest_stages(config: EngineConfig, hf, weights: ModelBytes, node_bytes: in
     return split(low)
 
 
-def _remedy(config: EngineConfig, hf, node_bytes: int | None) -> str:
+def _remedy(config: EngineConfig, facts: ModelFacts, node_bytes: int | None) -> str:
     """What would hold the model: the fewest machines like this one, and/or a quantization."""
-    weights, options = _weights_of(config, hf), []
-    sizes = _fewest_stages(config, hf, weights, node_bytes)
+    weights, options = _weights_of(config, facts), []
+    sizes = _fewest_stages(config, facts, weights, node_bytes)
     if sizes is not None:
         pp = len(sizes)
         auto = resolve_partition(config.replace(pp_size=pp, nnodes=1, node_rank=0, pp_node_rates=None,
-                                                pp_layer_partition="auto"), hf)
-        fits = _problem(config, hf, _plans(config, hf, weights, auto, 1, node_bytes, refuse=False)) is None
+                                                pp_layer_partition="auto"), facts)
+        fits = _problem(config, facts, _plans(config, facts, weights, auto, 1, node_bytes, refuse=False)) is None
         flags = f"--pp-size {pp}" + ("" if fits else f" --pp-layer-partition {','.join(map(str, sizes))}")
         options.append(f"with {flags} over {pp} machines like this one (--nnodes {pp})")
-    if gguf_file_of(config.load.model or "") is None and config.load.quantization != "int4":
+    if facts.gguf is None and config.load.quantization != "int4":
         for kind in ("int8", "int4")[1 if config.load.quantization == "int8" else 0:]:
-            held = _weights_of(config, hf, kind)
-            if _problem(config, hf, _plans(config, hf, held, resolve_partition(config, hf), config.stages_per_node,
+            held = _weights_of(config, facts, kind)
+            if _problem(config, facts, _plans(config, facts, held, resolve_partition(config, facts),
+                                              config.stages_per_node,
                                            node_bytes, refuse=False)) is None:
                 where = "on this machine" if config.parallel.pp_size == 1 else "with the same stages"
                 options.append(f"{where} with --quantization {kind}")
@@ -167,7 +166,7 @@ def _remedy(config: EngineConfig, hf, node_bytes: int | None) -> str:
     return f"It fits {', or '.join(options)}."
 
 
-def fit_to_memory(config: EngineConfig, hf) -> EngineConfig:
+def fit_to_memory(config: EngineConfig, facts: ModelFacts) -> EngineConfig:
     """`config` with this node's memory budget measured (CPU), after checking, before anything loads,
     that the planned stages fit it; refuses one that does not (one sentence)."""
     if config.load.resolved_device != "cpu":
@@ -176,53 +175,55 @@ def fit_to_memory(config: EngineConfig, hf) -> EngineConfig:
     config = config.replace(node_memory_bytes=node_bytes)
     if config.cluster.nnodes > 1 and config.parallel.pp_node_fit != "off":
         return config        # the partition is chosen by each node's reported memory when the nodes are known
-    sizes = resolve_partition(config, hf)
-    problem = _problem(config, hf, _plans(config, hf, _weights_of(config, hf), sizes, config.ranks_per_node,
+    sizes = resolve_partition(config, facts)
+    problem = _problem(config, facts, _plans(config, facts, _weights_of(config, facts), sizes, config.ranks_per_node,
                                           node_bytes, refuse=False))
     if problem is not None:
         raise ValueError(f"{config.load.model} does not fit this machine's memory: {problem} "
-                         f"{_remedy(config, hf, node_bytes)}")
+                         f"{_remedy(config, facts, node_bytes)}")
     return config
 
 
 def plan_report(config: EngineConfig) -> str:
     model_dir = config.load.model
     assert model_dir is not None, "plan_report needs the resolved model path (cli.config_from_args)"
-    hf = load_hf_config(model_dir)
+    facts = read_facts(model_dir)
     device = config.load.resolved_device
-    dtype = resolve_dtype(config.load.dtype, hf, device)
-    tensor_parallel.check_model(hf, get_model_class(_architecture(hf, model_dir)), config.parallel.tp_size)
+    dtype = resolve_dtype(config.load.dtype, facts.hf, device)
+    tensor_parallel.check_model(facts.hf, get_model_class(_architecture(facts.hf, model_dir)), config.parallel.tp_size)
     node_bytes = config.cache.node_memory_bytes if config.cache.node_memory_bytes is not None else measured_node_bytes()
-    plans, labels = _rank_plans(config, hf, node_bytes)
-    problem = _problem(config, hf, plans) if device == "cpu" else None
+    plans, labels = _rank_plans(config, facts, node_bytes)
+    problem = _problem(config, facts, plans) if device == "cpu" else None
     tokens = max(0, min(p.num_blocks for p in plans) - 1) * config.cache.block_size
     budget = "unknown (2 GiB per stage)" if node_bytes is None else size_text(node_bytes)
-    verdict = (f"does not fit: {problem} {_remedy(config, hf, node_bytes)}" if problem is not None
-               else f"KV capacity: {tokens} tokens ({tokens // max_model_len(config, hf)} full-length sequences)")
+    verdict = (f"does not fit: {problem} {_remedy(config, facts, node_bytes)}" if problem is not None
+               else f"KV capacity: {tokens} tokens "
+                    f"({tokens // facts.max_len(config.scheduler.max_model_len)} full-length sequences)")
     ranks = (f" x {config.parallel.tp_size} tensor-parallel ranks (a row per rank, as stage/rank; a stage's ranks "
              f"hold the KV blocks of its smallest pool)") if config.parallel.tp_size > 1 else ""
     stages = config.parallel.pp_size
-    return (f"model {model_dir}: {hf.num_hidden_layers} layers, {stages} stage(s){ranks}, {dtype}, {device}\n"
-            f"{_weights_line(config, model_dir, hf, dtype)}{_partition_text(config, hf)}"
+    return (f"model {model_dir}: {facts.num_layers} layers, {stages} stage(s){ranks}, {dtype}, {device}\n"
+            f"{_weights_line(config, facts, dtype)}{_partition_text(config, facts)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
             f"{format_memory_table(plans, labels)}\n{budget_line(config)}\n{verdict}")
 
 
-def _rank_plans(config: EngineConfig, hf, node_bytes: int | None) -> tuple[list[MemoryPlan], list[str] | None]:
+def _rank_plans(config: EngineConfig, facts: ModelFacts,
+                node_bytes: int | None) -> tuple[list[MemoryPlan], list[str] | None]:
     """Every stage's plan; with tensor parallelism one per rank (ranks may hold different heads),
     labelled stage/rank, rank by rank within a stage."""
-    sizes = resolve_partition(config, hf)
+    sizes = resolve_partition(config, facts)
     if config.parallel.tp_size == 1:
-        return _plans(config, hf, _weights_of(config, hf), sizes, config.ranks_per_node, node_bytes, refuse=False), None
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
+        return (_plans(config, facts, _weights_of(config, facts), sizes, config.ranks_per_node, node_bytes,
+                       refuse=False), None)
+    heads, kv = facts.heads, facts.kv_heads
     measured: dict[tuple, ModelBytes] = {}       # ranks with the same head counts hold the same bytes
     per_rank = []
     for rank in range(config.parallel.tp_size):
         counts = tuple(n for _, n in tensor_parallel.head_ranges(heads, kv, rank, config.parallel.tp_size))
         if counts not in measured:
-            measured[counts] = _weights_of(config, hf, rank=rank)
-        per_rank.append(_plans(config, hf, measured[counts], sizes, config.ranks_per_node, node_bytes, refuse=False))
+            measured[counts] = _weights_of(config, facts, rank=rank)
+        per_rank.append(_plans(config, facts, measured[counts], sizes, config.ranks_per_node, node_bytes, refuse=False))
     plans, labels = [], []
     for stage in range(len(sizes)):
         blocks = min(ranks[stage].num_blocks for ranks in per_rank)      # what the stage's ranks agree on
@@ -232,21 +233,33 @@ def _rank_plans(config: EngineConfig, hf, node_bytes: int | None) -> tuple[list[
     return plans, labels
 
 
-def _weights_line(config: EngineConfig, model_dir: str, hf, dtype: torch.dtype) -> str:
+def _weights_line(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype) -> str:
     """How weights are held: a GGUF file's types (kept quantized or converted), or --quantization."""
-    path = gguf_file_of(model_dir)
-    if path is None:
+    if facts.gguf is None:
         return f"weights quantized at load: {config.load.quantization}\n" if config.load.quantization else ""
+    path = Path(facts.gguf)
     types = Counter(gguf_facts(path).types.values())
     listed = ", ".join(f"{n} {t}" for t, n in types.most_common())
     if config.load.resolved_device != "cpu":       # the quantized kernels are CPU kernels
         return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; all held "
                 f"as {dtype} on {config.load.resolved_device}; weights below are as held\n")
     kept = sum(n for t, n in types.items() if T.__members__[t] in SUPPORTED)
-    mode = "exact" if exact_mode(config.load.dtype, hf) else "fast"
+    mode = "exact" if exact_mode(config.load.dtype, facts.hf) else "fast"
     return (f"GGUF {path.name}: {listed} tensors, {path.stat().st_size / 2**20:.1f} MiB on disk; {kept} kept "
             f"quantized ({mode} mode), the rest held as {dtype}; weights below are as held\n")
 
 
-def _partition_text(config: EngineConfig, hf) -> str:
-    return "".join(line + "\n" for line in partition_lines(config, hf)) if config.parallel.pp_size > 1 else ""
+def _partition_text(config: EngineConfig, facts: ModelFacts) -> str:
+    return "".join(line + "\n" for line in partition_lines(config, facts)) if config.parallel.pp_size > 1 else ""
+
+
+def budget_line(config) -> str:
+    """What `stagewise plan` says about the disk tier."""
+    if not config.cache.kv_cache_disk:
+        return "KV disk tier: off (--kv-cache-disk SIZE keeps prefix-cache pages on disk across restarts)"
+    if not disk_tier_on(config):
+        why = ("the prefix cache is off" if not config.cache.enable_prefix_caching
+               else "tensor parallelism is not paged yet")
+        return f"KV disk tier: off ({why})"
+    return (f"KV disk tier: {size_text(config.cache.kv_cache_disk)} in {kv_dir(config)}, split over the stages by "
+            f"their layers (least recently used pages go first)")

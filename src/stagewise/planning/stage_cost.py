@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import load_hf_config, num_layers_of
+from ..checkpoint.facts import ModelFacts, read_facts
 from ..config import EngineConfig
 from ..model.loader import _architecture, resolve_dtype
 from ..model.registry import get_model_class
@@ -49,15 +49,15 @@ class CostModel:
         return [t / sum(times) for t in times]
 
 
-def cost_model(hf_config, model_cls, dtype: torch.dtype, mix: str = "decode", chunk_len: int = 512) -> CostModel:
+def cost_model(facts: ModelFacts, model_cls, dtype: torch.dtype, mix: str = "decode",
+               chunk_len: int = 512) -> CostModel:
     """Count a model's per-token multiply-adds on the meta device (see the module note)."""
-    num_layers = num_layers_of(hf_config)
+    num_layers = facts.num_layers
     with torch.device("meta"):
-        model = model_cls(hf_config, StageInfo.single(num_layers), dtype)
+        model = model_cls(facts.hf, StageInfo.single(num_layers), dtype)
     hidden = int(model.hidden_size)
-    vocab = int(hf_config.vocab_size)
-    positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
-    context = min(DECODE_CONTEXT, positions // 2) if mix == "decode" else chunk_len
+    vocab = facts.vocab
+    context = min(DECODE_CONTEXT, facts.max_positions // 2) if mix == "decode" else chunk_len
     attention = 2 * context * hidden                   # q·K and p·V over the context, per token
     layers = tuple(float(sum(p.numel() for p in model.layers[i].parameters()) + attention)
                    for i in range(num_layers))
@@ -66,13 +66,10 @@ def cost_model(hf_config, model_cls, dtype: torch.dtype, mix: str = "decode", ch
     return CostModel(layers, first_extra=float(hidden), last_extra=float(head), mix=mix)
 
 
-def cost_model_for(config: EngineConfig, hf_config=None) -> CostModel:
-    model_dir = config.load.model
-    assert model_dir is not None, "the cost model needs the resolved model path"
-    hf = hf_config if hf_config is not None else load_hf_config(model_dir)
-    dtype = resolve_dtype(config.load.dtype, hf, config.load.resolved_device)
-    cls = get_model_class(_architecture(hf, model_dir))
-    return cost_model(hf, cls, dtype, config.parallel.pp_cost_mix, config.scheduler.chunked_prefill_size)
+def cost_model_for(config: EngineConfig, facts: ModelFacts) -> CostModel:
+    dtype = resolve_dtype(config.load.dtype, facts.hf, config.load.resolved_device)
+    cls = get_model_class(_architecture(facts.hf, facts.path))
+    return cost_model(facts, cls, dtype, config.parallel.pp_cost_mix, config.scheduler.chunked_prefill_size)
 
 
 def stage_rates(config: EngineConfig) -> list[float] | None:
@@ -82,58 +79,56 @@ def stage_rates(config: EngineConfig) -> list[float] | None:
     return [config.parallel.pp_node_rates[s // config.stages_per_node] for s in range(config.parallel.pp_size)]
 
 
-def resolve_partition(config: EngineConfig, hf_config=None) -> tuple[int, ...]:
+def resolve_partition(config: EngineConfig, facts: ModelFacts | None = None) -> tuple[int, ...]:
     """The layer counts per stage: `auto` from the cost model (weighted by the node rates), `even`
     (or unset) by the even rule, explicit counts as given after validation. Deterministic, so the
     driver and every node's stages resolve the same split from the same flags."""
     model_dir = config.load.model
     assert model_dir is not None, "resolve_partition needs the resolved model path"
-    hf = hf_config if hf_config is not None else load_hf_config(model_dir)
-    num_layers = num_layers_of(hf, model_dir)
+    facts = facts or read_facts(model_dir)
+    num_layers = facts.num_layers
     choice = config.parallel.pp_layer_partition
     if choice == "auto" and config.parallel.pp_size > 1:
         if config.parallel.pp_size > num_layers:
             partition_layers(num_layers, config.parallel.pp_size)      # raises the even rule's clear error
-        return cost_model_for(config, hf).partition(config.parallel.pp_size, stage_rates(config))
+        return cost_model_for(config, facts).partition(config.parallel.pp_size, stage_rates(config))
     ranges = partition_layers(num_layers, config.parallel.pp_size, None if choice == "auto" else choice)
     return tuple(b - a for a, b in ranges)
 
 
-def predicted_shares(config: EngineConfig, hf_config=None) -> list[float]:
+def predicted_shares(config: EngineConfig, facts: ModelFacts) -> list[float]:
     """Each stage's predicted share of a step (the cost model of the resolved partition)."""
     if config.parallel.pp_size == 1:
         return [1.0]
     assert isinstance(config.parallel.pp_layer_partition, tuple), "resolved first (with_resolved_partition)"
-    return cost_model_for(config, hf_config).shares(config.parallel.pp_layer_partition, stage_rates(config))
+    return cost_model_for(config, facts).shares(config.parallel.pp_layer_partition, stage_rates(config))
 
 
-def resolved_for_stages(config: EngineConfig, hf_config) -> EngineConfig:
+def resolved_for_stages(config: EngineConfig, facts: ModelFacts) -> EngineConfig:
     """`config` with its layer partition resolved (how it was chosen is logged). A bad partition is a
     clear error here, before any stage process starts; stages get the counts (`auto` runs once)."""
     model = config.load.model
     assert model is not None, "resolve the model path first"
     if config.parallel.pp_size > 1:
-        for line in partition_lines(config, hf_config):
+        for line in partition_lines(config, facts):
             logging.getLogger("stagewise.engine").info(line)      # the engine's start-up lines
-        config = with_resolved_partition(config, hf_config)
-    stage_infos(num_layers_of(hf_config, model), config.parallel.pp_size, config.parallel.pp_layer_partition)
+        config = with_resolved_partition(config, facts)
+    stage_infos(facts.num_layers, config.parallel.pp_size, config.parallel.pp_layer_partition)
     return config
 
 
-def with_resolved_partition(config: EngineConfig, hf_config=None) -> EngineConfig:
+def with_resolved_partition(config: EngineConfig, facts: ModelFacts | None = None) -> EngineConfig:
     """`config` with `pp_layer_partition` as explicit counts (what stage processes are given)."""
     if isinstance(config.parallel.pp_layer_partition, tuple):
         return config
-    return config.replace(pp_layer_partition=resolve_partition(config, hf_config))
+    return config.replace(pp_layer_partition=resolve_partition(config, facts))
 
 
-def partition_lines(config: EngineConfig, hf_config=None) -> list[str]:
+def partition_lines(config: EngineConfig, facts: ModelFacts) -> list[str]:
     """The chosen split, each stage's predicted share, and the even split for comparison."""
-    assert config.load.model is not None, "partition_lines needs the resolved model path"
-    hf = hf_config if hf_config is not None else load_hf_config(config.load.model)
-    model = cost_model_for(config, hf)
+    model = cost_model_for(config, facts)
     rates = stage_rates(config)
-    chosen = resolve_partition(config, hf)
+    chosen = resolve_partition(config, facts)
     even = tuple(b - a for a, b in partition_layers(len(model.layer_costs), config.parallel.pp_size))
     how = {"auto": f"auto (cost model, {model.mix} mix)", "even": "even"}.get(
         config.parallel.pp_layer_partition if isinstance(config.parallel.pp_layer_partition, str) else "", "explicit")

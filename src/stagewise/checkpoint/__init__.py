@@ -1,0 +1,4 @@
+"""What a checkpoint holds, read without building a model: the file formats (HF safetensors
+directories in `files.py`, GGUF metadata in `gguf_meta.py`), the tokenizer a GGUF file carries
+(`saved_tokenizer.py`) and the model's facts read once from either (`facts.py`).
+Nothing here imports torch models; tensor reading lives in `model.loader` / `model.gguf`."""

@@ -1,0 +1,217 @@
+"""gpt-oss (`GptOssForCausalLM`) on the Llama-style decoder: biased q/k/v/o projections, attention
+sinks, sliding-window layers alternating with full ones (`layer_types`; the cache holds every
+position, the window is a mask), YaRN rope (`model.layers`), and a routed MLP whose router has a
+bias (top-k of the logits, softmax over the k) and whose experts have biases and a clamped SwiGLU.
+Experts are held as their checkpoint stores them: from a directory as transformers does
+(`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`, or the
+released MXFP4 `*_blocks` / `*_scales`), from a GGUF file as llama.cpp stacks them
+(`ffn_{gate,up,down}_exps` `[E, rows, K]`); MXFP4 stays in its bytes and is dequantized one
+routed expert at a time, so a step reads only the routed experts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stagewise.checkpoint.gguf_meta import GGMLType
+from stagewise.kernels.quant_formats import mxfp4_values
+from stagewise.model.attention import ForwardBatch
+from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
+from stagewise.model.moe import RouterLinear, num_experts_of
+from stagewise.model.sink_attention import sink_attention
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama attention plus one learned sink logit per query head, and a window on sliding layers."""
+
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, **kwargs):
+        super().__init__(hf_config, layer_id, dtype, **kwargs)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=dtype))
+        kinds = getattr(hf_config, "layer_types", None) or []
+        sliding = layer_id < len(kinds) and kinds[layer_id] == "sliding_attention"
+        self.window: int | None = getattr(hf_config, "sliding_window", None) if sliding else None
+
+    def attend(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               written: bool) -> torch.Tensor:
+        return sink_attention(batch, self.layer_id, q, k, v, self.scale, self.sinks, self.window, kv_written=written)
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def hf_mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A transformers MXFP4 matrix (`*_blocks` `[R, K / 32, 16]`: low nibble the even value, high the
+    odd one; `*_scales` `[R, K / 32]`: E8M0, 2^(s - 127)) -> float32 `[R, K]`, as transformers'
+    `convert_moe_packed_tensors` computes it (before its transpose): one lookup per byte (its two
+    values), then the block's power of two (a product by 2^k is exact, as ldexp)."""
+    fp4 = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
+    every = torch.arange(256, device=blocks.device)
+    pairs = torch.stack([fp4[every & 0x0F], fp4[every >> 4]], -1)                 # [256, 2]
+    values = torch.nn.functional.embedding(blocks.long(), pairs).flatten(-2)      # [R, G, 32]
+    scale = torch.ldexp(torch.ones(scales.shape, device=blocks.device), scales.to(torch.int32) - 127)
+    return (values * scale[..., None]).flatten(-2)
+
+
+class GptOssExperts(nn.Module):
+    """A layer's experts in transformers' layout (parameter names and shapes as the checkpoint's):
+    float, or MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, dequantized one
+    routed expert at a time)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, dtype: torch.dtype,
+                 mxfp4: bool = False):
+        super().__init__()
+        self.mxfp4, self.alpha, self.limit = mxfp4, alpha, limit
+        if mxfp4:
+            if hidden % 32 or inter % 32:
+                raise ValueError(f"MXFP4 experts hold blocks of 32 values, but hidden_size {hidden} or "
+                                 f"intermediate_size {inter} is not a multiple of 32; config.json is wrong.")
+            u8 = lambda *shape: nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+            self.gate_up_proj_blocks = u8(num_experts, 2 * inter, hidden // 32, 16)
+            self.gate_up_proj_scales = u8(num_experts, 2 * inter, hidden // 32)
+            self.down_proj_blocks = u8(num_experts, hidden, inter // 32, 16)
+            self.down_proj_scales = u8(num_experts, hidden, inter // 32)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter, dtype=dtype))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, dtype=dtype))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert `e` on rows x `[n, H]`: the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`,
+        gate clamped above at `limit`, up to [-limit, limit]."""
+        if self.mxfp4:       # [out, in] rows: one expert dequantized
+            gate_up_w = hf_mxfp4_values(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e]).to(x.dtype).T
+            down_w = hf_mxfp4_values(self.down_proj_blocks[e], self.down_proj_scales[e]).to(x.dtype).T
+        else:
+            gate_up_w, down_w = self.gate_up_proj[e], self.down_proj[e]
+        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]                 # [n, 2I], gate/up interleaved
+        act = _swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
+        return act @ down_w + self.down_proj_bias[e]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit]."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ExpertStack(nn.Module):
+    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` (float, or MXFP4
+    bytes `[E, R, K / 32 * 17]` that the loader fills as stored) and `bias` `[E, R]`."""
+
+    def __init__(self, num_experts: int, rows: int, k: int, stored: str | None, dtype: torch.dtype):
+        super().__init__()
+        self.shape, self.mxfp4 = (num_experts, rows, k), stored == "MXFP4"
+        if self.mxfp4 and k % 32:
+            raise ValueError(f"MXFP4 expert rows hold blocks of 32 values, but these rows have {k}; the GGUF "
+                             f"file is inconsistent.")
+        self.raw_types = (GGMLType.MXFP4,) if self.mxfp4 else ()
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, k // 32 * 17, dtype=torch.uint8), False) \
+            if self.mxfp4 else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype))
+
+    def held_weights(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": self.shape} if self.mxfp4 else {}
+
+    def load_rows(self, name: str, start: int, value) -> None:
+        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), kept in its bytes."""
+        if getattr(value, "qtype", None) != GGMLType.MXFP4 or tuple(value.shape) != self.shape:
+            raise ValueError(f"Tensor {name} must be MXFP4 of shape {self.shape} like the file's other expert "
+                             f"tensors, not {getattr(value, 'qtype', 'float')} {tuple(value.shape)}.")
+        with torch.no_grad():
+            self.weight.copy_(value.data.view(self.weight.shape))
+
+    def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x `[n, K]` through expert e's rows (dequantized here when held as MXFP4) -> `[n, R]`."""
+        w = mxfp4_values(self.weight[e], self.shape[2]).to(x.dtype) if self.mxfp4 else self.weight[e]
+        return torch.nn.functional.linear(x, w, self.bias[e])
+
+
+class GgufExperts(nn.Module):
+    """A layer's experts in llama.cpp's layout: gate, up and down stacked separately."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, stored: dict,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.gate_exps = ExpertStack(num_experts, inter, hidden, stored.get("ffn_gate_exps"), dtype)
+        self.up_exps = ExpertStack(num_experts, inter, hidden, stored.get("ffn_up_exps"), dtype)
+        self.down_exps = ExpertStack(num_experts, hidden, inter, stored.get("ffn_down_exps"), dtype)
+        self.alpha, self.limit = alpha, limit
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        act = _swiglu(self.gate_exps.linear(x, e), self.up_exps.linear(x, e), self.alpha, self.limit)
+        return self.down_exps.linear(act, e)
+
+
+@torch.compiler.disable   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
+def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 experts: GptOssExperts | GgufExperts, num_experts: int) -> torch.Tensor:
+    """Each token's chosen experts weighted and summed: rows grouped by expert (ascending, as
+    transformers adds them), one call per active expert over all its rows."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens, pair_weights = order // k, weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = tokens[start:start + count]
+            y = experts.expert(x[rows], expert)
+            out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
+            start += count
+    return out
+
+
+class GptOssMoE(nn.Module):
+    """The router (a biased linear, kept float) and the experts; top-k of the logits, softmax over the k."""
+
+    def __init__(self, hf_config, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts_of(hf_config), hf_config.num_experts_per_tok
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"A MoE layer routes each token to between 1 and its {self.num_experts} experts, "
+                             f"not {self.top_k}; the config's num_experts_per_tok is wrong.")
+        hidden = hf_config.hidden_size
+        self.router = RouterLinear(hidden, self.num_experts, bias=True, dtype=dtype)
+        alpha, limit = float(getattr(hf_config, "swiglu_alpha", 1.702)), float(getattr(hf_config, "swiglu_limit", 7.0))
+        stored = getattr(hf_config, "gguf_expert_types", None)      # set for a GGUF file (gguf_meta)
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        mxfp4 = quant.get("quant_method") == "mxfp4"        # the released checkpoints' experts
+        if quant and not mxfp4:
+            raise ValueError(f"gpt-oss checkpoints quantized with {quant.get('quant_method')!r} are not supported; "
+                             f"use the MXFP4 or a float checkpoint.")
+        self.experts: GptOssExperts | GgufExperts = (
+            GptOssExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, dtype, mxfp4)
+            if stored is None else
+            GgufExperts(hidden, hf_config.intermediate_size, self.num_experts, alpha, limit, stored, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)         # [T, k] each
+        weights = torch.softmax(top, dim=-1)                                # in the logits' dtype, as transformers
+        return _run_experts(x, ids, weights, self.experts, self.num_experts)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss: every layer routed; sinks and windows in attention. Stages run their layers as modules
+    (the one-call decode op knows neither sinks nor windows) and tensor parallelism is not offered
+    (the sinks are per head)."""
+
+    attention_class = GptOssAttention
+    tensor_parallel = False
+
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        bias = bool(getattr(hf_config, "attention_bias", True))
+        return bias, bias
+
+    def make_mlp(self, hf_config, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
+        return GptOssMoE(hf_config, dtype)
+
+    def _warn_sliding_window(self, hf_config) -> None:
+        pass        # the window layers are masked (GptOssAttention)
+
+    def _plan_decode_layers(self) -> dict | None:
+        return None
