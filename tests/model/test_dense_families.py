@@ -109,11 +109,14 @@ def test_gemma3_split_between_window_and_global_layers_matches_hf(gemma3_dir, ea
     assert pipe.greedy(PROMPTS[1], 24) == hf_greedy(gemma3_dir, PROMPTS[1:2], 24)[0]
 
 
-def test_gemma3_window_layers_refuse_graph_batches(gemma3_dir, eager_pipeline):
-    from stagewise.model.window import window_attention
+def test_window_layers_refuse_full_graph_batches():
+    """Window layers read the step's live metadata, which full graphs' batches (`static`) freeze."""
+    from types import SimpleNamespace
+
+    from stagewise.model.sink_attention import sink_attention
     q = torch.zeros(1, 4, 16)
-    with pytest.raises(ValueError, match="run eagerly only"):
-        window_attention(object(), 0, q, q[:, :2], q[:, :2], 0.25, 8)   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="full graphs freeze"):
+        sink_attention(SimpleNamespace(static=True), 0, q, q[:, :2], q[:, :2], 0.25, None, 8)  # type: ignore[arg-type]
 
 
 def test_gemma3_attention_soft_capping_is_refused_in_one_sentence(gemma3_dir):

@@ -68,8 +68,8 @@ COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden s
 ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-# Architectures with sliding-window layers (model/window.py), whose attention runs eagerly only: auto
-# leaves their graphs off.
+# Architectures with sliding-window layers (model/sink_attention.py), whose attention reads the live
+# metadata (a graph break in compiled bodies; refused by full graphs): auto leaves their graphs off.
 EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 

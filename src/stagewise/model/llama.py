@@ -29,7 +29,7 @@ from stagewise.model.layers import (
     rotary_embedding,
 )
 from stagewise.model.quantized import QuantLinear
-from stagewise.model.window import window_attention
+from stagewise.model.sink_attention import sink_attention
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it). `use_rope`: False
         for a layer without positional rotation (SmolLM3's no-rope layers); `scale`: the softmax scale
         where it is not 1/sqrt(head_dim) (Granite's attention_multiplier); `window`: a sliding-window
-        layer's window (`model.window`; Gemma 3's local layers)."""
+        layer's window (`model.sink_attention`; Gemma 3's local layers)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
@@ -112,7 +112,7 @@ class LlamaAttention(nn.Module):
         """Roped q `[T, Hq, D]`, k and v `[T, Hkv, D]` -> `[T, Hq, D]`; `written`: k and v are in the
         cache already (a family with another attention overrides this)."""
         if self.window is not None:
-            return window_attention(batch, self.layer_id, q, k, v, self.scale, self.window, kv_written=written)
+            return sink_attention(batch, self.layer_id, q, k, v, self.scale, None, self.window, kv_written=written)
         if written:     # graph batches' attention takes no kv_written (they never get here)
             return batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)
         return batch.attention(self.layer_id, q, k, v, self.scale)

@@ -175,7 +175,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 (text): embeddings times sqrt(hidden), `(1 + w)` RMSNorms around attention and MLP,
     per-head q/k norms, GeGLU, softmax scale `query_pre_attn_scalar ** -0.5`, sliding-window layers
     (`layer_types`) with their own rope base, final logits soft-capped where configured. The KV cache
-    holds every position for the window layers too, masked to the window (`model.window`)."""
+    holds every position for the window layers too, masked to the window (`model.sink_attention`)."""
 
     decoder_layer = Gemma3DecoderLayer
     qk_norm = True
@@ -199,7 +199,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self._local: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _warn_sliding_window(self, hf_config) -> None:
-        """Gemma 3's windows are honoured (`model.window`)."""
+        """Gemma 3's windows are honoured (`model.sink_attention`)."""
 
     def attention_options(self, hf_config, layer_id: int) -> dict:
         window = hf_config.sliding_window if hf_config.layer_types[layer_id] == "sliding_attention" else None
