@@ -16,6 +16,7 @@ import torch
 TINY_VOCAB = 1000
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")    # tests/model/test_moe.py
+DENSE_FAMILIES = ("smollm3", "olmo2", "granite", "phi3", "phi4_mini", "gemma3")    # tests/model/test_dense_families.py
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box OpenMP spinning makes
 # them ~8x slower; one thread keeps the suite fast (spawned worker processes choose their own).
 torch.set_num_threads(1)
@@ -65,6 +66,34 @@ def _family_config(family: str, vocab: int):
                                  shared_expert_intermediate_size=64, **moe)
     if family == "olmoe":  # q/k norms over the whole projections, q/k/v clamped
         return tf.OlmoeConfig(num_hidden_layers=2, num_experts=8, clip_qkv=2.0, **{**moe, "intermediate_size": 32})
+    if family == "smollm3":  # layers 1 and 3 without rope (NoPE), tied head as the released models
+        return tf.SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0], **common)
+    if family == "smollm3_nope4":  # the released models' rule (every 4th layer without rope), as GGUF files hold
+        return tf.SmolLM3Config(num_hidden_layers=4, num_key_value_heads=2, **common)
+    if family == "olmo2":  # norms after attention and MLP, q/k norms over the whole projections
+        return tf.Olmo2Config(num_hidden_layers=3, num_key_value_heads=2, **common)
+    if family == "granite":  # every multiplier away from 1
+        return tf.GraniteConfig(num_hidden_layers=3, num_key_value_heads=2, embedding_multiplier=3.0,
+                                attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, **common)
+    if family in ("phi3", "phi3_short"):  # long-rope past 32 positions (the long factors, cos/sin scaled) or
+        # within them (the short factors)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 2.0 * i for i in range(8)]}
+        return tf.Phi3Config(num_hidden_layers=3, num_key_value_heads=2, original_max_position_embeddings=32,
+                             rope_parameters=rope, sliding_window=None,
+                             **{**common, "max_position_embeddings": 512 if family == "phi3" else 32})
+    if family == "phi4_mini":  # partial rotary (half of each head), tied head, as Phi-4-mini
+        return tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
+                             rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                             sliding_window=None, **common)
+    if family == "gemma3":  # 6 layers: 5 window layers (window 8) then a global one; soft-capped logits
+        return tf.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}},
+                                   **common)
     if family == "gpt_oss":  # sliding (window 8) / full / sliding layers, YaRN that moves every band, tight clamps
         yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 64}
@@ -94,7 +123,7 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
-    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2")
+    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2") else tf.Gemma3ForCausalLM if family == "gemma3"
            else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
@@ -136,6 +165,14 @@ qwen3_moe_768_dir = _family_fixture("qwen3_moe_768")
 mixtral_dir = _family_fixture("mixtral")
 qwen2_moe_dir = _family_fixture("qwen2_moe")
 olmoe_dir = _family_fixture("olmoe")
+smollm3_dir = _family_fixture("smollm3")
+olmo2_dir = _family_fixture("olmo2")
+smollm3_nope4_dir = _family_fixture("smollm3_nope4")
+granite_dir = _family_fixture("granite")
+phi3_dir = _family_fixture("phi3")
+phi3_short_dir = _family_fixture("phi3_short")
+phi4_mini_dir = _family_fixture("phi4_mini")
+gemma3_dir = _family_fixture("gemma3")
 gpt_oss_dir = _family_fixture("gpt_oss")
 
 

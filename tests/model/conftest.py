@@ -15,8 +15,8 @@ import pytest
 import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
-             "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe",
-             "gpt_oss": "gpt-oss"}
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "olmo2": "olmo2",
+             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -50,6 +50,11 @@ def _write_hparams(writer, config, arch: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "granite":     # what llama.cpp's GraniteModel writes
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if experts:     # what llama.cpp's converter writes for a MoE model
         writer.add_expert_count(experts)
@@ -108,9 +113,9 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
         if name is None and ".mlp." in hf_name:     # a dense layer of a MoE model (Qwen's mlp_only_layers)
             name = dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in ("llama", "granite", "smollm3") and ".q_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in ("llama", "granite", "smollm3") and ".k_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
         elif arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             array = array.T

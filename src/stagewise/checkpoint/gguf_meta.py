@@ -38,7 +38,8 @@ log = logging.getLogger("stagewise.checkpoint")
 # A "llama" file whose blocks hold experts (`llama.expert_count`) is Mixtral.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                      "olmoe": "OlmoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                      "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
+                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -57,6 +58,10 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2moe": dict(model_type="qwen2_moe", dtype=None, pad_token_id=None, sliding_window=None,
                      use_sliding_window=False, decoder_sparse_step=1),
     "olmoe": dict(model_type="olmoe", dtype=None, pad_token_id=None),
+    "olmo2": dict(model_type="olmo2", dtype=None, pad_token_id=None),
+    "granite": dict(model_type="granite", dtype=None, pad_token_id=None),
+    "smollm3": dict(model_type="smollm3", dtype=None, pad_token_id=None, sliding_window=None,
+                    use_sliding_window=False),
     # llama.cpp's gpt-oss: the clamped SwiGLU's constants are fixed in its graph, not stored
     "gpt-oss": dict(model_type="gpt_oss", dtype=None, pad_token_id=None, swiglu_alpha=1.702, swiglu_limit=7.0),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
@@ -313,6 +318,10 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
                   bos_token_id=facts.meta.get("tokenizer.ggml.bos_token_id"),
                   eos_token_id=facts.meta.get("tokenizer.ggml.eos_token_id"))
     kwargs = _gpt2_kwargs(facts, path) if arch == "gpt2" else _llama_kwargs(facts, arch, path)
+    if arch == "granite":
+        kwargs.update(_granite_kwargs(facts, kwargs["head_dim"], path))
+    if arch == "smollm3":   # every 4th layer without rope: llama.cpp's fixed rule (its files carry no key)
+        kwargs["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(kwargs["num_hidden_layers"])]
     moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
     if moe and arch == "llama":
         common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])
@@ -380,6 +389,15 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
                 rms_norm_eps=float(get("attention.layer_norm_rms_epsilon") or 1e-6),
                 rope_parameters=_rope_parameters(facts, get, head_dim, path), hidden_act="silu",
                 attention_bias="blk.0.attn_q.bias" in facts.shapes, mlp_bias="blk.0.ffn_up.bias" in facts.shapes)
+
+
+def _granite_kwargs(facts: GGUFFacts, head_dim: int, path: Path) -> dict:
+    """Granite's multipliers under llama.cpp's keys; a missing attention scale is 1/sqrt(head size), as there."""
+    get = _metadata_getter(facts, "granite", path)
+    scale = lambda key: float(get(key) or 1.0)
+    return dict(embedding_multiplier=scale("embedding_scale"), residual_multiplier=scale("residual_scale"),
+                logits_scaling=scale("logit_scale"),
+                attention_multiplier=float(get("attention.scale") or head_dim ** -0.5))
 
 
 def _gpt2_kwargs(facts: GGUFFacts, path: Path) -> dict:

@@ -6,7 +6,7 @@ eager. Plain Python (no torch) so the driver imports it cheaply.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -68,16 +68,31 @@ COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden s
 ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
+# Architectures with sliding-window layers (model/sink_attention.py), whose attention reads the live
+# metadata (a graph break in compiled bodies; refused by full graphs): auto leaves their graphs off.
+EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
+
+
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
     prefill_graph = "off" if config.parallel.tp_size > 1 else config.graphs.prefill_graph
     auto_cpu = prefill_graph == "auto" and device_type == "cpu"
+    if auto_cpu and _architecture(config.load.model) in EAGER_ARCHITECTURES:
+        policy = resolve_graph_policy("off", chunked_prefill_size=config.scheduler.chunked_prefill_size,
+                                      pp_size=config.parallel.pp_size, device_type=device_type)
+        return replace(policy, log_lines=policy.log_lines + (
+            "prefill graphs: off (auto on CPU runs models with sliding-window layers eager)",))
     facts = _cpu_facts(config.load.model, config.load.quantization) if auto_cpu else (None, None)
     return resolve_graph_policy(
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,
         buckets=config.graphs.prefill_graph_buckets, chunked_prefill_size=config.scheduler.chunked_prefill_size,
         pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph,
         decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], one_call=facts[1])
+
+
+def _architecture(model: str) -> str | None:
+    from ..checkpoint.facts import read_facts  # lazy: only `auto` on CPU asks (read once per file version)
+    return read_facts(model).architecture
 
 
 @lru_cache(maxsize=8)

@@ -36,6 +36,9 @@ _LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# OLMo 2: norms after attention and MLP, no input norm (llama.cpp keeps HF's rotate-half q/k rows)
+_OLMO2_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
                "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -48,7 +51,11 @@ _GPT_OSS_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layerno
 _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "gpt-oss": (_LLAMA_TOP, _GPT_OSS_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
+          "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+          "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
+# the archs whose converter (llama.cpp's LlamaModel and its subclasses) permutes the q/k rows
+_PERMUTED_QK = ("llama", "granite", "smollm3")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
@@ -118,7 +125,7 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
     """A float tensor or a QuantizedWeight in the layout the HF checkpoint has (quantized GPT-2
     projections stay [out, in]: a quantized layer holds rows)."""
     kind = gguf_name.split(".")[-2]
-    if arch == "llama" and kind in ("attn_q", "attn_k"):
+    if arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
         heads = hf_config.num_attention_heads if kind == "attn_q" else hf_config.num_key_value_heads
         index = _unpermute_index(tensor.shape[0], heads)
         return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]

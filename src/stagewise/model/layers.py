@@ -108,6 +108,8 @@ def rope_parameters(hf_config) -> dict:
     for source in (getattr(hf_config, "rope_scaling", None), getattr(hf_config, "rope_parameters", None)):
         if isinstance(source, dict):
             params.update({k: v for k, v in source.items() if v is not None})
+    if getattr(hf_config, "original_max_position_embeddings", None) is not None:    # Phi-3 keeps it beside
+        params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
     legacy_type = params.pop("type", None)  # pre-4.45 configs spell rope_type as "type"
     params["rope_type"] = params.get("rope_type") or legacy_type or "default"
     if params["rope_type"] == "yarn":   # transformers' standardize_rope_params: the pretraining length
@@ -120,9 +122,8 @@ def rope_parameters(hf_config) -> dict:
 
 
 def rope_inv_freq(head_dim: int, params: dict, device=None) -> torch.Tensor:
-    """Inverse frequencies `[D/2]`, bit-identical to HF for rope types default, linear, llama3 and yarn."""
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported.")
+    """Inverse frequencies `[D/2]`, bit-identical to HF for rope types default, linear, llama3 and yarn.
+    `head_dim`: the rotated dims (`rotary_dim`: fewer under `partial_rotary_factor`)."""
     base = float(params["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     kind = params["rope_type"]
@@ -229,6 +230,57 @@ class RotaryEmbedding(nn.Module):
         activation dtype too), for `apply_rotary_full`; built once per forward, shared by all layers."""
         cos, sin = self.cos_full[positions, None], self.sin_signed[positions, None]
         return cos.to(dtype), sin.to(dtype)
+
+
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """The dims of a head that rope rotates (the first ones): all but under `partial_rotary_factor` (Phi)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """Phi-3's long-rope (`rope_type` longrope): inverse frequencies divided per frequency by
+    `long_factor` when the context this model holds (its max positions) exceeds
+    `original_max_position_embeddings`, else by `short_factor`; cos and sin times the attention
+    factor, as transformers' `_compute_longrope_parameters`. One set for every position, chosen by the
+    context length as llama.cpp does: transformers picks by each sequence's length and recomputes a
+    sequence's cache when decode crosses the original length, so with a longer context a sequence
+    within the original length rotates here with the long factors where transformers uses the short."""
+
+    def reset_buffers(self) -> None:
+        device = self.cos_full.device
+        if device.type == "meta":
+            return
+        p, dim = self.params, self.head_dim
+        original = int(p["original_max_position_embeddings"])
+        factor = p.get("factor") or self.max_positions / original
+        scale = p.get("attention_factor")
+        if scale is None:
+            scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        ext = torch.tensor(p["long_factor" if self.max_positions > original else "short_factor"],
+                           dtype=torch.float32, device=device)
+        inv = 1.0 / (ext * float(p["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64,
+                                                                      device=device).float() / dim))
+        freqs = torch.arange(self.max_positions, device=device).float()[:, None] * inv[None, :]
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.cos_full.copy_(torch.cat((cos, cos), -1))
+        self.sin_signed.copy_(torch.cat((-sin, sin), -1))
+
+
+def rotary_embedding(head_dim: int, max_positions: int, params: dict) -> RotaryEmbedding:
+    """The rotary tables of `params`' rope type over the first `rotary_dim` dims of each head."""
+    dim = rotary_dim(head_dim, params)
+    if params["rope_type"] == "longrope":
+        return LongRopeEmbedding(dim, max_positions, params)
+    return RotaryEmbedding(dim, max_positions, params)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary_full` on the first `cos.shape[-1]` dims of x's heads, the rest passed through
+    (partial rotary, HF's `cat([rotated, pass])`)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return apply_rotary_full(x, cos, sin_signed)
+    return torch.cat((apply_rotary_full(x[..., :dim], cos, sin_signed), x[..., dim:]), dim=-1)
 
 
 def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

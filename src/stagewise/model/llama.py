@@ -20,14 +20,16 @@ from stagewise.model.layers import (
     FusedLinear,
     GatedMLP,
     RMSNorm,
-    RotaryEmbedding,
     StageModel,
-    apply_rotary_full,
+    apply_rotary,
     build_layers,
     rope_kv_kernel,
     rope_parameters,
+    rotary_dim,
+    rotary_embedding,
 )
 from stagewise.model.quantized import QuantLinear
+from stagewise.model.sink_attention import sink_attention
 from stagewise.parallel.partition import StageInfo
 from stagewise.parallel.proxy import FULL_CONTRACT, ProxyTensors
 
@@ -48,14 +50,19 @@ def kv_heads_of(hf_config) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool | str):
+                 qk_norm: bool | str, use_rope: bool = True, scale: float | None = None, window: int | None = None):
         """`qk_norm`: RMSNorm of q and k per head (True, Qwen3) or over the whole projection ("full",
-        OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it)."""
+        OLMoE, whose q/k/v are then clamped to `clip_qkv` where the config sets it). `use_rope`: False
+        for a layer without positional rotation (SmolLM3's no-rope layers); `scale`: the softmax scale
+        where it is not 1/sqrt(head_dim) (Granite's attention_multiplier); `window`: a sliding-window
+        layer's window (`model.sink_attention`; Gemma 3's local layers)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads = hf_config.num_attention_heads, kv_heads_of(hf_config)
         self.head_dim = head_dim_of(hf_config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.use_rope, self.window = use_rope, window
+        self.rotary_dim = rotary_dim(self.head_dim, rope_parameters(hf_config))    # < head_dim: partial rotary
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
         self.qkv_proj = FusedLinear(hf_config.hidden_size, parts, qkv_bias, dtype)
@@ -73,14 +80,17 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)                                   # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)                   # [T, Hkv, D]
         written = False
-        if self.q_norm is None:
-            # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache
-            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, batch.kv_target(self.layer_id))
+        if not self.use_rope and self.q_norm is None:   # q and k as projected; attention writes the cache
+            q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+        elif self.q_norm is None:
+            # eager CPU steps: one C call ropes q and k and writes k and v into the KV cache (whole heads only)
+            target = batch.kv_target(self.layer_id) if self.rotary_dim == d else None
+            roped = rope_kv_kernel(qkv, cos, sin, hq, hkv, target)
             written = roped is not None
             if roped is not None:
                 q, k = roped                                          # [T, Hq, D], [T, Hkv, D]
             else:               # q and k are adjacent columns: rope both heads' sets in one pass
-                qk = apply_rotary_full(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
+                qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(T, hq + hkv, d), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]                         # [T, Hq, D], [T, Hkv, D]
         else:
             assert self.k_norm is not None   # built together with q_norm
@@ -93,19 +103,26 @@ class LlamaAttention(nn.Module):
             else:
                 q = self.q_norm(qkv[:, :hq * d].view(T, hq, d))
                 k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d))
-            q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
+            if self.use_rope:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attend(batch, q, k, v, written).reshape(T, -1))
 
     def attend(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                written: bool) -> torch.Tensor:
         """Roped q `[T, Hq, D]`, k and v `[T, Hkv, D]` -> `[T, Hq, D]`; `written`: k and v are in the
         cache already (a family with another attention overrides this)."""
+        if self.window is not None:
+            return sink_attention(batch, self.layer_id, q, k, v, self.scale, None, self.window, kv_written=written)
         if written:     # graph batches' attention takes no kv_written (they never get here)
             return batch.attention(self.layer_id, q, k, v, self.scale, kv_written=True)
         return batch.attention(self.layer_id, q, k, v, self.scale)
 
 
 class LlamaDecoderLayer(nn.Module):
+    # what the attention and MLP outputs are multiplied by before joining the residual stream (Granite's
+    # residual_multiplier); None: added as they are
+    out_scale: float | None = None
+
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
                  attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
         """`mlp`: the block's MLP where it is not the config's dense gated one (a MoE block);
@@ -128,8 +145,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, batch)
+        if self.out_scale is not None:
+            hidden = hidden * self.out_scale
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        return (hidden if self.out_scale is None else hidden * self.out_scale), residual
 
 
 class LlamaForCausalLM(StageModel):
@@ -137,7 +157,11 @@ class LlamaForCausalLM(StageModel):
 
     proxy_keys = FULL_CONTRACT
     qk_norm: bool | str = False
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer    # a family's block (same constructor and call)
     attention_class: type[LlamaAttention] = LlamaAttention
+    # False: a family whose blocks `stagewise::decode_layers` cannot express (no-rope layers, multipliers,
+    # other norm placements) always runs its modules
+    one_call_decode = True
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:
@@ -156,10 +180,10 @@ class LlamaForCausalLM(StageModel):
         # `model.embed_tokens(ids [T]) -> [T, H]` is the engine's embedding entry point (first stage).
         self.embed_tokens = Embedding(vocab, self.hidden_size, dtype=dtype) if stage.is_first else None
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.layers = build_layers(stage, lambda i: LlamaDecoderLayer(
+        self.layers = build_layers(stage, lambda i: self.decoder_layer(
             hf_config, i, dtype, self.make_mlp(hf_config, i, dtype), self.attention_class, qkv_bias=qkv_bias,
-            o_bias=o_bias, qk_norm=self.qk_norm))
-        self.rotary = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
+            o_bias=o_bias, qk_norm=self.qk_norm, **self.attention_options(hf_config, i)))
+        self.rotary = rotary_embedding(self.head_dim, hf_config.max_position_embeddings, rope_parameters(hf_config))
         self.norm = RMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype) if stage.is_last else None
         # Tied and first+last: the head reuses embed_tokens. Tied on a later stage: a separate copy
         # loaded from the embedding tensor (hf_name maps it), so no parameter is shared across modules.
@@ -171,6 +195,22 @@ class LlamaForCausalLM(StageModel):
     def make_mlp(self, hf_config, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
         """Layer `layer_id`'s MLP; None: the dense gated MLP of the config (MoE families override)."""
         return None
+
+    def attention_options(self, hf_config, layer_id: int) -> dict:
+        """Layer `layer_id`'s extra `LlamaAttention` arguments (`use_rope`, `scale`); families override."""
+        return {}
+
+    def layer_rope(self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_id`'s rope tables: the model's (`cos`, `sin`) unless its kind has its own (Gemma 3)."""
+        return cos, sin
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first stage's input rows (token embeddings or given `input_embeds`) as layer 0 takes them."""
+        return hidden
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's float32 logits as the family returns them (Granite divides, Gemma soft-caps)."""
+        return logits
 
     def _warn_sliding_window(self, hf_config) -> None:
         window = getattr(hf_config, "sliding_window", None)
@@ -195,6 +235,7 @@ class LlamaForCausalLM(StageModel):
         if self.stage.is_first:
             assert self.embed_tokens is not None   # built on the first stage
             hidden = input_embeds if input_embeds is not None else self.embed_tokens(input_ids)  # [T, H]
+            hidden = self.scale_embeddings(hidden)
             residual = None  # layer 0 starts the residual stream from the embeddings
         else:
             assert pp_proxy_tensors is not None, "a non-first stage runs on the previous stage's tensors"
@@ -205,7 +246,7 @@ class LlamaForCausalLM(StageModel):
             hidden, residual = one_call(hidden, residual, cos, sin)
         else:
             for layer_id in range(self.stage.start, self.stage.end):
-                hidden, residual = self.layers[layer_id](hidden, residual, cos, sin, batch)
+                hidden, residual = self.layers[layer_id](hidden, residual, *self.layer_rope(layer_id, cos, sin), batch)
         if not self.stage.is_last:
             if residual is None:  # first stage that ran no layer: the stream so far is all in `hidden`
                 residual = torch.zeros_like(hidden)
@@ -258,15 +299,17 @@ class LlamaForCausalLM(StageModel):
         the float kernels (biases or not), silu, one eps, no hooks (tensor parallelism's gathers),
         and the C++ op and the kernels it calls built."""
         layers: list[Any] = [self.layers[i] for i in range(self.stage.start, self.stage.end)]
-        if (not layers or self.qk_norm or self.__dict__.get("tp_size", 1) != 1 or not cpu_layers.available()
+        if (not layers or self.qk_norm or not self.one_call_decode or self.__dict__.get("tp_size", 1) != 1
+                or not cpu_layers.available()
                 or not all(type(layer) is LlamaDecoderLayer for layer in layers)):
             return None
         plan: dict = {"norms": [], "data": [], "qtypes": [], "ns": [], "parts": [], "biases": [], "bias_of": [],
                       "exact": set(), "eps": set()}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(mlp) is not GatedMLP or mlp.act is not F.silu or any(
-                    m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+            if (type(mlp) is not GatedMLP or mlp.act is not F.silu or not attn.use_rope or layer.out_scale is not None
+                    or attn.rotary_dim != attn.head_dim or attn.window is not None
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())):
                 return None
             for ln in (layer.input_layernorm, layer.post_attention_layernorm):
                 plan["norms"].append(ln.weight.detach())
@@ -302,6 +345,9 @@ class LlamaForCausalLM(StageModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[R, H]` -> float32 logits `[R, V]` (last stage only)."""
+        return self.finish_logits(self._head_logits(hidden))
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         if head is not None:
             if isinstance(head, QuantLinear):

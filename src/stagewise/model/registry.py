@@ -7,6 +7,13 @@ from __future__ import annotations
 from stagewise.model.gpt2 import GPT2LMHeadModel
 from stagewise.model.gpt_oss import GptOssForCausalLM
 from stagewise.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from stagewise.model.llama_dense import (
+    Gemma3ForCausalLM,
+    GraniteForCausalLM,
+    Olmo2ForCausalLM,
+    Phi3ForCausalLM,
+    SmolLM3ForCausalLM,
+)
 from stagewise.model.llama_moe import (
     MixtralForCausalLM,
     OlmoeForCausalLM,
@@ -62,6 +69,7 @@ def supported_architectures() -> list[str]:
 
 
 for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
-             Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, GptOssForCausalLM, GPT2LMHeadModel,
+             Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM,
+             GraniteForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, GPT2LMHeadModel,
              LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)

@@ -1,4 +1,5 @@
-"""Paged attention with attention sinks and an optional sliding window (gpt-oss).
+"""Paged attention with optional attention sinks and an optional sliding window (gpt-oss's sinks and
+window layers, Gemma 3's window layers).
 
 A sink is a learned logit per query head that joins the softmax's denominator and is then dropped:
 computed here as one extra key whose k and v are zero and whose additive mask is the sink, so one
@@ -90,13 +91,14 @@ def _plan(meta: AttentionMetadata, window: int | None, heads: int, device) -> li
 
 @eager_only      # data-dependent indexing on the live metadata: a compiled body breaks here
 def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float, sinks: torch.Tensor, window: int | None, *, kv_written: bool = False
+                   scale: float, sinks: torch.Tensor | None, window: int | None, *, kv_written: bool = False
                    ) -> torch.Tensor:
-    """q `[rows, Hq, D]`, k/v `[rows, Hkv, D]` (rows >= T; padding rows get zeros), `sinks` `[Hq]`
-    -> `[rows, Hq, D]`. `kv_written`: the live rows' k and v are in the cache already."""
+    """q `[rows, Hq, D]`, k/v `[rows, Hkv, D]` (rows >= T; padding rows get zeros), `sinks` `[Hq]` (None:
+    no sink) -> `[rows, Hq, D]`. `kv_written`: the live rows' k and v are in the cache already."""
     if hasattr(batch, "static"):
-        raise ValueError("Attention with sinks (gpt-oss) reads the step's live metadata, which full graphs "
-                         "freeze; run this model with graphs whose attention stays live (breakable) or off.")
+        raise ValueError("Attention with sinks or a sliding window (gpt-oss, Gemma 3) reads the step's live "
+                         "metadata, which full graphs freeze; run this model with graphs whose attention stays "
+                         "live (breakable) or off.")
     meta, cache = batch.meta, batch.kv_caches[layer_id]
     if cache is None or meta is None:
         raise RuntimeError(f"Layer {layer_id} has no KV cache or no step metadata on this stage.")
@@ -111,16 +113,20 @@ def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch
     _, nb, bs, _, _ = cache.shape
     keys, values = cache[0].view(nb * bs, hkv, d), cache[1].view(nb * bs, hkv, d)
     q_pad = torch.cat([q[:T], q.new_zeros(1, hq, d)])                       # [T + 1, Hq, D]
-    sink_col = sinks.to(q.dtype).view(1, hq, 1, 1)
+    sink_col = None if sinks is None else sinks.to(q.dtype).view(1, hq, 1, 1)
     for call in _plan(meta, window, hq, q.device):
         n, qmax = call.q_index.shape
-        zero = q.new_zeros(n, 1, hkv, d)                                     # the sink's key and value
-        kg = torch.cat([keys[call.slots], zero], 1).transpose(1, 2)          # [N, Hkv, L + 1, D]
-        vg = torch.cat([values[call.slots], zero], 1).transpose(1, 2)
+        kg, vg = keys[call.slots], values[call.slots]                        # [N, L, Hkv, D]
+        if sink_col is not None:
+            zero = q.new_zeros(n, 1, hkv, d)                                 # the sink's key and value
+            kg, vg = torch.cat([kg, zero], 1), torch.cat([vg, zero], 1)      # [N, L + 1, Hkv, D]
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
         qg = q_pad[call.q_index].transpose(1, 2)                             # [N, Hq, qmax, D]
         bias = torch.zeros(call.allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~call.allowed,
                                                                                             float("-inf"))
-        mask = torch.cat([bias.expand(n, hq, qmax, -1), sink_col.expand(n, hq, qmax, 1)], -1)
+        mask = bias.expand(n, hq, qmax, -1)
+        if sink_col is not None:
+            mask = torch.cat([mask, sink_col.expand(n, hq, qmax, 1)], -1)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
         og = og.transpose(1, 2).reshape(n * qmax, hq, d)
         out.index_copy_(0, call.row_ids, og.index_select(0, call.out_index))
