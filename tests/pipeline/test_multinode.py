@@ -92,6 +92,10 @@ class Node:
         return [pid for pid, ppid in parents.items() if (ppid == self.proc.pid or ppid in warm) and pid not in warm
                 and (comm is None or _comm(pid) == comm)]
 
+    def warm_pids(self) -> list[int]:
+        """This node's warm process (stagewise-warm), if it has started one."""
+        return [pid for pid in self.host.pids() if _comm(pid) == "stagewise-warm" and _ppid(pid) == self.proc.pid]
+
     def stop_hard(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -103,6 +107,13 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def stagewise(command: str, model_dir, pp_size: int, node_rank: int, *extra: str, port: int = PORT,
@@ -262,8 +273,9 @@ def test_store_binds_master_addr_and_sigterm_stops_nodes_waiting_for_peers(wave2
     run = wave2["lonely"]
     driver, worker, (a, b) = run["driver"], run["worker"], run["hosts"]
     driver.wait_for(lambda: f"{MASTER}:{PORT}" in a.listeners(), what="rendezvous store listening")
-    worker.wait_for(lambda: worker.stage_pids(), what="stage process")
-    time.sleep(2.0)                           # inside the waits: the store is up, the remote stage polls for it
+    # a node whose driver never comes waits for the store with its warm process started (no stage yet)
+    worker.wait_for(lambda: worker.warm_pids(), what="warm process")
+    time.sleep(2.0)                           # inside the waits: the store is up, the remote node polls for it
     listeners = a.listeners()
     assert listeners == [f"{MASTER}:{PORT}"], listeners            # not 0.0.0.0 or *
     for node in (driver, worker):
