@@ -16,9 +16,8 @@ from torch import nn
 from stagewise.checkpoint.gguf_meta import GGMLType
 from stagewise.kernels.quant_formats import mxfp4_values
 from stagewise.model.attention import ForwardBatch
-from stagewise.model.layers import eager_only
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
-from stagewise.model.moe import RouterLinear, num_experts_of
+from stagewise.model.moe import RouterLinear, grouped_by_expert, num_experts_of
 from stagewise.model.sink_attention import sink_attention
 
 
@@ -144,25 +143,10 @@ class GgufExperts(nn.Module):
         return self.down_exps.linear(act, e)
 
 
-@eager_only   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
 def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  experts: GptOssExperts | GgufExperts, num_experts: int) -> torch.Tensor:
-    """Each token's chosen experts weighted and summed: rows grouped by expert (ascending, as
-    transformers adds them), one call per active expert over all its rows."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    tokens, pair_weights = order // k, weights.reshape(-1)[order]
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            rows = tokens[start:start + count]
-            y = experts.expert(x[rows], expert)
-            out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
-            start += count
-    return out
+    """Each token's chosen experts weighted and summed, one call per active expert over all its rows."""
+    return grouped_by_expert(x, ids, weights, num_experts, experts.expert)
 
 
 class GptOssMoE(nn.Module):

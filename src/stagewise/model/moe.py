@@ -101,10 +101,11 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 @eager_only   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
-def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: nn.Module, down: nn.Module,
-                act: Callable[[torch.Tensor], torch.Tensor], num_experts: int, inter: int) -> torch.Tensor:
-    """The weighted sum of each token's chosen experts: pairs sorted by expert, one gate/up and one
-    down call per active expert over all its rows, outputs added back per token."""
+def grouped_by_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                      expert_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """The weighted sum of each token's chosen experts: (token, expert) pairs sorted by expert
+    (ascending, as transformers adds them), `expert_fn(rows, e)` once per active expert over all its
+    rows, outputs added back per token."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -112,16 +113,24 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     tokens, pair_weights = order // k, weights.reshape(-1)[order]
     out = torch.zeros_like(x)
     start = 0
-    hidden = x.shape[1]
     for expert, count in enumerate(counts):
-        if not count:
-            continue
-        rows = tokens[start:start + count]
-        gate, up = expert_linear(x[rows], gate_up, expert, 2 * inter).chunk(2, dim=-1)
-        y = expert_linear(act(gate) * up, down, expert, hidden)
-        out.index_add_(0, rows, y * pair_weights[start:start + count, None])
-        start += count
+        if count:
+            rows = tokens[start:start + count]
+            y = expert_fn(x[rows], expert)
+            out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
+            start += count
     return out
+
+
+def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: nn.Module, down: nn.Module,
+                act: Callable[[torch.Tensor], torch.Tensor], num_experts: int, inter: int) -> torch.Tensor:
+    """Gated experts stacked per projection: gate/up then down per active expert."""
+    hidden = x.shape[1]
+
+    def one(rows: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = expert_linear(rows, gate_up, expert, 2 * inter).chunk(2, dim=-1)
+        return expert_linear(act(gate) * up, down, expert, hidden)
+    return grouped_by_expert(x, ids, weights, num_experts, one)
 
 
 class SparseMoE(nn.Module):
