@@ -620,8 +620,9 @@ def test_node_sent_sigterm_leaves_in_order(elastic):
 
 # A three-node cluster on the simulated-cluster harness: links with delay and a limited rate,
 # memory limits that no node can hold the model under alone (node 0 runs the driver too), and a
-# model big enough for the limits to bite (8 layers of hidden 1024 in fp32, ~400 MB).
-BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+# model big enough for the limits to bite (13 layers of hidden 1024 in fp32, ~580 MB: the plan puts
+# one node's need for it at ~1.2 GiB, and a share of it at well under the limits).
+BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 13, "num_attention_heads": 16,
        "num_key_value_heads": 4}
 CLUSTER_LIMITS_MIB = (1100, 1050, 1050)     # each node's own processes (driver, headless) use ~250-300 MiB
 # NOTE: nodes 1 and 2 must report alike (then node 2 waits as a standby). On tcmalloc (the command line's

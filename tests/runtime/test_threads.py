@@ -228,19 +228,20 @@ def test_pinning_and_keepers_follow_the_affinity_mask():
 
 
 def _children_named(prefix: str) -> list[int]:
-    found = []
+    """Processes named `prefix...` started by this process, or forked by its warm process
+    (stagewise-warm, which forks the stages)."""
+    parent_of, name_of = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            parent_of[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            name_of[int(pid)] = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and name.startswith(prefix):
-            found.append(int(pid))
-    return found
+    ours = {os.getpid()} | {pid for pid, ppid in parent_of.items()
+                            if ppid == os.getpid() and name_of.get(pid) == "stagewise-warm"}
+    return [pid for pid, ppid in parent_of.items() if ppid in ours and name_of[pid].startswith(prefix)]
 
 
-@pytest.mark.slow
 def test_stage_processes_get_the_wait_policy_and_keepers(llama_dir):
     from stagewise import LLM, SamplingParams
     with LLM(model=str(llama_dir), pp_size=2, threads_per_stage=2) as llm:

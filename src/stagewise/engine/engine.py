@@ -267,5 +267,7 @@ class Engine:
         self._save_pages()
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.supervisor.shutdown()
 

@@ -114,6 +114,9 @@ class Proposer:
     def _draft(self, req: Request, st: _State, k: int) -> list[int]:
         raise NotImplementedError
 
+    def shutdown(self) -> None:
+        """Release what the proposer runs on (a draft model's engine)."""
+
 
 class NgramProposer(Proposer):
     def _draft(self, req: Request, st: _State, k: int) -> list[int]:
@@ -159,6 +162,9 @@ class DraftModelProposer(Proposer):
                 ids = list(out.outputs[0].token_ids)
         cut = next((i for i, t in enumerate(ids) if t >= self.vocab_size), len(ids))
         return ids[:min(k, cut)]
+
+    def shutdown(self) -> None:
+        self.draft.shutdown()
 
 
 def draft_config(target: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
