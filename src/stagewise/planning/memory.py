@@ -174,7 +174,7 @@ def in_process(config: EngineConfig) -> bool:
     return config.parallel.pp_size == 1 and config.parallel.tp_size == 1 and config.cluster.nnodes == 1
 
 
-def process_bytes(config: EngineConfig, shares_driver: bool) -> int:
+def process_bytes(shares_driver: bool) -> int:
     """What a stage adds to its node before any weight: nothing where it runs in the driver's process
     (running when the node's memory was measured), else a stage process. With --pipeline-spares the
     stage is forked from the node's warm process and shares its imported modules, so the warm

@@ -87,7 +87,7 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
     # NOTE: `node_bytes` is measured by a process that runs (the driver, or `stagewise plan`): its own
     # memory is in use, not available, so it is not taken off again
     budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=stages_on_node)
-    process = process_bytes(config, in_process(config))
+    process = process_bytes(in_process(config))
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
         block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)

@@ -118,4 +118,4 @@ def _plan(config, stage, model, runner, facts, dtype, device, block_bytes) -> Me
         budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
     return stage_plan(config, facts, stage, torch.empty((), dtype=dtype).element_size(), weights=weight_bytes(model),
                       graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget,
-                      process=process_bytes(config, in_process(config)) if device.type == "cpu" else 0)
+                      process=process_bytes(in_process(config)) if device.type == "cpu" else 0)
