@@ -103,6 +103,10 @@ def static_paged_attention(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Ten
     whatever the live lengths, the price of a static shape.
     """
     B, hq, d = q.shape
+    if kv_cache.dtype != q.dtype:
+        raise ValueError("Full graphs (static attention) read a KV cache of the model's dtype only; with "
+                         "--kv-cache-dtype q8_0/q4_0/bf16 run graphs whose attention stays live, or "
+                         "--kv-cache-dtype auto.")
     write_kv(kv_cache, kv_slot, k, v)
     _, nb, bs, hkv, _ = kv_cache.shape
     k_flat = kv_cache[0].view(nb * bs, hkv, d)

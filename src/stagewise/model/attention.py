@@ -7,12 +7,14 @@ dummy slot and get zero output.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import attention as cpu_attention
+from ..kernels import kv_quant
 
 
 @dataclass
@@ -65,6 +67,8 @@ class AttentionMetadata:
     # rows (verify steps, decode rows beside them): the spans above are built whatever INVARIANT,
     # for the one-call layers (model/llama.py), whose rows then get decode rows' bits
     short_rows: bool = False
+    # the blocks of `block_tables`, once, for caches stored quantized (`_dense_cache`)
+    used_blocks: torch.Tensor | None = None
 
     @property
     def is_plain_decode(self) -> bool:
@@ -184,10 +188,46 @@ def _prefill_group(members: list[int], starts, q_lens, s_lens, tables, bs: int, 
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Scatter k/v rows `[n, Hkv, D]` into the paged cache at flat slots `[n]`."""
-    _, nb, bs, h, d = kv_cache.shape
-    kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+    """Scatter k/v rows `[n, Hkv, D]` into the paged cache at flat slots `[n]` (quantized or cast
+    first where the cache stores another format: `--kv-cache-dtype`)."""
+    _, nb, bs, h, last = kv_cache.shape
+    if kv_cache.dtype != k.dtype:
+        k, v = _stored(kv_cache, k), _stored(kv_cache, v)
+    kv_cache[0].view(nb * bs, h, last).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(nb * bs, h, last).index_copy_(0, slot_mapping, v)
+
+
+def _stored(kv_cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    qtype = kv_quant.format_of(kv_cache, x.shape[-1])
+    return x.to(kv_cache.dtype) if qtype is None else kv_quant.quantize_rows(x, qtype)
+
+
+_scratch = threading.local()   # .pools: {(shape, dtype): dense pool}; one per thread (stages may share a process)
+
+
+def _dense_cache(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A cache stored in another format than q's (`--kv-cache-dtype` q8_0/q4_0, or bf16 under an
+    fp32 model) as a dense `[2, NB, BS, Hkv, D]` pool of q's dtype, holding (dequantized) only the
+    blocks this step's sequences use; the attention paths then read it as any cache. The pool is
+    one per thread and shape, shared by the layers (they run one after another), and its pages
+    become resident only as blocks are first written."""
+    _, nb, bs, hkv, _ = kv_cache.shape
+    d = q.shape[-1]
+    key = ((2, nb, bs, hkv, d), q.dtype, kv_cache.device)
+    pools = getattr(_scratch, "pools", None)
+    if pools is None:
+        pools = _scratch.pools = {}
+    dense = pools.get(key)
+    if dense is None:
+        dense = pools[key] = kv_quant.lazy_zeros(key[0], q.dtype, kv_cache.device)
+    if meta.used_blocks is None:
+        used = sorted({b for table in meta.block_tables for b in table})
+        meta.used_blocks = torch.tensor(used, dtype=torch.long, device=kv_cache.device)
+    raw = kv_cache.index_select(1, meta.used_blocks)                    # [2, U, BS, Hkv, row]
+    qtype = kv_quant.format_of(kv_cache, d)
+    values = raw.to(q.dtype) if qtype is None else kv_quant.dequantize_rows(raw, qtype, d, q.dtype)
+    dense.index_copy_(1, meta.used_blocks, values)
+    return dense
 
 
 def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +254,13 @@ def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Te
     sequences are attended in place (no KV gather), and with `INVARIANT` (the engine's
     `invariant_attention`) every other row too (`invariant_paged_attention`). Elsewhere
     `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available.
-    `kv_written`: the caller already wrote the live rows' k and v into the cache (the rope op)."""
+    `kv_written`: the caller already wrote the live rows' k and v into the cache (the rope op).
+    A cache stored in another format (`--kv-cache-dtype`) is written quantized, then read through
+    a dense copy of the blocks the step uses (`_dense_cache`)."""
+    if kv_cache.dtype != q.dtype:
+        if not kv_written:
+            write_kv(kv_cache, meta.slot_mapping, k[:meta.num_tokens], v[:meta.num_tokens])
+        kv_cache, kv_written = _dense_cache(meta, kv_cache, q), True
     in_place = cpu_attention.supports(q, kv_cache)
     if in_place and INVARIANT and meta.span_rows is not None:      # spans: built with INVARIANT on
         return invariant_paged_attention(meta, kv_cache, q, k, v, scale, kv_written=kv_written)

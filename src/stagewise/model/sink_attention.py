@@ -102,6 +102,9 @@ def sink_attention(batch: ForwardBatch, layer_id: int, q: torch.Tensor, k: torch
     meta, cache = batch.meta, batch.kv_caches[layer_id]
     if cache is None or meta is None:
         raise RuntimeError(f"Layer {layer_id} has no KV cache or no step metadata on this stage.")
+    if cache.dtype != q.dtype:
+        raise ValueError("Attention with sinks or a sliding window (gpt-oss, Gemma 3) reads a KV cache of the "
+                         "model's dtype only; run this model with --kv-cache-dtype auto.")
     T = meta.num_tokens
     rows, hq, d = q.shape
     hkv = k.shape[1]

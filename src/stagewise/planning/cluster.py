@@ -109,7 +109,8 @@ def cluster_needs(config: EngineConfig, facts: ModelFacts) -> ClusterNeeds:
     dtype = resolve_dtype(config.load.dtype, facts.hf, "cpu")
     weights, costs = _weights_of(config, facts), cost_model_for(config, facts)
     one = StageInfo(0, 1, 0, 1, 1)
-    per_layer = kv_bytes_per_block(one, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
+    per_layer = kv_bytes_per_block(one, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype,
+                                   config.cache.kv_cache_dtype)
     plan = stage_plan(config, facts, one, torch.empty((), dtype=dtype).element_size(), weights=0, graph_buffers=0,
                       block_bytes=per_layer, budget=0, process=process_bytes(shares_driver=False), refuse=False)
     floor = min_kv_blocks(facts.max_len(config.scheduler.max_model_len), config.cache.block_size) * per_layer

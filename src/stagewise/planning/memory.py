@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import cache_root
+from ..kernels import kv_quant
 
 if TYPE_CHECKING:
     import torch
@@ -327,9 +328,10 @@ def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None
 
 
 def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype) -> int:
-    itemsize = dtype.itemsize
-    return 2 * block_size * num_kv_heads * head_dim * itemsize * (stage.end - stage.start)
+                       dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`)."""
+    row = kv_quant.row_bytes(kv_dtype, head_dim, dtype)
+    return 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
 
 
 def disk_tier_on(config) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 from ..checkpoint.facts import ModelFacts, read_facts
 from ..checkpoint.gguf_meta import gguf_facts
 from ..config import EngineConfig
+from ..kernels import kv_quant
 from ..kernels.quant import SUPPORTED, T
 from ..model.loader import _architecture, exact_mode, resolve_dtype, stage_skeleton
 from ..model.quantized import weight_bytes
@@ -90,7 +91,8 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
     process = process_bytes(in_process(config))
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
-        block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype)
+        block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype,
+                                         config.cache.kv_cache_dtype)
         plans.append(stage_plan(config, facts, stage, itemsize, weights=held, graph_buffers=0, block_bytes=block_bytes,
                                 budget=budget, process=process, refuse=refuse))
     return plans
@@ -205,7 +207,18 @@ def plan_report(config: EngineConfig) -> str:
     return (f"model {model_dir}: {facts.num_layers} layers, {stages} stage(s){ranks}, {dtype}, {device}\n"
             f"{_weights_line(config, facts, dtype)}{_partition_text(config, facts)}"
             f"memory budget per node: {budget} (what this process may use, less a margin)\n"
-            f"{format_memory_table(plans, labels)}\n{budget_line(config)}\n{verdict}")
+            f"{format_memory_table(plans, labels)}\n{budget_line(config)}\n{kv_line(config, facts, dtype)}\n"
+            f"{verdict}")
+
+
+def kv_line(config: EngineConfig, facts: ModelFacts, dtype) -> str:
+    """The KV cache's format and bytes per token over every layer, against bf16's (`--kv-cache-dtype`)."""
+    name = config.cache.kv_cache_dtype
+    per_token = 2 * facts.kv_heads * facts.num_layers * kv_quant.row_bytes(name, facts.head_dim, dtype)
+    bf16 = 2 * facts.kv_heads * facts.num_layers * kv_quant.row_bytes("bf16", facts.head_dim, dtype)
+    stored = str(dtype).removeprefix("torch.") if name == "auto" else name
+    return (f"KV cache: {stored} (--kv-cache-dtype {name}), {per_token:,} bytes per token over all layers, "
+            f"{per_token / bf16:.2f}x of bf16")
 
 
 def _rank_plans(config: EngineConfig, facts: ModelFacts,

@@ -1,32 +1,30 @@
 """KV cache tensors for one stage: one `[2, num_blocks, block_size, Hkv, D]` tensor per own layer,
-in a list indexed by global layer id (other stages' slots are None).
+in a list indexed by global layer id (other stages' slots are None). With `--kv-cache-dtype`
+q8_0/q4_0 the last dimension is a row's bytes in ggml's block layout (uint8; kernels/kv_quant.py).
 
 On CPU the pool is anonymous memory the kernel hands out zeroed on first touch, so a process holds
 only the blocks its requests have used: a few prompts cost their own KV, not the planned pool.
 """
 from __future__ import annotations
 
-import mmap
-import sys
-
 import torch
 
+from ..kernels import kv_quant
 from ..parallel.partition import StageInfo
 
 
 def allocate_kv_caches(stage: StageInfo, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device) -> list[torch.Tensor | None]:
+                       head_dim: int, dtype: torch.dtype, device, kv_dtype: str = "auto") -> list[torch.Tensor | None]:
+    """`dtype`: the model's; `kv_dtype`: how the cache stores it (auto: as `dtype`)."""
+    kv_quant.check_head_dim(kv_dtype, head_dim)
     caches: list[torch.Tensor | None] = [None] * stage.num_layers
+    last, stored = kv_quant.last_dim(kv_dtype, head_dim), kv_quant.storage_dtype(kv_dtype, dtype)
     for layer_id in range(stage.start, stage.end):
-        caches[layer_id] = _zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype,
-                                  torch.device(device))  # [2, NB, BS, Hkv, D]
+        caches[layer_id] = _zeros((2, num_blocks, block_size, num_kv_heads, last), stored,
+                                  torch.device(device))  # [2, NB, BS, Hkv, D or row bytes]
     return caches
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros; on Linux CPUs backed by pages that become resident only when written."""
-    if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)   # keeps `pages` alive
+    return kv_quant.lazy_zeros(shape, dtype, device)

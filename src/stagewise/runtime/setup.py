@@ -87,12 +87,13 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     runner = StageGraphRunner(model, stage, policy, batch, dtype, device,
                               max_seq_len=facts.max_len(config.scheduler.max_model_len))
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
-    block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype)
+    block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype,
+                                     config.cache.kv_cache_dtype)
     plan = _plan(config, stage, model, runner, facts, dtype, device, block_bytes)
     if tp_group is not None:
         plan = _agreed(plan, tp_group)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.cache.block_size, num_kv_heads,
-                                         head_dim, dtype, device)
+                                         head_dim, dtype, device, config.cache.kv_cache_dtype)
     if device.type == "cpu":                # decode steps' team; their graph is compiled for it
         runner.decode_threads = decode_threads(model, plan.weights_bytes, torch.get_num_threads())
     runner.capture(background=config.graphs.compile_in_background)
