@@ -37,7 +37,7 @@ class StagePages:
             return None
         caches, layers = worker.batch.kv_caches, range(stage.start, stage.end)
         first = caches[stage.start]
-        key = {"format": FORMAT_VERSION, "model": model_identity(model_dir), "kv_dtype": str(first.dtype),
+        key = {"format": FORMAT_VERSION, "model": model_identity(model_dir), "kv_dtype": _stored_name(config, first),
                "weights_dtype": str(worker.dtype), "quantization": config.load.quantization,
                "block": list(first.shape[2:]), "layers": [stage.start, stage.end], "num_layers": stage.num_layers,
                "device": worker.device.type, "tp": [0, config.parallel.tp_size]}
@@ -97,6 +97,12 @@ class StagePages:
 
     def flush(self) -> None:
         self.tier.flush()
+
+
+def _stored_name(config, cache: torch.Tensor) -> str:
+    """The key's KV format: the tensor's dtype, or q8_0/q4_0 for ggml blocks (both are uint8 bytes)."""
+    name = config.cache.kv_cache_dtype
+    return name if name in ("q8_0", "q4_0") else str(cache.dtype)
 
 
 def page_layout(caches: list, layers: range) -> tuple[list[tuple], int]:
