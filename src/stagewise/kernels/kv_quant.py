@@ -35,6 +35,7 @@ def storage_dtype(name: str, compute: torch.dtype) -> torch.dtype:
 
 def row_bytes(name: str, head_dim: int, compute: torch.dtype) -> int:
     """Bytes one head's K (or V) row of `head_dim` values takes in the cache (scales included)."""
+    check_head_dim(name, head_dim)
     if name in QUANTIZED:
         return qf.row_bytes(QUANTIZED[name], head_dim)
     return head_dim * storage_dtype(name, compute).itemsize
@@ -42,6 +43,7 @@ def row_bytes(name: str, head_dim: int, compute: torch.dtype) -> int:
 
 def last_dim(name: str, head_dim: int) -> int:
     """The cache tensor's last dimension: `head_dim`, or the bytes of a quantized row."""
+    check_head_dim(name, head_dim)
     return qf.row_bytes(QUANTIZED[name], head_dim) if name in QUANTIZED else head_dim
 
 

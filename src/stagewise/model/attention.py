@@ -202,6 +202,16 @@ def _stored(kv_cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.to(kv_cache.dtype) if qtype is None else kv_quant.quantize_rows(x, qtype)
 
 
+def _as_stored(meta: AttentionMetadata, half: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The step's live k (or v) rows `x` as the cache holds them (`half`: the dense K or V pool),
+    so a fresh prompt, which attends its own k and v without reading the cache, sees what a later
+    chunk or a cached prefix of it sees."""
+    nb, bs, hkv, d = half.shape
+    out = x.clone()
+    out[:meta.num_tokens] = half.view(nb * bs, hkv, d).index_select(0, meta.slot_mapping)
+    return out
+
+
 _scratch = threading.local()   # .pools: {(shape, dtype): dense pool}; one per thread (stages may share a process)
 
 
@@ -261,6 +271,7 @@ def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Te
         if not kv_written:
             write_kv(kv_cache, meta.slot_mapping, k[:meta.num_tokens], v[:meta.num_tokens])
         kv_cache, kv_written = _dense_cache(meta, kv_cache, q), True
+        k, v = _as_stored(meta, kv_cache[0], k), _as_stored(meta, kv_cache[1], v)
     in_place = cpu_attention.supports(q, kv_cache)
     if in_place and INVARIANT and meta.span_rows is not None:      # spans: built with INVARIANT on
         return invariant_paged_attention(meta, kv_cache, q, k, v, scale, kv_written=kv_written)
