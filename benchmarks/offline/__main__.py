@@ -6,6 +6,6 @@ run_subcommand("benchmarks.offline", __doc__, {
     "startup": ("benchmarks.offline.startup", "`stagewise generate` wall time as a new user runs it"),
     "speculative": ("benchmarks.offline.speculative", "n-gram speculative decoding on and off (and llama.cpp's)"),
     "cpu-limit": ("benchmarks.offline.cpu_limit", "batch-1 decode at the machine's limit, vs llama.cpp"),
-    "kv-quant": ("benchmarks.offline.kv_quant", "KV cache in q8_0/q4_0 vs bf16: bytes per token, decode at 4K, agreement"),
+    "kv-quant": ("benchmarks.offline.kv_quant", "q8_0/q4_0 KV cache vs bf16: bytes per token, 4K decode, agreement"),
     "invariance": ("benchmarks.offline.invariance", "split-invariant attention on vs off: throughput, prefill, decode"),
 })
