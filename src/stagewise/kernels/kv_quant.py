@@ -72,8 +72,17 @@ def dequantize_rows(raw: torch.Tensor, qtype: GGMLType, head_dim: int, dtype: to
     if raw.dtype != torch.uint8 or raw.shape[-1] != qf.row_bytes(qtype, head_dim):
         raise ValueError(f"dequantize_rows: expected uint8 rows of {qf.row_bytes(qtype, head_dim)} bytes, got "
                          f"{raw.dtype} rows of {raw.shape[-1]}.")
-    flat = raw.reshape(-1, raw.shape[-1])
-    return qf.values(qf.decode(flat, qtype, head_dim)).to(dtype).reshape(*raw.shape[:-1], head_dim)
+    # NOTE: the blocks' two fields read directly (not through quant_formats' general decode): this
+    # runs on every step's blocks; the products are gguf-py's (fp16 scale to fp32, times the code)
+    size = 34 if qtype == GGMLType.Q8_0 else 18
+    blocks = raw.reshape(-1, size)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()              # [N, 1]
+    if qtype == GGMLType.Q8_0:
+        codes = blocks[:, 2:].view(torch.int8).float()                          # [N, 32]
+    else:
+        packed = blocks[:, 2:]
+        codes = torch.cat([packed & 15, packed >> 4], -1).to(torch.int8).sub_(8).float()
+    return (codes * scale).to(dtype).reshape(*raw.shape[:-1], head_dim)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
