@@ -1,7 +1,7 @@
 """--kv-cache-dtype end to end through `LLM` and `stagewise plan` (docs/kv-cache.md): greedy
 generation with a q8_0 cache agrees with the unquantized cache (the one-process fp32 run) on most
 tokens, with the mean |delta logprob| of the shared prefix under a bound; q4_0 deviates more; a
-pipeline of two stages gives the one-process q8_0 tokens; the disk tier keeps q8_0 pages; the plan
+pipeline of two stages and decode graphs give the one-process eager q8_0 tokens; the disk tier keeps q8_0 pages; the plan
 prints bytes per token against bf16; a head size that is not a multiple of 32 is refused."""
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ def test_pipeline_of_two_stages_reads_its_quantized_cache(mistral_dir):
     one = _greedy(mistral_dir, kv_cache_dtype="q8_0")
     two = _greedy(mistral_dir, kv_cache_dtype="q8_0", pp_size=2)
     assert [t for t, _ in two] == [t for t, _ in one]
+
+
+def test_decode_graphs_read_the_quantized_cache(mistral_dir):
+    eager = _greedy(mistral_dir, kv_cache_dtype="q8_0")
+    graphs = _greedy(mistral_dir, kv_cache_dtype="q8_0", decode_graph=True, compile_in_background=False)
+    assert [t for t, _ in graphs] == [t for t, _ in eager]
 
 
 def test_disk_tier_keeps_q8_0_pages(mistral_dir, tmp_path):
