@@ -1,8 +1,9 @@
 """--kv-cache-dtype end to end through `LLM` and `stagewise plan` (docs/kv-cache.md): greedy
 generation with a q8_0 cache agrees with the unquantized cache (the one-process fp32 run) on most
 tokens, with the mean |delta logprob| of the shared prefix under a bound; q4_0 deviates more; a
-pipeline of two stages and decode graphs give the one-process eager q8_0 tokens; the disk tier keeps q8_0 pages; the plan
-prints bytes per token against bf16; a head size that is not a multiple of 32 is refused."""
+pipeline of two stages and decode graphs give the one-process eager q8_0 tokens; the disk tier
+keeps q8_0 pages; the plan prints bytes per token against bf16; a head size that is not a multiple
+of 32 is refused."""
 from __future__ import annotations
 
 import pytest

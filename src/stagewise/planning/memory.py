@@ -329,9 +329,14 @@ def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None
 
 def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-    """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`)."""
+    """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`),
+    and, for a format other than `dtype`, the block's share of the dense copy of one layer that
+    attention reads a stored layer through (model/attention.py: one per stage, resident as used)."""
     row = kv_quant.row_bytes(kv_dtype, head_dim, dtype)
-    return 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
+    stored = 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
+    same = kv_quant.storage_dtype(kv_dtype, dtype) == dtype
+    dense = 0 if same else 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    return stored + dense
 
 
 def disk_tier_on(config) -> bool:
