@@ -55,10 +55,18 @@ def test_q8_0_agrees_with_the_unquantized_cache(mistral_dir, oracle):
     assert _greedy(mistral_dir, kv_cache_dtype="bf16") != q8
 
 
-def test_pipeline_of_two_stages_reads_its_quantized_cache(mistral_dir):
+def test_pipeline_of_two_stages_reads_its_quantized_cache(mistral_dir, tmp_path):
     one = _greedy(mistral_dir, kv_cache_dtype="q8_0")
     two = _greedy(mistral_dir, kv_cache_dtype="q8_0", pp_size=2)
     assert [t for t, _ in two] == [t for t, _ in one]
+    # each stage pages its own layers' q8_0 blocks to disk and a restarted pipeline reads them back
+    opts = dict(kv_cache_dtype="q8_0", pp_size=2, kv_cache_disk="64MiB", kv_cache_dir=str(tmp_path / "kv"))
+    first = _greedy(mistral_dir, **opts)
+    with LLM(model=str(mistral_dir), block_size=16, **opts) as llm:
+        out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=16, temperature=0.0),
+                           use_tqdm=False)[0]
+        assert llm.stats()["prefix_cache_disk_hits"] > 0 and out.num_cached_tokens > 0
+    assert out.outputs[0].token_ids == first[0][0]
 
 
 def test_decode_graphs_read_the_quantized_cache(mistral_dir):
