@@ -77,7 +77,7 @@ async def poll(client, url: str, stop: asyncio.Event, log: list[dict]) -> None:
         entry: dict = {"t": time.time()}
         try:
             health = (await client.get(url + "/health", timeout=2.0)).json()
-            rec = health.get("recovery") or {}
+            rec = health.get("pipeline") or {}          # /health's section on where the pipeline runs
             entry.update(status=health.get("status"), layout=rec.get("layout"), standby=rec.get("standby"),
                          moves=rec.get("moves"), last_move=rec.get("last_move"), partition=rec.get("partition"))
             text = (await client.get(url + "/metrics", timeout=2.0)).text
