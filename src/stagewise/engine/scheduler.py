@@ -346,6 +346,11 @@ class Scheduler:
             if seq.sample and seq.request_id in result.sampled:
                 self._apply_token(rec, result, seq.request_id)
                 changed.append(rec.req)
+            elif seq.sample and seq.request_id in result.embeddings:    # an embedding: the prompt was all
+                rec.req.embedding = result.embeddings[seq.request_id]
+                rec.req.first_token_time = time.monotonic()
+                self._finish(rec, FinishReason.STOP)
+                changed.append(rec.req)
         return changed
 
     def _apply_token(self, rec: InFlight, result: StepResult, rid: str) -> None:
