@@ -63,9 +63,17 @@ def test_batched_with_generation(llama_dir, hf_greedy):
 
 
 @pytest.mark.slow
-def test_two_stages(llama_dir):
-    with LLM(model=str(llama_dir), pp_size=2, chunked_prefill_size=16) as llm:     # auto: last-token pooling
+def test_two_stages(llama_dir, hf_greedy):
+    """Two stage processes: last-token pooling (auto), and mean pooling over chunks in plans shared
+    with a generation request."""
+    with LLM(model=str(llama_dir), pp_size=2, chunked_prefill_size=16) as llm:
         check(llm.embed(prompt_token_ids=PROMPTS), llama_dir, "last")
+    with LLM(model=str(llama_dir), pp_size=2, chunked_prefill_size=16, pooling="mean") as llm:
+        gen = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        emb = SamplingParams(max_tokens=0, embed=True)
+        outs = llm.generate(prompt_token_ids=[PROMPTS[1], PROMPTS[0]], sampling_params=[gen, emb], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == hf_greedy(llama_dir, [PROMPTS[1]], 3)[0]
+    check([outs[1].embedding], llama_dir, "mean", PROMPTS[:1])
 
 
 def test_sentence_transformers_pooling_config(tmp_path, llama_dir):
