@@ -55,6 +55,10 @@ def test_batched_with_generation(llama_dir, hf_greedy):
         gen = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         emb = SamplingParams(max_tokens=0, embed=True)
         outs = llm.generate(prompt_token_ids=[PROMPTS[1], PROMPTS[0]], sampling_params=[gen, emb], use_tqdm=False)
+        with pytest.raises(ValueError, match="context"):
+            llm.embed(prompt_token_ids=[[5] * 5000])
+        with pytest.raises(ValueError, match="empty"):
+            llm.embed([])
     assert {outs[0].request_id, outs[1].request_id} in plans
     assert outs[0].embedding is None
     assert outs[0].outputs[0].token_ids == hf_greedy(llama_dir, [PROMPTS[1]], 4)[0]
