@@ -107,8 +107,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {rule}, got {_shown(value)}.")
         if self.max_tokens == 0 and self.prompt_logprobs is None and not self.embed:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs), got 0.")
-        if self.embed and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs must be null for an embedding request (it computes no logits).")
+        if self.embed and (self.prompt_logprobs is not None or self.structured_outputs is not None):
+            raise ValueError("prompt_logprobs and structured_outputs must be null for an embedding request (it "
+                             "computes no logits).")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
         choices = self.structured_outputs.choice if isinstance(self.structured_outputs, StructuredOutputs) else None

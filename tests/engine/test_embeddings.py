@@ -103,3 +103,16 @@ def test_embed_params_are_checked():
     SamplingParams(max_tokens=0, embed=True)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(max_tokens=0, embed=True, prompt_logprobs=1)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(max_tokens=0, embed=True, structured_outputs={"regex": "a+"})
+
+
+def test_with_speculative_decoding(llama_dir):
+    """A prompt whose final chunk is one token looks like a decode row to the n-gram proposer; an
+    embedding request (here with max_tokens left at its default, which it ignores) gets no drafts,
+    so its last row is pooled."""
+    prompt = [5, 6, 7, 8] * 4 + [5]                 # 17 tokens: chunks of 16 and 1; the 5 repeats
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(model=str(llama_dir), chunked_prefill_size=16, speculative_config=spec) as llm:
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(embed=True), use_tqdm=False)[0]
+    check([out.embedding], llama_dir, "last", [prompt])

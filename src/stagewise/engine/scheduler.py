@@ -284,7 +284,9 @@ class Scheduler:
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Proposals for a decode row: one that computes the request's newest token, and only it."""
-        if self.speculator is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        # NOTE: an embedding request's one-token prompt looks like a decode row, but it samples nothing
+        if (self.speculator is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens
+                or req.params.embed):
             return []
         t0 = time.perf_counter()
         drafts = self.speculator.propose(req, budget)
