@@ -31,7 +31,12 @@ SAMPLES = {
     "skip_special_tokens": False, "logit_bias": {42: 2.0, 7: -1.5}, "allowed_token_ids": [1, 2, 42],
     "bad_words": ["darn"], "include_stop_str_in_output": True, "truncate_prompt_tokens": -1, "cache_salt": "tenant-a",
     "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    "embed": True,
 }
+
+# fields no generation schema offers, and who sets them
+NOT_GENERATION = {"embed": "/v1/embeddings and LLM.embed"}
+GENERATION_FIELDS = tuple(name for name in FIELDS if name not in NOT_GENERATION)
 
 # fields the OpenAI schemas take in a shape of their own (SamplingFields leaves them out), and where
 PER_API = {
@@ -66,8 +71,8 @@ def test_the_defaults_cross_the_wire_unchanged():
 
 
 def test_the_http_schemas_offer_every_field():
-    assert set(NativeSampling.model_fields) >= set(FIELDS), "/generate's sampling_params lacks a field"
-    assert set(SamplingFields.model_fields) == set(FIELDS) - set(PER_API)
+    assert set(NativeSampling.model_fields) >= set(GENERATION_FIELDS), "/generate's sampling_params lacks a field"
+    assert set(SamplingFields.model_fields) == set(GENERATION_FIELDS) - set(PER_API)
     for name in PER_API:
         for request in (CompletionRequest, ChatCompletionRequest):
             assert name in request.model_fields, f"{request.__name__} does not carry {name}"
@@ -84,7 +89,7 @@ def _from_generate(body: dict) -> SamplingParams:
     return make_sampling_params(kwargs, max_tokens, sp.logprobs, prompt_logprobs=sp.prompt_logprobs)
 
 
-@pytest.mark.parametrize("name", FIELDS)
+@pytest.mark.parametrize("name", GENERATION_FIELDS)
 def test_generate_maps_each_field_to_the_same_sampling_params(name):
     body = json.loads(json.dumps({name: SAMPLES[name]}))      # as a client sends it (logit_bias keys as text)
     assert _from_generate(body) == SamplingParams(**{name: SAMPLES[name]})

@@ -139,8 +139,12 @@ class LoadConfig:
                                     "head at 8 bits); GGUF files keep their own types (default: off)")
     device: str = flag("auto", "auto | cpu | cuda; auto: cuda when available")
     seed: int = flag(0, "seed of the engine's random state")
+    pooling: str = flag("auto", "auto | last | mean: how embedding requests pool the prompt's last hidden states; "
+                        "auto: the checkpoint's sentence-transformers Pooling config, else last")
 
     def __post_init__(self):
+        if self.pooling not in ("auto", "last", "mean"):
+            raise ValueError(f"pooling must be auto, last or mean, got {self.pooling!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         if self.quantization not in (None, "int8", "int4"):

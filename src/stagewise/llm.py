@@ -91,6 +91,18 @@ class LLM:
         return [sum(e.logprob for e in (out.prompt_logprobs or [])[len(p):] if e is not None)
                 for out, (p, _) in zip(outs, pairs)]
 
+    def embed(self, prompts: str | Sequence[str] | None = None, *,
+              prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[list[float]]:
+        """One L2-normalised embedding per prompt: the last hidden state (after the final norm) pooled
+        by the last token or the mean, as the checkpoint's sentence-transformers config or `pooling`
+        says (docs/embeddings.md). Each prompt is one prefill through the pipeline; nothing is generated."""
+        inputs = _inputs(prompts, prompt_token_ids, None)
+        outs = self._generate(inputs, [SamplingParams(max_tokens=0, embed=True)] * len(inputs), False)
+        for out in outs:
+            if out.embedding is None:
+                raise ValueError(out.outputs[0].error or "The embedding request ended without a vector.")
+        return [list(out.embedding or ()) for out in outs]
+
     def stats(self) -> dict:
         return self.client.stats()
 

@@ -117,6 +117,8 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)           # request_id -> why (that request only)
     # request_id -> (index of the first prompt token covered, its logprobs and the next ones')
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # request_id -> its prompt's pooled, normalised last hidden state (SamplingParams.embed, its final chunk)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
     error: str | None = None                                       # a stage failed the whole plan
     stage_busy_s: list[float] = field(default_factory=list)        # compute seconds per stage
     stage_comm_s: list[float] = field(default_factory=list)        # of which in tensor-parallel collectives

@@ -72,6 +72,9 @@ class SamplingParams:
                                   cli=False)
     # constrained decoding: a StructuredOutputs or a dict of its fields ({"json": schema}, {"regex": ...})
     structured_outputs: StructuredOutputs | dict | None = flag(None, "constrain the output", cli=False)
+    # an embedding request (LLM.embed, /v1/embeddings): the prompt's pooled, normalised last hidden state comes
+    # back instead of tokens; max_tokens does not apply (nothing is generated)
+    embed: bool = flag(False, "return the prompt's embedding; nothing is generated", cli=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -102,8 +105,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not check(value):
                 raise ValueError(f"{name} must be {rule}, got {_shown(value)}.")
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
+        if self.max_tokens == 0 and self.prompt_logprobs is None and not self.embed:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs), got 0.")
+        if self.embed and (self.prompt_logprobs is not None or self.structured_outputs is not None):
+            raise ValueError("prompt_logprobs and structured_outputs must be null for an embedding request (it "
+                             "computes no logits).")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}.")
         choices = self.structured_outputs.choice if isinstance(self.structured_outputs, StructuredOutputs) else None
@@ -199,6 +205,7 @@ _RULES = (
     ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an integer in [0, {MAX_LOGPROBS}]"),
     ("prompt_logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
      f"an integer in [0, {MAX_LOGPROBS}] or null"),
+    ("embed", lambda v: isinstance(v, bool), "true or false"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
     ("logit_bias", _bias_ok, f"null or a map of at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]"),
@@ -317,6 +324,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None     # with SamplingParams.embed: the pooled, normalised hidden state
 
 
 class RequestStatus(enum.Enum):
@@ -339,6 +347,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
+    embedding: list[float] | None = None     # SamplingParams.embed: set by the last stage's result
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache

@@ -1,4 +1,5 @@
 """What a checkpoint holds, read without building a model: the file formats (HF safetensors
 directories in `files.py`, GGUF metadata in `gguf_meta.py`), the tokenizer a GGUF file carries
-(`saved_tokenizer.py`) and the model's facts read once from either (`facts.py`).
+(`saved_tokenizer.py`), the model's facts read once from either (`facts.py`) and the embedding
+pooling a sentence-transformers checkpoint declares (`pooling.py`).
 Nothing here imports torch models; tensor reading lives in `model.loader` / `model.gguf`."""

@@ -28,7 +28,7 @@ class DeltaEncoder:
                                           n_plps + len(plps or ()))
         return OutputDelta(out.request_id, keep, c.text[keep:], c.token_ids[n_ids:], lps, plps, c.finish_reason,
                            c.error, out.finished, out.num_cached_tokens, out.metrics.get("first_token_time"),
-                           out.metrics.get("scheduled_time"), c.error_status)
+                           out.metrics.get("scheduled_time"), c.error_status, out.embedding)
 
 
 class _Output:
@@ -69,7 +69,7 @@ class OutputAssembler:
                                       None if acc.lps is None else list(acc.lps), d.error, d.error_status)
         return RequestOutput(d.request_id, None, prompt_token_ids, [completion], finished=d.finished,
                              num_cached_tokens=d.num_cached_tokens, metrics=metrics,
-                             prompt_logprobs=None if acc.plps is None else list(acc.plps))
+                             prompt_logprobs=None if acc.plps is None else list(acc.plps), embedding=d.embedding)
 
     def clear(self) -> None:
         self._outputs.clear()

@@ -44,6 +44,7 @@ class Params(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None
     cache_salt: str | None
     structured_outputs: StructuredOutputs | None
+    embed: bool = False
 
     @classmethod
     def of(cls, p: SamplingParams) -> "Params":

@@ -61,6 +61,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     first_token_time: float | None
     scheduled_time: float | None = None            # first admitted into a plan (the queue time ends)
     error_status: int | None = None                # CompletionOutput.error_status
+    embedding: list[float] | None = None           # RequestOutput.embedding (with the finishing delta)
 
 
 @dataclass

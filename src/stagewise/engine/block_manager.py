@@ -95,9 +95,10 @@ class BlockManager:
     def match_prefix(self, req: Request) -> int:
         """Attach cached blocks for the longest known prefix; returns the cached token count.
         At least one prompt token is always left to compute (its logits start decoding)."""
-        # NOTE: prompt logprobs need every prompt row's logits, so such a request computes its prompt.
+        # NOTE: prompt logprobs need every prompt row's logits (and mean pooling every row's hidden
+        # state), so such a request computes its prompt.
         if (not self.enable_prefix_caching or req.input_embeds is not None or req.block_ids
-                or req.params.prompt_logprobs is not None):
+                or req.params.prompt_logprobs is not None or req.params.embed):
             return 0
         num_full = (req.num_tokens - 1) // self.block_size
         # NOTE: every token looked up counts, outputs too: a preempted request looks up its outputs
@@ -117,7 +118,8 @@ class BlockManager:
     def register_full_blocks(self, req: Request, num_written: int, save: bool = True) -> None:
         """Make the request's fully written blocks findable by later prompts (and, with the disk
         tier, queue them to be saved as pages unless `save` is False: they came from disk)."""
-        if not self.enable_prefix_caching or req.input_embeds is not None:
+        # NOTE: an embedding request's blocks stay its own: they go back to the pool when it ends
+        if not self.enable_prefix_caching or req.input_embeds is not None or req.params.embed:
             return
         num_full = min(num_written // self.block_size, len(req.block_ids))
         done = req.num_registered_blocks
@@ -138,7 +140,8 @@ class BlockManager:
     def probe_disk(self, req: Request) -> KVPages | None:
         """Book blocks for the request's full blocks past its RAM hits, for the stages to read from
         their pages; None when there are none to look up (or the tier is off)."""
-        if (not self.disk_tier or req.input_embeds is not None or req.params.prompt_logprobs is not None):
+        if (not self.disk_tier or req.input_embeds is not None or req.params.prompt_logprobs is not None
+                or req.params.embed):
             return None
         have = len(req.block_ids)
         want = min((req.num_tokens - 1) // self.block_size - have, len(self.free))

@@ -115,7 +115,7 @@ def make_output(req: Request) -> RequestOutput:
     prompt_logprobs = list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
                          finished=req.is_finished, num_cached_tokens=req.num_cached_tokens, metrics=metrics,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, embedding=req.embedding)
 
 
 

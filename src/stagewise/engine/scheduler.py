@@ -284,7 +284,9 @@ class Scheduler:
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Proposals for a decode row: one that computes the request's newest token, and only it."""
-        if self.speculator is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        # NOTE: an embedding request's one-token prompt looks like a decode row, but it samples nothing
+        if (self.speculator is None or n != 1 or req.num_computed_tokens + 1 != req.num_tokens
+                or req.params.embed):
             return []
         t0 = time.perf_counter()
         drafts = self.speculator.propose(req, budget)
@@ -345,6 +347,11 @@ class Scheduler:
                 _extend_prompt_logprobs(rec.req, *result.prompt_logprobs[seq.request_id])
             if seq.sample and seq.request_id in result.sampled:
                 self._apply_token(rec, result, seq.request_id)
+                changed.append(rec.req)
+            elif seq.sample and seq.request_id in result.embeddings:    # an embedding: the prompt was all
+                rec.req.embedding = result.embeddings[seq.request_id]
+                rec.req.first_token_time = time.monotonic()
+                self._finish(rec, FinishReason.STOP)
                 changed.append(rec.req)
         return changed
 

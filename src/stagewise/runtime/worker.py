@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..checkpoint.pooling import resolve_pooling
 from ..config import EngineConfig
 from ..model.attention import AttentionMetadata
 from ..parallel.partition import StageInfo
@@ -39,6 +40,12 @@ class _ReqState:
     params: SamplingParams
     block_ids: list[int]
     input_embeds: Any = None
+    pooled: Any = None          # embedding requests, mean pooling: the float32 sum of the rows so far
+
+    @property
+    def samples(self) -> bool:
+        """Whether this request's final prompt row is sampled (an embedding request's is pooled)."""
+        return not self.params.embed
 
 
 class Worker:
@@ -58,6 +65,8 @@ class Worker:
         self.sampler = Sampler(config.load.seed + 1, self.eos_token_ids)
         self.reqs: dict[str, _ReqState] = {}
         self.busy_s = 0.0
+        # embedding requests (SamplingParams.embed) pool the last stage's normed hidden states
+        self.pooling = resolve_pooling(config.load.pooling, model_dir) if stage.is_last else None
 
     @property
     def comm_s(self) -> float:
@@ -113,6 +122,7 @@ class Worker:
             with gemm_kernels(len(sample_rows), self.dtype, self.device):
                 result = self._sample(plan, out, sample_rows)
             self._prompt_logprobs(plan, out, result)
+            self._pool(plan, out, result)
             return result
 
     def apply_deltas(self, plan: StepPlan) -> None:
@@ -153,7 +163,7 @@ class Worker:
             query_lens.append(seq.num_tokens)
             seq_lens.append(end)
             tables.append(st.block_ids)
-            if seq.sample:      # the last row, and one more per draft (verified rows)
+            if seq.sample and st.samples:      # the last row, and one more per draft (verified rows)
                 sample_rows.extend(range(len(ids) - 1 - len(seq.draft_token_ids), len(ids)))
         dev = self.device
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.cache.block_size, dev)
@@ -182,13 +192,30 @@ class Worker:
                 result.prompt_logprobs[seq.request_id] = (seq.start + 1, entries)
             row += seq.num_tokens
 
+    def _pool(self, plan: StepPlan, hidden: torch.Tensor, result: StepResult) -> None:
+        """Embedding requests: pool their rows of the (final-normed) hidden states; a prompt's final
+        chunk answers its L2-normalised vector. Mean pooling sums over chunks in float32."""
+        row = 0
+        for seq in plan.seqs:
+            st = self.reqs[seq.request_id]
+            rows = hidden[row:row + seq.num_tokens]
+            row += seq.num_tokens
+            if st.samples:
+                continue
+            if self.pooling == "mean":
+                part = rows.float().sum(0)
+                st.pooled = part if st.pooled is None else st.pooled + part
+            if seq.sample:
+                vec = st.pooled / st.num_prompt_tokens if self.pooling == "mean" else rows[-1].float()
+                result.embeddings[seq.request_id] = torch.nn.functional.normalize(vec, dim=0).cpu().tolist()
+
     def _sample(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> StepResult:
         result = StepResult(plan.plan_id)
         if not sample_rows:
             return result
         rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]   # decode: every row
         logits = self.model.compute_logits(rows).float().cpu()  # [R, V]
-        seqs = [s for s in plan.seqs if s.sample]
+        seqs = [s for s in plan.seqs if s.sample and self.reqs[s.request_id].samples]
         if any(s.draft_token_ids for s in seqs):
             return self._verify(result, logits, seqs, plan)
         draws = self.sampler.sample(logits, [self.reqs[s.request_id] for s in seqs], _mask_rows(plan, seqs))

@@ -21,7 +21,7 @@ from ..core.client import EngineClient
 from ..executor.hygiene import freeze_heap
 from ..multimodal.images import limits_of
 from ..multimodal.intake import image_intake
-from . import routes, utility
+from . import embeddings, routes, utility
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard, host_allowed, host_check_for
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -89,6 +89,7 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     app.add_api_route("/v1/chat/completions", counted(routes.chat_completions), methods=["POST"])
     app.add_api_route("/v1/responses", counted(routes.responses), methods=["POST"])
     app.add_api_route("/generate", counted(routes.generate), methods=["POST"])
+    app.add_api_route("/v1/embeddings", counted(embeddings.embeddings), methods=["POST"])
     app.add_api_route("/tokenize", counted(utility.tokenize), methods=["POST"])
     app.add_api_route("/detokenize", counted(utility.detokenize), methods=["POST"])
 

@@ -126,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         routes = ("see GET /v1/models, /health, /metrics and POST /v1/completions, /v1/chat/completions, "
-                  "/v1/responses, /generate")
+                  "/v1/responses, /v1/embeddings, /generate")
         if exc.status_code == 404:
             message = f"No route {request.url.path}; {routes}."
         elif exc.status_code == 405:

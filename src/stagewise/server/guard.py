@@ -24,7 +24,8 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 # POST /ping (vLLM's, for SageMaker) reads no body and does nothing; the others take no POST at all
 # (405 from the router, not 415 here)
 BODILESS_PATHS = ("/ping", "/health", "/metrics", "/version", "/v1/models")
-GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"))
+GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
+                              "/v1/embeddings"))
 
 
 class RequestGuard:

@@ -42,6 +42,13 @@ class ServerMetrics:
                                      ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("stagewise_generation_tokens", "Generated tokens of finished requests.",
                                          ["model_name"], registry=r).labels(**labels)
+        self.embedding_requests = Counter("stagewise_embedding_requests", "Embedding requests that returned a "
+                                          "vector (/v1/embeddings inputs, LLM.embed prompts).", ["model_name"],
+                                          registry=r).labels(**labels)
+        self.embedding_prompt_tokens = Counter("stagewise_embedding_prompt_tokens", "Prompt tokens of the embedding "
+                                               "requests that returned a vector (also counted in "
+                                               "stagewise_prompt_tokens).", ["model_name"],
+                                               registry=r).labels(**labels)
         self.ttft = Histogram("stagewise_time_to_first_token_seconds", "Arrival to first generated token.",
                               ["model_name"], buckets=LATENCY_BUCKETS_S, registry=r).labels(**labels)
         self.tpot = Histogram("stagewise_time_per_output_token_seconds", "Mean time per generated token after "
@@ -79,6 +86,9 @@ class ServerMetrics:
         self.prompt_tokens.inc(num_prompt)
         num_out = len(completion.token_ids)
         self.generation_tokens.inc(num_out)
+        if getattr(out, "embedding", None) is not None:
+            self.embedding_requests.inc()
+            self.embedding_prompt_tokens.inc(num_prompt)
         arrival, first = out.metrics.get("arrival_time"), out.metrics.get("first_token_time")
         scheduled = out.metrics.get("scheduled_time")
         if completion.finish_reason in ("stop", "length"):      # requests that ran (not refused or aborted)
