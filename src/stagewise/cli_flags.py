@@ -42,6 +42,8 @@ def add_dataclass_args(group, cls: type, defaults: dict[str, Any] | None = None)
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         elif kind is list and _item(hints[f.name]) is str:
             group.add_argument(*flags, action="append", metavar="TEXT", **common)
+        elif meta.get("nargs"):     # several values after one flag (--lora-modules a=x b=y)
+            group.add_argument(*flags, nargs=meta["nargs"], action="extend", metavar=_metavar(f), **common)
         else:
             group.add_argument(*flags, type=str if meta.get("size") else _converter(kind), metavar=_metavar(f),
                                **common)

@@ -141,8 +141,18 @@ class LoadConfig:
     seed: int = flag(0, "seed of the engine's random state")
     pooling: str = flag("auto", "auto | last | mean: how embedding requests pool the prompt's last hidden states; "
                         "auto: the checkpoint's sentence-transformers Pooling config, else last")
+    lora_modules: tuple[str, ...] | None = flag(None, "LoRA adapters (PEFT directories) as name=path ...; a "
+                                                "request names one as its model (default: none)", nargs="+")
+    max_loras: int = flag(4, "most LoRA adapters one engine holds (--lora-modules)")
+    max_lora_rank: int = flag(64, "largest LoRA rank an adapter may have")
 
     def __post_init__(self):
+        if self.lora_modules is not None:
+            _set(self, "lora_modules", _lora_specs(self.lora_modules))
+            if len(self.lora_modules) > self.max_loras:
+                raise ValueError(f"{len(self.lora_modules)} LoRA adapters given, more than max_loras "
+                                 f"{self.max_loras}; raise --max-loras.")
+        _positive(self, "max_loras", "max_lora_rank")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError(f"pooling must be auto, last or mean, got {self.pooling!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -428,6 +438,10 @@ class EngineConfig:
     def __post_init__(self):
         """What crosses concerns; each concern checked its own fields."""
         p, c = self.parallel, self.cluster
+        if self.load.lora_modules and (p.tp_size > 1 or self.graphs.prefill_graph not in ("auto", "off")
+                                       or self.graphs.decode_graph):
+            raise ValueError("LoRA adapters (--lora-modules) run eager with tp_size 1 for now; leave "
+                             "--prefill-graph auto (or off), --decode-graph off and --tp-size 1.")
         if p.tp_size > 1 and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
             raise ValueError(f"tp_size {p.tp_size} runs its stages eager for now; leave --prefill-graph auto "
                              f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")
@@ -492,6 +506,22 @@ def _positive(record, *names: str) -> None:
 def cache_root() -> Path:
     """`$STAGEWISE_CACHE`, else `~/.cache/stagewise`: the demo model, the default model, converted tokenizers."""
     return envs.STAGEWISE_CACHE
+
+
+def _lora_specs(value) -> tuple[str, ...] | None:
+    """`--lora-modules` as name=path texts: from a list, one text, or a {name: path} dict; names unique."""
+    if isinstance(value, dict):
+        value = [f"{k}={v}" for k, v in value.items()]
+    items = [value] if isinstance(value, str) else list(value)
+    names = []
+    for spec in items:
+        name, sep, path = str(spec).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules entry {spec!r} must be name=path (a PEFT adapter directory).")
+        names.append(name.strip())
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules names must be unique, got {', '.join(names)}.")
+    return tuple(str(s).strip() for s in items) or None
 
 
 def _parse_int_list(name: str, text: str) -> tuple[int, ...]:

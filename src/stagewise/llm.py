@@ -3,6 +3,7 @@ RequestOutput per input, in input order, through the engine client a caller in t
 (core/client.py: `InprocClient`, the engine on this thread)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -32,9 +33,19 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, input_embeds=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: str | Sequence[str | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter (a `lora_modules` name) of every prompt, or one per prompt
+        (None: the base model); the same as `SamplingParams(lora=name)`."""
         inputs = _inputs(prompts, prompt_token_ids, input_embeds)
-        return self._generate(inputs, _params(sampling_params, len(inputs)), use_tqdm)
+        params = _params(sampling_params, len(inputs))
+        if lora_request is not None:
+            names = [lora_request] * len(inputs) if isinstance(lora_request, str) else list(lora_request)
+            if len(names) != len(inputs):
+                raise ValueError(f"lora_request has {len(names)} names for {len(inputs)} prompts; give one "
+                                 f"name, or one per prompt.")
+            params = [dataclasses.replace(p, lora=n) for p, n in zip(params, names)]
+        return self._generate(inputs, params, use_tqdm)
 
     def _generate(self, inputs: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
                   ) -> list[RequestOutput]:

@@ -75,6 +75,8 @@ class SamplingParams:
     # an embedding request (LLM.embed, /v1/embeddings): the prompt's pooled, normalised last hidden state comes
     # back instead of tokens; max_tokens does not apply (nothing is generated)
     embed: bool = flag(False, "return the prompt's embedding; nothing is generated", cli=False)
+    # the LoRA adapter (an --lora-modules name) the request runs with; None: the base model
+    lora: str | None = flag(None, "the LoRA adapter (a --lora-modules name) this request runs with", cli=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -206,6 +208,8 @@ _RULES = (
     ("prompt_logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
      f"an integer in [0, {MAX_LOGPROBS}] or null"),
     ("embed", lambda v: isinstance(v, bool), "true or false"),
+    ("lora", lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS),
+     "null or an adapter name"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "true or false"),
     ("logit_bias", _bias_ok, f"null or a map of at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]"),

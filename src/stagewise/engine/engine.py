@@ -43,6 +43,8 @@ class Engine:
         if config.load.model is None:
             raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
         self.model_dir = config.load.model
+        # the LoRA adapters' names (--lora-modules name=path); a request's `params.lora` must be one
+        self.lora_names = tuple(spec.partition("=")[0] for spec in config.load.lora_modules or ())
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
         explicit = isinstance(config.parallel.pp_layer_partition, tuple)    # kept on every node and rebuild
@@ -86,6 +88,10 @@ class Engine:
         whose request it is (the server's API key place); waiting requests alternate between tenants."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        lora = params.lora if params is not None else None
+        if lora is not None and lora not in self.lora_names:
+            raise ValueError(f"The LoRA adapter {lora[:200]!r} is not loaded; this engine holds "
+                             f"{', '.join(self.lora_names) or 'none'} (see --lora-modules).")
         req = make_request(self.tok, lambda: request_id or f"req-{next(self._ids)}", prompt, params or SamplingParams(),
                            prompt_token_ids, input_embeds, self.max_model_len, self.kv_capacity_tokens)
         req.tenant = tenant

@@ -75,7 +75,9 @@ EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
-    prefill_graph = "off" if config.parallel.tp_size > 1 else config.graphs.prefill_graph
+    # LoRA's per-row adapter groups change each step: those stages run eager too
+    eager = config.parallel.tp_size > 1 or bool(config.load.lora_modules)
+    prefill_graph = "off" if eager else config.graphs.prefill_graph
     auto_cpu = prefill_graph == "auto" and device_type == "cpu"
     if auto_cpu and _architecture(config.load.model) in EAGER_ARCHITECTURES:
         policy = resolve_graph_policy("off", chunked_prefill_size=config.scheduler.chunked_prefill_size,
@@ -86,7 +88,7 @@ def policy_for(config, device_type: str) -> GraphPolicy:
     return resolve_graph_policy(
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,
         buckets=config.graphs.prefill_graph_buckets, chunked_prefill_size=config.scheduler.chunked_prefill_size,
-        pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph,
+        pp_size=config.parallel.pp_size, device_type=device_type, decode_graph=config.graphs.decode_graph and not eager,
         decode_graph_max_bs=config.graphs.decode_graph_max_bs, hidden_size=facts[0], one_call=facts[1])
 
 

@@ -264,6 +264,9 @@ class LlamaForCausalLM(StageModel):
         another order."""
         if not ONE_CALL_DECODE or torch.compiler.is_compiling():    # first: a trace reads nothing below
             return None
+        lora = self.__dict__.get("lora")
+        if lora is not None and lora.active:     # adapter rows need the modules' projections (their hooks)
+            return None
         # graph batches (whose attention must see every call) give no kv_target
         if batch is None or self.stage.start == self.stage.end or batch.kv_target(self.stage.start) is None:
             return None

@@ -17,6 +17,7 @@ from ..graph.policy import policy_for
 from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
+from ..model.lora import attach_loras, parse_lora_modules
 from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
@@ -75,6 +76,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
         config = config.replace(node_memory_bytes=measured_node_bytes())
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
                        quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
+    # LoRA adapters: this stage's layers' A/B, hooked onto their projections (read before the KV plan)
+    attach_loras(model, stage, parse_lora_modules(config.load.lora_modules), config.load.max_lora_rank)
     if device.type == "cpu":    # loading's temporaries go back to the kernel; the steps' are kept from here on
         release_load_temporaries()
         keep_freed_memory()

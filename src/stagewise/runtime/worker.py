@@ -149,6 +149,8 @@ class Worker:
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[int] = []
         embed_parts: list[tuple[int, torch.Tensor]] = []   # (row offset, [n, H]) from embedding prompts
+        lora = self.model.__dict__.get("lora")     # model/lora.py's LoraSet, with --lora-modules
+        row_adapters: list[int] = []
         for seq in plan.seqs:
             st = self.reqs[seq.request_id]
             end = seq.start + seq.num_tokens
@@ -159,6 +161,8 @@ class Worker:
                 embed_parts.append((len(ids), st.input_embeds[seq.start:min(end, st.num_prompt_tokens)]))
             ids.extend(st.token_ids[seq.start:known_end])
             ids.extend(seq.draft_token_ids)
+            if lora is not None:
+                row_adapters.extend([lora.index[st.params.lora] if st.params.lora else 0] * seq.num_tokens)
             positions.extend(range(seq.start, end))
             query_lens.append(seq.num_tokens)
             seq_lens.append(end)
@@ -166,6 +170,8 @@ class Worker:
             if seq.sample and st.samples:      # the last row, and one more per draft (verified rows)
                 sample_rows.extend(range(len(ids) - 1 - len(seq.draft_token_ids), len(ids)))
         dev = self.device
+        if lora is not None:
+            lora.set_rows(row_adapters, dev)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.cache.block_size, dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -1,0 +1,121 @@
+"""LoRA adapters (PEFT format) per request: each request's greedy tokens and logprobs equal PEFT's
+merged-weights model (fp32), in one batch that mixes the base model and two adapters; the prefix
+cache never shares blocks across adapters; bad adapters and unknown names are one sentence."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from stagewise import LLM, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = [[(7 * i + 3) % 900 + 10 for i in range(21)], [(5 * i + 1) % 900 + 10 for i in range(9)],
+           [(3 * i + 2) % 900 + 10 for i in range(13)]]
+ADAPTERS = {  # name -> LoraConfig fields; B is drawn non-zero (PEFT starts it at zero: the base model)
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+NEW_TOKENS = 6
+
+
+def _make_adapter(base_dir, out_dir, seed: int, **fields) -> None:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, **fields))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for seed, (name, fields) in enumerate(ADAPTERS.items()):
+        _make_adapter(llama_dir, root / name, seed + 1, **fields)
+        out[name] = str(root / name)
+    return out
+
+
+def merged_greedy(base_dir, adapter_dir: str | None, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """PEFT's merged model (or the base model): greedy tokens and the prompt's last-row log-softmax."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    seq = list(ids)
+    with torch.no_grad():
+        first = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+        for _ in range(NEW_TOKENS):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):], first
+
+
+def _check(outs, llama_dir, adapters, names):
+    for out, ids, name in zip(outs, PROMPTS * 3, names):
+        want, logp = merged_greedy(llama_dir, None if name is None else adapters[name], ids)
+        comp = out.outputs[0]
+        assert comp.token_ids == want, name
+        assert comp.logprobs[0].token_id == want[0]
+        got = comp.logprobs[0].logprob
+        assert abs(got - float(logp[want[0]])) < 1e-4, (name, got, float(logp[want[0]]))
+
+
+def test_mixed_batch_equals_peft_merged(llama_dir, adapters):
+    names = [None, "attn", "mlp", "mlp", None, "attn"]
+    prompts = PROMPTS + PROMPTS
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model=str(llama_dir), lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, lora_request=names, use_tqdm=False)
+        _check(outs, llama_dir, adapters, names)
+        # the adapters matter: each changes some prompt's tokens from the base model's
+        for name in ADAPTERS:
+            assert any(merged_greedy(llama_dir, adapters[name], ids)[0] != merged_greedy(llama_dir, None, ids)[0]
+                       for ids in PROMPTS), name
+        # the same prompt under the other adapter: the prefix cache must not hand it the first one's KV
+        again = llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                             lora_request=[None, "mlp", "attn", "attn", "mlp", None], use_tqdm=False)
+        _check(again, llama_dir, adapters, [None, "mlp", "attn", "attn", "mlp", None])
+        with pytest.raises(ValueError, match="'nope' is not loaded"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, lora_request="nope")
+
+
+def test_prefix_cache_keys_on_adapter():
+    from stagewise.engine.block_manager import salt_root
+    from stagewise.request import Request
+
+    def root(**kw):
+        return salt_root(Request("r", [1, 2, 3], SamplingParams(**kw)))
+    roots = [root(), root(lora="a"), root(lora="b"), root(cache_salt="a"), root(cache_salt="a", lora="a")]
+    assert roots[0] is None
+    assert len({r for r in roots}) == len(roots)
+
+
+@pytest.mark.slow
+def test_two_stages(llama_dir, adapters):
+    names = ["mlp", None, "attn"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model=str(llama_dir), pp_size=2, lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request=names, use_tqdm=False),
+               llama_dir, adapters, names)
+
+
+def test_bad_adapters_refused_at_start(llama_dir, adapters, tmp_path):
+    big = tmp_path / "big"
+    shutil.copytree(adapters["mlp"], big)
+    with pytest.raises(Exception, match="'big' has rank 8, above --max-lora-rank 4"):
+        LLM(model=str(llama_dir), lora_modules=[f"big={big}"], max_lora_rank=4)
+    odd = tmp_path / "odd"
+    shutil.copytree(adapters["attn"], odd)
+    cfg = json.loads((odd / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "lm_head"]
+    (odd / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match="'odd' targets lm_head"):
+        LLM(model=str(llama_dir), lora_modules=[f"odd={odd}"])
+    with pytest.raises(ValueError, match="must be name=path"):
+        LLM(model=str(llama_dir), lora_modules=["justapath"])
