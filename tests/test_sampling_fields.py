@@ -31,11 +31,12 @@ SAMPLES = {
     "skip_special_tokens": False, "logit_bias": {42: 2.0, 7: -1.5}, "allowed_token_ids": [1, 2, 42],
     "bad_words": ["darn"], "include_stop_str_in_output": True, "truncate_prompt_tokens": -1, "cache_salt": "tenant-a",
     "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
-    "embed": True,
+    "embed": True, "lora": "adapter-a",
 }
 
 # fields no generation schema offers, and who sets them
-NOT_GENERATION = {"embed": "/v1/embeddings and LLM.embed"}
+NOT_GENERATION = {"embed": "/v1/embeddings and LLM.embed",
+                  "lora": "the request's model field names the adapter (server.serving.Serving.adapter)"}
 GENERATION_FIELDS = tuple(name for name in FIELDS if name not in NOT_GENERATION)
 
 # fields the OpenAI schemas take in a shape of their own (SamplingFields leaves them out), and where

@@ -5,55 +5,19 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from stagewise import LLM, SamplingParams
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
+from lora_adapters import ADAPTERS, NEW_TOKENS, make_adapters, merged_greedy  # noqa: E402
 
 PROMPTS = [[(7 * i + 3) % 900 + 10 for i in range(21)], [(5 * i + 1) % 900 + 10 for i in range(9)],
            [(3 * i + 2) % 900 + 10 for i in range(13)]]
-ADAPTERS = {  # name -> LoraConfig fields; B is drawn non-zero (PEFT starts it at zero: the base model)
-    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "mlp": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
-}
-NEW_TOKENS = 6
-
-
-def _make_adapter(base_dir, out_dir, seed: int, **fields) -> None:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, **fields))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name or "lora_A" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(out_dir)
 
 
 @pytest.fixture(scope="module")
 def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    out = {}
-    for seed, (name, fields) in enumerate(ADAPTERS.items()):
-        _make_adapter(llama_dir, root / name, seed + 1, **fields)
-        out[name] = str(root / name)
-    return out
-
-
-def merged_greedy(base_dir, adapter_dir: str | None, ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """PEFT's merged model (or the base model): greedy tokens and the prompt's last-row log-softmax."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
-    seq = list(ids)
-    with torch.no_grad():
-        first = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
-        for _ in range(NEW_TOKENS):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):], first
+    return make_adapters(llama_dir, tmp_path_factory.mktemp("lora"))
 
 
 def _check(outs, llama_dir, adapters, names):

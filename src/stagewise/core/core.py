@@ -103,7 +103,8 @@ def engine_facts(engine) -> EngineFacts:
     return EngineFacts(max_model_len=int(engine.max_model_len), kv_capacity_tokens=int(engine.kv_capacity_tokens),
                        model_dir=str(engine.model_dir), config_model=engine.config.load.model,
                        vocab_size=int(engine.tok.vocab_size),
-                       grammar_limits=getattr(engine, "grammar_limits", None) or GrammarLimits())
+                       grammar_limits=getattr(engine, "grammar_limits", None) or GrammarLimits(),
+                       lora_names=tuple(getattr(engine, "lora_names", ())))
 
 
 def _send_quietly(conn: Connection, msg: CoreMessage) -> None:

@@ -45,6 +45,7 @@ class Params(msgspec.Struct, kw_only=True):
     cache_salt: str | None
     structured_outputs: StructuredOutputs | None
     embed: bool = False
+    lora: str | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> "Params":

@@ -74,6 +74,7 @@ class EngineFacts:
     config_model: str | None                 # the model as configured (a path or a name), an alias
     vocab_size: int
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)   # checked before a request is sent
+    lora_names: tuple[str, ...] = ()         # the LoRA adapters (--lora-modules) a request's model may name
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -56,7 +57,8 @@ class LoraAdapter:
             if cfg.get(key):
                 raise ValueError(f"LoRA adapter {name!r} uses {what}, which stagewise does not support.")
         if cfg.get("bias", "none") != "none":
-            raise ValueError(f"LoRA adapter {name!r} trains biases (bias={cfg['bias']!r}); only bias 'none' is supported.")
+            raise ValueError(f"LoRA adapter {name!r} trains biases (bias={cfg['bias']!r}); only bias 'none' is "
+                             f"supported.")
         rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}; raise it.")
@@ -170,7 +172,7 @@ def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_ra
     return lora
 
 
-def _columns(module: torch.nn.Module, part: str | None) -> slice | None:
+def _columns(module: Any, part: str | None) -> slice | None:
     """The output columns of `part` in a fused projection (all of them for a plain one)."""
     if part is None:
         return slice(0, int(module.out_features))

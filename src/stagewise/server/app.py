@@ -96,16 +96,19 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
             "max_model_len": serving.max_model_len}
 
+    # LoRA adapters are models of their own whose parent is the base model, as vLLM lists them
+    cards = {name: card, **{a: {**card, "id": a, "root": a, "parent": name} for a in serving.lora_names}}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != name:
+        if model_id not in cards:
             raise APIError(f"The model {model_id[:200]!r} does not exist on this server; it serves {name!r} "
                            f"(see GET /v1/models).", 404, None, "model_not_found")
-        return card
+        return cards[model_id]
 
     @app.get("/health")
     async def health():

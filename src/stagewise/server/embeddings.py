@@ -43,7 +43,7 @@ def embedding_job(serving: Serving, body: bytes) -> Job:
         raise bad_request(f"dimensions must be {size} for this model (its embeddings are not trained to be "
                           f"truncated); remove dimensions or set it to {size}.", "dimensions")
     inputs = _inputs(serving, req.input)
-    params = [SamplingParams(max_tokens=0, embed=True) for _ in inputs]
+    params = [SamplingParams(max_tokens=0, embed=True, **serving.adapter(req.model)) for _ in inputs]
     return Job(inputs, params, EmbeddingShape(serving, req.encoding_format), stream=False)
 
 

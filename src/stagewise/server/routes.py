@@ -90,7 +90,7 @@ def completion_job(serving: Serving, body: bytes) -> Job:
     serving.check_model(req.model)
     req.check_unsupported()
     prompts = [serving.truncated(p, req.truncate_prompt_tokens) for p in _completion_prompts(serving, req)]
-    inputs, params, fields = [], [], req.sampling_kwargs()
+    inputs, params, fields = [], [], dict(req.sampling_kwargs(), **serving.adapter(req.model))
     grammar, source = req.structured_spec()
     grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:
@@ -163,7 +163,8 @@ def _chat_job(serving: Serving, req: ChatCompletionRequest, prompt: PromptInput,
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.requested_max_tokens, None,
                                         minimum=0 if req.prompt_logprobs is not None else 1)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
+    fields = dict(req.sampling_kwargs(), **serving.adapter(req.model),
+                  **({"structured_outputs": grammar} if grammar is not None else {}))
     serving.check_logprob_entries(prompt.num_tokens * _entries_per_token(req.prompt_logprobs), "prompt_logprobs")
     params = [make_sampling_params(fields, max_tokens, logprobs, j,
                                    prompt_logprobs=_choice_prompt_logprobs(j, req.prompt_logprobs, max_tokens))
@@ -188,7 +189,8 @@ def responses_job(serving: Serving, body: bytes) -> Job:
                               source)
     prompt = chat_prompt(serving, input_messages(req), tools if mode != "none" else None)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
-    fields = dict(req.sampling_kwargs(), **({"structured_outputs": grammar} if grammar is not None else {}))
+    fields = dict(req.sampling_kwargs(), **serving.adapter(req.model),
+                  **({"structured_outputs": grammar} if grammar is not None else {}))
     params = [make_sampling_params(fields, max_tokens, None)]
     return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream, source)
 
@@ -230,7 +232,7 @@ def generate_job(serving: Serving, body: bytes) -> Job:
     prompt = serving.truncated(prompt, sp.truncate_prompt_tokens)
     max_tokens = serving.max_tokens_for(prompt.num_tokens, sp.max_tokens, 16, "sampling_params.max_tokens",
                                         minimum=0 if sp.prompt_logprobs is not None else 1)
-    fields = sp.sampling_kwargs()
+    fields = dict(sp.sampling_kwargs(), **serving.adapter(req.model))
     grammar, source = sp.grammar_spec()
     grammar = checked_grammar(serving, grammar, source)
     if grammar is not None:

@@ -56,6 +56,7 @@ class Serving:
         self.tok = engine.info.tok
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
+        self.lora_names = tuple(engine.info.lora_names)     # adapters a request names as its model
         self.max_model_len = engine.info.max_model_len
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.vocab_size = engine.info.vocab_size
@@ -172,9 +173,13 @@ class Serving:
 
     # checks (intake threads)
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.accepted_names:
+        if name is not None and name not in self.accepted_names and name not in self.lora_names:
             raise APIError(f"The model {name[:200]!r} does not exist on this server; use {self.model_name!r} "
                            f"(see GET /v1/models).", 404, "model", "model_not_found")
+
+    def adapter(self, name: str | None) -> dict:
+        """The sampling field that runs a request on the LoRA adapter its `model` names ({} for the base model)."""
+        return {"lora": name} if name is not None and name in self.lora_names else {}
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > MAX_CHOICES:
