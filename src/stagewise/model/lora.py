@@ -154,7 +154,11 @@ def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_ra
             if not stage.start <= layer_id < stage.end:
                 continue
             mod_path, part = TARGETS[target]
-            module = layers[layer_id].get_submodule(mod_path)
+            try:
+                module = layers[layer_id].get_submodule(mod_path)
+            except AttributeError:      # a mixture-of-experts block has no dense gate/up/down
+                raise ValueError(f"LoRA adapter {name!r} targets {target} of layer {layer_id}, which "
+                                 f"{type(model).__name__} does not have as a dense projection.") from None
             cols = _columns(module, part)
             if cols is None:
                 raise ValueError(f"LoRA adapter {name!r} targets {target}, which {type(model).__name__} holds fused "
