@@ -29,6 +29,7 @@ def test_adapter_chosen_by_model_name(llama_dir, tmp_path, launch):
                 got = client.completions.create(model=model, prompt=IDS, max_tokens=NEW_TOKENS, temperature=0,
                                                 logprobs=0, extra_body={"ignore_eos": True,
                                                                         "return_tokens_as_token_ids": True})
+                assert got.model == model
                 tokens = [int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens]
                 assert tokens == want, model
             with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):

@@ -75,9 +75,16 @@ class Shape:
         self.prompt_outs: dict[int, RequestOutput] = {}   # a prompt's first choice -> its output with the entries
         self.skip_special = getattr(req, "skip_special_tokens", None) is not False
         self.states: dict[int, StreamState] = {}
+        # a LoRA adapter's requests are answered under its name, as vLLM does (None: the served model's)
+        model = getattr(req, "model", None)
+        self.adapter_name = model if model in getattr(serving, "lora_names", ()) else None
+
+    @property
+    def model_name(self) -> str:
+        return self.adapter_name or self.serving.model_name
 
     def head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.serving.model_name}
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name}
 
     def state(self, i: int) -> StreamState:
         if i not in self.states:

@@ -161,7 +161,7 @@ class ResponsesShape(Shape):
                  incomplete: str | None = None) -> dict:
         r = self.req
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.serving.model_name, "output": output, "error": None,
+                "model": self.model_name, "output": output, "error": None,
                 "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
                 "metadata": r.metadata or {}, "parallel_tool_calls": r.parallel_tool_calls is not False,
