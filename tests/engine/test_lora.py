@@ -45,6 +45,11 @@ def test_mixed_batch_equals_peft_merged(llama_dir, adapters):
         again = llm.generate(prompt_token_ids=prompts, sampling_params=params,
                              lora_request=[None, "mlp", "attn", "attn", "mlp", None], use_tqdm=False)
         _check(again, llama_dir, adapters, [None, "mlp", "attn", "attn", "mlp", None])
+        # a 40-token prompt (two full blocks): cached for its own adapter only
+        long = [[(11 * i + 5) % 900 + 10 for i in range(40)]]
+        cached = [llm.generate(prompt_token_ids=long, sampling_params=params, lora_request=name,
+                               use_tqdm=False)[0].num_cached_tokens for name in ("attn", "mlp", None, "mlp", "attn")]
+        assert cached == [0, 0, 0, 32, 32]
         with pytest.raises(ValueError, match="'nope' is not loaded"):
             llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, lora_request="nope")
 
@@ -83,3 +88,16 @@ def test_bad_adapters_refused_at_start(llama_dir, adapters, tmp_path):
         LLM(model=str(llama_dir), lora_modules=[f"odd={odd}"])
     with pytest.raises(ValueError, match="must be name=path"):
         LLM(model=str(llama_dir), lora_modules=["justapath"])
+
+
+def test_lora_options_are_checked():
+    from stagewise import EngineConfig
+    config = EngineConfig.from_kwargs(lora_modules={"a": "/x", "b": "/y"})
+    assert config.load.lora_modules == ("a=/x", "b=/y")
+    assert EngineConfig.from_kwargs(**config.options()) == config
+    with pytest.raises(ValueError, match="more than max_loras 1"):
+        EngineConfig.from_kwargs(lora_modules=["a=/x", "b=/y"], max_loras=1)
+    with pytest.raises(ValueError, match="names must be unique"):
+        EngineConfig.from_kwargs(lora_modules=["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match="run eager with tp_size 1"):
+        EngineConfig.from_kwargs(lora_modules=["a=/x"], decode_graph=True)
