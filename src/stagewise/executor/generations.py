@@ -224,10 +224,9 @@ def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
     from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
-    from ..planning.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import resolve_partition
     facts = read_facts(model_dir)
-    resolved = with_resolved_partition(config.replace(model=model_dir), facts)
-    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)
+    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolve_partition(config, facts))
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 
