@@ -24,16 +24,11 @@ ALLOWED = {
                                                        "driver's options, shipped at the handshake"),
     ("planning/report.py", "_remedy"): (1, "a what-if: the config of a larger pipeline, to say whether it "
                                            "would fit; never handed on"),
-    ("planning/resolved.py", "launch_config"): (2, "the one record that crosses into stage processes: the "
-                                                   "user's options plus what start-up resolved"),
-    # the launch config below is adjusted where stages start or move; each is a fact, not a user option
-    ("executor/spawn.py", "spawn_stages"): (1, "launch config: the stages this node runs"),
-    ("executor/multiproc.py", "__init__"): (1, "launch config: the one-node pipeline's generated token"),
-    ("executor/generations.py", "run_headless"): (2, "launch config of a headless node: its measured memory "
-                                                     "and the driver's re-partition"),
-    ("recovery/placement.py", "plan_on"): (1, "launch config of a rebuild: the re-partition over the nodes "
-                                              "present"),
-    ("recovery/supervisor.py", "_new_executor"): (1, "launch config of a one-node rebuild: a fresh port"),
+    ("planning/resolved.py", "launch_config"): (1, "the one place start-up facts join the options a stage "
+                                                   "process is started with (the record crossing the process "
+                                                   "boundary carries both)"),
+    ("recovery/supervisor.py", "_new_executor"): (1, "a one-node rebuild asks for a free port, as a user "
+                                                     "who named none does"),
 }
 
 

@@ -96,10 +96,11 @@ def resolve_partition(config: EngineConfig, facts: ModelFacts | None = None) -> 
     return tuple(b - a for a, b in ranges)
 
 
-def predicted_shares(config: EngineConfig, facts: ModelFacts, partition: tuple[int, ...]) -> list[float]:
+def predicted_shares(config: EngineConfig, facts: ModelFacts, partition: tuple[int, ...] | None) -> list[float]:
     """Each stage's predicted share of a step (the cost model of the resolved `partition`)."""
     if config.parallel.pp_size == 1:
         return [1.0]
+    assert partition is not None, "resolved first (resolve_startup)"
     return cost_model_for(config, facts).shares(partition, stage_rates(config))
 
 
