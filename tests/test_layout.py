@@ -35,6 +35,24 @@ def test_imports_point_down(path):
         assert _layer(target) <= own, f"{path.name}:{line} imports {'.'.join(target)} from a higher layer"
 
 
+def test_every_package_has_a_layer():
+    """A new package or top-level module gets its layer here (and in docs/architecture.md)."""
+    names = {p.name.removesuffix(".py") for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert names <= set(LAYERS), f"no layer for {sorted(names - set(LAYERS))}"
+    assert set(LAYERS) <= names, f"LAYERS names modules that are gone: {sorted(set(LAYERS) - names)}"
+
+
+def test_architecture_page_draws_these_layers():
+    """docs/architecture.md's layer table names each package at the layer this test gives it."""
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = page[page.index("| layer | packages and modules |"):].split("\n\n")[0]
+    drawn = {}
+    for row in table.splitlines()[2:]:
+        layer, names = (cell.strip() for cell in row.strip("|").split("|"))
+        drawn.update({name.strip("` "): int(layer) for name in names.split(",")})
+    assert drawn == LAYERS
+
+
 def test_engine_never_imports_torch_models():
     for path in (SRC / "engine").rglob("*.py"):
         for _, target in _imports(path):

@@ -91,11 +91,10 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
 
 def _stage_of(config, model_dir: str, stage_idx: int):
     from ..checkpoint.facts import read_facts
-    from ..planning.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import resolve_partition
     facts = read_facts(model_dir)
-    config = with_resolved_partition(config.replace(model=model_dir), facts)   # headless nodes resolve `auto` here
-    parallel = config.parallel
-    return stage_infos(facts.num_layers, parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
+    partition = resolve_partition(config, facts)      # headless nodes resolve `auto` here (counts are kept)
+    return stage_infos(facts.num_layers, config.parallel.pp_size, partition)[stage_idx]
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:
