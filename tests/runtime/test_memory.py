@@ -11,11 +11,11 @@ from stagewise import LLM
 from stagewise.checkpoint.facts import read_facts
 from stagewise.cli import main
 from stagewise.config import EngineConfig
+from stagewise.kvcache.tensors import allocate_kv_caches
 from stagewise.parallel.partition import StageInfo
 from stagewise.planning import memory
 from stagewise.planning.memory import NotEnoughMemory, available_bytes, node_budget_bytes, plan_kv
 from stagewise.planning.resolved import resolve_startup
-from stagewise.runtime.kv_cache import allocate_kv_caches
 
 GIB, MIB = 1 << 30, 1 << 20
 MEMINFO = "MemTotal:       24683664 kB\nMemFree:  1000 kB\nMemAvailable:   16000000 kB\n"

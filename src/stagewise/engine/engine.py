@@ -20,6 +20,7 @@ from ..executor import Executor
 from ..grammar.limits import GrammarLimits
 from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
+from ..kvcache.block_manager import BlockManager
 from ..plan import StepPlan, StepResult
 from ..planning.memory import disk_tier_on, format_memory_table
 from ..planning.resolved import resolve_startup
@@ -27,7 +28,6 @@ from ..planning.stage_cost import predicted_shares
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.sampler import NO_TOKEN_LEFT
-from .block_manager import BlockManager
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler

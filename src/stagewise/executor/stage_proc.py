@@ -12,13 +12,13 @@ import sys
 import time
 
 from .. import envs
+from ..kvcache.pages import StagePages, before_plan, finish_result, pages_only
 from ..parallel.auth import cluster_token, key_of
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
 from .hygiene import die_with_parent, exit_now, freeze_heap, name_process
-from .kv_pages import StagePages, before_plan, finish_result, pages_only
 from .layout import stage_rank
 from .links import PipelineLinks, join_pipeline
 from .liveness import start_beating
@@ -160,7 +160,7 @@ def _crash_if_asked(plan, token: int) -> None:
 
 
 def _handle(worker, stage, msg: Message, pages: StagePages | None = None) -> Message:
-    """Run a plan (or skip one that failed upstream) after its disk-tier page work (kv_pages.py);
+    """Run a plan (or skip one that failed upstream) after its disk-tier page work (kvcache/pages.py);
     pass anything else along (a Shutdown once this stage's pages are written)."""
     if isinstance(msg, PlanFailedMsg):
         plan = msg.plan

@@ -14,6 +14,7 @@ import torch
 from ..checkpoint.facts import read_facts
 from ..config import EngineConfig
 from ..graph.policy import policy_for
+from ..kvcache.tensors import allocate_kv_caches
 from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
@@ -31,7 +32,6 @@ from ..planning.memory import (
 )
 from . import cpu_pool
 from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
-from .kv_cache import allocate_kv_caches
 from .team import decode_threads
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
