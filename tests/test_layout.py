@@ -1,5 +1,6 @@
-"""The import direction: config/request/plan/checkpoint -> parallel/model -> graph -> planning -> runtime -> executor ->
-recovery/grammar -> engine -> core -> server/cli. A module may import only its own layer or lower ones."""
+"""The import direction: config/request/plan/checkpoint -> parallel/model -> graph -> planning/kvcache ->
+runtime -> executor -> recovery/grammar -> engine -> core -> server/cli. A module may import only its own layer or
+lower ones."""
 import ast
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
 LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0,
-          "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "planning": 3, "runtime": 4,
+          "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "planning": 3, "kvcache": 3, "runtime": 4,
           "executor": 5, "recovery": 6, "grammar": 6, "engine": 7, "core": 8, "multimodal": 8, "server": 9, "cli": 9,
           "cli_flags": 9, "llm": 9, "__main__": 10, "__init__": 10}
 
@@ -33,6 +34,24 @@ def test_imports_point_down(path):
     own = _layer(list(path.relative_to(SRC).parts))
     for line, target in _imports(path):
         assert _layer(target) <= own, f"{path.name}:{line} imports {'.'.join(target)} from a higher layer"
+
+
+def test_every_package_has_a_layer():
+    """A new package or top-level module gets its layer here (and in docs/architecture.md)."""
+    names = {p.name.removesuffix(".py") for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert names <= set(LAYERS), f"no layer for {sorted(names - set(LAYERS))}"
+    assert set(LAYERS) <= names, f"LAYERS names modules that are gone: {sorted(set(LAYERS) - names)}"
+
+
+def test_architecture_page_draws_these_layers():
+    """docs/architecture.md's layer table names each package at the layer this test gives it."""
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = page[page.index("| layer | packages and modules |"):].split("\n\n")[0]
+    drawn = {}
+    for row in table.splitlines()[2:]:
+        layer, names = (cell.strip() for cell in row.strip("|").split("|"))
+        drawn.update({name.strip("` "): int(layer) for name in names.split(",")})
+    assert drawn == LAYERS
 
 
 def test_engine_never_imports_torch_models():

@@ -17,11 +17,11 @@ from benchmarks.common import machine_line, markdown_table, median, met, temp_ch
 from stagewise import LLM, SamplingParams
 from stagewise.graph.policy import GraphVerdict, resolve_graph_policy
 from stagewise.graph.runner import StageGraphRunner
+from stagewise.kvcache.tensors import allocate_kv_caches
 from stagewise.model.attention import AttentionMetadata, ForwardBatch
 from stagewise.model.loader import load_model
 from stagewise.parallel.partition import stage_infos
 from stagewise.parallel.proxy import ProxyTensors
-from stagewise.runtime.kv_cache import allocate_kv_caches
 
 
 def stage_runner(model_dir, backend: str, buckets: list[int], device: str):

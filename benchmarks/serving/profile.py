@@ -32,7 +32,7 @@ from benchmarks.server_process import ServerProcess, descendants
 PARTS = [
     ("model step (layers, kernels, graphs)", ("/model/", "/kernels/", "/graph/", "/runtime/worker", "/runtime/")),
     ("sampling", ("/sampler", "sampling")),
-    ("scheduling and KV blocks", ("/engine/scheduler", "/engine/block_manager", "/engine/inputs")),
+    ("scheduling and KV blocks", ("/engine/scheduler", "/kvcache/block_manager", "/engine/inputs")),
     ("outputs: detokenize, stop checks, deltas", ("/engine/outputs", "/core/deltas", "/engine/stats")),
     ("engine loop and messages", ("/engine/", "/core/", "/recovery/", "/grammar/", "/executor/")),
     ("HTTP server (routes, streaming)", ("/server/",)),

@@ -15,9 +15,9 @@ import time
 import pytest
 from round6_helpers import Host, answer, crafted_files, png, redirect, small_png, trickle
 
+from stagewise.kvcache.disk_tier import HEADER, DiskTier
 from stagewise.multimodal.fetch import fetch
 from stagewise.multimodal.images import ImageError, ImageLimits, load_image
-from stagewise.runtime.kv_disk import HEADER, DiskTier
 
 WHERE = "messages[0].content[1]"
 LEAKS = re.compile(r"0x[0-9a-f]{6,}|object at|<_io|/tmp/|/home/|/root/|Traceback")
@@ -187,8 +187,8 @@ def test_image_data_urls_of_hostile_bytes_are_refused_the_same_way():
 def test_the_scheduler_alternates_between_tenants_with_waiting_work():
     """#6: one tenant's burst (or its n choices) stood in front of every later tenant's request; now the
     first plan that admits two requests admits one of each tenant."""
-    from stagewise.engine.block_manager import BlockManager
     from stagewise.engine.scheduler import Scheduler
+    from stagewise.kvcache.block_manager import BlockManager
     from stagewise.request import Request, SamplingParams
 
     def req(rid: str, tenant: int | None) -> Request:

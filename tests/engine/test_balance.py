@@ -11,9 +11,9 @@ import transformers as tf
 from stagewise.checkpoint.facts import facts_of_config, read_facts
 from stagewise.config import EngineConfig
 from stagewise.engine.balance import ChunkCosts, DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
-from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler
 from stagewise.engine.stats import EngineStats
+from stagewise.kvcache.block_manager import BlockManager
 from stagewise.model.llama import LlamaForCausalLM
 from stagewise.model.loader import _architecture
 from stagewise.model.registry import get_model_class

@@ -1,6 +1,7 @@
 """Embeddings (SamplingParams.embed, LLM.embed) equal transformers' last hidden state after the final
 norm, pooled (last token or mean) and L2-normalised: at one stage with chunked prefill, at two stages,
 batched with a generation request, with the pooling a sentence-transformers config names."""
+import functools
 import json
 import shutil
 
@@ -13,8 +14,13 @@ from stagewise.checkpoint.pooling import checkpoint_pooling
 PROMPTS = [[(7 * i + 3) % 900 + 10 for i in range(41)], [(5 * i + 1) % 900 + 10 for i in range(9)], [42]]
 
 
+@functools.lru_cache(maxsize=None)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_embedding(model_dir, ids: list[int], pooling: str) -> torch.Tensor:
-    from conftest import _hf_model
     model = _hf_model(str(model_dir))
     with torch.no_grad():
         hidden = model.model(torch.tensor([ids])).last_hidden_state[0].float()   # after the final norm

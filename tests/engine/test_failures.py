@@ -67,7 +67,7 @@ def test_bad_partition_is_refused_before_any_stage_starts(llama_dir):
 
 
 def test_colliding_block_hashes_never_share_kv(llama_dir, monkeypatch):
-    from stagewise.engine import block_manager
+    from stagewise.kvcache import block_manager
     monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: b"same")
     prompts = [list(range(200, 240)), list(range(300, 340)), list(range(200, 240))]
     with LLM(model=str(llama_dir), block_size=16) as llm:

@@ -11,12 +11,12 @@ import stat
 
 import torch
 
-from stagewise.engine.block_manager import BlockManager
+from stagewise.kvcache import disk_tier
+from stagewise.kvcache.block_manager import BlockManager
+from stagewise.kvcache.disk_tier import HEADER, DiskTier, model_identity
 from stagewise.planning import memory
 from stagewise.planning.report import budget_line
 from stagewise.request import Request, SamplingParams
-from stagewise.runtime import kv_disk
-from stagewise.runtime.kv_disk import HEADER, DiskTier, model_identity
 
 PAGE = 4096
 KEY = {"model": "m", "layers": [0, 2]}
@@ -80,7 +80,7 @@ def test_a_full_disk_stops_writing_with_one_warning(tmp_path, monkeypatch, caplo
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(kv_disk.os, "write", full)
+    monkeypatch.setattr(disk_tier.os, "write", full)
     with caplog.at_level(logging.WARNING, logger="stagewise.kv_disk"):
         tier.save(_digest(1), _page(1))
         tier.flush()
@@ -161,7 +161,7 @@ def test_no_probe_without_the_tier_or_for_prompts_the_cache_skips():
     blocks = BlockManager(32, 4, disk_tier=True)
     scored = Request("s", list(range(18)), SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert blocks.probe_disk(scored) is None and blocks.probe_disk(_request("short", 4)) is None
-    blocks.observe_tier([[0] * len(kv_disk.COUNTERS)])  # a stage could not open its tier
+    blocks.observe_tier([[0] * len(disk_tier.COUNTERS)])  # a stage could not open its tier
     assert blocks.probe_disk(_request("b", 18)) is None
 
 
@@ -177,7 +177,7 @@ def test_the_budget_splits_by_layers_and_plan_says_so(tmp_path):
     from stagewise.parallel.partition import StageInfo
     config = EngineConfig.from_kwargs(kv_cache_disk="3GiB", kv_cache_dir=str(tmp_path))
     assert memory.disk_tier_on(config) and memory.kv_dir(config) == tmp_path
-    assert kv_disk.stage_budget(config, StageInfo(0, 2, 0, 10, 30)) == 1 << 30
+    assert disk_tier.stage_budget(config, StageInfo(0, 2, 0, 10, 30)) == 1 << 30
     assert f"3.00 GiB in {tmp_path}" in budget_line(config)
     assert "off" in budget_line(EngineConfig())
     assert EngineConfig.from_kwargs(kv_cache_disk=0).cache.kv_cache_disk is None

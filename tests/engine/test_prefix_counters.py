@@ -2,7 +2,7 @@
 queries as well as hits, so hits never exceed queries (the exported counters stay a ratio <= 1)."""
 from __future__ import annotations
 
-from stagewise.engine.block_manager import BlockManager
+from stagewise.kvcache.block_manager import BlockManager
 from stagewise.request import Request, SamplingParams
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler
+from stagewise.kvcache.block_manager import BlockManager
 from stagewise.recovery import rules as recovery
 from stagewise.recovery.rules import RestartBudget, Suspects
 from stagewise.request import Request, RequestStatus, SamplingParams

@@ -2,8 +2,8 @@
 and the in-flight invariant under random pipeline delays."""
 import random
 
-from stagewise.engine.block_manager import BlockManager
 from stagewise.engine.scheduler import Scheduler
+from stagewise.kvcache.block_manager import BlockManager
 from stagewise.plan import StepResult
 from stagewise.request import FinishReason, Request, SamplingParams
 

@@ -82,7 +82,8 @@ def test_dynamic_chunking_at_pp1_equals_fixed_chunks(heavy_dir, fixed_ref):
 
 def test_auto_partition_with_dynamic_chunks_at_pp2(heavy_dir, fixed_ref):
     with LLM(model=str(heavy_dir), pp_size=2, enable_dynamic_chunking=True, **OPTS) as llm:
-        assert llm.engine.config.parallel.pp_layer_partition == AUTO_SPLIT
+        assert llm.engine.resolved.partition == AUTO_SPLIT
+        assert llm.engine.config.parallel.pp_layer_partition == "auto"      # the user's config is left as asked
         assert [p.layers for p in llm.engine.executor.memory_plans] == [(0, 5), (5, 6)]   # the stages agree
         llm.engine.scheduler.chunker = spy = _strong_sizer()
         assert _generate(llm) == fixed_ref
@@ -96,5 +97,5 @@ def test_auto_partition_with_dynamic_chunks_at_pp2(heavy_dir, fixed_ref):
 
 def test_explicit_partition_equals_auto_token_for_token(heavy_dir, fixed_ref):
     with LLM(model=str(heavy_dir), pp_size=2, pp_layer_partition=",".join(map(str, AUTO_SPLIT)), **OPTS) as llm:
-        assert llm.engine.config.parallel.pp_layer_partition == AUTO_SPLIT
+        assert llm.engine.resolved.partition == llm.engine.config.parallel.pp_layer_partition == AUTO_SPLIT
         assert _generate(llm) == fixed_ref

@@ -11,11 +11,11 @@ from stagewise import LLM
 from stagewise.checkpoint.facts import read_facts
 from stagewise.cli import main
 from stagewise.config import EngineConfig
+from stagewise.kvcache.tensors import allocate_kv_caches
 from stagewise.parallel.partition import StageInfo
 from stagewise.planning import memory
 from stagewise.planning.memory import NotEnoughMemory, available_bytes, node_budget_bytes, plan_kv
-from stagewise.planning.report import fit_to_memory
-from stagewise.runtime.kv_cache import allocate_kv_caches
+from stagewise.planning.resolved import resolve_startup
 
 GIB, MIB = 1 << 30, 1 << 20
 MEMINFO = "MemTotal:       24683664 kB\nMemFree:  1000 kB\nMemAvailable:   16000000 kB\n"
@@ -74,12 +74,12 @@ def test_kv_pool_is_capped_floored_or_explicit():
 
 
 def _smallest_fitting(config: EngineConfig, facts) -> int:
-    """The least node budget with which `config` is accepted (bisection over fit_to_memory)."""
+    """The least node budget with which `config` is accepted (bisection over resolve_startup)."""
     low, high = 1, 64 * MIB
     while low < high:
         mid = (low + high) // 2
         try:
-            fit_to_memory(config.replace(node_memory_bytes=mid), facts)
+            resolve_startup(config.replace(node_memory_bytes=mid), facts)
             high = mid
         except ValueError:
             low = mid + 1

@@ -20,14 +20,14 @@ from ..executor import Executor
 from ..grammar.limits import GrammarLimits
 from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
+from ..kvcache.block_manager import BlockManager
 from ..plan import StepPlan, StepResult
 from ..planning.memory import disk_tier_on, format_memory_table
-from ..planning.report import fit_to_memory
-from ..planning.stage_cost import predicted_shares, resolved_for_stages
+from ..planning.resolved import resolve_startup
+from ..planning.stage_cost import predicted_shares
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.sampler import NO_TOKEN_LEFT
-from .block_manager import BlockManager
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
@@ -48,14 +48,15 @@ class Engine:
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
         explicit = isinstance(config.parallel.pp_layer_partition, tuple)    # kept on every node and rebuild
-        self.config = config = resolved_for_stages(config, self.tok.facts)
+        self.config = config            # what the user asked for; what start-up works out is `resolved`
+        # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
+        self.resolved = resolve_startup(config, self.tok.facts)
         self.policy = policy_for(config, config.load.resolved_device)
         for line in self.policy.log_lines:
             log.info(line)
-        # NOTE: a model this node cannot hold is refused before any stage loads (rebuilds reuse the fit)
-        self.config = config = fit_to_memory(config, self.tok.facts)
         self.dead: str | None = None
-        executor = start_pipeline(config, self.model_dir, self.tok.eos_token_ids, keep_partition=explicit)
+        launch = self.resolved.launch_config(config)      # what stage processes (and their rebuilds) start with
+        executor = start_pipeline(launch, self.model_dir, self.tok.eos_token_ids, keep_partition=explicit)
         log.info("memory plan per stage:\n%s", format_memory_table(executor.memory_plans))
         blocks = BlockManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                               disk_tier_on(config))
@@ -68,11 +69,12 @@ class Engine:
                                    stop_rule=self._stop_rule, speculator=self.speculator)
         self.inflight: deque[StepPlan] = deque()
         self.inbox: deque = deque()
-        self.supervisor = PipelineSupervisor(config, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler,
+        self.supervisor = PipelineSupervisor(launch, self.model_dir, self.tok.eos_token_ids, executor, self.scheduler,
                                              keep_partition=explicit)
         clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
                                    config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
-        self.stats_ = EngineStats(self.policy, predicted_shares(config, self.tok.facts), clocks)
+        shares = predicted_shares(config, self.tok.facts, self.resolved.partition)
+        self.stats_ = EngineStats(self.policy, shares, clocks)
         self._ids = itertools.count()
         self._grammars: StructuredOutputManager | None = None    # made at the first constrained request
         self.grammar_limits = GrammarLimits.of(config.limits)

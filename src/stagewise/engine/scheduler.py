@@ -23,10 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..kvcache.block_manager import BlockManager
 from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult
 from ..request import FinishReason, Request, RequestStatus, TokenLogprob
 from .balance import DecodeBalancer, FixedChunks
-from .block_manager import BlockManager
 from .speculative import Proposer
 
 StopRule = Callable[[Request], "FinishReason | None"]     # after a new token: finished, and why?

@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections import Counter
 
 from ..kernels.report import as_dicts
-from ..runtime.kv_disk import COUNTERS as KV_DISK_COUNTERS
+from ..kvcache.disk_tier import COUNTERS as KV_DISK_COUNTERS
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 

@@ -18,6 +18,7 @@ import time
 from ..parallel.auth import cluster_token, key_of, warn_if_open
 from ..planning.cluster import NodeReport
 from ..planning.memory import measured_node_bytes
+from ..planning.resolved import Resolved
 from .hygiene import kill_local_stages
 from .layout import stages_of
 from .netif import master_ip
@@ -158,7 +159,7 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
     heals = config.recovery.max_pipeline_restarts > 0
     token = cluster_token(config.cluster.cluster_token)
     warn_if_open(token, master_ip(addr), True)
-    config = config.replace(node_memory_bytes=measured_node_bytes())    # before this node loads anything
+    node_bytes = measured_node_bytes()      # before this node loads anything
     prepare_stage_env(config, addr)
     report = NodeReport.measure()           # NOTE: before the warm process imports on the same CPUs
     warm = config.recovery.pipeline_spares
@@ -182,15 +183,15 @@ def run_headless(config, model_dir: str, eos_token_ids: tuple[int, ...]) -> int:
                 continue
             config = adopt_options(config, _options(store, generation), told)     # the driver's, not this node's
             heals = config.recovery.max_pipeline_restarts > 0
-            if partition is not None:     # the driver re-partitioned the layers over the nodes it has
-                config = config.replace(pp_layer_partition=partition)
+            # the driver's partition over the nodes it has (None: an older driver's; the options' stands)
+            launch = Resolved(partition, node_bytes).launch_config(config)
             if generation > 1:
                 log.warning("node %d joins the driver's pipeline %d with %s", config.cluster.node_rank, generation,
-                            _stages_text(config, model_dir, stages))
+                            _stages_text(launch, model_dir, stages))
             else:
-                log.info("node %d runs %s", config.cluster.node_rank, _stages_text(config, model_dir, stages))
+                log.info("node %d runs %s", config.cluster.node_rank, _stages_text(launch, model_dir, stages))
             try:
-                procs = spawn_stages(config, model_dir, config.cluster.node_rank, addr, port, eos_token_ids,
+                procs = spawn_stages(launch, model_dir, config.cluster.node_rank, addr, port, eos_token_ids,
                                      generation=generation, stages=stages)
             except RuntimeError as exc:      # a stage died while starting: the driver sees it too
                 log.error("%s", exc)
@@ -224,10 +225,9 @@ def _stages_text(config, model_dir: str, stages: list[int]) -> str:
     """'stage(s) 1 (layers 15-29)': what this node runs, with the partition the driver resolves."""
     from ..checkpoint.facts import read_facts
     from ..parallel.partition import stage_infos
-    from ..planning.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import resolve_partition
     facts = read_facts(model_dir)
-    resolved = with_resolved_partition(config.replace(model=model_dir), facts)
-    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolved.parallel.pp_layer_partition)
+    infos = stage_infos(facts.num_layers, config.parallel.pp_size, resolve_partition(config, facts))
     layers = ", ".join(f"{infos[s].start}-{infos[s].end - 1}" for s in stages)
     return f"stage(s) {', '.join(map(str, stages))} (layers {layers})"
 

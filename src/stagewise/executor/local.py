@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import deque
 
 from ..checkpoint.facts import read_facts
+from ..kvcache.pages import StagePages, before_plan, finish_result, pages_only
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
 from ..runtime.worker import Worker
-from .kv_pages import StagePages, before_plan, finish_result, pages_only
 
 
 class LocalExecutor:
@@ -30,7 +30,7 @@ class LocalExecutor:
         self.kernels = announce(self.worker.model, self.worker.device, 0)     # logged once: which kernels run
 
     def submit(self, plan: StepPlan) -> None:
-        before_plan(self.pages, plan, failed=False)          # the disk tier's page work (kv_pages.py)
+        before_plan(self.pages, plan, failed=False)          # the disk tier's page work (kvcache/pages.py)
         result = self.worker.execute(plan, None) if plan.seqs else pages_only(self.worker, self.stage, plan)
         assert isinstance(result, StepResult), "a single stage is the last stage: it returns a StepResult"
         self.results.append(finish_result(result, plan))

@@ -24,6 +24,7 @@ from ..errors import EngineDeadError, describe_exit
 from ..kernels.report import KernelInfo, describe
 from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
+from ..planning.resolved import Resolved
 from .generations import control_store, next_generation, nodes_gone, publish_layout
 from .layout import DRIVER_RANK, default_layout, stages_of
 from .links import PipelineLinks, join_pipeline
@@ -92,7 +93,7 @@ class MultiprocExecutor:
                 publish_layout(addr, port, self.generation, self.layout, self.partition or None,
                                shipped_options(config))
             if not env:
-                self.procs = spawn_stages(config.replace(cluster_token=token), model_dir, 0, addr, port,
+                self.procs = spawn_stages(Resolved(cluster_token=token).launch_config(config), model_dir, 0, addr, port,
                                           eos_token_ids, models, generation=self.generation,
                                           stages=self.local_stages)
             remote = sorted(set(self.layout) - {0}) if self.generation else []

@@ -12,6 +12,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_sentinels
 
+from ..planning.resolved import Resolved
 from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from . import zygote
 from .hygiene import track
@@ -40,7 +41,7 @@ def spawn_stages(config, model_dir: str, node_rank: int, addr: str, port: int, e
     spawned: dict[Connection, object] = {}    # a pipe per spawned stage: its first message says the stage code runs
     if stages is None:
         stages = stages_of(default_layout(config.parallel.pp_size, config.cluster.nnodes), node_rank)
-    config = config.replace(local_stages=tuple(stages))     # their share of this node's memory and CPUs
+    config = Resolved(local_stages=tuple(stages)).launch_config(config)   # their share of the node's memory, CPUs
     warm = wait_warm(model_dir, startup_timeout_s) if config.recovery.pipeline_spares else None
     for s, tp in ((s, tp) for s in stages for tp in _tp_ranks(config.parallel.tp_size)):
         args = (config, model_dir, s, addr, port, eos_token_ids, True, models, generation, tp)

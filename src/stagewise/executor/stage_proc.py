@@ -12,13 +12,13 @@ import sys
 import time
 
 from .. import envs
+from ..kvcache.pages import StagePages, before_plan, finish_result, pages_only
 from ..parallel.auth import cluster_token, key_of
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
 from .hygiene import die_with_parent, exit_now, freeze_heap, name_process
-from .kv_pages import StagePages, before_plan, finish_result, pages_only
 from .layout import stage_rank
 from .links import PipelineLinks, join_pipeline
 from .liveness import start_beating
@@ -91,11 +91,10 @@ def stage_main(config, model_dir: str, stage_idx: int, addr: str, port: int, eos
 
 def _stage_of(config, model_dir: str, stage_idx: int):
     from ..checkpoint.facts import read_facts
-    from ..planning.stage_cost import with_resolved_partition
+    from ..planning.stage_cost import resolve_partition
     facts = read_facts(model_dir)
-    config = with_resolved_partition(config.replace(model=model_dir), facts)   # headless nodes resolve `auto` here
-    parallel = config.parallel
-    return stage_infos(facts.num_layers, parallel.pp_size, parallel.pp_layer_partition)[stage_idx]
+    partition = resolve_partition(config, facts)      # headless nodes resolve `auto` here (counts are kept)
+    return stage_infos(facts.num_layers, config.parallel.pp_size, partition)[stage_idx]
 
 
 def _serve(config, model_dir: str, stage_idx: int, eos_ids, links: PipelineLinks, tp_dir: str | None) -> None:
@@ -161,7 +160,7 @@ def _crash_if_asked(plan, token: int) -> None:
 
 
 def _handle(worker, stage, msg: Message, pages: StagePages | None = None) -> Message:
-    """Run a plan (or skip one that failed upstream) after its disk-tier page work (kv_pages.py);
+    """Run a plan (or skip one that failed upstream) after its disk-tier page work (kvcache/pages.py);
     pass anything else along (a Shutdown once this stage's pages are written)."""
     if isinstance(msg, PlanFailedMsg):
         plan = msg.plan

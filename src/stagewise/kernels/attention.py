@@ -11,7 +11,8 @@ steps): rows of one sequence share a task's key tiles, and each row gets exactly
 `decode_attention` gives it alone (the split-invariant attention path, model/attention.py).
 Prefill (`prefill_attention`, bf16 on AVX512-BF16 CPUs): a fresh prompt's causal attention on
 packed key and value panels. `supports` / `prefill_supports` are False where the kernel is
-missing: callers keep the SDPA path.
+missing: callers keep the SDPA path. `decode_attention_stored`: decode over a cache of llama.cpp's
+q8_0/q4_0 blocks (`--kv-cache-dtype`), each tile dequantized as the kernel widens it.
 """
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _load() -> ctypes.CDLL | None:
         if hasattr(lib, name):       # the 16-lane kernels exist on AVX-512 CPUs only
             getattr(lib, name).argtypes = [p, i64, p, p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, i64, f32, i64, p]
             getattr(lib, name).restype = i64
+    for name in ("decode_attention_f32", "decode_attention_bf16", "decode_attention16_f32", "decode_attention16_bf16"):
+        for fmt in STORED.values():
+            if hasattr(lib, f"{name}_{fmt}"):
+                getattr(lib, f"{name}_{fmt}").argtypes = getattr(lib, name).argtypes
+                getattr(lib, f"{name}_{fmt}").restype = i64
     for name in ("decode_attention_f32_rows", "decode_attention_bf16_rows", "decode_attention16_f32_rows",
                  "decode_attention16_bf16_rows"):
         if hasattr(lib, name):
@@ -57,6 +63,24 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     size that is a multiple of 8."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
             and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0 and available())
+
+
+STORED = {34: "q8_0", 18: "q4_0"}      # bytes of one block of 32 values -> the cache's format
+
+
+def _stored_format(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """q8_0/q4_0 where `kv_cache` holds rows of q's head size in those blocks (uint8), else None."""
+    d = q.shape[-1] if q.dim() else 0
+    if kv_cache.dtype != torch.uint8 or d % 32 or d == 0 or kv_cache.shape[-1] % (d // 32):
+        return None
+    return STORED.get(kv_cache.shape[-1] // (d // 32))
+
+
+def supports_stored(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The decode kernel also reads a cache of llama.cpp's q8_0/q4_0 blocks in place (uint8, a head
+    row's bytes last; `--kv-cache-dtype`), for CPU float32/bfloat16 queries."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
+            and kv_cache.dim() == 5 and _stored_format(q, kv_cache) is not None and available())
 
 
 def _check_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -150,6 +174,50 @@ def rows_attention(q: torch.Tensor, kv_cache: torch.Tensor, span_tables: torch.T
 
 
 MAX_SPAN = 64       # rows of one span, at most (attention.c)
+
+
+def decode_attention_stored(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, per_sequence: bool | None = None) -> torch.Tensor:
+    """`decode_attention` over a cache of q8_0/q4_0 blocks `[2, nb, bs, Hkv, D / 32 * 34 or 18]`
+    uint8, dequantized a tile at a time (no dense copy): the bits `decode_attention` gives over the
+    blocks dequantized to q's dtype."""
+    return torch.ops.stagewise.decode_attention_stored(q, kv_cache, block_tables, seq_lens, scale, per_sequence)
+
+
+def _decode_stored(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   scale: float, per_sequence: bool | None = None) -> torch.Tensor:
+    fmt = _stored_format(q, kv_cache) if q.dim() == 3 and kv_cache.dim() == 5 else None
+    if fmt is None or kv_cache.shape[0] != 2:
+        raise ValueError(f"stagewise decode attention: a stored cache must be uint8 [2, num_blocks, block_size, Hkv, "
+                         f"D / 32 * 34 (q8_0) or D / 32 * 18 (q4_0)] for q [G, Hq, D] with D a multiple of 32; got q "
+                         f"{list(q.shape)} {q.dtype}, cache {list(kv_cache.shape)} {kv_cache.dtype}.")
+    # the dense checks, on a stand-in of the cache's shape with q's dtype and head size (no memory)
+    _check_decode(q, torch.empty(*kv_cache.shape[:4], q.shape[2], dtype=q.dtype, device="meta"), block_tables,
+                  seq_lens)
+    if not kv_cache.is_contiguous():
+        raise ValueError("stagewise decode attention: the stored cache must be contiguous.")
+    g, hq, d = q.shape
+    _, nb, bs, hkv, row = kv_cache.shape
+    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
+    out = q.new_empty(g, hq, d)
+    per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
+    name = "f32" if q.dtype == torch.float32 else "bf16"
+    fn = getattr(lib, f"decode_attention16_{name}_{fmt}", None) if d % 16 == 0 else None
+    fn = fn or getattr(lib, f"decode_attention_{name}_{fmt}")
+    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * row, nb,
+             tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), g, hq, hkv, d, bs, scale,
+             hkv if per_seq else 1, out.data_ptr())
+    if bad:
+        raise _bad_table(bad - 1, kv_cache, tables, lens)
+    return out
+
+
+define("decode_attention_stored(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+       "bool? per_sequence=None) -> Tensor", _decode_stored, lambda q, *args, **kwargs: q.new_empty(q.shape))
 
 
 def _rows(q: torch.Tensor, kv_cache: torch.Tensor, span_tables: torch.Tensor, spans: torch.Tensor,

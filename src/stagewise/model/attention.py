@@ -265,9 +265,12 @@ def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Te
     `invariant_attention`) every other row too (`invariant_paged_attention`). Elsewhere
     `sdpa_paged_attention`, with fresh prompts on the CPU prefill kernel where it is available.
     `kv_written`: the caller already wrote the live rows' k and v into the cache (the rope op).
-    A cache stored in another format (`--kv-cache-dtype`) is written quantized, then read through
-    a dense copy of the blocks the step uses (`_dense_cache`)."""
+    A cache stored in another format (`--kv-cache-dtype`) is written quantized; a plain decode step
+    reads its q8_0/q4_0 blocks in place (`cpu_attention.decode_attention_stored`), other steps
+    through a dense copy of the blocks the step uses (`_dense_cache`)."""
     if kv_cache.dtype != q.dtype:
+        if meta.is_plain_decode and cpu_attention.supports_stored(q, kv_cache):
+            return _stored_decode(meta, kv_cache, q, k, v, scale, kv_written)
         if not kv_written:
             write_kv(kv_cache, meta.slot_mapping, k[:meta.num_tokens], v[:meta.num_tokens])
         kv_cache, kv_written = _dense_cache(meta, kv_cache, q), True
@@ -278,6 +281,23 @@ def paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Te
     return sdpa_paged_attention(meta, kv_cache, q, k, v, scale, in_place_decode=in_place,
                                 prefill_kernel=bool(meta.causal_spans) and cpu_attention.prefill_supports(q, k),
                                 kv_written=kv_written)
+
+
+def _stored_decode(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, scale: float, kv_written: bool) -> torch.Tensor:
+    """One-token sequences over a q8_0/q4_0 cache, its blocks dequantized tile by tile in the kernel:
+    the bits the dense copy's decode gives (so `INVARIANT` holds too), without the copy."""
+    T = meta.num_tokens
+    if not kv_written:
+        write_kv(kv_cache, meta.slot_mapping, k[:T], v[:T])
+    grp = meta.groups[0]
+    assert isinstance(grp, _DecodeGroup)
+    live = cpu_attention.decode_attention_stored(q[:T], kv_cache, grp.block_ids, grp.seq_lens, scale)
+    if q.shape[0] == T:
+        return live
+    out = q.new_zeros(q.shape)
+    out[:T] = live
+    return out
 
 
 def invariant_paged_attention(meta: AttentionMetadata, kv_cache: torch.Tensor, q: torch.Tensor,

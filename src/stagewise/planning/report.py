@@ -1,6 +1,6 @@
 """Memory plans from metadata: each stage's layers, weight bytes as stored (quantized layers at their
 own size) and KV capacity, computed on the meta device from config.json (or a GGUF file's metadata)
-alone. `stagewise plan` prints them; `fit_to_memory` refuses, before anything loads, a model this
+alone. `stagewise plan` prints them; `node_budget` refuses, before anything loads, a model this
 node cannot hold, with what is missing and the fewest machines (or the quantization) that would.
 """
 from __future__ import annotations
@@ -168,22 +168,21 @@ def _remedy(config: EngineConfig, facts: ModelFacts, node_bytes: int | None) -> 
     return f"It fits {', or '.join(options)}."
 
 
-def fit_to_memory(config: EngineConfig, facts: ModelFacts) -> EngineConfig:
-    """`config` with this node's memory budget measured (CPU), after checking, before anything loads,
-    that the planned stages fit it; refuses one that does not (one sentence)."""
+def node_budget(config: EngineConfig, facts: ModelFacts, partition: tuple[int, ...]) -> int | None:
+    """This node's memory budget (CPU: the user's, else measured now; elsewhere the user's), after
+    checking, before anything loads, that the planned stages (`partition`) fit it; refuses one that
+    does not (one sentence)."""
     if config.load.resolved_device != "cpu":
-        return config
+        return config.cache.node_memory_bytes
     node_bytes = config.cache.node_memory_bytes if config.cache.node_memory_bytes is not None else measured_node_bytes()
-    config = config.replace(node_memory_bytes=node_bytes)
     if config.cluster.nnodes > 1 and config.parallel.pp_node_fit != "off":
-        return config        # the partition is chosen by each node's reported memory when the nodes are known
-    sizes = resolve_partition(config, facts)
-    problem = _problem(config, facts, _plans(config, facts, _weights_of(config, facts), sizes, config.ranks_per_node,
-                                          node_bytes, refuse=False))
+        return node_bytes    # the partition is chosen by each node's reported memory when the nodes are known
+    problem = _problem(config, facts, _plans(config, facts, _weights_of(config, facts), partition,
+                                             config.ranks_per_node, node_bytes, refuse=False))
     if problem is not None:
         raise ValueError(f"{config.load.model} does not fit this machine's memory: {problem} "
                          f"{_remedy(config, facts, node_bytes)}")
-    return config
+    return node_bytes
 
 
 def plan_report(config: EngineConfig) -> str:

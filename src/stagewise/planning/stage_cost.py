@@ -83,9 +83,9 @@ def resolve_partition(config: EngineConfig, facts: ModelFacts | None = None) -> 
     """The layer counts per stage: `auto` from the cost model (weighted by the node rates), `even`
     (or unset) by the even rule, explicit counts as given after validation. Deterministic, so the
     driver and every node's stages resolve the same split from the same flags."""
-    model_dir = config.load.model
-    assert model_dir is not None, "resolve_partition needs the resolved model path"
-    facts = facts or read_facts(model_dir)
+    if facts is None:
+        assert config.load.model is not None, "resolve_partition needs the resolved model path"
+        facts = read_facts(config.load.model)
     num_layers = facts.num_layers
     choice = config.parallel.pp_layer_partition
     if choice == "auto" and config.parallel.pp_size > 1:
@@ -96,32 +96,23 @@ def resolve_partition(config: EngineConfig, facts: ModelFacts | None = None) -> 
     return tuple(b - a for a, b in ranges)
 
 
-def predicted_shares(config: EngineConfig, facts: ModelFacts) -> list[float]:
-    """Each stage's predicted share of a step (the cost model of the resolved partition)."""
+def predicted_shares(config: EngineConfig, facts: ModelFacts, partition: tuple[int, ...] | None) -> list[float]:
+    """Each stage's predicted share of a step (the cost model of the resolved `partition`)."""
     if config.parallel.pp_size == 1:
         return [1.0]
-    assert isinstance(config.parallel.pp_layer_partition, tuple), "resolved first (with_resolved_partition)"
-    return cost_model_for(config, facts).shares(config.parallel.pp_layer_partition, stage_rates(config))
+    assert partition is not None, "resolved first (resolve_startup)"
+    return cost_model_for(config, facts).shares(partition, stage_rates(config))
 
 
-def resolved_for_stages(config: EngineConfig, facts: ModelFacts) -> EngineConfig:
-    """`config` with its layer partition resolved (how it was chosen is logged). A bad partition is a
-    clear error here, before any stage process starts; stages get the counts (`auto` runs once)."""
-    model = config.load.model
-    assert model is not None, "resolve the model path first"
+def resolved_partition(config: EngineConfig, facts: ModelFacts) -> tuple[int, ...]:
+    """The layer counts per stage (how they were chosen is logged). A bad partition is a clear error
+    here, before any stage process starts; stages get the counts (`auto` runs once)."""
     if config.parallel.pp_size > 1:
         for line in partition_lines(config, facts):
             logging.getLogger("stagewise.engine").info(line)      # the engine's start-up lines
-        config = with_resolved_partition(config, facts)
-    stage_infos(facts.num_layers, config.parallel.pp_size, config.parallel.pp_layer_partition)
-    return config
-
-
-def with_resolved_partition(config: EngineConfig, facts: ModelFacts | None = None) -> EngineConfig:
-    """`config` with `pp_layer_partition` as explicit counts (what stage processes are given)."""
-    if isinstance(config.parallel.pp_layer_partition, tuple):
-        return config
-    return config.replace(pp_layer_partition=resolve_partition(config, facts))
+    partition = resolve_partition(config, facts)
+    stage_infos(facts.num_layers, config.parallel.pp_size, partition)
+    return partition
 
 
 def partition_lines(config: EngineConfig, facts: ModelFacts) -> list[str]:

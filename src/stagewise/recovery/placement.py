@@ -17,6 +17,7 @@ from ..executor.generations import control_store
 from ..executor.node_reports import read_reports
 from ..planning.cluster import NodeReport, cluster_needs, plan_cluster
 from ..planning.memory import DRIVER_RUNTIME_BYTES
+from ..planning.resolved import Resolved
 
 _node0: list[NodeReport] = []      # node 0's report as measured with no stage of its running
 
@@ -83,7 +84,7 @@ def plan_on(c: EngineConfig, model_dir: str, nodes: list[int], measure: bool = T
         _node0[:] = [here]
     reports = {**read_reports(store, [n for n in nodes if n]), 0: _node0[0]}
     plan = plan_over_nodes(c, read_facts(model_dir), reports, keep_partition=keep_partition)
-    return c.replace(pp_layer_partition=plan.partition), plan.layout
+    return Resolved(partition=plan.partition).launch_config(c), plan.layout
 
 
 def spread_stages(pp_size: int, nodes: list[int]) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import torch
 from ..checkpoint.facts import read_facts
 from ..config import EngineConfig
 from ..graph.policy import policy_for
+from ..kvcache.tensors import allocate_kv_caches
 from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
@@ -32,7 +33,6 @@ from ..planning.memory import (
 )
 from . import cpu_pool
 from .allocator import keep_freed_memory, release_load_temporaries, return_freed_memory
-from .kv_cache import allocate_kv_caches
 from .team import decode_threads
 from .threads import configure_threads, intra_op_threads  # noqa: F401  (intra_op_threads: re-exported)
 
@@ -72,8 +72,9 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     facts = read_facts(model_dir)
     hf_config = facts.hf
     dtype = resolve_dtype(config.load.dtype, hf_config, device.type)
-    if device.type == "cpu" and config.cache.node_memory_bytes is None:   # torchrun: no driver measured it
-        config = config.replace(node_memory_bytes=measured_node_bytes())
+    node_bytes = config.cache.node_memory_bytes
+    if device.type == "cpu" and node_bytes is None:   # torchrun: no driver measured it
+        node_bytes = measured_node_bytes()
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
                        quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
     # LoRA adapters: this stage's layers' A/B, hooked onto their projections (read before the KV plan)
@@ -92,7 +93,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype,
                                      config.cache.kv_cache_dtype)
-    plan = _plan(config, stage, model, runner, facts, dtype, device, block_bytes)
+    plan = _plan(config, stage, model, runner, facts, dtype, device, block_bytes, node_bytes)
     if tp_group is not None:
         plan = _agreed(plan, tp_group)
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.cache.block_size, num_kv_heads,
@@ -113,13 +114,13 @@ def _agreed(plan: MemoryPlan, group: Any) -> MemoryPlan:
     return replace(plan, num_blocks=blocks, kv_bytes=blocks * plan.block_bytes)
 
 
-def _plan(config, stage, model, runner, facts, dtype, device, block_bytes) -> MemoryPlan:
+def _plan(config, stage, model, runner, facts, dtype, device, block_bytes, node_bytes) -> MemoryPlan:
     if device.type == "cuda":
         budget = stage_budget_bytes(node_bytes=None, stages_on_node=1,
                                     device_total=torch.cuda.get_device_properties(device).total_memory,
                                     stages_on_device=max(1, -(-config.stages_per_node // torch.cuda.device_count())))
     else:
-        budget = stage_budget_bytes(node_bytes=config.cache.node_memory_bytes, stages_on_node=config.ranks_per_node)
+        budget = stage_budget_bytes(node_bytes=node_bytes, stages_on_node=config.ranks_per_node)
     return stage_plan(config, facts, stage, torch.empty((), dtype=dtype).element_size(), weights=weight_bytes(model),
                       graph_buffers=runner.static_bytes(), block_bytes=block_bytes, budget=budget,
                       process=process_bytes(in_process(config)) if device.type == "cpu" else 0)

@@ -2,7 +2,8 @@
 
    decode_attention_*: one query row per sequence, keys and values read through its block table
    (8-lane vectors; 16 lanes on AVX-512 where the head size allows). It checks the block tables
-   against the pool and the lengths against the tables before reading anything.
+   against the pool and the lengths against the tables before reading anything. The *_q8_0 and
+   *_q4_0 variants read a cache of llama.cpp's blocks, dequantizing each tile as it is widened.
    prefill_attention_bf16: bf16 on AVX512-BF16 only (absent elsewhere).
    Callers check shapes, dtypes and strides (kernels/attention.py). Tasks split over the stage's
    kernel team (team.h; OpenMP where there is none). */
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "kv_blocks.h"
 #include "team.h"
 #include "vec.h"
 
@@ -81,19 +83,20 @@ static void softmax_row(float* s, int64_t L, int64_t Lp) {
 #define CHUNK_ROWS(T, base, rp, j0)                                                                 \
     for (int64_t r = 0; r < CHUNK && (j0) + r < L; r++) {                                           \
         int64_t j = (j0) + r, ja = j + AHEAD;                                                       \
-        rp[r] = base + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * D;           \
+        rp[r] = base + tables[b * tab_stride + j / bs] * blk_stride + (j % bs) * Hkv * rl;          \
         if (ja < L) {                                                                               \
             const char* ra = (const char*)(base + tables[b * tab_stride + ja / bs] * blk_stride     \
-                                           + ((ja % bs) * Hkv + h0) * D);                           \
-            for (int64_t o = 0; o < (int64_t)(hpt * D * sizeof(T)); o += 64) __builtin_prefetch(ra + o, 0, 1); \
+                                           + ((ja % bs) * Hkv + h0) * rl);                          \
+            for (int64_t o = 0; o < (int64_t)(hpt * rl * sizeof(T)); o += 64) __builtin_prefetch(ra + o, 0, 1); \
         }                                                                                           \
     }
 
-/* rows j0 .. j0 + CHUNK of KV head h, widened to float32 into tile [CHUNK, D]; rows past L are 0 */
-#define WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                                     \
+/* rows j0 .. j0 + CHUNK of KV head h, widened (or dequantized) to float32 into tile [CHUNK, D];
+   rows past L are 0. KLD(row, c): lane vector c of the head row at `row` (rl elements a head). */
+#define WIDEN_TILE(VT, KLD, rp, tile, j0)                                                           \
     for (int64_t r = 0; r < CHUNK; r++)                                                             \
         for (int64_t c = 0; c < nd; c++)                                                            \
-            tile[r * nd + c] = (j0) + r < L ? LD(rp[r] + h * D + LANES * c) : (VT){0};
+            tile[r * nd + c] = (j0) + r < L ? KLD(rp[r] + h * rl, c) : (VT){0};
 
 /* 0 if every sequence b < G has 1 <= seq_lens[b] <= nblk * bs keys and the blocks it reads
    (its first ceil(L / bs) table entries) lie in [0, num_blocks); else 1 + the first b that does not.
@@ -143,9 +146,10 @@ static int64_t check_spans(const int64_t* tables, int64_t tab_stride, const int6
    head, then the values are summed chunk by chunk with those weights, a row's keys past its own
    length taken as zeros. A row's arithmetic is the same whatever the span, hpt or thread split:
    it depends only on its query, its length and its keys. */
-#define DECODE_KERNEL(NAME, T, VT, LANES, LD, FMA, FOLD, STORE)                                     \
+#define DECODE_KERNEL(NAME, T, KT, ROWLEN, KLD, VT, LANES, LD, FMA, FOLD, STORE)                     \
 typedef struct {                                                                                    \
-    const T *q, *k, *v;                                                                             \
+    const T* q;                                                                                     \
+    const KT *k, *v;                                                                                \
     int64_t q_row, blk_stride, tab_stride;                                                          \
     const int64_t *tables, *seq_lens, *spans;                                                       \
     int64_t Hq, Hkv, D, bs, hpt, grp, nd, runs, nq;                                                 \
@@ -154,11 +158,12 @@ typedef struct {                                                                
 } NAME##_job;                                                                                       \
 static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                                       \
     const NAME##_job* j_ = (const NAME##_job*)ctx;                                                  \
-    const T *q = j_->q, *k = j_->k, *v = j_->v;                                                     \
+    const T* q = j_->q;                                                                             \
+    const KT *k = j_->k, *v = j_->v;                                                                \
     int64_t q_row = j_->q_row, blk_stride = j_->blk_stride, tab_stride = j_->tab_stride;            \
     const int64_t *tables = j_->tables, *seq_lens = j_->seq_lens, *spans = j_->spans;               \
     int64_t Hq = j_->Hq, Hkv = j_->Hkv, D = j_->D, bs = j_->bs, hpt = j_->hpt, grp = j_->grp;      \
-    int64_t nd = j_->nd;                                                                            \
+    int64_t nd = j_->nd, rl = ROWLEN(D);                                                            \
     int64_t runs = j_->runs, nq = j_->nq;                                                           \
     float scale = j_->scale;                                                                        \
     T* out = j_->out;                                                                               \
@@ -183,10 +188,10 @@ static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                   
                 }                                                                                   \
         }                                                                                           \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
-            const T* rp[CHUNK];                                                                     \
-            CHUNK_ROWS(T, k, rp, j0)                                                                \
+            const KT* rp[CHUNK];                                                                    \
+            CHUNK_ROWS(KT, k, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
+                WIDEN_TILE(VT, KLD, rp, tile, j0)                                                   \
                 for (int64_t m = 0; m < nr; m++) {                                                  \
                     if (j0 >= seq_lens[m0 + m]) continue;     /* past this row's keys */            \
                     for (int64_t i = (h - h0) * grp; i < (h - h0 + 1) * grp; i++) {                 \
@@ -209,10 +214,10 @@ static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                   
                 softmax_row(s + (m * nq + i) * Lp, Lm, (Lm + CHUNK - 1) / CHUNK * CHUNK);           \
         }                                                                                           \
         for (int64_t j0 = 0; j0 < Lp; j0 += CHUNK) {                                                \
-            const T* rp[CHUNK];                                                                     \
-            CHUNK_ROWS(T, v, rp, j0)                                                                \
+            const KT* rp[CHUNK];                                                                    \
+            CHUNK_ROWS(KT, v, rp, j0)                                                                \
             for (int64_t h = h0; h < h0 + hpt; h++) {                                               \
-                WIDEN_TILE(VT, LANES, LD, rp, tile, j0)                                             \
+                WIDEN_TILE(VT, KLD, rp, tile, j0)                                                   \
                 for (int64_t m = 0; m < nr; m++) {                                                  \
                     int64_t left = seq_lens[m0 + m] - j0;                                           \
                     if (left <= 0) continue;                                                        \
@@ -241,7 +246,7 @@ static void NAME##_tasks(void* ctx, int64_t t0, int64_t t1) {                   
         free(qv);                                                                                   \
     }                                                                                               \
 }                                                                                                   \
-static void NAME##_run(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,       \
+static void NAME##_run(const T* q, int64_t q_row, const KT* k, const KT* v, int64_t blk_stride,     \
                        const int64_t* tables, int64_t tab_stride, const int64_t* seq_lens, int64_t G, \
                        const int64_t* spans, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, \
                        float scale, int64_t hpt, T* out) {                                          \
@@ -249,9 +254,10 @@ static void NAME##_run(const T* q, int64_t q_row, const T* k, const T* v, int64_
     NAME##_job job = {q, k, v, q_row, blk_stride, tab_stride, tables, seq_lens, spans, Hq, Hkv, D, bs, \
                       hpt, grp, D / LANES, Hkv / hpt, hpt * grp, scale, out};                       \
     for (int64_t b = 0; b < G; b++) keys += seq_lens[b];                                            \
-    parallel_for(NAME##_tasks, &job, S * job.runs, threads_for(keys * Hkv * D * 2 * (int64_t)sizeof(T))); \
+    parallel_for(NAME##_tasks, &job, S * job.runs,                                                  \
+                 threads_for(keys * Hkv * ROWLEN(D) * 2 * (int64_t)sizeof(KT)));                    \
 }                                                                                                   \
-int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride, int64_t num_blocks, \
+int64_t NAME(const T* q, int64_t q_row, const KT* k, const KT* v, int64_t blk_stride, int64_t num_blocks, \
              const int64_t* tables, int64_t tab_stride, int64_t nblk, const int64_t* seq_lens, int64_t G,  \
              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {       \
     int64_t bad = check_tables(tables, tab_stride, seq_lens, G, nblk, num_blocks, bs);              \
@@ -260,7 +266,7 @@ int64_t NAME(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stri
                hpt, out);                                                                           \
     return 0;                                                                                       \
 }                                                                                                   \
-int64_t NAME##_rows(const T* q, int64_t q_row, const T* k, const T* v, int64_t blk_stride,           \
+int64_t NAME##_rows(const T* q, int64_t q_row, const KT* k, const KT* v, int64_t blk_stride,         \
                     int64_t num_blocks, const int64_t* tables, int64_t tab_stride, int64_t nblk,    \
                     const int64_t* seq_lens, int64_t G, const int64_t* spans, int64_t S, int64_t Hq, \
                     int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t hpt, T* out) {        \
@@ -272,8 +278,17 @@ int64_t NAME##_rows(const T* q, int64_t q_row, const T* k, const T* v, int64_t b
 }
 
 #define FOLD8(x) (x)
-DECODE_KERNEL(decode_attention_f32, float, v8, 8, ld_f32, fma8, FOLD8, IDENT)
-DECODE_KERNEL(decode_attention_bf16, uint16_t, v8, 8, ld_bf16, fma8, FOLD8, f2bf)
+#define ROW_DENSE(D) (D)
+static inline v8 kld8_f32(const float* p, int64_t c) { return ld_f32(p + 8 * c); }
+static inline v8 kld8_bf16(const uint16_t* p, int64_t c) { return ld_bf16(p + 8 * c); }
+DECODE_KERNEL(decode_attention_f32, float, float, ROW_DENSE, kld8_f32, v8, 8, ld_f32, fma8, FOLD8, IDENT)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, uint16_t, ROW_DENSE, kld8_bf16, v8, 8, ld_bf16, fma8, FOLD8, f2bf)
+/* over a cache of q8_0/q4_0 blocks (kv_blocks.h): tiles dequantized as they are widened */
+#define QDECODE8(FMT)                                                                               \
+DECODE_KERNEL(decode_attention_f32_##FMT, float, uint8_t, ROW_##FMT, kld8_##FMT, v8, 8, ld_f32, fma8, FOLD8, IDENT) \
+DECODE_KERNEL(decode_attention_bf16_##FMT, uint16_t, uint8_t, ROW_##FMT, kld8_##FMT##_bf16, v8, 8, ld_bf16, fma8, FOLD8, f2bf)
+QDECODE8(q8_0)
+QDECODE8(q4_0)
 
 #ifdef __AVX512F__
 /* 16 lanes where the CPU has AVX-512 (head sizes that are a multiple of 16): half the instructions */
@@ -290,8 +305,26 @@ static inline v8 fold16(v16 a) {
     return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
          + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-DECODE_KERNEL(decode_attention16_f32, float, v16, 16, ld16_f32, fma16, fold16, IDENT)
-DECODE_KERNEL(decode_attention16_bf16, uint16_t, v16, 16, ld16_bf16, fma16, fold16, f2bf)
+static inline v16 kld16_f32(const float* p, int64_t c) { return ld16_f32(p + 16 * c); }
+static inline v16 kld16_bf16(const uint16_t* p, int64_t c) { return ld16_bf16(p + 16 * c); }
+DECODE_KERNEL(decode_attention16_f32, float, float, ROW_DENSE, kld16_f32, v16, 16, ld16_f32, fma16, fold16, IDENT)
+DECODE_KERNEL(decode_attention16_bf16, uint16_t, uint16_t, ROW_DENSE, kld16_bf16, v16, 16, ld16_bf16, fma16, fold16,
+              f2bf)
+/* values 16c .. 16c + 15 of a quantized head row: two 8-lane halves */
+#define KLD16(FMT)                                                                                  \
+static inline v16 kld16_##FMT(const uint8_t* row, int64_t c) {                                      \
+    v8 lo = kld8_##FMT(row, 2 * c), hi = kld8_##FMT(row, 2 * c + 1);                                \
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
+}
+#define KLD16_Q(FMT)                                                                                \
+KLD16(FMT)                                                                                          \
+KLD16(FMT##_bf16)                                                                                   \
+DECODE_KERNEL(decode_attention16_f32_##FMT, float, uint8_t, ROW_##FMT, kld16_##FMT, v16, 16, ld16_f32, fma16, fold16, \
+              IDENT)                                                                                \
+DECODE_KERNEL(decode_attention16_bf16_##FMT, uint16_t, uint8_t, ROW_##FMT, kld16_##FMT##_bf16, v16, 16, ld16_bf16, fma16,  \
+              fold16, f2bf)
+KLD16_Q(q8_0)
+KLD16_Q(q4_0)
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

@@ -4,8 +4,8 @@ identity, dtype, block shape, the stage's layer range, tensor-parallel rank), bo
 budget with least-recently-used eviction. Pages are written by a background thread (a step only
 copies the block out) and read back, checksum verified, when the driver asks for them.
 
-It owns no policy: which blocks to write or read is the driver's call (engine/block_manager.py);
-how pages reach the KV tensors is executor/kv_pages.py's.
+It owns no policy: which blocks to write or read is the driver's call (kvcache/block_manager.py);
+how pages reach the KV tensors is kvcache/pages.py's.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class TierStats:
     pages_evicted: int = 0
     pages_dropped: int = 0
     write_errors: int = 0
-    save_copy_us: int = 0             # the step's thread copying blocks out (kv_pages.py)
+    save_copy_us: int = 0             # the step's thread copying blocks out (kvcache/pages.py)
     writer_cpu_us: int = 0            # the writer thread's CPU time
 
 

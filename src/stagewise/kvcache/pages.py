@@ -1,4 +1,4 @@
-"""A stage's side of the prefix cache's disk tier (runtime/kv_disk.py). Before a plan runs, the
+"""A stage's side of the prefix cache's disk tier (kvcache/disk_tier.py). Before a plan runs, the
 stage copies out the blocks the driver asks it to save (its writer thread writes them later) and
 reads in the pages the driver asks it to load; how many pages of each request it read, and its
 tier's counters, travel on with the plan to the driver. A plan with no rows (only page work) runs
@@ -15,7 +15,7 @@ import torch
 from ..parallel.partition import StageInfo
 from ..plan import StepPlan, StepResult
 from ..planning.memory import disk_tier_on, kv_dir
-from ..runtime.kv_disk import FORMAT_VERSION, HEADER, DiskTier, model_identity, stage_budget
+from .disk_tier import FORMAT_VERSION, HEADER, DiskTier, model_identity, stage_budget
 
 log = logging.getLogger("stagewise.kv_disk")
 READERS = 4
