@@ -55,7 +55,7 @@ def test_mixed_batch_equals_peft_merged(llama_dir, adapters):
 
 
 def test_prefix_cache_keys_on_adapter():
-    from stagewise.engine.block_manager import salt_root
+    from stagewise.kvcache.block_manager import salt_root
     from stagewise.request import Request
 
     def root(**kw):
