@@ -10,7 +10,14 @@ import transformers as tf
 
 from stagewise.checkpoint.facts import facts_of_config, read_facts
 from stagewise.config import EngineConfig
-from stagewise.engine.balance import ChunkCosts, DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
+from stagewise.engine.balance import (
+    ChunkCosts,
+    DecodeBalancer,
+    DynamicChunkSizer,
+    FixedChunks,
+    LinkDepth,
+    fit_chunk_costs,
+)
 from stagewise.engine.scheduler import Scheduler
 from stagewise.engine.stats import EngineStats
 from stagewise.kvcache.block_manager import BlockManager
@@ -275,3 +282,42 @@ def test_plan_prints_the_partition_and_the_even_split(tmp_path, tiny_tokenizer_d
     assert main(["plan", "--model", str(tmp_path), "--pp-size", "2", "--pp-layer-partition", "3,5",
                  "--kv-cache-memory", "64MiB"]) == 0
     assert "partition: explicit: 3,5" in capsys.readouterr().out
+
+
+# --- LinkDepth: plans in flight grown while the busiest stage waits on links ------------------
+
+class Clocks:
+    """The stages' busy clocks and the in-flight wall time a LinkDepth sees, advanced plan by plan."""
+
+    def __init__(self, ctl: LinkDepth, stages: int = 2):
+        self.ctl, self.busy, self.active = ctl, [0.0] * stages, 0.0
+
+    def plans(self, n: int, busy: float, wall: float, fillable: int) -> int:
+        for _ in range(n):
+            self.busy = [b + busy for b in self.busy]
+            self.active += wall
+            depth = self.ctl.observe(self.busy, self.active, fillable)
+        return depth
+
+
+def test_link_depth_grows_while_the_busiest_stage_waits_and_stops_at_its_limit():
+    clocks = Clocks(LinkDepth(2, 5, window=4))
+    assert clocks.plans(5, 0.01, 0.05, fillable=16) == 3          # busy 20% of the time: one more plan
+    assert clocks.plans(4, 0.01, 0.05, fillable=16) == 4
+    assert clocks.plans(40, 0.01, 0.05, fillable=16) == 5         # the limit
+    assert clocks.plans(40, 0.01, 0.05, fillable=16) == 5
+
+
+def test_link_depth_keeps_a_busy_pipeline_and_one_without_work_for_more_plans():
+    assert Clocks(LinkDepth(2, 8, window=4)).plans(40, 0.045, 0.05, fillable=16) == 2   # busy 90%
+    short = Clocks(LinkDepth(2, 8, window=4))
+    assert short.plans(40, 0.01, 0.05, fillable=2) == 2           # nothing to fill a third plan with
+    assert short.plans(8, 0.01, 0.05, fillable=3) == 3
+
+
+def test_link_depth_starts_over_on_a_pipeline_of_another_size():
+    ctl = LinkDepth(2, 8, window=4)
+    Clocks(ctl).plans(3, 0.01, 0.05, fillable=16)
+    rebuilt = Clocks(ctl, stages=3)
+    assert rebuilt.plans(4, 0.01, 0.05, fillable=16) == 2          # its first plan only sets the baseline
+    assert rebuilt.plans(1, 0.01, 0.05, fillable=16) == 3

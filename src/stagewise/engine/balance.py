@@ -97,3 +97,37 @@ class DecodeBalancer:
         if self.depth <= 1:
             return None
         return max(1, -(-num_decoding // self.depth))
+
+
+class LinkDepth:
+    """Plans in flight when `--pp-depth` is unset: the stage count to begin with, one more each
+    `window` collected plans in which the busiest stage computed less than `busy_target` of the time
+    plans were in flight (its inputs were on a link, or waited on the driver), up to `limit`. It
+    grows only while the work at hand fills one more plan (`fillable`: decode requests in groups of
+    `MIN_ROWS`, as a tiny micro-batch costs nearly what a larger one costs on a CPU, plus prompt
+    chunks still to book), and never shrinks: a link's round trip does not get shorter while the
+    pipeline runs."""
+    MIN_ROWS = 2
+
+    def __init__(self, start: int, limit: int, window: int = 16, busy_target: float = 0.85):
+        self.depth, self.limit, self.window, self.busy_target = start, max(start, limit), window, busy_target
+        self._seen, self._active0 = 0, 0.0
+        self._busy0: list[float] | None = None
+
+    def observe(self, stage_busy_s: list[float], active_s: float, fillable: int) -> int:
+        """After each collected plan: the stages' busy clocks, the wall time plans have been in flight
+        so far, and how many plans the work at hand could fill. Returns the depth."""
+        if not stage_busy_s or self.depth >= self.limit:
+            return self.depth
+        if self._busy0 is None or len(self._busy0) != len(stage_busy_s):    # first plan, or a rebuilt pipeline
+            self._busy0, self._active0, self._seen = list(stage_busy_s), active_s, 0
+            return self.depth
+        self._seen += 1
+        if self._seen < self.window:
+            return self.depth
+        busiest = max(b - b0 for b, b0 in zip(stage_busy_s, self._busy0))
+        active = active_s - self._active0
+        if active > 0 and busiest / active < self.busy_target and fillable > self.depth:
+            self.depth += 1
+        self._busy0, self._active0, self._seen = list(stage_busy_s), active_s, 0
+        return self.depth

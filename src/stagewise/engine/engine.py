@@ -28,6 +28,7 @@ from ..planning.stage_cost import predicted_shares
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.sampler import NO_TOKEN_LEFT
+from .balance import LinkDepth
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
@@ -71,6 +72,9 @@ class Engine:
                                              keep_partition=explicit)
         clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
                                    config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
+        # NOTE: unset --pp-depth: plans in flight grow from the stage count while links idle the stages
+        par = config.parallel
+        self.link_depth = LinkDepth(par.pp_size, 4 * par.pp_size) if par.pp_depth is None and par.pp_size > 1 else None
         shares = predicted_shares(config, self.tok.facts, self.resolved.partition)
         self.stats_ = EngineStats(self.policy, shares, clocks)
         self._ids = itertools.count()
@@ -148,7 +152,8 @@ class Engine:
 
     def _submit_plans(self) -> None:
         """Schedule and submit plans until `depth` are in flight or nothing more can be scheduled."""
-        while len(self.inflight) < self.config.parallel.depth and (plan := self.scheduler.schedule()) is not None:
+        depth = self.link_depth.depth if self.link_depth is not None else self.config.parallel.depth
+        while len(self.inflight) < depth and (plan := self.scheduler.schedule()) is not None:
             decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
             plan.verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
             if plan.seqs:                        # a plan of disk-tier page work only runs no forward
@@ -173,6 +178,7 @@ class Engine:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
                       f"got {result.plan_id}); the pipeline is inconsistent.")
         self.stats_.record_result(result)
+        self._tune_depth()
         self.supervisor.applied(plan, result)
         if self._grammars is not None:
             self._grammars.settle(plan, result)
@@ -183,6 +189,16 @@ class Engine:
         if failed:
             log.warning("%d request(s) failed: %s", len(failed), failed[0].error)
         return self._outputs(changed)
+
+    def _tune_depth(self) -> None:
+        """Unset --pp-depth: one more plan in flight while the busiest stage waits on links."""
+        if self.link_depth is None:
+            return
+        depth = self.link_depth.observe(self.stats_.stage_busy_s, self.stats_.active_seconds(),
+                                        self.scheduler.fillable_plans(LinkDepth.MIN_ROWS))
+        if self.scheduler.balancer.depth > 1 and depth != self.scheduler.balancer.depth:
+            log.info("plans in flight: %d (the busiest stage waited on links)", depth)
+            self.scheduler.balancer.depth = depth
 
     def _lost(self, why: str) -> list[RequestOutput]:
         """The executor failed: the supervisor fails its cause (or all: `_die`); the plans in flight are gone."""
@@ -261,6 +277,7 @@ class Engine:
     def stats(self) -> dict:
         snapshot = self.stats_.snapshot(self.scheduler, self.executor)
         snapshot["recovery"] = self.supervisor.stats()
+        snapshot["pp_depth"] = self.link_depth.depth if self.link_depth is not None else self.config.parallel.depth
         if self.speculator is not None:
             snapshot["speculative"] = self.speculator.stats.snapshot()
         return snapshot
