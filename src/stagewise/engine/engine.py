@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Iterator, NoReturn
 
@@ -163,6 +164,8 @@ class Engine:
             if not self.inflight:
                 self.stats_.pipeline_started()
             self.inflight.append(plan)       # NOTE: before submit: a plan the link lost was in flight
+            if self.link_depth is not None:
+                self.link_depth.sent(plan.plan_id, time.monotonic())
             self.executor.submit(plan)
 
     def _collect(self) -> tuple[StepPlan, StepResult]:
@@ -178,7 +181,7 @@ class Engine:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
                       f"got {result.plan_id}); the pipeline is inconsistent.")
         self.stats_.record_result(result)
-        self._tune_depth()
+        self._tune_depth(plan)
         self.supervisor.applied(plan, result)
         if self._grammars is not None:
             self._grammars.settle(plan, result)
@@ -190,12 +193,12 @@ class Engine:
             log.warning("%d request(s) failed: %s", len(failed), failed[0].error)
         return self._outputs(changed)
 
-    def _tune_depth(self) -> None:
+    def _tune_depth(self, plan: StepPlan) -> None:
         """Unset --pp-depth: one more plan in flight while the busiest stage waits on links."""
         if self.link_depth is None:
             return
-        depth = self.link_depth.observe(self.stats_.stage_busy_s, self.stats_.active_seconds(),
-                                        self.scheduler.fillable_plans(LinkDepth.MIN_ROWS))
+        depth = self.link_depth.observe(plan.plan_id, time.monotonic(), self.stats_.stage_busy_s,
+                                        self.stats_.active_seconds(), self.scheduler.fillable_plans(LinkDepth.MIN_ROWS))
         if self.scheduler.balancer.depth > 1 and depth != self.scheduler.balancer.depth:
             log.info("plans in flight: %d (the busiest stage waited on links)", depth)
             self.scheduler.balancer.depth = depth
