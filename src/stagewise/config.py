@@ -263,7 +263,8 @@ class ParallelConfig:
         "it joined (its available memory and a 50 ms speed probe): memory (every stage fits its node; speeds taken "
         "as equal, or --pp-node-rates), speed (also each node's measured speed), off (the command line's "
         "partition, its stages spread evenly over the nodes present)")
-    pp_depth: int | None = flag(None, "plans in flight (default: pp_size; 1: no micro-batching)")
+    pp_depth: int | None = flag(None, "plans in flight (default: pp_size to begin with, one more while the busiest "
+                                "stage waits on links, up to 4 x pp_size; 1: no micro-batching)")
     threads_per_stage: int | None = flag(None, "torch threads per stage (default: cores / stages per node if "
                                          "pp_size > 1, else torch's)")
 

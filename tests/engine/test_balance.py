@@ -10,7 +10,14 @@ import transformers as tf
 
 from stagewise.checkpoint.facts import facts_of_config, read_facts
 from stagewise.config import EngineConfig
-from stagewise.engine.balance import ChunkCosts, DecodeBalancer, DynamicChunkSizer, FixedChunks, fit_chunk_costs
+from stagewise.engine.balance import (
+    ChunkCosts,
+    DecodeBalancer,
+    DynamicChunkSizer,
+    FixedChunks,
+    LinkDepth,
+    fit_chunk_costs,
+)
 from stagewise.engine.scheduler import Scheduler
 from stagewise.engine.stats import EngineStats
 from stagewise.kvcache.block_manager import BlockManager
@@ -275,3 +282,50 @@ def test_plan_prints_the_partition_and_the_even_split(tmp_path, tiny_tokenizer_d
     assert main(["plan", "--model", str(tmp_path), "--pp-size", "2", "--pp-layer-partition", "3,5",
                  "--kv-cache-memory", "64MiB"]) == 0
     assert "partition: explicit: 3,5" in capsys.readouterr().out
+
+
+# --- LinkDepth: plans in flight grown while the busiest stage waits on links ------------------
+
+class Pipe:
+    """A pipeline of `stages` as a LinkDepth sees it: plans sent and collected one after another,
+    each costing every stage `step` seconds of compute and `link` seconds of waiting on top, with
+    one more step of queueing per plan in flight beyond the stage count."""
+
+    def __init__(self, ctl: LinkDepth, stages: int = 2):
+        self.ctl, self.stages, self.busy, self.now, self.ids = ctl, stages, [0.0] * stages, 0.0, 0
+        self.active = 0.0
+
+    def plans(self, n: int, step: float, link: float, fillable: int = 64) -> int:
+        for _ in range(n):
+            round_trip = self.stages * step + link + (self.ctl.depth - self.stages) * step
+            self.ctl.sent(self.ids, self.now)
+            self.now += round_trip
+            self.busy = [b + step for b in self.busy]
+            self.active += round_trip / self.ctl.depth     # plans overlap: each adds its share of the wall time
+            depth = self.ctl.observe(self.ids, self.now, self.busy, self.active, fillable)
+            self.ids += 1
+        return depth
+
+
+def test_link_depth_grows_over_a_slow_link_and_stops_at_its_limit():
+    pipe = Pipe(LinkDepth(2, 5, window=4))
+    assert pipe.plans(5, step=0.02, link=0.04) == 3        # 40 ms of link per round trip > a 20 ms step
+    assert pipe.plans(4, step=0.02, link=0.04) == 4
+    assert pipe.plans(40, step=0.02, link=0.04) == 5       # the limit
+    assert pipe.plans(40, step=0.02, link=0.04) == 5
+
+
+def test_link_depth_keeps_plans_whole_on_one_machine_and_without_work_for_more():
+    assert Pipe(LinkDepth(2, 8, window=4)).plans(40, step=0.02, link=0.001) == 2   # no link to hide
+    short = Pipe(LinkDepth(2, 8, window=4))
+    assert short.plans(40, step=0.02, link=0.04, fillable=2) == 2     # nothing to fill a third plan with
+    assert short.plans(8, step=0.02, link=0.04, fillable=3) == 3
+
+
+def test_link_depth_starts_over_on_a_pipeline_of_another_size():
+    ctl = LinkDepth(2, 8, window=4)
+    Pipe(ctl).plans(3, step=0.02, link=0.04)
+    rebuilt = Pipe(ctl, stages=3)
+    rebuilt.ids = 100
+    assert rebuilt.plans(4, step=0.02, link=0.04) == 2      # its first plan only sets the baseline
+    assert rebuilt.plans(1, step=0.02, link=0.04) == 3

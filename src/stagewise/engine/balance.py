@@ -97,3 +97,50 @@ class DecodeBalancer:
         if self.depth <= 1:
             return None
         return max(1, -(-num_decoding // self.depth))
+
+
+class LinkDepth:
+    """Plans in flight when `--pp-depth` is unset: the stage count to begin with, one more after each
+    `window` collected plans in which (a) the busiest stage computed less than `busy_target` of the
+    time plans were in flight and (b) a plan's round trip held more than one stage step of waiting
+    that neither compute nor queueing behind the other plans explains (links, the driver), up to
+    `limit`. On one machine (b) never holds, so plans keep their size; over a slow link each added
+    plan hides part of the link. It grows only while the work at hand fills one more plan
+    (`fillable`: decode requests in groups of `MIN_ROWS`, plus prompt chunks still to book), and
+    never shrinks: a link's round trip does not get shorter while the pipeline runs."""
+    MIN_ROWS = 2
+
+    def __init__(self, start: int, limit: int, window: int = 16, busy_target: float = 0.85):
+        self.start, self.depth, self.limit = start, start, max(start, limit)
+        self.window, self.busy_target = window, busy_target
+        self.sent_at: dict[int, float] = {}
+        self._busy0: list[float] | None = None
+        self._active0, self._round_trips = 0.0, [0.0, 0]
+
+    def sent(self, plan_id: int, now: float) -> None:
+        self.sent_at[plan_id] = now
+
+    def observe(self, plan_id: int, now: float, stage_busy_s: list[float], active_s: float, fillable: int) -> int:
+        """After each collected plan: its id, the time, the stages' busy clocks, the wall time plans
+        have been in flight so far, and how many plans the work at hand could fill. Returns the depth."""
+        sent = self.sent_at.pop(plan_id, None)
+        if not stage_busy_s or self.depth >= self.limit:
+            self.sent_at.clear()
+            return self.depth
+        if self._busy0 is None or len(self._busy0) != len(stage_busy_s) or sent is None:   # first, or rebuilt
+            self._busy0, self._active0, self._round_trips = list(stage_busy_s), active_s, [0.0, 0]
+            self.sent_at = {k: v for k, v in self.sent_at.items() if k > plan_id}
+            return self.depth
+        self._round_trips[0] += now - sent
+        self._round_trips[1] += 1
+        if self._round_trips[1] < self.window:
+            return self.depth
+        plans = self._round_trips[1]
+        steps = [(b - b0) / plans for b, b0 in zip(stage_busy_s, self._busy0)]
+        busiest, round_trip = max(steps), self._round_trips[0] / plans
+        unexplained = round_trip - sum(steps) - (self.depth - self.start) * busiest
+        idle = (active_s - self._active0) * self.busy_target > busiest * plans
+        if idle and unexplained > busiest and fillable > self.depth:
+            self.depth += 1
+        self._busy0, self._active0, self._round_trips = list(stage_busy_s), active_s, [0.0, 0]
+        return self.depth

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Iterator, NoReturn
 
@@ -28,6 +29,7 @@ from ..planning.stage_cost import predicted_shares
 from ..recovery.supervisor import PipelineSupervisor, Unrecoverable, start_pipeline
 from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.sampler import NO_TOKEN_LEFT
+from .balance import LinkDepth
 from .inputs import Tokenizer, make_request
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
@@ -73,6 +75,9 @@ class Engine:
                                              keep_partition=explicit)
         clocks = balance_scheduler(self.scheduler, executor, self.policy, config.parallel.depth,
                                    config.scheduler.dynamic_chunking, self.tok.vocab_size, self.max_len)
+        # NOTE: unset --pp-depth: plans in flight grow from the stage count while links idle the stages
+        par = config.parallel
+        self.link_depth = LinkDepth(par.pp_size, 4 * par.pp_size) if par.pp_depth is None and par.pp_size > 1 else None
         shares = predicted_shares(config, self.tok.facts, self.resolved.partition)
         self.stats_ = EngineStats(self.policy, shares, clocks)
         self._ids = itertools.count()
@@ -154,7 +159,8 @@ class Engine:
 
     def _submit_plans(self) -> None:
         """Schedule and submit plans until `depth` are in flight or nothing more can be scheduled."""
-        while len(self.inflight) < self.config.parallel.depth and (plan := self.scheduler.schedule()) is not None:
+        depth = self.link_depth.depth if self.link_depth is not None else self.config.parallel.depth
+        while len(self.inflight) < depth and (plan := self.scheduler.schedule()) is not None:
             decode_only = all(s.num_tokens == 1 and s.start > 0 for s in plan.seqs)
             plan.verdict = decide_verdict(self.policy, plan.num_tokens, decode_only, len(plan.seqs))
             if plan.seqs:                        # a plan of disk-tier page work only runs no forward
@@ -164,6 +170,8 @@ class Engine:
             if not self.inflight:
                 self.stats_.pipeline_started()
             self.inflight.append(plan)       # NOTE: before submit: a plan the link lost was in flight
+            if self.link_depth is not None:
+                self.link_depth.sent(plan.plan_id, time.monotonic())
             self.executor.submit(plan)
 
     def _collect(self) -> tuple[StepPlan, StepResult]:
@@ -179,6 +187,7 @@ class Engine:
             self._die(f"Stage results arrived out of order (expected plan {plan.plan_id}, "
                       f"got {result.plan_id}); the pipeline is inconsistent.")
         self.stats_.record_result(result)
+        self._tune_depth(plan)
         self.supervisor.applied(plan, result)
         if self._grammars is not None:
             self._grammars.settle(plan, result)
@@ -189,6 +198,16 @@ class Engine:
         if failed:
             log.warning("%d request(s) failed: %s", len(failed), failed[0].error)
         return self._outputs(changed)
+
+    def _tune_depth(self, plan: StepPlan) -> None:
+        """Unset --pp-depth: one more plan in flight while the busiest stage waits on links."""
+        if self.link_depth is None:
+            return
+        depth = self.link_depth.observe(plan.plan_id, time.monotonic(), self.stats_.stage_busy_s,
+                                        self.stats_.active_seconds(), self.scheduler.fillable_plans(LinkDepth.MIN_ROWS))
+        if self.scheduler.balancer.depth > 1 and depth != self.scheduler.balancer.depth:
+            log.info("plans in flight: %d (the busiest stage waited on links)", depth)
+            self.scheduler.balancer.depth = depth
 
     def _lost(self, why: str) -> list[RequestOutput]:
         """The executor failed: the supervisor fails its cause (or all: `_die`); the plans in flight are gone."""
@@ -267,6 +286,7 @@ class Engine:
     def stats(self) -> dict:
         snapshot = self.stats_.snapshot(self.scheduler, self.executor)
         snapshot["recovery"] = self.supervisor.stats()
+        snapshot["pp_depth"] = self.link_depth.depth if self.link_depth is not None else self.config.parallel.depth
         if self.speculator is not None:
             snapshot["speculative"] = self.speculator.stats.snapshot()
         return snapshot

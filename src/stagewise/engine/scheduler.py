@@ -208,6 +208,13 @@ class Scheduler:
         """Tokens of `req` to book now: its next prompt chunk (the chunker's choice) or its decode row."""
         return self.chunker.chunk_len(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens, budget)
 
+    def fillable_plans(self, min_rows: int) -> int:
+        """How many plans the work at hand could fill: decode requests in groups of `min_rows`, one
+        plan per prompt chunk still to book, one per waiting request."""
+        chunks = sum(-(-(r.num_tokens - r.num_computed_tokens) // self.token_budget) for r in self.running
+                     if r.num_tokens - r.num_computed_tokens > 1)
+        return self._num_decoding() // min_rows + chunks + len(self.waiting)
+
     def _num_decoding(self) -> int:
         """Running requests past their prompt: waiting for a token or about to decode."""
         return sum(1 for r in self.running

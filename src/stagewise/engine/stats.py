@@ -58,6 +58,10 @@ class EngineStats:
     def pipeline_started(self) -> None:
         self.active_since = time.monotonic()
 
+    def active_seconds(self) -> float:
+        """Wall time with at least one plan in flight, so far."""
+        return self.active_s + (time.monotonic() - self.active_since if self.active_since is not None else 0.0)
+
     def pipeline_drained(self) -> None:
         if self.active_since is not None:
             self.active_s += time.monotonic() - self.active_since
@@ -67,7 +71,7 @@ class EngineStats:
         """Bubble fraction per stage (1 - compute / time in flight), and each stage's measured share of
         the compute next to the cost model's prediction (`predicted_stage_busy_s`: the measured total
         split as predicted)."""
-        active = self.active_s + (time.monotonic() - self.active_since if self.active_since is not None else 0.0)
+        active = self.active_seconds()
         base = self.busy_base or [0.0] * len(self.stage_busy_s)
         busy = [b - b0 for b, b0 in zip(self.stage_busy_s, base)]
         total = sum(busy)
