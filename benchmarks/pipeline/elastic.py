@@ -164,8 +164,9 @@ def scaling(args, quiet: Quiet, log_dir: Path) -> list[dict]:
     ]
     for depth in args.depths_20ms:
         specs20 = [NodeSpec(cpus="0", delay_ms=20, rate_mbit=100), NodeSpec(cpus="1", delay_ms=20, rate_mbit=100)]
-        cases.append((f"2 nodes x 1 CPU, PP=2, 20 ms + 100 Mbit/s, --pp-depth {depth}", "1cpu", specs20, 2,
-                      ["--pp-depth", str(depth)]))
+        flag = f"--pp-depth {depth}" if depth else "plans in flight grown for the link (--pp-depth unset)"
+        cases.append((f"2 nodes x 1 CPU, PP=2, 20 ms + 100 Mbit/s, {flag}", "1cpu", specs20, 2,
+                      ["--pp-depth", str(depth)] if depth else []))
     cases += [
         ("1 node, 0.5 CPU, PP=1", None, [half], 1, []),
         ("4 nodes x 0.5 CPU, PP=4, 1 ms", "half", [NodeSpec(cpu_quota=0.5, delay_ms=1)] * 4, 4, []),
@@ -396,7 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--depths-20ms", default="2,4", help="--pp-depth values at 20 ms (2 = the default, pp_size)")
+    ap.add_argument("--depths-20ms", default="auto,2",
+                    help="--pp-depth values at 20 ms (auto: unset, grown for the link; 2: pp_size, fixed)")
     ap.add_argument("--only-cases", default="", help="indices of the scaling cases to run (default: all)")
     ap.add_argument("--elastic-pp", type=int, default=3,
                     help="stages of the served pipeline (at 2, a third node joins as a standby: no move)")
@@ -417,7 +419,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     prefill_ttft.parse(args)
     spec_link.parse(args)
-    args.depths_20ms = [int(x) for x in args.depths_20ms.split(",") if x]
+    args.depths_20ms = [0 if x == "auto" else int(x) for x in args.depths_20ms.split(",") if x]
     args.only_cases = {int(x) for x in args.only_cases.split(",") if x}
     args.serve_flags = args.serve_flags.split()
     if args.quick:
