@@ -139,11 +139,14 @@ logprob = st.builds(TokenLogprob, st.integers(0, 5000), floats | st.just(-math.i
                     st.dictionaries(st.integers(0, 5000), floats | st.just(-math.inf), max_size=3),
                     st.none() | st.integers(1, 5000))
 results = st.builds(
-    StepResult, st.integers(0, 2**40), st.dictionaries(rid, st.integers(0, 5000), max_size=4),
-    st.dictionaries(rid, ids, max_size=3), st.dictionaries(rid, st.lists(logprob, max_size=2), max_size=2),
-    st.dictionaries(rid, logprob, max_size=3), st.dictionaries(rid, st.text(max_size=20), max_size=2),
-    st.dictionaries(rid, st.tuples(st.integers(0, 99), st.lists(logprob, max_size=2)), max_size=2),
-    st.none() | st.text(max_size=20), st.lists(st.floats(0, 100), max_size=3), st.lists(st.floats(0, 100), max_size=3))
+    StepResult, st.integers(0, 2**40), sampled=st.dictionaries(rid, st.integers(0, 5000), max_size=4),
+    accepted=st.dictionaries(rid, ids, max_size=3),
+    accepted_logprobs=st.dictionaries(rid, st.lists(logprob, max_size=2), max_size=2),
+    logprobs=st.dictionaries(rid, logprob, max_size=3), failed=st.dictionaries(rid, st.text(max_size=20), max_size=2),
+    prompt_logprobs=st.dictionaries(rid, st.tuples(st.integers(0, 99), st.lists(logprob, max_size=2)), max_size=2),
+    embeddings=st.dictionaries(rid, st.lists(st.floats(-1, 1, width=32), max_size=4), max_size=2),
+    error=st.none() | st.text(max_size=20), stage_busy_s=st.lists(st.floats(0, 100), max_size=3),
+    stage_comm_s=st.lists(st.floats(0, 100), max_size=3))
 
 
 @pytest.mark.slow
