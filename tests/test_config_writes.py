@@ -20,7 +20,7 @@ ALLOWED = {
                                                   "short `generate` runs eager unless a graph was asked for"),
     ("model/source.py", "resolve_models"): (2, "the user's request completed at the entry, before the "
                                                "engine is built: the model named (or the default) as a path"),
-    ("executor/node_options.py", "adopt_options"): (1, "the user's options arriving: a node runs the "
+    ("cluster/node_options.py", "adopt_options"): (1, "the user's options arriving: a node runs the "
                                                        "driver's options, shipped at the handshake"),
     ("planning/report.py", "_remedy"): (1, "a what-if: the config of a larger pipeline, to say whether it "
                                            "would fit; never handed on"),

@@ -1,6 +1,6 @@
 """The import direction: config/request/plan/checkpoint -> parallel/model -> graph -> planning/kvcache ->
-runtime -> executor -> recovery/grammar -> engine -> core -> server/cli. A module may import only its own layer or
-lower ones."""
+runtime/cluster -> executor -> recovery/grammar -> engine -> core -> server/cli. A module may import only
+its own layer or lower ones."""
 import ast
 from pathlib import Path
 
@@ -9,8 +9,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
 LAYERS = {"config": 0, "request": 0, "plan": 0, "errors": 0, "checkpoint": 0,
           "envs": 0, "kernels": 0, "parallel": 1, "model": 1, "graph": 2, "planning": 3, "kvcache": 3, "runtime": 4,
-          "executor": 5, "recovery": 6, "grammar": 6, "engine": 7, "core": 8, "multimodal": 8, "server": 9, "cli": 9,
-          "cli_flags": 9, "llm": 9, "__main__": 10, "__init__": 10}
+          "cluster": 4, "executor": 5, "recovery": 6, "grammar": 6, "engine": 7, "core": 8, "multimodal": 8,
+          "server": 9, "cli": 9, "cli_flags": 9, "llm": 9, "__main__": 10, "__init__": 10}
 
 
 def _layer(parts: list[str]) -> int:

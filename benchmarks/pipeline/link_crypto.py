@@ -4,7 +4,7 @@
    sent and received on a loopback link pair in this process, sealed vs plain, per message.
 2. PP=2 decode throughput: two offline engines (`LLM(pp_size=2)`) on the same tiny Llama, one
    sealed (the default) and one with sealing off in every one of its processes (a sitecustomize on
-   PYTHONPATH sets `parallel.auth.SEAL_LINKS = False`: not a setting, the benchmark's baseline),
+   PYTHONPATH sets `cluster.auth.SEAL_LINKS = False`: not a setting, the benchmark's baseline),
    rounds interleaved so drift on a shared machine hits both alike. Target: sealed within 2%.
 
     python -m benchmarks.pipeline link-crypto [--quick] [--rounds 4] [--num-requests 32]
@@ -28,7 +28,7 @@ from ..engine_process import EngineProcess
 
 TARGET = 0.98            # sealed decode throughput >= 98% of plain
 VOCAB = 8192
-PLAIN_SITE = "import stagewise.parallel.auth as _auth\n_auth.SEAL_LINKS = False\n"
+PLAIN_SITE = "import stagewise.cluster.auth as _auth\n_auth.SEAL_LINKS = False\n"
 
 
 def _link_pair(sealed: bool):
@@ -36,9 +36,9 @@ def _link_pair(sealed: bool):
     import queue
     import threading
 
-    from stagewise.executor.store import dial
-    from stagewise.parallel import auth
-    from stagewise.parallel.transport import Link
+    from stagewise.cluster import auth
+    from stagewise.cluster.store import dial
+    from stagewise.cluster.transport import Link
     auth.SEAL_LINKS = sealed
     key, got = auth.key_of("bench"), queue.SimpleQueue()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -91,7 +91,7 @@ def _engine(model_dir, sealed: bool, site: Path) -> EngineProcess:
 
 def _check_site(site: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(site)}
-    said = subprocess.run([sys.executable, "-c", "import stagewise.parallel.auth as a; print(a.SEAL_LINKS)"],
+    said = subprocess.run([sys.executable, "-c", "import stagewise.cluster.auth as a; print(a.SEAL_LINKS)"],
                           env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert said == "False", f"the plain engine's sitecustomize did not take: {said!r}"
 

@@ -227,8 +227,8 @@ def cmd_demo_model(args) -> int:
 def _worker_role(config: EngineConfig) -> int | None:
     """Run as a stage (torchrun rank > 0 or a non-driver node) and return its exit code; None = driver.
     Every pipeline node first picks the network interface it talks on (errors here are the user's to fix)."""
-    from .executor.netif import use_interface
-    from .executor.rendezvous import torchrun_env
+    from .cluster.netif import use_interface
+    from .cluster.rendezvous import torchrun_env
     from .executor.watchdog import install as install_stop_watchdog
     install_stop_watchdog()
     env = torchrun_env()
@@ -243,9 +243,9 @@ def _worker_role(config: EngineConfig) -> int | None:
     model_dir = str(config.load.model)        # resolved by config_from_args
     eos_ids = read_facts(model_dir).eos_token_ids
     if env and env["rank"] > 0:
-        from .executor.netif import master_ip
+        from .cluster.auth import cluster_token, warn_if_open
+        from .cluster.netif import master_ip
         from .executor.stage_proc import stage_main
-        from .parallel.auth import cluster_token, warn_if_open
         warn_if_open(cluster_token(config.cluster.cluster_token), master_ip(env["addr"]), True)
         stage_main(config, model_dir, env["rank"] - 1, env["addr"], env["port"], eos_ids, spawned=False)
         return 0

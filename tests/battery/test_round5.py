@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))      #
 from test_link_crypto_capture import LoopbackCapture  # noqa: E402
 from test_overload_burst import KEYS, run_burst  # noqa: E402
 
-from stagewise.parallel.auth import MAGIC  # noqa: E402
+from stagewise.cluster.auth import MAGIC  # noqa: E402
 
 pytestmark = pytest.mark.slow          # servers of their own
 MIB = 1 << 20

@@ -45,9 +45,9 @@ def test_an_explicit_partition_is_kept_on_every_node(llama_dir):
     memory (a 3,1 split is never what the planner picks for four equal layers on equal nodes)."""
     import socket
 
+    from stagewise.cluster.node_reports import publish_report
     from stagewise.config import EngineConfig
     from stagewise.executor.generations import control_store, next_generation
-    from stagewise.executor.node_reports import publish_report
     from stagewise.planning.cluster import NodeReport
     from stagewise.recovery.placement import plan_on
     with socket.socket() as s:

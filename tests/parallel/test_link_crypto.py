@@ -1,4 +1,4 @@
-"""Cluster links are sealed (parallel/auth.py, parallel/transport.py): after the handshake every
+"""Cluster links are sealed (cluster/auth.py, cluster/transport.py): after the handshake every
 frame travels as AES-256-GCM records under per-connection, per-direction keys with sequence-number
 nonces. A relay between the two ends reads the wire: no plaintext crosses it, and a record it
 changes, replays, reorders or reflects closes the link with one sentence. In one process, over
@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
+from stagewise.cluster import auth
+from stagewise.cluster.auth import ANSWER_BYTES, MAC_BYTES, MAGIC, NONCE_BYTES, RING, Gate, Hello, key_of
+from stagewise.cluster.store import StoreClient, StoreServer, dial
+from stagewise.cluster.transport import MAGIC as FRAME_MAGIC
+from stagewise.cluster.transport import RECORD, Link, LinkError, Sealer
 from stagewise.executor.messages import Heartbeat, PlanMsg, recv_message, send_message
-from stagewise.executor.store import StoreClient, StoreServer, dial
-from stagewise.parallel import auth
-from stagewise.parallel.auth import ANSWER_BYTES, MAC_BYTES, MAGIC, NONCE_BYTES, RING, Gate, Hello, key_of
-from stagewise.parallel.transport import MAGIC as FRAME_MAGIC
-from stagewise.parallel.transport import RECORD, Link, LinkError, Sealer
 from stagewise.plan import NewRequestData, ScheduledSeq, StepPlan
 from stagewise.request import SamplingParams
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from stagewise import LLM, SamplingParams
-from stagewise.parallel.auth import MAGIC
+from stagewise.cluster.auth import MAGIC
 
 pytestmark = pytest.mark.slow
 ETH_P_ALL, PACKET_OUTGOING, SO_RCVBUFFORCE = 0x0003, 4, 33

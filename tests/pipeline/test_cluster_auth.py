@@ -1,4 +1,4 @@
-"""Cluster links are authenticated (parallel/auth.py): the rendezvous store and every stage link
+"""Cluster links are authenticated (cluster/auth.py): the rendezvous store and every stage link
 refuse a peer without the cluster token before they interpret a byte it sends, a dialler refuses
 a listener that cannot prove the token, and links of another pipeline attempt are refused too.
 In one process, over loopback TCP (the two-host runs are in test_multinode.py)."""
@@ -12,13 +12,13 @@ import time
 
 import pytest
 
+from stagewise.cluster import auth
+from stagewise.cluster.auth import MAGIC, NONCE_BYTES, RING, Hello, dial_handshake, key_of
+from stagewise.cluster.links import open_links
+from stagewise.cluster.store import StoreClient, StoreServer
 from stagewise.errors import ClusterAuthError
-from stagewise.executor.links import open_links
 from stagewise.executor.messages import CONTROL as CONTROL_MSGS
 from stagewise.executor.messages import Heartbeat, StageAlive, recv_message, send_message
-from stagewise.executor.store import StoreClient, StoreServer
-from stagewise.parallel import auth
-from stagewise.parallel.auth import MAGIC, NONCE_BYTES, RING, Hello, dial_handshake, key_of
 
 KEY = key_of("s3cret")
 

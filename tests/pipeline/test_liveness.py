@@ -7,9 +7,9 @@ import socket
 import threading
 import time
 
+from stagewise.cluster.transport import Link
 from stagewise.executor.liveness import Watch, start_beating
 from stagewise.executor.messages import StageAlive, send_message
-from stagewise.parallel.transport import Link
 
 TIMEOUT_S = 1.0
 

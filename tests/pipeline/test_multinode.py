@@ -356,7 +356,7 @@ def test_sigterm_to_driver_stops_both_nodes(wave2):
 NETIF_CHECKS = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from stagewise.executor.netif import choose_interface
+from stagewise.cluster.netif import choose_interface
 assert "torch" not in sys.modules        # stdlib only: choosing an interface loads no torch
 def pick(addr, ifname=None, env=None):
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
@@ -399,7 +399,7 @@ def test_interface_choice_overrides_and_errors(make_hosts, llama_dir):
 
 def test_rendezvous_errors_are_one_sentence():
     """No store, missing ranks, a duplicate rank, and an address or port node 0 cannot serve on."""
-    from stagewise.executor.rendezvous import free_port, rendezvous, serve_store
+    from stagewise.cluster.rendezvous import free_port, rendezvous, serve_store
     port = free_port()
     with pytest.raises(TimeoutError, match=r"Nothing answered at --master-addr 127\.0\.0\.1:\d+ within 1 s"):
         rendezvous(1, 3, "127.0.0.1", port, 1.0)

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from stagewise import LLM, SamplingParams
+from stagewise.cluster.node_options import adopt_options, shipped_options
+from stagewise.cluster.rendezvous import free_port
 from stagewise.config import EngineConfig
-from stagewise.executor.node_options import adopt_options, shipped_options
-from stagewise.executor.rendezvous import free_port
 
 PROMPT = "Hello there, how are you today"
 

@@ -93,7 +93,7 @@ def test_idle_longer_than_timeout_survives_on_heartbeats(llama_dir):
 
 
 def _free_port():
-    from stagewise.executor.rendezvous import free_port
+    from stagewise.cluster.rendezvous import free_port
     return free_port()
 
 

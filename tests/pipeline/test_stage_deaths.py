@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from stagewise.cluster.layout import default_layout, stages_of
 from stagewise.config import EngineConfig
 from stagewise.executor import multiproc
-from stagewise.executor.layout import default_layout, stages_of
 from stagewise.executor.multiproc import MultiprocExecutor
 
 

@@ -1,4 +1,4 @@
-"""Driver <-> stage messages without pickle (executor/messages.py, parallel/codec.py, transport.py):
+"""Driver <-> stage messages without pickle (executor/messages.py, cluster/codec.py, transport.py):
 every StepPlan / StepResult the engine can build comes back exactly as it went (nested dataclasses,
 sampling parameters and their derived bad-word ids, token bitmasks and prompt embeddings as tensors,
 speculative drafts, logprobs with -inf), through the codec and through a real link; an unknown or
@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stagewise.cluster.codec import WireError
+from stagewise.cluster.transport import MAGIC, PREFIX, Link, LinkError
 from stagewise.executor.messages import (
     CODEC,
     CONTROL,
@@ -30,8 +32,6 @@ from stagewise.executor.messages import (
     send_message,
 )
 from stagewise.graph.policy import GraphVerdict
-from stagewise.parallel.codec import WireError
-from stagewise.parallel.transport import MAGIC, PREFIX, Link, LinkError
 from stagewise.plan import CachedRequestData, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
 from stagewise.planning.memory import MemoryPlan
 from stagewise.request import SamplingParams, StructuredOutputs, TokenLogprob

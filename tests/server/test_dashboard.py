@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.executor.rendezvous import free_port
+from stagewise.cluster.rendezvous import free_port
 
 try:
     import httpx2 as httpx

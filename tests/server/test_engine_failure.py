@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from stagewise.cluster.rendezvous import free_port
 from stagewise.config import EngineConfig
 from stagewise.engine.outputs import StepOutputs
 from stagewise.errors import EngineDeadError
-from stagewise.executor.rendezvous import free_port
 from stagewise.request import CompletionOutput, RequestOutput
 
 try:

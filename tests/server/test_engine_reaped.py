@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from test_engine_failure import FakeTok, fake_engine
 
-from stagewise.executor.rendezvous import free_port
+from stagewise.cluster.rendezvous import free_port
 
 try:
     import httpx2 as httpx

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from test_engine_failure import FakeTok, fake_engine
 
-from stagewise.executor.rendezvous import free_port
+from stagewise.cluster.rendezvous import free_port
 
 try:
     import httpx2 as httpx

@@ -15,18 +15,18 @@ import signal
 import threading
 import time
 
-from ..parallel.auth import cluster_token, key_of, warn_if_open
+from ..cluster.auth import cluster_token, key_of, warn_if_open
+from ..cluster.layout import stages_of
+from ..cluster.netif import master_ip
+from ..cluster.node_options import adopt_options
+from ..cluster.node_reports import publish_report
+from ..cluster.rendezvous import Store, join_store, serve_store
+from ..cluster.store import StoreServer
 from ..planning.cluster import NodeReport
 from ..planning.memory import measured_node_bytes
 from ..planning.resolved import Resolved
 from .hygiene import kill_local_stages
-from .layout import stages_of
-from .netif import master_ip
-from .node_options import adopt_options
-from .node_reports import publish_report
-from .rendezvous import Store, join_store, serve_store
 from .spawn import prepare_stage_env, spawn_stages, start_warm, wait_warm
-from .store import StoreServer
 
 log = logging.getLogger("stagewise.executor")
 GENERATION_KEY = "stagewise/generation"     # in the driver's store: the number of its current pipeline

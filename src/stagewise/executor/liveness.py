@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from ..parallel.transport import Link
+from ..cluster.transport import Link
 from .messages import CONTROL, StageAlive, recv_message, send_message
 
 log = logging.getLogger("stagewise.executor")

@@ -1,5 +1,5 @@
 """Every message between the driver and its stages, one dataclass per kind, and their encoding
-(parallel/codec.py: JSON of the fields with a type name, tensors raw; no pickle).
+(cluster/codec.py: JSON of the fields with a type name, tensors raw; no pickle).
 
 Ring (driver → stage 0 → … → last stage → driver): PlanMsg, PlanFailedMsg, ResultMsg, Heartbeat,
 Shutdown. Control (each stage → driver): ReadyMsg once, then StageAlive every beat (liveness.py).
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cluster.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
+from ..cluster.transport import Link, PendingSend
 from ..graph.policy import GraphVerdict
 from ..kernels.report import KernelInfo
-from ..parallel.codec import Codec, JsonValue, OrNone, TensorSpec, WireError
-from ..parallel.transport import Link, PendingSend
 from ..plan import CachedRequestData, KVPages, NewRequestData, ScheduledSeq, StepPlan, StepResult, TokenBitmask
 from ..planning.memory import MemoryPlan
 from ..request import SamplingParams, StructuredOutputs, TokenLogprob

@@ -20,14 +20,17 @@ from dataclasses import replace
 from multiprocessing.connection import wait as wait_sentinels
 from typing import NoReturn
 
+from ..cluster.auth import cluster_token, key_of, new_token, warn_if_open
+from ..cluster.layout import DRIVER_RANK, default_layout, stages_of
+from ..cluster.links import PipelineLinks, join_pipeline
+from ..cluster.netif import master_ip
+from ..cluster.node_options import shipped_options
+from ..cluster.rendezvous import abandon_when, free_port, torchrun_env
 from ..errors import EngineDeadError, describe_exit
 from ..kernels.report import KernelInfo, describe
-from ..parallel.auth import cluster_token, key_of, new_token, warn_if_open
 from ..plan import StepPlan, StepResult
 from ..planning.resolved import Resolved
 from .generations import control_store, next_generation, nodes_gone, publish_layout
-from .layout import DRIVER_RANK, default_layout, stages_of
-from .links import PipelineLinks, join_pipeline
 from .liveness import Watch
 from .messages import (
     CONTROL,
@@ -41,9 +44,6 @@ from .messages import (
     recv_message,
     send_message,
 )
-from .netif import master_ip
-from .node_options import shipped_options
-from .rendezvous import abandon_when, free_port, torchrun_env
 from .spawn import spawn_stages
 
 log = logging.getLogger("stagewise.executor")

@@ -12,12 +12,12 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_sentinels
 
+from ..cluster.layout import default_layout, stages_of
+from ..cluster.netif import use_interface
 from ..planning.resolved import Resolved
 from ..runtime.threads import log_once, spawn_env_defaults, thread_choice
 from . import zygote
 from .hygiene import track
-from .layout import default_layout, stages_of
-from .netif import use_interface
 from .stage_proc import stage_main
 from .tp_ranks import new_directory
 

@@ -12,15 +12,15 @@ import sys
 import time
 
 from .. import envs
+from ..cluster.auth import cluster_token, key_of
+from ..cluster.layout import stage_rank
+from ..cluster.links import PipelineLinks, join_pipeline
 from ..kvcache.pages import StagePages, before_plan, finish_result, pages_only
-from ..parallel.auth import cluster_token, key_of
 from ..parallel.partition import stage_infos
 from ..parallel.proxy import ProxyTensors
 from ..plan import PlanFailed, StepResult
 from ..runtime.threads import configure_threads
 from .hygiene import die_with_parent, exit_now, freeze_heap, name_process
-from .layout import stage_rank
-from .links import PipelineLinks, join_pipeline
 from .liveness import start_beating
 from .messages import (
     READY_WAIT_S,

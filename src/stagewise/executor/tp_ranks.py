@@ -13,9 +13,9 @@ import struct
 import tempfile
 import time
 
+from ..cluster.transport import Link
 from ..kernels import comm
 from ..parallel import groups
-from ..parallel.transport import Link
 from .messages import (
     CONTROL,
     READY_WAIT_S,
@@ -166,11 +166,11 @@ def serve_follower(config, model_dir: str, stage, eos_ids, directory: str, rank:
 def check_tp(config, model_dir: str) -> None:
     """One sentence, before any process starts, when `config.parallel.tp_size` ranks cannot split this model here."""
     from ..checkpoint.facts import read_facts
+    from ..cluster.rendezvous import torchrun_env
     from ..model.loader import _architecture
     from ..model.registry import get_model_class
     from ..parallel import tp
     from ..runtime.threads import usable_cpus
-    from .rendezvous import torchrun_env
     if torchrun_env():
         raise ValueError("torchrun starts one process per stage; run tensor parallelism (--tp-size) without "
                          "torchrun, with --nnodes for several machines.")

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import NoReturn
 
-from ..parallel import transport
+from ..cluster import transport
 from .hygiene import exit_now
 
 GRACE_S = 1.5

@@ -1,1 +1,1 @@
-"""Stage partitioning, proxy tensors and stage-to-stage transport."""
+"""Stage partitioning, proxy tensors and tensor parallelism inside a stage."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ..checkpoint.facts import ModelFacts, read_facts
+from ..cluster.node_reports import read_reports
 from ..config import EngineConfig
 from ..executor.generations import control_store
-from ..executor.node_reports import read_reports
 from ..planning.cluster import NodeReport, cluster_needs, plan_cluster
 from ..planning.memory import DRIVER_RUNTIME_BYTES
 from ..planning.resolved import Resolved

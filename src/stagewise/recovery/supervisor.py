@@ -17,6 +17,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Callable, NoReturn, Protocol
 
+from ..cluster.auth import cluster_token, key_of, warn_if_open
+from ..cluster.netif import master_ip
+from ..cluster.rendezvous import torchrun_env
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor, make_executor
@@ -27,10 +30,7 @@ from ..executor.generations import (
     next_generation,
     ready_nodes,
 )
-from ..executor.netif import master_ip
-from ..executor.rendezvous import torchrun_env
 from ..executor.spawn import start_warm, stop_warm, warm_ready
-from ..parallel.auth import cluster_token, key_of, warn_if_open
 from ..plan import StepPlan, StepResult
 from ..request import Request
 from .placement import layout_line, plan_on

@@ -2,7 +2,7 @@
 neighbours (driver → stage 0 → … → last stage → driver) and each stage's control link to the
 driver (ready, heartbeats). Every rank listens on its network interface for the links it expects,
 says where in the store, dials the ones it owes, and closes the listener once all are up; every
-connection proves the cluster token first (parallel/auth.py), and one of another attempt or with
+connection proves the cluster token first (cluster/auth.py), and one of another attempt or with
 an unexpected identity is refused; each link is sealed with its handshake's keys.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..parallel.auth import CONTROL, RING, Gate, Hello, LinkKeys, session_of
-from ..parallel.transport import Link
+from .auth import CONTROL, RING, Gate, Hello, LinkKeys, session_of
 from .layout import DRIVER_RANK, ring_next, ring_prev
 from .netif import link_address, use_interface
 from .rendezvous import RDZV_POLL_S, Store, attempt_name, check_abandoned, close_store, rendezvous, torchrun_env
 from .store import dial
+from .transport import Link
 
 log = logging.getLogger("stagewise.executor")
 
@@ -109,7 +109,7 @@ def _dial(store: Store, prefix: str, key: bytes, hello: Hello, deadline: float, 
 
 
 class Acceptor:
-    """Accepts the links a rank expects (parallel/auth.py's Gate: each after its handshake)."""
+    """Accepts the links a rank expects (cluster/auth.py's Gate: each after its handshake)."""
 
     def __init__(self, host: str, key: bytes, session: int, rank: int, expected: set[tuple[int, int]]):
         self.listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -1,10 +1,10 @@
 """The rendezvous store node 0 serves on --master-addr:--master-port: a small key-value map (add,
-set, get, check) that the ranks meet in, behind the cluster-token handshake (parallel/auth.py).
+set, get, check) that the ranks meet in, behind the cluster-token handshake (cluster/auth.py).
 
 It replaces torch's TCPStore, which has no authentication, where stagewise serves the store itself;
 under torchrun the ranks use the agent's TCPStore (rendezvous.py). After the handshake a request
 is a length-prefixed JSON array [op, args...] and its answer ["ok", value] or ["err", why], sealed
-with the connection's keys (parallel/transport.py's SealedSocket).
+with the connection's keys (cluster/transport.py's SealedSocket).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import threading
 import time
 
 from ..errors import ClusterAuthError
-from ..parallel.auth import STORE, Gate, Hello, LinkKeys, dial_handshake
-from ..parallel.transport import SealedSocket
+from .auth import STORE, Gate, Hello, LinkKeys, dial_handshake
 from .netif import master_ip
+from .transport import SealedSocket
 
 FRAME = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 20
