@@ -24,8 +24,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def gpt_oss_harmony_dir(tmp_path_factory, tiny_tokenizer_dir):
-    from tests.conftest import build_tiny_checkpoint
     from tokenizers import Tokenizer
+
+    from tests.conftest import build_tiny_checkpoint
     tok_dir = tmp_path_factory.mktemp("harmony-tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tiny_tokenizer_dir / name, tok_dir / name)
@@ -100,3 +101,16 @@ def test_call_and_return_end_the_turn(oai, gpt_oss_harmony_dir, stop):
     r = oai.chat.completions.create(model=oai.model_name, messages=ASK, max_tokens=8,
                                     logit_bias={str(token_id): 100})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+
+
+def test_responses_api_reads_harmony_too(oai):
+    flat = [dict(TOOLS[0]["function"], type="function")]
+    r = oai.responses.create(model=oai.model_name, input="What is the weather in Paris?", tools=flat,
+                             max_output_tokens=220, extra_body=_forced(REPLY))
+    [item] = r.output
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+    events = list(oai.responses.create(model=oai.model_name, input="Weather?", max_output_tokens=150, stream=True,
+                                       extra_body=_forced(answer)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sunny."
+    assert events[-1].response.output[0].content[0].text == "Sunny."

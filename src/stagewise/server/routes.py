@@ -203,6 +203,8 @@ def responses_job(serving: Serving, body: bytes) -> Job:
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
     fields = dict(req.sampling_kwargs(), **serving.adapter(req.model),
                   **({"structured_outputs": grammar} if grammar is not None else {}))
+    if serving.tool_call_parser == "harmony":
+        fields.update(harmony_fields(serving, fields))
     params = [make_sampling_params(fields, max_tokens, None)]
     return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream, source)
 
