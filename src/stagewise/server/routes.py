@@ -149,6 +149,9 @@ def chat_job(serving: Serving, body: bytes) -> Job | ImagesJob:
     if not truncating:
         serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     options = req.template_options(serving.trust_request_chat_template)
+    if serving.tool_call_parser == "harmony" and req.reasoning_effort is not None:
+        # gpt-oss's template writes it into the system message ("Reasoning: high")
+        options["template_kwargs"] = {"reasoning_effort": req.reasoning_effort, **options.get("template_kwargs", {})}
     text = render_chat(serving, messages, options, tools if mode != "none" else None)
 
     def finish(prompt: PromptInput) -> Job:
