@@ -114,3 +114,18 @@ def test_responses_api_reads_harmony_too(oai):
                                        extra_body=_forced(answer)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sunny."
     assert events[-1].response.output[0].content[0].text == "Sunny."
+
+
+def test_reasoning_effort_reaches_the_template(oai):
+    """The prompt of a chat with reasoning_effort is the template's with that effort (as /tokenize
+    renders it with the template variable), and another effort makes another prompt."""
+    import httpx
+    base = str(oai.base_url).removesuffix("/v1/").removesuffix("/v1")
+    counts = {}
+    for effort in ("low", "high and thorough, step by step"):
+        r = oai.chat.completions.create(model=oai.model_name, messages=ASK, max_tokens=1, reasoning_effort=effort)
+        want = httpx.post(base + "/tokenize", json={"messages": ASK, "chat_template_kwargs":
+                                                   {"reasoning_effort": effort}}, timeout=30).json()["count"]
+        counts[effort] = r.usage.prompt_tokens
+        assert r.usage.prompt_tokens == want
+    assert len(set(counts.values())) == 2
