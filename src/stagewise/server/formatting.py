@@ -9,6 +9,7 @@ import time
 import uuid
 
 from ..request import RequestOutput
+from .harmony import HarmonyStream, final_message
 from .logprobs import (
     TokenIdNames,
     TokenSpans,
@@ -17,7 +18,7 @@ from .logprobs import (
     shown_count,
     vllm_prompt_logprobs,
 )
-from .tools import ToolStream, final_calls
+from .tools import ToolCall, ToolStream, final_calls
 
 log = logging.getLogger("stagewise.server")
 
@@ -153,14 +154,27 @@ class ChatShape(Shape):
         self.echo_text = (last.get("content") or "") if req.echo and last.get("role") == "assistant" else ""
         self.tool_mode, self.parser = tool_mode, serving.tool_call_parser
         self.tool_streams: dict[int, ToolStream] = {}
+        # gpt-oss: channels and calls are read from the harmony text (unless a grammar shaped the output)
+        self.harmony = self.parser == "harmony" and tool_mode in ("none", "auto")
+        self.harmony_streams: dict[int, HarmonyStream] = {}
 
     def message(self, out: RequestOutput) -> tuple[dict, str | None]:
         """The choice's message (content, tool calls) and finish reason ('tool_calls' when it made calls)."""
         c = out.outputs[0]
+        if self.harmony:
+            return self.harmony_message(out)
         content, calls = final_calls(self.tool_mode, self.parser, c.text)
         msg: dict = {"role": "assistant", "content": self.echo_text + content if content is not None else content}
         if calls:
             msg["tool_calls"] = [call.as_openai() for call in calls]
+        return msg, ("tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason)
+
+    def harmony_message(self, out: RequestOutput) -> tuple[dict, str | None]:
+        c = out.outputs[0]
+        content, reasoning, calls = final_message(c.text, self.tool_mode == "auto")
+        msg: dict = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if calls:
+            msg["tool_calls"] = [ToolCall(name, args).as_openai() for name, args in calls]
         return msg, ("tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason)
 
     def body(self, inputs, finals: list[RequestOutput]) -> dict:
@@ -187,7 +201,12 @@ class ChatShape(Shape):
         begin, end = st.new_shown(out, self.keep_stop_token) if self.logprobs else (0, 0)
         reason = out.outputs[0].finish_reason
         deltas: list[dict] = [{"content": text}] if text else []
-        if self.tool_mode != "none":
+        if self.harmony:
+            hs = self.harmony_streams.setdefault(i, HarmonyStream(self.tool_mode == "auto",
+                                                                  f"call_{out.request_id[-20:]}"))
+            deltas = hs.deltas(st.text, out.finished)
+            reason = "tool_calls" if hs.made_calls and reason == "stop" else reason
+        elif self.tool_mode != "none":
             deltas, reason = self.tool_deltas(i, st.text, text, out)
         lp = self.entries(out, begin, end) if self.logprobs else None
         if not deltas and (end > begin or out.finished):

@@ -57,8 +57,8 @@ class ServerOptions:
     max_logprob_entries: int = flag(DEFAULT_MAX_LOGPROB_ENTRIES, "the most prompt logprob entries one response "
                                     "may carry (prompt tokens x (1 + top-n), for every choice that shows them); "
                                     "more gets 400")
-    tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes or "
-                                        "llama3_json (default: the model family's)")
+    tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes, "
+                                        "llama3_json or harmony (default: the model family's)")
 
     def __post_init__(self):
         object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
@@ -73,8 +73,9 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
-            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}.")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "harmony"):
+            raise ValueError(f"tool_call_parser must be hermes, llama3_json or harmony, got "
+                             f"{self.tool_call_parser!r}.")
         if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
             raise ValueError("api_key is empty (or lists an empty key); give non-empty keys or leave it out.")
         if self.max_waiting_requests_per_key is not None and not self.api_key:

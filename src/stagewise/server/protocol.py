@@ -415,7 +415,7 @@ class ChatCompletionRequest(ChatTemplateFields, _OpenAIFields, StructuredFields)
     store: bool | None = None
     metadata: Annotated[dict[str, str], _at_most(MAX_MAP_ITEMS)] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None             # accepted and ignored: this server's models do not reason
+    reasoning_effort: str | None = None             # gpt-oss's template reads it; ignored by the others
     # output modalities: text only (the SDK sends `audio: null`)
     audio: Any = None
     modalities: Strs | None = None

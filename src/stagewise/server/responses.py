@@ -13,6 +13,7 @@ from typing import Any
 from ..request import RequestOutput
 from .errors import bad_request
 from .formatting import Shape
+from .harmony import HarmonyStream
 from .protocol import Anys, Finite, Int, StructuredFields, _Lenient, response_format_spec
 from .tools import ToolStream, final_calls
 
@@ -156,6 +157,8 @@ class ResponsesShape(Shape):
         self.msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.msg_open = False
         self.sent_text = ""
+        # gpt-oss: the answer is the final channel of the harmony text (calls come at the end, as for others)
+        self.harmony = HarmonyStream(False, "") if self.parser == "harmony" and mode in ("none", "auto") else None
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: str | None = None) -> dict:
@@ -179,7 +182,9 @@ class ResponsesShape(Shape):
                 "total_tokens": u["total_tokens"]}
 
     def items(self, out: RequestOutput) -> list[dict]:
-        content, calls = final_calls(self.mode, self.parser, out.outputs[0].text)
+        mode = "auto" if self.harmony is not None and self.mode == "none" else self.mode
+        content, calls = final_calls(mode, self.parser, out.outputs[0].text)
+        calls = calls if self.mode != "none" else []
         items = []
         if content:
             items.append(self.message_item(content, "completed"))
@@ -213,8 +218,11 @@ class ResponsesShape(Shape):
             events.append(self.event("response.created", response=self.response("in_progress", [])))
             events.append(self.event("response.in_progress", response=self.response("in_progress", [])))
         st.advance(out)
-        delta = st.text[len(self.sent_text):] if self.mode == "none" else self.stream.content_delta(
-            st.text, out.finished)
+        if self.harmony is not None:
+            delta = "".join(d.get("content", "") for d in self.harmony.deltas(st.text, out.finished))
+        else:
+            delta = st.text[len(self.sent_text):] if self.mode == "none" else self.stream.content_delta(
+                st.text, out.finished)
         if delta:
             if not self.msg_open:
                 self.msg_open = True

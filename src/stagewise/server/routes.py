@@ -20,6 +20,7 @@ from ..request import SamplingParams, StructuredOutputs
 from .completions import CompletionShape
 from .errors import ClientGone, bad_request
 from .formatting import ChatShape, NativeShape, Shape
+from .harmony import STOP_TOKENS as HARMONY_STOPS
 from .image_jobs import ImagesJob, run_images_job
 from .intake import parse_request
 from .protocol import (
@@ -148,6 +149,9 @@ def chat_job(serving: Serving, body: bytes) -> Job | ImagesJob:
     if not truncating:
         serving.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     options = req.template_options(serving.trust_request_chat_template)
+    if serving.tool_call_parser == "harmony" and req.reasoning_effort is not None:
+        # gpt-oss's template writes it into the system message ("Reasoning: high")
+        options["template_kwargs"] = {"reasoning_effort": req.reasoning_effort, **options.get("template_kwargs", {})}
     text = render_chat(serving, messages, options, tools if mode != "none" else None)
 
     def finish(prompt: PromptInput) -> Job:
@@ -165,11 +169,22 @@ def _chat_job(serving: Serving, req: ChatCompletionRequest, prompt: PromptInput,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     fields = dict(req.sampling_kwargs(), **serving.adapter(req.model),
                   **({"structured_outputs": grammar} if grammar is not None else {}))
+    if serving.tool_call_parser == "harmony":
+        fields.update(harmony_fields(serving, fields))
     serving.check_logprob_entries(prompt.num_tokens * _entries_per_token(req.prompt_logprobs), "prompt_logprobs")
     params = [make_sampling_params(fields, max_tokens, logprobs, j,
                                    prompt_logprobs=_choice_prompt_logprobs(j, req.prompt_logprobs, max_tokens))
               for j in range(req.n)]
     return Job([prompt] * req.n, params, shape, req.stream, source)
+
+
+def harmony_fields(serving: Serving, fields: dict) -> dict:
+    """gpt-oss: the channel tokens stay in the text (the reply is read from them) and <|call|> and
+    <|return|> end the turn, whatever the checkpoint's generation config lists."""
+    vocab = serving.tok.tokenizer.get_vocab()
+    known = [vocab[t] for t in HARMONY_STOPS if t in vocab]
+    return {"skip_special_tokens": False,
+            "stop_token_ids": list(dict.fromkeys(list(fields.get("stop_token_ids") or []) + known))}
 
 
 def responses_job(serving: Serving, body: bytes) -> Job:
@@ -191,6 +206,8 @@ def responses_job(serving: Serving, body: bytes) -> Job:
     max_tokens = serving.max_tokens_for(prompt.num_tokens, req.max_output_tokens, None, "max_output_tokens")
     fields = dict(req.sampling_kwargs(), **serving.adapter(req.model),
                   **({"structured_outputs": grammar} if grammar is not None else {}))
+    if serving.tool_call_parser == "harmony":
+        fields.update(harmony_fields(serving, fields))
     params = [make_sampling_params(fields, max_tokens, None)]
     return Job([prompt], params, ResponsesShape(serving, req, tools, mode, max_tokens), req.stream, source)
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from ..request import StructuredOutputs
 from .errors import bad_request
+from .harmony import final_message as harmony_message
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "harmony")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MAX_TOOLS = 128
@@ -182,12 +183,21 @@ def parse_llama3_json(text: str) -> tuple[str, list[ToolCall]]:
     return "", calls
 
 
-PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+def parse_harmony(text: str) -> tuple[str, list[ToolCall]]:
+    """gpt-oss: the final channel's text and the `to=functions.NAME` calls (reasoning dropped)."""
+    content, _, calls = harmony_message(text, True)
+    return content or "", [ToolCall(name, args) for name, args in calls]
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "harmony": parse_harmony}
 
 
 def default_parser(tok) -> str:
-    """The family's parser: Llama-3 templates (python_tag / ipython) use llama3_json, others Hermes."""
+    """The family's parser: gpt-oss templates (harmony's <|channel|>) use harmony, Llama-3 templates
+    (python_tag / ipython) llama3_json, others Hermes."""
     template = str(getattr(tok.tokenizer, "chat_template", "") or "")
+    if "<|channel|>" in template:
+        return "harmony"
     return "llama3_json" if ("<|python_tag|>" in template or "ipython" in template) else "hermes"
 
 
