@@ -183,6 +183,30 @@ def test_gguf_matches_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(ref, PROMPTS[2:], 12)[0]
 
 
+@pytest.mark.parametrize("family,qtype", [("gemma3_hd", "F32"), ("gemma3_hd", "Q8_0"), ("phi3", "F32"),
+                                          ("phi4_mini", "F32")])
+def test_gguf_gemma3_and_phi3_match_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager_pipeline, hf_logits,
+                                                      hf_greedy, gguf_tools, tmp_path):
+    """Files as llama.cpp's converter writes them: `gemma3` (norm scales stored with the 1 added,
+    window layers by its fixed period of 6, the window layers' rope base, linear scaling on the global
+    ones, the soft cap) and `phi3` (fused qkv and gate/up, long-rope factors as tensors, partial
+    rotary as the rope dims); Q8_0 against transformers on the file's dequantized values."""
+    from stagewise.checkpoint.files import load_hf_config as config_of
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    path = tiny_gguf(family, qtype)
+    ref = model_dir if qtype == "F32" else gguf_tools.dequantized_hf_dir(model_dir, tmp_path / "dq", qtype)
+    mine, hf = config_of(path), config_of(model_dir)
+    assert mine.architectures == hf.architectures
+    if family.startswith("gemma3"):
+        assert (mine.layer_types, mine.sliding_window) == (hf.layer_types, hf.sliding_window)
+    prompts = _prompts(model_dir)
+    for pp in (1, 2):
+        pipe = eager_pipeline(path, pp_size=pp)
+        torch.testing.assert_close(pipe.prefill_logits(prompts[0]), hf_logits(ref, prompts[0]),
+                                   atol=1e-4 if qtype == "F32" else 2e-3, rtol=0)
+        assert pipe.greedy(prompts[-1], 12) == hf_greedy(ref, prompts[-1:], 12)[0]
+
+
 @pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3"])
 def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eager_pipeline, tp_threads):
     """Heads split over 2 ranks (window layers, no-rope layers and multipliers included)."""
