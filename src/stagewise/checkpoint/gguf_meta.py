@@ -64,9 +64,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm3": dict(model_type="smollm3", dtype=None, pad_token_id=None, sliding_window=None,
                     use_sliding_window=False),
     # llama.cpp's Gemma 3 has no attention soft-capping and a tanh GeGLU; Phi-3 files have no working window
-    "gemma3": dict(model_type="gemma3_text", dtype=None, pad_token_id=None, attn_logit_softcapping=None,
+    "gemma3": dict(model_type="gemma3_text", dtype=None, pad_token_id=0, attn_logit_softcapping=None,
                    final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
-    "phi3": dict(model_type="phi3", dtype=None, pad_token_id=None, sliding_window=None),
+    "phi3": dict(model_type="phi3", dtype=None, pad_token_id=32000, sliding_window=None),
     # llama.cpp's gpt-oss: the clamped SwiGLU's constants are fixed in its graph, not stored
     "gpt-oss": dict(model_type="gpt_oss", dtype=None, pad_token_id=None, swiglu_alpha=1.702, swiglu_limit=7.0),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
@@ -444,7 +444,7 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
                 max_position_embeddings=int(get("context_length") or 2048),
                 rms_norm_eps=float(get("attention.layer_norm_rms_epsilon") or 1e-6),
                 rope_parameters={**_rope_parameters(facts, get, head_dim, path),
-                                 **({"partial_rotary_factor": rotated / head_dim} if rotated != head_dim else {})},
+                                 **({"partial_rotary_factor": rotated / head_dim} if arch == "phi3" else {})},
                 hidden_act="silu",
                 attention_bias="blk.0.attn_q.bias" in facts.shapes, mlp_bias="blk.0.ffn_up.bias" in facts.shapes)
 

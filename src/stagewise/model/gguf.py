@@ -137,7 +137,7 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
         return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]
     if arch == "gpt2" and kind in _GPT2_TRANSPOSED and not isinstance(tensor, QuantizedWeight) and tensor.dim() == 2:
         return tensor.t()
-    if arch == "gemma3" and kind.endswith("norm"):
+    if arch == "gemma3" and kind.endswith("norm") and isinstance(tensor, torch.Tensor):
         # llama.cpp's converter stores Gemma's `(1 + w)` norm scales with the 1 added; taking it off again
         # is exact for weights in [-0.5, 1] (Sterbenz), so `1 + w` below gives the file's value back
         return tensor - 1.0
