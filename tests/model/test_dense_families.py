@@ -233,3 +233,25 @@ def test_gemma3_quantized_at_load_keeps_its_embedding_scale(gemma3_dir, eager_pi
     pipe = eager_pipeline(gemma3_dir, quantization="int8")
     assert type(pipe.stages[0].embed_tokens) is ScaledEmbedding
     assert (pipe.prefill_logits(PROMPTS[1]) - full).abs().max() < 0.1 * full.abs().max()
+
+
+@pytest.mark.parametrize("pattern,want", [(3, "SSGSSG"), ([True, False, True, True, True, False], "SGSSSG"),
+                                          (1, "GGGGGG")])
+def test_gguf_gemma3_window_layers_follow_the_pattern_key(pattern, want, gemma3_hd_dir, gguf_tools, tmp_path):
+    """`gemma3.attention.sliding_window_pattern`, a period (the last layer of each global) or a flag per layer."""
+    import gguf
+    from transformers import AutoConfig
+
+    from stagewise.checkpoint.files import load_hf_config
+    config = AutoConfig.from_pretrained(gemma3_hd_dir)
+    writer = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "gemma3")
+    gguf_tools.write_hparams(writer, config, "gemma3")
+    writer.add_sliding_window_pattern(pattern)
+    for name, array in gguf_tools.gguf_tensors(gemma3_hd_dir, config, "gemma3").items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    kinds = load_hf_config(tmp_path / "p.gguf").layer_types
+    assert "".join("S" if k == "sliding_attention" else "G" for k in kinds) == want
