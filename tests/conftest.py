@@ -86,9 +86,10 @@ def _family_config(family: str, vocab: int):
         return tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
                              rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                              sliding_window=None, **common)
-    if family == "gemma3":  # 6 layers: 5 window layers (window 8) then a global one; soft-capped logits
+    if family in ("gemma3", "gemma3_hd"):  # 6 layers: 5 window layers (window 8) then a global one; soft-capped
+        # logits; `gemma3_hd`: softmax scale 1/sqrt(head size), as the released 1B-12B (and GGUF files) have it
         return tf.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                                   query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                   query_pre_attn_scalar=24 if family == "gemma3" else 16, final_logit_softcapping=30.0,
                                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                        "rope_theta": 100000.0},
                                                     "sliding_attention": {"rope_type": "default",
@@ -123,7 +124,7 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
-    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2") else tf.Gemma3ForCausalLM if family == "gemma3"
+    cls = (tf.GPT2LMHeadModel if family.startswith("gpt2") else tf.Gemma3ForCausalLM if family.startswith("gemma3")
            else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
@@ -173,6 +174,7 @@ phi3_dir = _family_fixture("phi3")
 phi3_short_dir = _family_fixture("phi3_short")
 phi4_mini_dir = _family_fixture("phi4_mini")
 gemma3_dir = _family_fixture("gemma3")
+gemma3_hd_dir = _family_fixture("gemma3_hd")
 gpt_oss_dir = _family_fixture("gpt_oss")
 
 

@@ -16,7 +16,7 @@ import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "olmo2": "olmo2",
-             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss"}
+             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss", "gemma3_text": "gemma3", "phi3": "phi3"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -29,7 +29,67 @@ def _rope_theta(config) -> float:
     return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
 
 
+def _write_gemma3_hparams(writer, config) -> None:
+    """What llama.cpp's Gemma3Model writes (its base class's keys and its own): the global layers'
+    rope (base, linear scaling), the window layers' base, the window; no window pattern (6 is fixed)."""
+    import gguf
+    rope = config.rope_parameters
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if rope["full_attention"].get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def _write_phi3_hparams(writer, config) -> None:
+    """What llama.cpp's Phi3MiniModel writes: rope dims from `partial_rotary_factor`, the original
+    context length, window 0; with long-rope its attention factor (the factors: `_phi3_rope_factors`)."""
+    rope = config.rope_parameters
+    # the converter mirrors the config's top-level original length into its rope parameters
+    heads = config.num_attention_heads
+    orig = rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(orig)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = config.max_position_embeddings / orig
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+
+
+def _phi3_rope_factors(config) -> dict[str, np.ndarray]:
+    """Phi3MiniModel.generate_extra_tensors: long-rope's factors as two F32 tensors."""
+    rope = config.rope_parameters
+    if not rope.get("long_factor"):
+        return {}
+    return {f"rope_factors_{kind}.weight": np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            for kind in ("long", "short")}
+
+
 def _write_hparams(writer, config, arch: str) -> None:
+    if arch == "gemma3":
+        return _write_gemma3_hparams(writer, config)
+    if arch == "phi3":
+        return _write_phi3_hparams(writer, config)
     if arch == "gpt2":
         writer.add_context_length(config.n_positions)
         writer.add_embedding_length(config.n_embd)
@@ -119,6 +179,11 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
         elif arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             array = array.T
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array + 1.0                 # Gemma3Model.norm_shift: the `1 + w` of Gemma's RMSNorm
+        if arch == "gemma3" and hf_name.endswith("embed_tokens.weight"):    # its out-of-vocabulary rows cut
+            tok = json.loads((hf_dir / "tokenizer.json").read_text())
+            array = array[:len(tok["model"]["vocab"]) + len(tok["added_tokens"])]
         if hf_name.endswith("shared_expert_gate.weight"):
             array = array.reshape(-1)             # the converter squeezes the [1, H] gate
         out[name] = np.ascontiguousarray(array, dtype=np.float32)
@@ -128,6 +193,8 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
         out[name] = np.ascontiguousarray(np.stack([by_expert[e] for e in sorted(by_expert)]), dtype=np.float32)
     if arch == "gpt2":
         out["output.weight"] = out["token_embd.weight"]  # the converter writes GPT-2's tied head out
+    if arch == "phi3":
+        out.update(_phi3_rope_factors(config))
     rope_freqs = _llama3_rope_freqs(config) if arch == "llama" else None
     if rope_freqs is not None:
         out["rope_freqs.weight"] = rope_freqs

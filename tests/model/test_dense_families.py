@@ -183,6 +183,30 @@ def test_gguf_matches_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(ref, PROMPTS[2:], 12)[0]
 
 
+@pytest.mark.parametrize("family,qtype", [("gemma3_hd", "F32"), ("gemma3_hd", "Q8_0"), ("phi3", "F32"),
+                                          ("phi4_mini", "F32")])
+def test_gguf_gemma3_and_phi3_match_hf_at_pp1_and_pp2(family, qtype, request, tiny_gguf, eager_pipeline, hf_logits,
+                                                      hf_greedy, gguf_tools, tmp_path):
+    """Files as llama.cpp's converter writes them: `gemma3` (norm scales stored with the 1 added,
+    window layers by its fixed period of 6, the window layers' rope base, linear scaling on the global
+    ones, the soft cap) and `phi3` (fused qkv and gate/up, long-rope factors as tensors, partial
+    rotary as the rope dims); Q8_0 against transformers on the file's dequantized values."""
+    from stagewise.checkpoint.files import load_hf_config as config_of
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    path = tiny_gguf(family, qtype)
+    ref = model_dir if qtype == "F32" else gguf_tools.dequantized_hf_dir(model_dir, tmp_path / "dq", qtype)
+    mine, hf = config_of(path), config_of(model_dir)
+    assert mine.architectures == hf.architectures
+    if family.startswith("gemma3"):
+        assert (mine.layer_types, mine.sliding_window) == (hf.layer_types, hf.sliding_window)
+    prompts = _prompts(model_dir)
+    for pp in (1, 2):
+        pipe = eager_pipeline(path, pp_size=pp)
+        torch.testing.assert_close(pipe.prefill_logits(prompts[0]), hf_logits(ref, prompts[0]),
+                                   atol=1e-4 if qtype == "F32" else 2e-3, rtol=0)
+        assert pipe.greedy(prompts[-1], 12) == hf_greedy(ref, prompts[-1:], 12)[0]
+
+
 @pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3"])
 def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eager_pipeline, tp_threads):
     """Heads split over 2 ranks (window layers, no-rope layers and multipliers included)."""
@@ -209,3 +233,25 @@ def test_gemma3_quantized_at_load_keeps_its_embedding_scale(gemma3_dir, eager_pi
     pipe = eager_pipeline(gemma3_dir, quantization="int8")
     assert type(pipe.stages[0].embed_tokens) is ScaledEmbedding
     assert (pipe.prefill_logits(PROMPTS[1]) - full).abs().max() < 0.1 * full.abs().max()
+
+
+@pytest.mark.parametrize("pattern,want", [(3, "SSGSSG"), ([True, False, True, True, True, False], "SGSSSG"),
+                                          (1, "GGGGGG")])
+def test_gguf_gemma3_window_layers_follow_the_pattern_key(pattern, want, gemma3_hd_dir, gguf_tools, tmp_path):
+    """`gemma3.attention.sliding_window_pattern`, a period (the last layer of each global) or a flag per layer."""
+    import gguf
+    from transformers import AutoConfig
+
+    from stagewise.checkpoint.files import load_hf_config
+    config = AutoConfig.from_pretrained(gemma3_hd_dir)
+    writer = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "gemma3")
+    gguf_tools.write_hparams(writer, config, "gemma3")
+    writer.add_sliding_window_pattern(pattern)
+    for name, array in gguf_tools.gguf_tensors(gemma3_hd_dir, config, "gemma3").items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    kinds = load_hf_config(tmp_path / "p.gguf").layer_types
+    assert "".join("S" if k == "sliding_attention" else "G" for k in kinds) == want

@@ -151,8 +151,9 @@ def _write_variant(tools, llama_dir, out: Path, arch: str | None = None, bad_typ
 @pytest.mark.parametrize("case,message", [
     ("truncated", "is truncated or damaged"),
     ("not_gguf", "is not a GGUF file"),
-    ("unknown_arch", "holds a 'phi3' model, which stagewise cannot run from GGUF; supported GGUF architectures: "
-                     "gpt-oss, gpt2, granite, llama, olmo2, olmoe, qwen2, qwen2moe, qwen3, qwen3moe, smollm3."),
+    ("unknown_arch", "holds a 'phi2' model, which stagewise cannot run from GGUF; supported GGUF architectures: "
+                     "gemma3, gpt-oss, gpt2, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
+                     "smollm3."),
     ("bad_quant", "Tensor blk.0.attn_q.weight in .* is stored as Q8_1, which stagewise cannot dequantize"),
 ])
 def test_bad_gguf_gets_one_sentence(case, message, tiny_gguf, llama_dir, tmp_path, capsys, gguf_tools):
@@ -163,7 +164,7 @@ def test_bad_gguf_gets_one_sentence(case, message, tiny_gguf, llama_dir, tmp_pat
     elif case == "not_gguf":
         path.write_text("not a model\n")
     else:
-        _write_variant(gguf_tools, llama_dir, path, arch="phi3" if case == "unknown_arch" else None,
+        _write_variant(gguf_tools, llama_dir, path, arch="phi2" if case == "unknown_arch" else None,
                        bad_type=case == "bad_quant")
     with pytest.raises(ValueError, match=message):
         load_model(path, stage_infos(4, 1)[0], torch.float32)

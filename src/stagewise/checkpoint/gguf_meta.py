@@ -39,7 +39,8 @@ log = logging.getLogger("stagewise.checkpoint")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                      "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel",
+                      "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -62,6 +63,10 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "granite": dict(model_type="granite", dtype=None, pad_token_id=None),
     "smollm3": dict(model_type="smollm3", dtype=None, pad_token_id=None, sliding_window=None,
                     use_sliding_window=False),
+    # llama.cpp's Gemma 3 has no attention soft-capping and a tanh GeGLU; Phi-3 files have no working window
+    "gemma3": dict(model_type="gemma3_text", dtype=None, pad_token_id=0, attn_logit_softcapping=None,
+                   final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(model_type="phi3", dtype=None, pad_token_id=32000, sliding_window=None),
     # llama.cpp's gpt-oss: the clamped SwiGLU's constants are fixed in its graph, not stored
     "gpt-oss": dict(model_type="gpt_oss", dtype=None, pad_token_id=None, swiglu_alpha=1.702, swiglu_limit=7.0),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
@@ -104,6 +109,7 @@ class GGUFFacts(NamedTuple):
     types: dict           # tensor name -> GGML type name (F32, Q4_K, ...)
     rope_freqs: list | None  # per-frequency rope divisors (llama3-style long-context rope), if stored
     tensors: tuple = ()   # GGUFTensor per tensor, in file order
+    rope_factors: dict | None = None  # Phi-3 long-rope: "long"/"short" -> per-frequency factors, if stored
 
 
 def _file_key(path: str | Path) -> tuple[str, int, int]:
@@ -269,7 +275,9 @@ def _read_header(file, size: int) -> GGUFFacts:
     by_name = {t.name: t for t in tensors}
     return GGUFFacts(meta, {t.name: tuple(reversed(t.shape)) for t in tensors},
                      {t.name: GGMLType(t.tensor_type).name for t in tensors},
-                     _rope_divisors(file, by_name.get("rope_freqs.weight"), header.order), tuple(tensors))
+                     _rope_divisors(file, by_name.get("rope_freqs.weight"), header.order), tuple(tensors),
+                     {kind: _rope_divisors(file, by_name[f"rope_factors_{kind}.weight"], header.order)
+                      for kind in ("long", "short") if f"rope_factors_{kind}.weight" in by_name} or None)
 
 
 def _rope_divisors(file, tensor: GGUFTensor | None, order: str) -> list | None:
@@ -278,7 +286,7 @@ def _rope_divisors(file, tensor: GGUFTensor | None, order: str) -> list | None:
     import numpy as np
     dtypes = {0: "f4", 1: "f2"}               # GGML F32, F16
     if tensor.tensor_type not in dtypes:
-        raise _Damaged(f"rope_freqs.weight is stored as type {tensor.tensor_type}, not F32 or F16")
+        raise _Damaged(f"{tensor.name} is stored as type {tensor.tensor_type}, not F32 or F16")
     file.seek(tensor.data_offset)
     return np.frombuffer(file.read(tensor.n_bytes), dtype=order + dtypes[tensor.tensor_type]).astype("float64").tolist()
 
@@ -322,6 +330,10 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
         kwargs.update(_granite_kwargs(facts, kwargs["head_dim"], path))
     if arch == "smollm3":   # every 4th layer without rope: llama.cpp's fixed rule (its files carry no key)
         kwargs["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(kwargs["num_hidden_layers"])]
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(facts, kwargs, path))
+    if arch == "phi3":
+        kwargs.update(_phi3_kwargs(facts, kwargs, path))
     moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
     if moe and arch == "llama":
         common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])
@@ -339,6 +351,49 @@ def _gpt_oss_kwargs(facts: GGUFFacts, moe: dict, layers: int) -> dict:
                 layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
                 gguf_expert_types={kind: facts.types.get(f"blk.0.{kind}.weight")
                                    for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")})
+
+
+def _gemma3_kwargs(facts: GGUFFacts, kwargs: dict, path: Path) -> dict:
+    """Gemma 3 as llama.cpp runs it: window layers by `attention.sliding_window_pattern` (a period,
+    6 when absent, the last layer of each period global; or a flag per layer), their rope base
+    `rope.freq_base_swa` (10000 when absent) unscaled; the softmax scale 1/sqrt(head size), or
+    1/sqrt(hidden / heads) for the 62-layer (27B) model: llama.cpp's rule, as the files store no
+    `query_pre_attn_scalar`."""
+    get = _metadata_getter(facts, "gemma3", path)
+    layers, window = int(kwargs["num_hidden_layers"]), int(get("attention.sliding_window") or 0)
+    pattern = get("attention.sliding_window_pattern")
+    if window <= 0:
+        flags = [False] * layers
+    elif isinstance(pattern, list):
+        flags = [bool(flag) for flag in pattern][:layers]
+    else:
+        period = int(pattern or 6)
+        flags = [period > 1 and i % period < period - 1 for i in range(layers)]
+    scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"] if layers == 62 else kwargs["head_dim"]
+    softcap = get("final_logit_softcapping")
+    return dict(layer_types=["sliding_attention" if f else "full_attention" for f in flags],
+                sliding_window=window if window > 0 else None, query_pre_attn_scalar=scalar,
+                final_logit_softcapping=float(softcap) if softcap else None,
+                rope_parameters={"full_attention": kwargs["rope_parameters"],
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": float(get("rope.freq_base_swa") or 10000.0)}})
+
+
+def _phi3_kwargs(facts: GGUFFacts, kwargs: dict, path: Path) -> dict:
+    """Phi-3 / Phi-4: long-rope from the factors llama.cpp stores as tensors (`rope_factors_long`,
+    `rope_factors_short`) and the original context length; no window (llama.cpp disables Phi's)."""
+    get = _metadata_getter(facts, "phi3", path)
+    rope, factors = dict(kwargs["rope_parameters"]), facts.rope_factors or {}
+    original = get("rope.scaling.original_context_length")
+    if factors:
+        if set(factors) != {"long", "short"} or original is None:
+            raise ValueError(f"{path} stores only part of Phi-3's long-rope settings (rope_factors_long, "
+                             f"rope_factors_short and rope.scaling.original_context_length are all needed); "
+                             f"convert the model again.")
+        rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"])
+    if original is not None:
+        rope["original_max_position_embeddings"] = int(original)
+    return dict(rope_parameters=rope, original_max_position_embeddings=int(original) if original else None)
 
 
 def _moe_kwargs(facts: GGUFFacts, arch: str) -> dict:
@@ -379,7 +434,8 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
     get = _metadata_getter(facts, arch, path)
     hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
     head_dim = int(get("attention.key_length") or hidden // heads)
-    if int(get("rope.dimension_count") or head_dim) != head_dim:
+    rotated = int(get("rope.dimension_count") or head_dim)
+    if rotated != head_dim and arch != "phi3":     # Phi-4-mini rotates part of each head
         raise ValueError(f"{path} rotates only part of each head (rope.dimension_count "
                          f"{get('rope.dimension_count')} < head size {head_dim}), which stagewise does not support.")
     return dict(hidden_size=hidden, intermediate_size=int(get("feed_forward_length", required=True)),
@@ -387,7 +443,9 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
                 num_key_value_heads=int(get("attention.head_count_kv") or heads), head_dim=head_dim,
                 max_position_embeddings=int(get("context_length") or 2048),
                 rms_norm_eps=float(get("attention.layer_norm_rms_epsilon") or 1e-6),
-                rope_parameters=_rope_parameters(facts, get, head_dim, path), hidden_act="silu",
+                rope_parameters={**_rope_parameters(facts, get, head_dim, path),
+                                 **({"partial_rotary_factor": rotated / head_dim} if arch == "phi3" else {})},
+                hidden_act="silu",
                 attention_bias="blk.0.attn_q.bias" in facts.shapes, mlp_bias="blk.0.ffn_up.bias" in facts.shapes)
 
 

@@ -2,10 +2,11 @@
 
 Owns the tensor side of GGUF: llama.cpp tensor names -> the HF names the stage models load,
 undoing the converter's layout changes (Llama/Mistral Q/K rows permuted for llama.cpp's rotary
-layout, GPT-2 projections transposed). Tensors of a type with a quantized kernel stay in their own
-bytes (`model.quantized`; `gguf_scheme` says which); F32/F16/BF16 and other quant types are
-dequantized into the engine dtype. A stage reads only its own tensors, one at a time, with pread
-(no file pages mapped into the process). Metadata -> config lives in `stagewise.checkpoint.gguf_meta`.
+layout, GPT-2 projections transposed, Gemma 3's norm scales stored with 1 added). Tensors of a
+type with a quantized kernel stay in their own bytes (`model.quantized`; `gguf_scheme` says which);
+F32/F16/BF16 and other quant types are dequantized into the engine dtype. A stage reads only its
+own tensors, one at a time, with pread (no file pages mapped into the process). Metadata -> config
+lives in `stagewise.checkpoint.gguf_meta`.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ _LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
 # OLMo 2: norms after attention and MLP, no input norm (llama.cpp keeps HF's rotate-half q/k rows)
 _OLMO2_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# Gemma 3: norms before and after attention and MLP (llama.cpp's ffn_norm is the one before the MLP)
+_GEMMA3_BLOCK = {**_OLMO2_BLOCK, "ffn_norm": "pre_feedforward_layernorm"}
+# Phi-3 / Phi-4: q/k/v and gate/up fused as the checkpoint holds them
+_PHI3_BLOCK = {**_LLAMA_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GPT2_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
                "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -52,7 +57,8 @@ _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "gpt-oss": (_LLAMA_TOP, _GPT_OSS_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
-          "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
+          "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gemma3": (_LLAMA_TOP, _GEMMA3_BLOCK, "model.layers"),
+          "phi3": (_LLAMA_TOP, _PHI3_BLOCK, "model.layers"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 # the archs whose converter (llama.cpp's LlamaModel and its subclasses) permutes the q/k rows
 _PERMUTED_QK = ("llama", "granite", "smollm3")
@@ -131,6 +137,10 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
         return tensor.take_rows(index) if isinstance(tensor, QuantizedWeight) else tensor[index]
     if arch == "gpt2" and kind in _GPT2_TRANSPOSED and not isinstance(tensor, QuantizedWeight) and tensor.dim() == 2:
         return tensor.t()
+    if arch == "gemma3" and kind.endswith("norm") and isinstance(tensor, torch.Tensor):
+        # llama.cpp's converter stores Gemma's `(1 + w)` norm scales with the 1 added; taking it off again
+        # is exact for weights in [-0.5, 1] (Sterbenz), so `1 + w` below gives the file's value back
+        return tensor - 1.0
     if kind.endswith("_inp_shexp") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
         return tensor[None]        # the converter squeezes the shared expert's [1, H] gate to [H]
     return tensor
