@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 # PEFT target name -> (the block's attribute path of our projection, the fused part it is)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", "q_proj"), "k_proj": ("self_attn.qkv_proj", "k_proj"),
@@ -76,6 +75,7 @@ def _read_weights(name: str, root: Path) -> dict[tuple[int, str], tuple[torch.Te
     files = sorted(root.glob("adapter_model*.safetensors"))
     if not files:
         raise ValueError(f"LoRA adapter {name!r}: {root} has no adapter_model.safetensors.")
+    from safetensors.torch import load_file  # here: a run without adapters never loads safetensors
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
