@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..config import cache_root
-from ..kernels import kv_quant
 
 if TYPE_CHECKING:
     import torch
@@ -332,6 +331,7 @@ def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block
     """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`),
     and, for a format other than `dtype`, the block's share of the dense copy of one layer that
     attention reads a stored layer through (model/attention.py: one per stage, resident as used)."""
+    from ..kernels import kv_quant  # here: the plan's arithmetic is read by processes that never load torch
     row = kv_quant.row_bytes(kv_dtype, head_dim, dtype)
     stored = 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
     same = kv_quant.storage_dtype(kv_dtype, dtype) == dtype
