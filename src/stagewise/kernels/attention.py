@@ -129,8 +129,15 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             scale: float, per_sequence: bool | None = None) -> torch.Tensor:
     _check_decode(q, kv_cache, block_tables, seq_lens)
+    return _run_decode(q, kv_cache, block_tables, seq_lens, scale, per_sequence, "")
+
+
+def _run_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                scale: float, per_sequence: bool | None, fmt: str) -> torch.Tensor:
+    """Call the C decode kernel of q's dtype and the cache's format (`fmt`: "" dense, "q8_0", "q4_0")
+    on checked arguments; a row of the cache is its last dimension (values, or a stored row's bytes)."""
     g, hq, d = q.shape
-    _, nb, bs, hkv, _ = kv_cache.shape
+    _, nb, bs, hkv, row = kv_cache.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
@@ -141,10 +148,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     # a task per sequence reads each key row once; with fewer than two sequences per thread, a
     # task per (sequence, KV head) keeps every thread busy (the two give identical results)
     per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
-    name = "f32" if q.dtype == torch.float32 else "bf16"
+    name = ("f32" if q.dtype == torch.float32 else "bf16") + (f"_{fmt}" if fmt else "")
     fn = getattr(lib, f"decode_attention16_{name}", None) if d % 16 == 0 else None
     fn = fn or getattr(lib, f"decode_attention_{name}")
-    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * d, nb,
+    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * row, nb,
              tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), g, hq, hkv, d, bs, scale,
              hkv if per_seq else 1, out.data_ptr())
     if bad:
@@ -196,24 +203,7 @@ def _decode_stored(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                   seq_lens)
     if not kv_cache.is_contiguous():
         raise ValueError("stagewise decode attention: the stored cache must be contiguous.")
-    g, hq, d = q.shape
-    _, nb, bs, hkv, row = kv_cache.shape
-    q = q if q.stride(2) == 1 and q.stride(1) == d else q.contiguous()
-    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("The in-place decode attention kernel is not available on this machine.")
-    out = q.new_empty(g, hq, d)
-    per_seq = g >= 2 * torch.get_num_threads() if per_sequence is None else per_sequence
-    name = "f32" if q.dtype == torch.float32 else "bf16"
-    fn = getattr(lib, f"decode_attention16_{name}_{fmt}", None) if d % 16 == 0 else None
-    fn = fn or getattr(lib, f"decode_attention_{name}_{fmt}")
-    bad = fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), bs * hkv * row, nb,
-             tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), g, hq, hkv, d, bs, scale,
-             hkv if per_seq else 1, out.data_ptr())
-    if bad:
-        raise _bad_table(bad - 1, kv_cache, tables, lens)
-    return out
+    return _run_decode(q, kv_cache, block_tables, seq_lens, scale, per_sequence, fmt)
 
 
 define("decode_attention_stored(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
