@@ -241,3 +241,15 @@ def test_mxfp4_checkpoint_directory_matches_hf_on_its_values(gpt_oss_dir, eager_
     for ids in PROMPTS:
         torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]
+
+
+def test_tokenizer_from_a_file_with_yarn_metadata(gpt_oss_dir, gguf_tools, tmp_path):
+    """transformers fails parsing gpt-oss's `rope.scaling.*` keys when it picks a tokenizer class from
+    a file's config; the file's own vocabulary is read anyway (no --tokenizer needed)."""
+    from transformers import AutoTokenizer
+
+    from stagewise.checkpoint.files import load_tokenizer
+    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=_gguf_tensors(gpt_oss_dir, False)[0])
+    ours, want = load_tokenizer(path), AutoTokenizer.from_pretrained(gpt_oss_dir)
+    text = "The pipeline has four stages, ünïcode 123!"
+    assert ours.encode(text) == want.encode(text, add_special_tokens=False) and ours.decode(ours.encode(text)) == text

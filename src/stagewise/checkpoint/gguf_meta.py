@@ -569,10 +569,15 @@ def _run_converter(path: Path, out: Path) -> None:
 def _convert_main(argv: list[str]) -> int:
     """The child process of `_run_converter`: transformers' fast tokenizer from the metadata of
     `argv[0]`, saved (tokenizer.json, tokenizer_config.json, chat_template.jinja) into `argv[1]`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     path, out = Path(argv[0]), Path(argv[1])
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except TypeError:
+            # transformers 5.23 fails parsing gpt-oss's `rope.scaling.*` keys while picking the tokenizer
+            # class from the file's config; the generic fast tokenizer reads only `tokenizer.ggml.*`
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         why = " ".join(str(exc).split())
         print(f"{_ERROR_PREFIX}Could not build a tokenizer from the metadata of {path} ({why}); pass "
