@@ -249,7 +249,8 @@ def test_tokenizer_from_a_file_with_yarn_metadata(gpt_oss_dir, gguf_tools, tmp_p
     from transformers import AutoTokenizer
 
     from stagewise.checkpoint.files import load_tokenizer
-    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=_gguf_tensors(gpt_oss_dir, False)[0])
+    tensors = _gguf_tensors(gpt_oss_dir, False)[0]
+    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=tensors)
     ours, want = load_tokenizer(path), AutoTokenizer.from_pretrained(gpt_oss_dir)
     text = "The pipeline has four stages, ünïcode 123!"
     assert ours.encode(text) == want.encode(text, add_special_tokens=False) and ours.decode(ours.encode(text)) == text
