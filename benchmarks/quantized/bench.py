@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default=DEFAULTS["out"], help="the model files' directory (make-models --out)")
     ap.add_argument("--files", default=",".join(TARGET_FILES),
                     help="files to run: 1B-class types (Q4_K_M, Q4_0, Q8_0, BF16, Q4_1, Q5_0, Q5_1, Q5_K_M, Q6_K) "
-                         "and 'smollm2' (the default model's Q4_1 file)")
+                         "and 'smollm2' (the default model's Q4_1 file), or paths of other .gguf files (make-shapes' "
+                         "files: run by token ids, named by their stem)")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ap.add_argument("--engines", default="llamacpp,stagewise", help="engines to run (llamacpp, stagewise)")
     ap.add_argument("--llamacpp-python", default=DEFAULTS["llamacpp_python"],
@@ -76,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     peer_process.OMP_WAIT_POLICY = args.omp_wait_policy
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
     args.files, args.engines, args.own_dtypes = split(args.files), split(args.engines), split(args.own_dtypes)
+    args.other_files = {Path(f).stem: Path(f) for f in args.files if f.endswith(".gguf")}
+    args.files = [Path(f).stem if f.endswith(".gguf") else f for f in args.files]
     args.offline_files, args.numerics_files = split(args.offline_files), split(args.numerics_files)
     args.threads = [int(t) for t in split(args.threads)]
     args.numerics = args.numerics or args.numerics_only
@@ -90,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def file_paths(args) -> dict[str, Path]:
     """Every requested file (plus the bf16 checkpoint), checked to exist before anything runs."""
-    p = model_paths(args.models)
+    p = {**model_paths(args.models), **args.other_files}
     files = {key: p["smollm2_q4_1" if key == "smollm2" else key] for key in
              {*args.files, *args.offline_files, *(args.numerics_files if args.numerics else [])}}
     files[CHECKPOINT] = p["hf_1b"]
