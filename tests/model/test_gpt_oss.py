@@ -144,8 +144,8 @@ def _gguf_tensors(hf_dir, mxfp4: bool) -> tuple[dict, dict]:
 @pytest.mark.parametrize("mxfp4", [False, True])
 def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipeline, hf_logits, hf_greedy,
                                             tmp_path, mxfp4):
-    """A `gpt-oss` GGUF file (experts F32 or MXFP4, held in their bytes and dequantized per routed
-    expert) against transformers on the values the file holds, at PP=1 and PP=2."""
+    """A `gpt-oss` GGUF file (experts F32 or MXFP4, held in their bytes and run by the MXFP4 kernels
+    per routed expert) against transformers on the values the file holds, at PP=1 and PP=2."""
     from safetensors.torch import load_file, save_file
 
     from stagewise.model.gpt_oss import ExpertStack
@@ -164,8 +164,22 @@ def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipel
     pipe = eager_pipeline(path)
     stacks = [m for m in pipe.stages[0].modules() if isinstance(m, ExpertStack)]
     assert len(stacks) == 9 and all((s.weight.dtype == torch.uint8) == mxfp4 for s in stacks)
+    if mxfp4:       # packed per expert into the kernels' panels: the file's 17 bytes per 32 weights
+        assert all(s.exact and s.weight.numel() == s.shape[0] * s.shape[1] * s.shape[2] // 32 * 17 for s in stacks)
     for ids in PROMPTS:
         torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    if mxfp4:       # the kernels' fast mode (8-bit activations per 32) on an expert: near, not equal
+        experts = pipe.stages[0].layers[0].mlp.experts
+        x = torch.randn(5, experts.gate_exps.shape[2], generator=torch.Generator().manual_seed(0))
+        exact = [experts.expert(x, e) for e in range(8)]
+        for s in stacks:
+            s.exact = False
+        for e in range(8):
+            fast = experts.expert(x, e)
+            assert not torch.equal(fast, exact[e])
+            torch.testing.assert_close(fast, exact[e], atol=0.02 * exact[e].abs().max().item(), rtol=0)
+        for s in stacks:
+            s.exact = True
     assert eager_pipeline(path, pp_size=2).greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]
 
 

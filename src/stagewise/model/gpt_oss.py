@@ -5,8 +5,9 @@ bias (top-k of the logits, softmax over the k) and whose experts have biases and
 Experts are held as their checkpoint stores them: from a directory as transformers does
 (`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`, or the
 released MXFP4 `*_blocks` / `*_scales`), from a GGUF file as llama.cpp stacks them
-(`ffn_{gate,up,down}_exps` `[E, rows, K]`); MXFP4 stays in its bytes and is dequantized one
-routed expert at a time, so a step reads only the routed experts.
+(`ffn_{gate,up,down}_exps` `[E, rows, K]`). MXFP4 stays in its bytes: a GGUF file's experts are
+packed per expert into the quantized kernels' panels and run through them; a directory's are
+dequantized one routed expert at a time. Either way a step reads only the routed experts.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from stagewise.checkpoint.gguf_meta import GGMLType
-from stagewise.kernels.quant_formats import mxfp4_values
+from stagewise.kernels import quant, quant_pack
+from stagewise.kernels.quant import QuantizedWeight
 from stagewise.model.attention import ForwardBatch
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
 from stagewise.model.moe import RouterLinear, grouped_by_expert, num_experts_of
@@ -96,35 +98,59 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) ->
 
 
 class ExpertStack(nn.Module):
-    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` (float, or MXFP4
-    bytes `[E, R, K / 32 * 17]` that the loader fills as stored) and `bias` `[E, R]`."""
+    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` float, or MXFP4
+    packed per expert into the quantized kernels' panels (`[E, panels, panel_bytes]`: the file's
+    bytes reordered, no float copy), and `bias` `[E, R]`. `exact`: the quantized layers' mode (set
+    with theirs at load: float32 activations, else 8-bit ones)."""
 
     def __init__(self, num_experts: int, rows: int, k: int, stored: str | None, dtype: torch.dtype):
         super().__init__()
-        self.shape, self.mxfp4 = (num_experts, rows, k), stored == "MXFP4"
+        self.shape, self.mxfp4, self.exact = (num_experts, rows, k), stored == "MXFP4", True
         if self.mxfp4 and k % 32:
             raise ValueError(f"MXFP4 expert rows hold blocks of 32 values, but these rows have {k}; the GGUF "
                              f"file is inconsistent.")
         self.raw_types = (GGMLType.MXFP4,) if self.mxfp4 else ()
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, k // 32 * 17, dtype=torch.uint8), False) \
-            if self.mxfp4 else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
+        self.holds_quantized = self.mxfp4      # its mode set with the quantized layers' (`exact`)
+        packed = (num_experts, quant_pack.num_panels(rows), quant_pack.panel_bytes(GGMLType.MXFP4, k))
+        self.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8), False) if self.mxfp4 \
+            else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype))
 
     def held_weights(self) -> dict[str, tuple[int, ...]]:
         return {"weight": self.shape} if self.mxfp4 else {}
 
     def load_rows(self, name: str, start: int, value) -> None:
-        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), kept in its bytes."""
+        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), each expert packed from its bytes."""
         if getattr(value, "qtype", None) != GGMLType.MXFP4 or tuple(value.shape) != self.shape:
             raise ValueError(f"Tensor {name} must be MXFP4 of shape {self.shape} like the file's other expert "
                              f"tensors, not {getattr(value, 'qtype', 'float')} {tuple(value.shape)}.")
+        e, rows, k = self.shape
+        raw = value.data.reshape(e, -1)
         with torch.no_grad():
-            self.weight.copy_(value.data.view(self.weight.shape))
+            for i in range(e):
+                self.weight[i].copy_(QuantizedWeight.from_gguf(raw[i], GGMLType.MXFP4, (rows, k)).pack().data)
+
+    def expert_weight(self, e: int) -> QuantizedWeight:
+        """Expert e's packed rows (a view: nothing copied)."""
+        return QuantizedWeight(GGMLType.MXFP4, self.shape[1:], self.weight[e], packed=True)
 
     def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """x `[n, K]` through expert e's rows (dequantized here when held as MXFP4) -> `[n, R]`."""
-        w = mxfp4_values(self.weight[e], self.shape[2]).to(x.dtype) if self.mxfp4 else self.weight[e]
-        return torch.nn.functional.linear(x, w, self.bias[e])
+        """x `[n, K]` through expert e's rows -> `[n, R]`."""
+        if not self.mxfp4:
+            return torch.nn.functional.linear(x, self.weight[e], self.bias[e])
+        return _mxfp4_linear(x, [self.expert_weight(e)], self.bias[e], self.exact)
+
+
+def _mxfp4_linear(x: torch.Tensor, weights: list[QuantizedWeight], bias: torch.Tensor, exact: bool) -> torch.Tensor:
+    """x through packed MXFP4 weights side by side: the quantized kernels on the CPU (x quantized once
+    for all of them), else (another device) their values dequantized on the CPU."""
+    if x.device.type != "cpu":
+        w = torch.cat([quant.dequantize(QuantizedWeight(q.qtype, q.shape, q.data.cpu(), True)) for q in weights])
+        return torch.nn.functional.linear(x, w.to(x.device, x.dtype), bias)
+    rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()     # the kernels' activation types
+    y = quant.linear(rows, weights[0], bias, exact) if len(weights) == 1 else \
+        quant.linear_cat(rows, weights, bias, exact)
+    return y.to(x.dtype)
 
 
 class GgufExperts(nn.Module):
@@ -139,7 +165,14 @@ class GgufExperts(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        act = _swiglu(self.gate_exps.linear(x, e), self.up_exps.linear(x, e), self.alpha, self.limit)
+        gate, up = self.gate_exps, self.up_exps
+        if gate.mxfp4 and up.mxfp4:      # one kernel call for both: the rows quantized once
+            bias = torch.cat([gate.bias[e], up.bias[e]])
+            both = _mxfp4_linear(x, [gate.expert_weight(e), up.expert_weight(e)], bias, gate.exact)
+            g, u = both.split(gate.shape[1], -1)
+            act = _swiglu(g, u, self.alpha, self.limit)
+        else:
+            act = _swiglu(gate.linear(x, e), up.linear(x, e), self.alpha, self.limit)
         return self.down_exps.linear(act, e)
 
 
