@@ -5,9 +5,9 @@ bias (top-k of the logits, softmax over the k) and whose experts have biases and
 Experts are held as their checkpoint stores them: from a directory as transformers does
 (`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`, or the
 released MXFP4 `*_blocks` / `*_scales`), from a GGUF file as llama.cpp stacks them
-(`ffn_{gate,up,down}_exps` `[E, rows, K]`). MXFP4 stays in its bytes: a GGUF file's experts are
-packed per expert into the quantized kernels' panels and run through them; a directory's are
-dequantized one routed expert at a time. Either way a step reads only the routed experts.
+(`ffn_{gate,up,down}_exps` `[E, rows, K]`). MXFP4 stays in its bytes: either layout is packed per
+expert at load into the MXFP4 kernels' panels and run through them, so a step reads only the
+routed experts.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch import nn
 from stagewise.checkpoint.gguf_meta import GGMLType
 from stagewise.kernels import quant, quant_pack
 from stagewise.kernels.quant import QuantizedWeight
+from stagewise.kernels.quant_formats import Fields
 from stagewise.model.attention import ForwardBatch
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
 from stagewise.model.moe import RouterLinear, grouped_by_expert, num_experts_of
@@ -38,57 +39,80 @@ class GptOssAttention(LlamaAttention):
         return sink_attention(batch, self.layer_id, q, k, v, self.scale, self.sinks, self.window, kv_written=written)
 
 
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def hf_mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """A transformers MXFP4 matrix (`*_blocks` `[R, K / 32, 16]`: low nibble the even value, high the
-    odd one; `*_scales` `[R, K / 32]`: E8M0, 2^(s - 127)) -> float32 `[R, K]`, as transformers'
-    `convert_moe_packed_tensors` computes it (before its transpose): one lookup per byte (its two
-    values), then the block's power of two (a product by 2^k is exact, as ldexp)."""
-    fp4 = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
-    every = torch.arange(256, device=blocks.device)
-    pairs = torch.stack([fp4[every & 0x0F], fp4[every >> 4]], -1)                 # [256, 2]
-    values = torch.nn.functional.embedding(blocks.long(), pairs).flatten(-2)      # [R, G, 32]
-    scale = torch.ldexp(torch.ones(scales.shape, device=blocks.device), scales.to(torch.int32) - 127)
-    return (values * scale[..., None]).flatten(-2)
+def _hf_mxfp4_pack(target: torch.Tensor, value: torch.Tensor, scales: bool) -> None:
+    """One expert's transformers MXFP4 `*_blocks` `[R, G, 16]` (low nibble element 2j, high 2j + 1:
+    not GGUF's j and j + 16) or `*_scales` `[R, G]` (E8M0: its value is GGUF's) into its part of
+    the expert's packed panels `target` `[P, G * 272]` (per chunk: 16 scale bytes, 256 of codes)."""
+    rows, groups = value.shape[:2]
+    if scales:
+        fields = Fields(GGMLType.MXFP4, torch.zeros(rows, groups * 32, dtype=torch.uint8), value)
+    else:
+        codes = torch.stack([value & 15, value >> 4], -1).reshape(rows, groups * 32)
+        fields = Fields(GGMLType.MXFP4, codes, torch.zeros(rows, groups, dtype=torch.uint8))
+    part = slice(0, 16) if scales else slice(16, None)
+    chunks = target.view(target.shape[0], groups, -1)
+    chunks[..., part] = quant_pack.encode(fields).view(chunks.shape)[..., part]
 
 
 class GptOssExperts(nn.Module):
-    """A layer's experts in transformers' layout (parameter names and shapes as the checkpoint's):
-    float, or MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, dequantized one
-    routed expert at a time)."""
+    """A layer's experts in transformers' layout (parameter names as the checkpoint's): float, or
+    MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, packed per expert at load
+    into the MXFP4 kernels' panels, held in `*_blocks`: the same bytes, no float copy)."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, dtype: torch.dtype,
                  mxfp4: bool = False):
         super().__init__()
         self.mxfp4, self.alpha, self.limit = mxfp4, alpha, limit
+        self.holds_quantized, self.exact = mxfp4, True       # its mode set with the quantized layers'
         if mxfp4:
             if hidden % 32 or inter % 32:
                 raise ValueError(f"MXFP4 experts hold blocks of 32 values, but hidden_size {hidden} or "
                                  f"intermediate_size {inter} is not a multiple of 32; config.json is wrong.")
-            u8 = lambda *shape: nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-            self.gate_up_proj_blocks = u8(num_experts, 2 * inter, hidden // 32, 16)
-            self.gate_up_proj_scales = u8(num_experts, 2 * inter, hidden // 32)
-            self.down_proj_blocks = u8(num_experts, hidden, inter // 32, 16)
-            self.down_proj_scales = u8(num_experts, hidden, inter // 32)
+            self.shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+            for proj, (rows, k) in self.shapes.items():
+                packed = (num_experts, quant_pack.num_panels(rows), quant_pack.panel_bytes(GGMLType.MXFP4, k))
+                setattr(self, f"{proj}_blocks", nn.Parameter(torch.empty(packed, dtype=torch.uint8), False))
+            self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}
+            for proj, (rows, k) in self.shapes.items():
+                self.checkpoint_shapes.update({f"{proj}_blocks": (num_experts, rows, k // 32, 16),
+                                               f"{proj}_scales": (num_experts, rows, k // 32)})
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter, dtype=dtype))
             self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
 
+    def held_weights(self) -> dict[str, tuple[int, ...]]:
+        return self.checkpoint_shapes if self.mxfp4 else {}
+
+    def load_rows(self, name: str, start: int, value) -> None:
+        """A checkpoint's `*_blocks` or `*_scales` (uint8, its shape), packed expert by expert."""
+        leaf = name.rpartition(".")[2]
+        want = self.checkpoint_shapes[leaf]
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or tuple(value.shape) != want:
+            raise ValueError(f"Checkpoint tensor {name} must be uint8 of shape {want} (MXFP4 experts), not "
+                             f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}.")
+        proj, _, part = leaf.rpartition("_")
+        target = getattr(self, f"{proj}_blocks")
+        with torch.no_grad():
+            for e in range(want[0]):
+                _hf_mxfp4_pack(target[e], value[e], part == "scales")
+
+    def expert_weight(self, proj: str, e: int) -> QuantizedWeight:
+        """Expert e's packed rows of `proj` (a view: nothing copied)."""
+        return QuantizedWeight(GGMLType.MXFP4, self.shapes[proj], getattr(self, f"{proj}_blocks")[e], packed=True)
+
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert `e` on rows x `[n, H]`: the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`,
         gate clamped above at `limit`, up to [-limit, limit]."""
-        if self.mxfp4:       # [out, in] rows: one expert dequantized
-            gate_up_w = hf_mxfp4_values(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e]).to(x.dtype).T
-            down_w = hf_mxfp4_values(self.down_proj_blocks[e], self.down_proj_scales[e]).to(x.dtype).T
+        if self.mxfp4:
+            gate_up = _mxfp4_linear(x, [self.expert_weight("gate_up_proj", e)], self.gate_up_proj_bias[e], self.exact)
         else:
-            gate_up_w, down_w = self.gate_up_proj[e], self.down_proj[e]
-        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]                 # [n, 2I], gate/up interleaved
+            gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]     # [n, 2I], gate/up interleaved
         act = _swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
-        return act @ down_w + self.down_proj_bias[e]
+        if self.mxfp4:
+            return _mxfp4_linear(act, [self.expert_weight("down_proj", e)], self.down_proj_bias[e], self.exact)
+        return act @ self.down_proj[e] + self.down_proj_bias[e]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
