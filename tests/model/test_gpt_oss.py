@@ -166,6 +166,8 @@ def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipel
     assert len(stacks) == 9 and all((s.weight.dtype == torch.uint8) == mxfp4 for s in stacks)
     if mxfp4:       # packed per expert into the kernels' panels: the file's 17 bytes per 32 weights
         assert all(s.exact and s.weight.numel() == s.shape[0] * s.shape[1] * s.shape[2] // 32 * 17 for s in stacks)
+        from stagewise.kernels.report import kernel_report
+        assert "gemm_mxfp4" in {k.family for k in kernel_report(pipe.stages[0])}
     for ids in PROMPTS:
         torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
     if mxfp4:       # the kernels' fast mode (8-bit activations per 32) on an expert: near, not equal

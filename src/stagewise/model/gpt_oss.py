@@ -63,7 +63,8 @@ class GptOssExperts(nn.Module):
                  mxfp4: bool = False):
         super().__init__()
         self.mxfp4, self.alpha, self.limit = mxfp4, alpha, limit
-        self.holds_quantized, self.exact = mxfp4, True       # its mode set with the quantized layers'
+        self.exact = True                                 # its mode set with the quantized layers'
+        self.held_qtype = GGMLType.MXFP4 if mxfp4 else None
         if mxfp4:
             if hidden % 32 or inter % 32:
                 raise ValueError(f"MXFP4 experts hold blocks of 32 values, but hidden_size {hidden} or "
@@ -134,7 +135,7 @@ class ExpertStack(nn.Module):
             raise ValueError(f"MXFP4 expert rows hold blocks of 32 values, but these rows have {k}; the GGUF "
                              f"file is inconsistent.")
         self.raw_types = (GGMLType.MXFP4,) if self.mxfp4 else ()
-        self.holds_quantized = self.mxfp4      # its mode set with the quantized layers' (`exact`)
+        self.held_qtype = GGMLType.MXFP4 if self.mxfp4 else None     # its mode set with the quantized layers'
         packed = (num_experts, quant_pack.num_panels(rows), quant_pack.panel_bytes(GGMLType.MXFP4, k))
         self.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8), False) if self.mxfp4 \
             else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))

@@ -234,10 +234,10 @@ def kind_scheme(kind: str) -> Scheme:
 def quantize_modules(model: nn.Module, scheme: Scheme | None, exact: bool) -> int:
     """Replace the linear layers and token embeddings of `model` (a StageModel, on the meta device)
     whose checkpoint tensors `scheme` holds quantized (None: none); returns how many were replaced.
-    Layers that hold quantized blocks themselves (`holds_quantized`: gpt-oss's MXFP4 experts) get
-    the same mode (`exact`)."""
+    Layers that hold quantized blocks themselves (`held_qtype`: gpt-oss's MXFP4 experts) get the
+    same mode (`exact`)."""
     for module in model.modules():
-        if getattr(module, "holds_quantized", False):
+        if getattr(module, "held_qtype", None) is not None:
             cast(Any, module).exact = exact
     if scheme is None:
         return 0
