@@ -10,6 +10,7 @@ rounding of the same computation done in float64 on x' (`_fast_oracle`)."""
 import ctypes
 import mmap
 
+import numpy as np
 import pytest
 import torch
 from quant_blocks import TYPES, random_blocks
@@ -286,3 +287,25 @@ def test_compiled_call_is_one_op():
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(x, w.data), quant.linear(x, w))
     assert torch.equal(compiled(x[:2], w.data), quant.linear(x[:2], w))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mxfp4_every_scale_and_code(variant):
+    """MXFP4's E8M0 scales over their whole range (2^-128 and 2^-127 subnormal, up to 2^127: fp16
+    would hold few of them) with every code: the kernels' values are gguf-py's bit for bit, read back
+    by the row kernel and by exact mode on one-hot rows (decode, few-row and many-row tiles)."""
+    from gguf.quants import dequantize as gguf_dequantize
+    n, k = 32, 256
+    data = random_blocks(T.MXFP4, n, k, torch.Generator().manual_seed(9))
+    data.view(n, k // 32, 17)[..., 0] = torch.arange(n * k // 32, dtype=torch.uint8).view(n, k // 32)
+    with np.errstate(over="ignore"):       # the largest scales times 6 overflow to inf, in both
+        want = torch.from_numpy(gguf_dequantize(data.numpy(), T.MXFP4)).reshape(n, k)
+    w = QuantizedWeight.from_gguf(data, T.MXFP4, (n, k)).pack()
+    got = quant_kernels.run_dequant_rows(w.data, int(T.MXFP4), n, k, torch.arange(n), torch.float32, variant)
+    assert torch.equal(got, want)
+    finite = want.isfinite().all(1)
+    eye = torch.eye(k)
+    for rows in (eye[7:8], eye[100:103], eye):
+        y = quant_kernels.run_linear(rows, w.data, None, int(T.MXFP4), n, True, True, variant)
+        cols = rows.argmax(1)
+        assert torch.equal(y[:, finite], want[finite][:, cols].T)

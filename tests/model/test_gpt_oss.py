@@ -144,8 +144,8 @@ def _gguf_tensors(hf_dir, mxfp4: bool) -> tuple[dict, dict]:
 @pytest.mark.parametrize("mxfp4", [False, True])
 def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipeline, hf_logits, hf_greedy,
                                             tmp_path, mxfp4):
-    """A `gpt-oss` GGUF file (experts F32 or MXFP4, held in their bytes and dequantized per routed
-    expert) against transformers on the values the file holds, at PP=1 and PP=2."""
+    """A `gpt-oss` GGUF file (experts F32 or MXFP4, held in their bytes and run by the MXFP4 kernels
+    per routed expert) against transformers on the values the file holds, at PP=1 and PP=2."""
     from safetensors.torch import load_file, save_file
 
     from stagewise.model.gpt_oss import ExpertStack
@@ -164,8 +164,24 @@ def test_gguf_file_matches_hf_on_its_values(gpt_oss_dir, gguf_tools, eager_pipel
     pipe = eager_pipeline(path)
     stacks = [m for m in pipe.stages[0].modules() if isinstance(m, ExpertStack)]
     assert len(stacks) == 9 and all((s.weight.dtype == torch.uint8) == mxfp4 for s in stacks)
+    if mxfp4:       # packed per expert into the kernels' panels: the file's 17 bytes per 32 weights
+        assert all(s.exact and s.weight.numel() == s.shape[0] * s.shape[1] * s.shape[2] // 32 * 17 for s in stacks)
+        from stagewise.kernels.report import kernel_report
+        assert "gemm_mxfp4" in {k.family for k in kernel_report(pipe.stages[0])}
     for ids in PROMPTS:
         torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
+    if mxfp4:       # the kernels' fast mode (8-bit activations per 32) on an expert: near, not equal
+        experts = pipe.stages[0].layers[0].mlp.experts
+        x = torch.randn(5, experts.gate_exps.shape[2], generator=torch.Generator().manual_seed(0))
+        exact = [experts.expert(x, e) for e in range(8)]
+        for s in stacks:
+            s.exact = False
+        for e in range(8):
+            fast = experts.expert(x, e)
+            assert not torch.equal(fast, exact[e])
+            torch.testing.assert_close(fast, exact[e], atol=0.02 * exact[e].abs().max().item(), rtol=0)
+        for s in stacks:
+            s.exact = True
     assert eager_pipeline(path, pp_size=2).greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]
 
 
@@ -208,11 +224,13 @@ def test_long_prompt_cut_by_the_mask_budget_matches_hf(gpt_oss_dir, eager_pipeli
 def test_mxfp4_checkpoint_directory_matches_hf_on_its_values(gpt_oss_dir, eager_pipeline, hf_logits, hf_greedy,
                                                              tmp_path):
     """The released checkpoints' layout (`*_blocks` / `*_scales` and `quantization_config` mxfp4): the
-    experts stay in their bytes; transformers' own dequantizer gives the reference's float experts."""
+    experts stay in their bytes (packed for the MXFP4 kernels, with transformers' values); transformers'
+    own dequantizer gives the reference's float experts."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from stagewise.model.gpt_oss import GptOssExperts, hf_mxfp4_values
+    from stagewise.kernels.quant import dequantize
+    from stagewise.model.gpt_oss import GptOssExperts
     gen = torch.Generator().manual_seed(1)
     weights = load_file(str(gpt_oss_dir / "model.safetensors"))
     packed, floats = dict(weights), dict(weights)
@@ -223,7 +241,6 @@ def test_mxfp4_checkpoint_directory_matches_hf_on_its_values(gpt_oss_dir, eager_
         del packed[name]
         packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
         floats[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        assert torch.equal(hf_mxfp4_values(blocks[0], scales[0]), floats[name][0].T)
     mx_dir, reference = tmp_path / "mxfp4", tmp_path / "reference"
     for out, tensors in ((mx_dir, packed), (reference, floats)):
         out.mkdir()
@@ -238,6 +255,11 @@ def test_mxfp4_checkpoint_directory_matches_hf_on_its_values(gpt_oss_dir, eager_
     pipe = eager_pipeline(mx_dir, pp_size=2)
     experts = [m for stage in pipe.stages for m in stage.modules() if isinstance(m, GptOssExperts)]
     assert len(experts) == 3 and all(m.mxfp4 and m.gate_up_proj_blocks.dtype == torch.uint8 for m in experts)
+    for proj in ("gate_up_proj", "down_proj"):     # packed from the checkpoint's bytes: transformers' values
+        name = f"model.layers.0.mlp.experts.{proj}"
+        assert getattr(experts[0], f"{proj}_blocks").numel() == packed[f"{name}_blocks"].numel() * 17 // 16
+        for e in range(floats[name].shape[0]):
+            assert torch.equal(dequantize(experts[0].expert_weight(proj, e)), floats[name][e].T)
     for ids in PROMPTS:
         torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(reference, ids), atol=1e-4, rtol=0)
     assert pipe.greedy(PROMPTS[2], 12) == hf_greedy(reference, PROMPTS[2:], 12)[0]

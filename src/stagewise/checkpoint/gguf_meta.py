@@ -74,7 +74,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # The GGML types stagewise's quantized CPU kernels run (kernels.quant_formats.SUPPORTED; here by name,
 # for the graph policy, which imports no torch)
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 # GPT-2's own names and the common ones transformers' GPT2Config answers to as well
 _GPT2_ALIASES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
                  "max_position_embeddings": "n_positions"}

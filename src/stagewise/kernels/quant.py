@@ -1,4 +1,4 @@
-"""Quantized linear weights kept in their own bytes (GGUF Q4_0 ... Q6_K, int8/int4 of plain
+"""Quantized linear weights kept in their own bytes (GGUF Q4_0 ... Q6_K and MXFP4, int8/int4 of plain
 checkpoints), and the ops that read them: `linear`, `dequantize`, `dequantize_rows`, `quantize`.
 
 A `QuantizedWeight` is one `[N, K]` matrix: the file's blocks as `[N, bytes_per_row]` uint8 rows

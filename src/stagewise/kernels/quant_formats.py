@@ -18,8 +18,9 @@ T = GGMLType
 SUPPORTED = tuple(GGMLType[name] for name in KERNEL_TYPES)
 # Offset subtracted from a code before scaling (value = d * (q - offset)); the `_1` and K types
 # instead add a per-block minimum. Q8_0's int8 codes are held as uint8 q + 128.
+# MXFP4's codes index a table of values instead (`_MXFP4_DOUBLED`).
 OFFSET = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 128, T.Q6_K: 32, T.Q4_1: 0, T.Q5_1: 0, T.Q4_K: 0, T.Q5_K: 0}
-BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
+BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.MXFP4: 4}
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)      # what `quantize` makes
 
@@ -36,7 +37,8 @@ def row_bytes(qtype: T, k: int) -> int:
 @dataclass
 class Fields:
     """One matrix's blocks taken apart. `q` [N, K] uint8 holds every element's unsigned code
-    (0 .. 2**bits - 1). `d` [N, K/block] float16 (K types: one per 256). `m`: the `_1` types' fp16
+    (0 .. 2**bits - 1). `d` [N, K/block] float16 (K types: one per 256; MXFP4: its uint8 E8M0
+    exponents, kept as stored since fp16 cannot hold every power of two they name). `m`: the `_1` types' fp16
     minimum per block; the K types' `dmin` per 256. `sc`/`mins` (K types): uint8 scale and min
     codes per 32 (Q6_K: int8 `sc` per 16, no mins)."""
 
@@ -103,6 +105,8 @@ def _decode_32(blocks: torch.Tensor, qtype: T) -> Fields:
     has_min = qtype in (T.Q4_1, T.Q5_1)
     d, rest = _f16(blocks[..., 0:2]), blocks[..., (4 if has_min else 2):]
     m = _f16(blocks[..., 2:4]) if has_min else None
+    if qtype == T.MXFP4:
+        return Fields(qtype, _nibbles(blocks[..., 1:]).reshape(n, -1), blocks[..., 0].contiguous())
     if qtype == T.Q8_0:
         q = rest ^ 0x80
     elif qtype in (T.Q4_0, T.Q4_1):
@@ -142,10 +146,10 @@ def encode(f: Fields) -> torch.Tensor:
     """`decode`'s inverse: `[N, row_bytes]` uint8 file rows."""
     qtype, n, k = f.qtype, f.q.shape[0], f.q.shape[1]
     q = f.q.reshape(n, k // block_size(qtype), block_size(qtype))
-    parts: list[torch.Tensor] = [_bytes(f.d)]
+    parts: list[torch.Tensor] = [f.d.unsqueeze(-1) if qtype == T.MXFP4 else _bytes(f.d)]
     if f.m is not None and qtype not in K_TYPES:
         parts.append(_bytes(f.m))
-    if qtype in (T.Q4_0, T.Q4_1):
+    if qtype in (T.Q4_0, T.Q4_1, T.MXFP4):
         parts.append(_join_nibbles(q))
     elif qtype in (T.Q5_0, T.Q5_1):
         parts += [_pack_bits((q >> 4).reshape(n, -1, 4, 8)).reshape(n, -1, 4), _join_nibbles(q & 15)]
@@ -181,6 +185,9 @@ def values(f: Fields) -> torch.Tensor:
         dm = (f.m.float().unsqueeze(-1) * f.mins.float().reshape(n, -1, 8)).reshape(n, -1, 1)
         return (d * q.float() - dm).reshape(n, k)
     q = f.q.reshape(n, -1, block_size(qtype))
+    if qtype == T.MXFP4:
+        table = torch.tensor(_MXFP4_DOUBLED, dtype=torch.float32, device=q.device)
+        return (e8m0_half(f.d).unsqueeze(-1) * table[q.long()]).reshape(n, k)
     d = f.d.float().unsqueeze(-1)
     if f.m is not None:
         return (d * q.float() + f.m.float().unsqueeze(-1)).reshape(n, k)
@@ -224,15 +231,20 @@ def quantize(weight: torch.Tensor, qtype: T) -> Fields:
 _MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents -> float32 2^(e - 128), ggml_e8m0_to_fp32_half (subnormal below e = 2):
+    the halved scale of the doubled codes."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def mxfp4_values(raw: torch.Tensor, k: int) -> torch.Tensor:
     """MXFP4 rows `[..., k / 32 * 17]` uint8 (per block: the scale byte, then 16 bytes whose low
     nibbles are codes 0-15 and high nibbles codes 16-31) -> float32 `[..., k]`, gguf-py's values."""
     lead = raw.shape[:-1]
     blocks = raw.reshape(-1, 17)
-    e = blocks[:, :1].to(torch.int32)
-    # ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 bits (subnormal below e = 2)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
-    scale = bits.view(torch.float32)
+    scale = e8m0_half(blocks[:, :1])
     qs = blocks[:, 1:]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()                 # [n, 32]
     table = torch.tensor(_MXFP4_DOUBLED, dtype=torch.float32, device=raw.device)

@@ -7,9 +7,10 @@ of a 4-way int8 dot product (vpdpbusd, or maddubs + madd) for 16 columns, and a 
 mask of it gives 16 columns' codes at one k for the float kernels. Codes are split by bits as in
 the file: Q4 nibbles pair vector g with g + 4 in one byte; the 5th bits of a chunk are one vector
 (bit g of byte 4 r + i); Q6_K's two high bits are two vectors (bits 2t of vector h: group 4h + t);
-Q8_0 keeps its 8 vectors (int8 + 128). Scales come first: per chunk the 16 rows' fp16 d (and m);
-per 256 for the K types: fp16 d, dmin, then the 6-bit scale/min codes widened to bytes, [8][16]
-each (Q6_K: int8 [16][16]): Q4_K/Q5_K panels are 1.03/1.02x the file's bytes, the others equal.
+Q8_0 keeps its 8 vectors (int8 + 128); MXFP4's E2M1 codes are nibbles as Q4_0's. Scales come
+first: per chunk the 16 rows' fp16 d (and m; MXFP4: their 16 E8M0 bytes); per 256 for the K
+types: fp16 d, dmin, then the 6-bit scale/min codes widened to bytes, [8][16] each (Q6_K: int8
+[16][16]): Q4_K/Q5_K panels are 1.03/1.02x the file's bytes, the others equal.
 A matrix whose N is not a multiple of 32 gets zero rows (zero scales) up to a whole pair of panels.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ def _header_bytes(qtype: T) -> int:
         return 4 * PANEL + 2 * 8 * PANEL
     if qtype == T.Q6_K:
         return 2 * PANEL + 16 * PANEL
+    if qtype == T.MXFP4:                # its E8M0 byte per row: the panel holds the file's bytes
+        return PANEL
     return (4 if _has_min(qtype) else 2) * PANEL
 
 
@@ -140,7 +143,10 @@ def decode(panels: torch.Tensor, qtype: T, n: int, k: int) -> Fields:
     p, chunks, qb = panels.shape[0], k // CHUNK, _quant_bytes(qtype)
     if qtype not in K_TYPES:
         raw = panels.reshape(p, chunks, -1)
-        d = _from_panel(raw[..., :32], torch.float16)
+        if qtype == T.MXFP4:
+            d = _from_panel(raw[..., :PANEL], torch.uint8)
+        else:
+            d = _from_panel(raw[..., :32], torch.float16)
         m = _from_panel(raw[..., 32:64], torch.float16) if _has_min(qtype) else None
         f = Fields(qtype, _decode_codes(raw[..., -qb:], BITS[qtype]), d, m)
     else:

@@ -156,6 +156,8 @@ def _used(model: Any) -> _Used:
                     quant.add(seg.qtype.name.lower())
         elif type(m).__name__ == "QuantEmbedding":
             quant.add(m.qtype.name.lower())
+        elif getattr(m, "held_qtype", None) is not None:      # layers holding blocks themselves (gpt-oss's experts)
+            quant.add(m.held_qtype.name.lower())
         elif isinstance(m, torch.nn.Linear):          # model/cpu_gemm.Linear has `pack_`; a plain one runs F.linear
             floats.setdefault(m.weight.dtype, []).append(bool(m.packed) if hasattr(m, "pack_") else None)
         elif isinstance(m, torch.nn.Embedding) and getattr(m, "serves_head", False):

@@ -5,8 +5,9 @@ bias (top-k of the logits, softmax over the k) and whose experts have biases and
 Experts are held as their checkpoint stores them: from a directory as transformers does
 (`gate_up_proj` `[E, H, 2I]` with gate and up columns interleaved, `down_proj` `[E, I, H]`, or the
 released MXFP4 `*_blocks` / `*_scales`), from a GGUF file as llama.cpp stacks them
-(`ffn_{gate,up,down}_exps` `[E, rows, K]`); MXFP4 stays in its bytes and is dequantized one
-routed expert at a time, so a step reads only the routed experts.
+(`ffn_{gate,up,down}_exps` `[E, rows, K]`). MXFP4 stays in its bytes: either layout is packed per
+expert at load into the MXFP4 kernels' panels and run through them, so a step reads only the
+routed experts.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 from torch import nn
 
 from stagewise.checkpoint.gguf_meta import GGMLType
-from stagewise.kernels.quant_formats import mxfp4_values
+from stagewise.kernels import quant, quant_pack
+from stagewise.kernels.quant import QuantizedWeight
+from stagewise.kernels.quant_formats import Fields
 from stagewise.model.attention import ForwardBatch
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM
 from stagewise.model.moe import RouterLinear, grouped_by_expert, num_experts_of
@@ -36,57 +39,81 @@ class GptOssAttention(LlamaAttention):
         return sink_attention(batch, self.layer_id, q, k, v, self.scale, self.sinks, self.window, kv_written=written)
 
 
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def hf_mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """A transformers MXFP4 matrix (`*_blocks` `[R, K / 32, 16]`: low nibble the even value, high the
-    odd one; `*_scales` `[R, K / 32]`: E8M0, 2^(s - 127)) -> float32 `[R, K]`, as transformers'
-    `convert_moe_packed_tensors` computes it (before its transpose): one lookup per byte (its two
-    values), then the block's power of two (a product by 2^k is exact, as ldexp)."""
-    fp4 = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
-    every = torch.arange(256, device=blocks.device)
-    pairs = torch.stack([fp4[every & 0x0F], fp4[every >> 4]], -1)                 # [256, 2]
-    values = torch.nn.functional.embedding(blocks.long(), pairs).flatten(-2)      # [R, G, 32]
-    scale = torch.ldexp(torch.ones(scales.shape, device=blocks.device), scales.to(torch.int32) - 127)
-    return (values * scale[..., None]).flatten(-2)
+def _hf_mxfp4_pack(target: torch.Tensor, value: torch.Tensor, scales: bool) -> None:
+    """One expert's transformers MXFP4 `*_blocks` `[R, G, 16]` (low nibble element 2j, high 2j + 1:
+    not GGUF's j and j + 16) or `*_scales` `[R, G]` (E8M0: its value is GGUF's) into its part of
+    the expert's packed panels `target` `[P, G * 272]` (per chunk: 16 scale bytes, 256 of codes)."""
+    rows, groups = value.shape[:2]
+    if scales:
+        fields = Fields(GGMLType.MXFP4, torch.zeros(rows, groups * 32, dtype=torch.uint8), value)
+    else:
+        codes = torch.stack([value & 15, value >> 4], -1).reshape(rows, groups * 32)
+        fields = Fields(GGMLType.MXFP4, codes, torch.zeros(rows, groups, dtype=torch.uint8))
+    part = slice(0, 16) if scales else slice(16, None)
+    chunks = target.view(target.shape[0], groups, -1)
+    chunks[..., part] = quant_pack.encode(fields).view(chunks.shape)[..., part]
 
 
 class GptOssExperts(nn.Module):
-    """A layer's experts in transformers' layout (parameter names and shapes as the checkpoint's):
-    float, or MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, dequantized one
-    routed expert at a time)."""
+    """A layer's experts in transformers' layout (parameter names as the checkpoint's): float, or
+    MXFP4 (`mxfp4`: the released checkpoints' `*_blocks` and `*_scales`, packed per expert at load
+    into the MXFP4 kernels' panels, held in `*_blocks`: the same bytes, no float copy)."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, alpha: float, limit: float, dtype: torch.dtype,
                  mxfp4: bool = False):
         super().__init__()
         self.mxfp4, self.alpha, self.limit = mxfp4, alpha, limit
+        self.exact = True                                 # its mode set with the quantized layers'
+        self.held_qtype = GGMLType.MXFP4 if mxfp4 else None
         if mxfp4:
             if hidden % 32 or inter % 32:
                 raise ValueError(f"MXFP4 experts hold blocks of 32 values, but hidden_size {hidden} or "
                                  f"intermediate_size {inter} is not a multiple of 32; config.json is wrong.")
-            u8 = lambda *shape: nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-            self.gate_up_proj_blocks = u8(num_experts, 2 * inter, hidden // 32, 16)
-            self.gate_up_proj_scales = u8(num_experts, 2 * inter, hidden // 32)
-            self.down_proj_blocks = u8(num_experts, hidden, inter // 32, 16)
-            self.down_proj_scales = u8(num_experts, hidden, inter // 32)
+            self.shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+            for proj, (rows, k) in self.shapes.items():
+                packed = (num_experts, quant_pack.num_panels(rows), quant_pack.panel_bytes(GGMLType.MXFP4, k))
+                setattr(self, f"{proj}_blocks", nn.Parameter(torch.empty(packed, dtype=torch.uint8), False))
+            self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}
+            for proj, (rows, k) in self.shapes.items():
+                self.checkpoint_shapes.update({f"{proj}_blocks": (num_experts, rows, k // 32, 16),
+                                               f"{proj}_scales": (num_experts, rows, k // 32)})
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter, dtype=dtype))
             self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden, dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
 
+    def held_weights(self) -> dict[str, tuple[int, ...]]:
+        return self.checkpoint_shapes if self.mxfp4 else {}
+
+    def load_rows(self, name: str, start: int, value) -> None:
+        """A checkpoint's `*_blocks` or `*_scales` (uint8, its shape), packed expert by expert."""
+        leaf = name.rpartition(".")[2]
+        want = self.checkpoint_shapes[leaf]
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or tuple(value.shape) != want:
+            raise ValueError(f"Checkpoint tensor {name} must be uint8 of shape {want} (MXFP4 experts), not "
+                             f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}.")
+        proj, _, part = leaf.rpartition("_")
+        target = getattr(self, f"{proj}_blocks")
+        with torch.no_grad():
+            for e in range(want[0]):
+                _hf_mxfp4_pack(target[e], value[e], part == "scales")
+
+    def expert_weight(self, proj: str, e: int) -> QuantizedWeight:
+        """Expert e's packed rows of `proj` (a view: nothing copied)."""
+        return QuantizedWeight(GGMLType.MXFP4, self.shapes[proj], getattr(self, f"{proj}_blocks")[e], packed=True)
+
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert `e` on rows x `[n, H]`: the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)`,
         gate clamped above at `limit`, up to [-limit, limit]."""
-        if self.mxfp4:       # [out, in] rows: one expert dequantized
-            gate_up_w = hf_mxfp4_values(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e]).to(x.dtype).T
-            down_w = hf_mxfp4_values(self.down_proj_blocks[e], self.down_proj_scales[e]).to(x.dtype).T
+        if self.mxfp4:
+            gate_up = _mxfp4_linear(x, [self.expert_weight("gate_up_proj", e)], self.gate_up_proj_bias[e], self.exact)
         else:
-            gate_up_w, down_w = self.gate_up_proj[e], self.down_proj[e]
-        gate_up = x @ gate_up_w + self.gate_up_proj_bias[e]                 # [n, 2I], gate/up interleaved
+            gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]     # [n, 2I], gate/up interleaved
         act = _swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
-        return act @ down_w + self.down_proj_bias[e]
+        if self.mxfp4:
+            return _mxfp4_linear(act, [self.expert_weight("down_proj", e)], self.down_proj_bias[e], self.exact)
+        return act @ self.down_proj[e] + self.down_proj_bias[e]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -96,35 +123,59 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) ->
 
 
 class ExpertStack(nn.Module):
-    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` (float, or MXFP4
-    bytes `[E, R, K / 32 * 17]` that the loader fills as stored) and `bias` `[E, R]`."""
+    """One projection of every expert as a GGUF file stacks it: `weight` `[E, R, K]` float, or MXFP4
+    packed per expert into the quantized kernels' panels (`[E, panels, panel_bytes]`: the file's
+    bytes reordered, no float copy), and `bias` `[E, R]`. `exact`: the quantized layers' mode (set
+    with theirs at load: float32 activations, else 8-bit ones)."""
 
     def __init__(self, num_experts: int, rows: int, k: int, stored: str | None, dtype: torch.dtype):
         super().__init__()
-        self.shape, self.mxfp4 = (num_experts, rows, k), stored == "MXFP4"
+        self.shape, self.mxfp4, self.exact = (num_experts, rows, k), stored == "MXFP4", True
         if self.mxfp4 and k % 32:
             raise ValueError(f"MXFP4 expert rows hold blocks of 32 values, but these rows have {k}; the GGUF "
                              f"file is inconsistent.")
         self.raw_types = (GGMLType.MXFP4,) if self.mxfp4 else ()
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, k // 32 * 17, dtype=torch.uint8), False) \
-            if self.mxfp4 else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
+        self.held_qtype = GGMLType.MXFP4 if self.mxfp4 else None     # its mode set with the quantized layers'
+        packed = (num_experts, quant_pack.num_panels(rows), quant_pack.panel_bytes(GGMLType.MXFP4, k))
+        self.weight = nn.Parameter(torch.empty(packed, dtype=torch.uint8), False) if self.mxfp4 \
+            else nn.Parameter(torch.empty(num_experts, rows, k, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype))
 
     def held_weights(self) -> dict[str, tuple[int, ...]]:
         return {"weight": self.shape} if self.mxfp4 else {}
 
     def load_rows(self, name: str, start: int, value) -> None:
-        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), kept in its bytes."""
+        """The loader's MXFP4 tensor (`model.gguf.RawBlocks`), each expert packed from its bytes."""
         if getattr(value, "qtype", None) != GGMLType.MXFP4 or tuple(value.shape) != self.shape:
             raise ValueError(f"Tensor {name} must be MXFP4 of shape {self.shape} like the file's other expert "
                              f"tensors, not {getattr(value, 'qtype', 'float')} {tuple(value.shape)}.")
+        e, rows, k = self.shape
+        raw = value.data.reshape(e, -1)
         with torch.no_grad():
-            self.weight.copy_(value.data.view(self.weight.shape))
+            for i in range(e):
+                self.weight[i].copy_(QuantizedWeight.from_gguf(raw[i], GGMLType.MXFP4, (rows, k)).pack().data)
+
+    def expert_weight(self, e: int) -> QuantizedWeight:
+        """Expert e's packed rows (a view: nothing copied)."""
+        return QuantizedWeight(GGMLType.MXFP4, self.shape[1:], self.weight[e], packed=True)
 
     def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """x `[n, K]` through expert e's rows (dequantized here when held as MXFP4) -> `[n, R]`."""
-        w = mxfp4_values(self.weight[e], self.shape[2]).to(x.dtype) if self.mxfp4 else self.weight[e]
-        return torch.nn.functional.linear(x, w, self.bias[e])
+        """x `[n, K]` through expert e's rows -> `[n, R]`."""
+        if not self.mxfp4:
+            return torch.nn.functional.linear(x, self.weight[e], self.bias[e])
+        return _mxfp4_linear(x, [self.expert_weight(e)], self.bias[e], self.exact)
+
+
+def _mxfp4_linear(x: torch.Tensor, weights: list[QuantizedWeight], bias: torch.Tensor, exact: bool) -> torch.Tensor:
+    """x through packed MXFP4 weights side by side: the quantized kernels on the CPU (x quantized once
+    for all of them), else (another device) their values dequantized on the CPU."""
+    if x.device.type != "cpu":
+        w = torch.cat([quant.dequantize(QuantizedWeight(q.qtype, q.shape, q.data.cpu(), True)) for q in weights])
+        return torch.nn.functional.linear(x, w.to(x.device, x.dtype), bias)
+    rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()     # the kernels' activation types
+    y = quant.linear(rows, weights[0], bias, exact) if len(weights) == 1 else \
+        quant.linear_cat(rows, weights, bias, exact)
+    return y.to(x.dtype)
 
 
 class GgufExperts(nn.Module):
@@ -139,7 +190,14 @@ class GgufExperts(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        act = _swiglu(self.gate_exps.linear(x, e), self.up_exps.linear(x, e), self.alpha, self.limit)
+        gate, up = self.gate_exps, self.up_exps
+        if gate.mxfp4 and up.mxfp4:      # one kernel call for both: the rows quantized once
+            bias = torch.cat([gate.bias[e], up.bias[e]])
+            both = _mxfp4_linear(x, [gate.expert_weight(e), up.expert_weight(e)], bias, gate.exact)
+            g, u = both.split(gate.shape[1], -1)
+            act = _swiglu(g, u, self.alpha, self.limit)
+        else:
+            act = _swiglu(gate.linear(x, e), up.linear(x, e), self.alpha, self.limit)
         return self.down_exps.linear(act, e)
 
 

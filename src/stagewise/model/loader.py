@@ -131,8 +131,7 @@ def stage_skeleton(model_dir: str | Path, stage: StageInfo, dtype: torch.dtype, 
         model = cast(StageModel, cls(hf_config, stage, dtype))
     if tp is not None and tp[1] > 1:
         tensor_parallel.shard(model, *tp)
-    if scheme is not None:
-        quantize_modules(model, scheme, exact)
+    quantize_modules(model, scheme, exact)
     return model
 
 

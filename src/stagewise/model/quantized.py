@@ -7,7 +7,7 @@ and the memory plan see plain tensors), and compute through opaque ops (`stagewi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -231,9 +231,16 @@ def kind_scheme(kind: str) -> Scheme:
     return scheme
 
 
-def quantize_modules(model: nn.Module, scheme: Scheme, exact: bool) -> int:
+def quantize_modules(model: nn.Module, scheme: Scheme | None, exact: bool) -> int:
     """Replace the linear layers and token embeddings of `model` (a StageModel, on the meta device)
-    whose checkpoint tensors `scheme` holds quantized; returns how many were replaced."""
+    whose checkpoint tensors `scheme` holds quantized (None: none); returns how many were replaced.
+    Layers that hold quantized blocks themselves (`held_qtype`: gpt-oss's MXFP4 experts) get the
+    same mode (`exact`)."""
+    for module in model.modules():
+        if getattr(module, "held_qtype", None) is not None:
+            cast(Any, module).exact = exact
+    if scheme is None:
+        return 0
     replaced = 0
     for name, module in list(model.named_modules()):
         new = _replacement(model, name, module, scheme, exact)

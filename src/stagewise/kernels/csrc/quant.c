@@ -6,6 +6,8 @@
    scale per chunk, code sums per 16), and every chunk of a weight panel is an integer dot product
    with it (4-way u8 x s8 products summed in int32: exact), scaled into a float32 accumulator per
    output: acc += (d_w d_x) * isum, plus the type's offset or minimum term from the code sums.
+   MXFP4 runs as a 4-bit type whose codes go through a table (its doubled E2M1 values, as llama.cpp
+   multiplies them) and whose scale is a power of two.
    Exact mode: each panel is dequantized into float32 (bit-identical to gguf-py's values) and
    multiplied with float32 activations, one fused multiply-add per k in order.
 
@@ -118,6 +120,7 @@ EACH_MB(DIRECT_NV, QT) WIDE(QT) EXACTS(QT)                                      
 static const kernels_t kernels_##QT = {DIRECT_TABLE(QT, NV_SUFFIX), WIDE_TABLE(QT), 0, {0}, exact_one_##QT, \
                                        XMB_TABLE(exact_##QT##_)};
 KERNELS(Q4_0) KERNELS(Q4_1) KERNELS(Q5_0) KERNELS(Q5_1) KERNELS_Q8(Q8_0) KERNELS(Q4_K) KERNELS(Q5_K) KERNELS(Q6_K)
+KERNELS(MXFP4)
 
 static const kernels_t* kernels_of(int qt) {
     switch (qt) {
@@ -129,6 +132,7 @@ static const kernels_t* kernels_of(int qt) {
         case Q4_K: return &kernels_Q4_K;
         case Q5_K: return &kernels_Q5_K;
         case Q6_K: return &kernels_Q6_K;
+        case MXFP4: return &kernels_MXFP4;
         default: return 0;
     }
 }

@@ -12,7 +12,7 @@ extern "C" {
 /* split calls over the kernel team (team.h's sw_team_for_fn); NULL: over OpenMP */
 void quant_set_team(void* team_for);
 
-/* 1 for the types with kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) */
+/* 1 for the types with kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) */
 int quant_supported(int qt);
 /* bytes of one 16-row panel of K columns */
 int64_t quant_panel_bytes(int qt, int64_t K);

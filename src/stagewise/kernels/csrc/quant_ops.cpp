@@ -18,6 +18,7 @@ std::string type_name(int64_t qt) {
         case 12: return "Q4_K";
         case 13: return "Q5_K";
         case 14: return "Q6_K";
+        case 39: return "MXFP4";
         default: return "type " + std::to_string(qt);
     }
 }
@@ -43,7 +44,7 @@ void check_weight(const Tensor& x, const Tensor& data, int64_t qt, int64_t n) {
     int64_t k = x.size(1);
     if (!quant_supported((int)qt)) throw std::invalid_argument("GGUF " + type_name(qt) + " has no quantized kernel.");
     if (n < 0) throw std::invalid_argument("A quantized weight has N >= 0 rows; got N=" + std::to_string(n) + ".");
-    int64_t step = qt >= 12 ? 256 : 32;
+    int64_t step = qt >= 12 && qt <= 14 ? 256 : 32;       /* the K types; MXFP4 (39) has blocks of 32 */
     if (k % step || k == 0)
         throw std::invalid_argument("Quantized linear needs K a multiple of " + std::to_string(step) + "; got K="
                                     + std::to_string(k) + ".");

@@ -66,6 +66,17 @@ static inline pvf pvf_i8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtep
 static inline pvf pvf_bf16(const void* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+/* 16 E8M0 bytes -> 2^(e - 128) (ggml's halved MXFP4 scale: subnormal below e = 2), exactly */
+static inline pvf pvf_e8m0_half(const void* p) {
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+}
+/* each byte (0 .. 15) -> table[byte] */
+static inline pvi pvi_lut16(pvi a, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)table)), a);
+}
 static inline float pvf_absmax(pvf a) { return _mm512_reduce_max_ps(_mm512_abs_ps(a)); }
 /* round to nearest even, store as 16 int8 (|v| <= 127.5 by construction), return their sum */
 static inline int32_t pvf_round_i8(pvf v, int8_t* out) {
@@ -136,6 +147,22 @@ static inline __m256 bf16_8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 static inline pvf pvf_bf16(const void* p) { return (pvf){ bf16_8((const uint16_t*)p), bf16_8((const uint16_t*)p + 8) }; }
+static inline __m256 e8m0_half_8(__m128i b) {
+    __m256i e = _mm256_cvtepu8_epi32(b);
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+/* 16 E8M0 bytes -> 2^(e - 128) (ggml's halved MXFP4 scale: subnormal below e = 2), exactly */
+static inline pvf pvf_e8m0_half(const void* p) {
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    return (pvf){ e8m0_half_8(b), e8m0_half_8(_mm_srli_si128(b, 8)) };
+}
+/* each byte (0 .. 15) -> table[byte] */
+static inline pvi pvi_lut16(pvi x, const uint8_t* table) {
+    __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)table));
+    return (pvi){ _mm256_shuffle_epi8(t, x.a), _mm256_shuffle_epi8(t, x.b) };
+}
 static inline float pvf_absmax(pvf x) {
     __m256 m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x.a), _mm256_andnot_ps(_mm256_set1_ps(-0.f), x.b));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -263,6 +290,21 @@ static inline pvf pvf_bf16(const void* p) {
     uint16_t h[16]; pvf r;
     memcpy(h, p, 32);
     for (int l = 0; l < 16; l++) { uint32_t b = (uint32_t)h[l] << 16; memcpy(&r[l], &b, 4); }
+    return r;
+}
+/* 16 E8M0 bytes -> 2^(e - 128) (ggml's halved MXFP4 scale: subnormal below e = 2), exactly */
+static inline pvf pvf_e8m0_half(const void* p) {
+    pvf r;
+    for (int l = 0; l < 16; l++) {
+        uint32_t e = ((const uint8_t*)p)[l], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+        memcpy(&r[l], &bits, 4);
+    }
+    return r;
+}
+/* each byte (0 .. 15) -> table[byte] */
+static inline pvi pvi_lut16(pvi a, const uint8_t* table) {
+    pvi r;
+    for (int i = 0; i < 64; i++) r[i] = table[a[i] & 15];
     return r;
 }
 static inline float pvf_absmax(pvf a) {

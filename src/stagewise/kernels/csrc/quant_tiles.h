@@ -55,7 +55,7 @@ typedef struct { float* y; uint16_t* ybf; int64_t ldy, N; const float* bias; } o
 #endif
 
 INLINE int offset(int qt) {
-    return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q6_K ? 32 : qt == Q8_0 ? Q8_OFFSET : 0;
+    return qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q6_K ? 32 : qt == Q8_0 ? Q8_OFFSET : qt == MXFP4 ? 12 : 0;
 }
 
 INLINE pvi dot(int qt, pvi acc, pvi w, pvi x) {
@@ -191,7 +191,8 @@ INLINE void exact_direct_group(const int qt, const int MB, const int NVT, const 
         pvf wv[NVW];
         for (int j = 0; j < NVT; j++) {      /* code_value, the codes read in place where they can be */
             pvi lanes = codes_in_place(qt) ? code_lanes(qt, codes[j], g, i, tail) : pvi_srl32(op[j], 8 * i);
-            wv[j] = scaled_value(qt, pvf_code(lanes, code_bits(qt), code_offset(qt)), g, dw[j], mw[j], dw2[j]);
+            int bits = codes_in_place(qt) ? code_bits(qt) : operand_bits(qt);
+            wv[j] = scaled_value(qt, pvf_code(lanes, bits, code_offset(qt)), g, dw[j], mw[j], dw2[j]);
         }
         for (int m = 0; m < MB; m++) {
             pvf xb = pvf_set(x[(m0 + m) * ldx + c * CHUNK + 4 * g + i]);
