@@ -443,9 +443,9 @@ class EngineConfig:
         """What crosses concerns; each concern checked its own fields."""
         p, c = self.parallel, self.cluster
         lora = bool(self.load.lora_modules) or self.load.enable_lora_runtime_updates
-        if lora and (p.tp_size > 1 or self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
-            raise ValueError("LoRA adapters (--lora-modules, --enable-lora-runtime-updates) run eager with tp_size 1 "
-                             "for now; leave --prefill-graph auto (or off), --decode-graph off and --tp-size 1.")
+        if lora and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
+            raise ValueError("LoRA adapters (--lora-modules, --enable-lora-runtime-updates) run eager; leave "
+                             "--prefill-graph auto (or off) and --decode-graph off.")
         if p.tp_size > 1 and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
             raise ValueError(f"tp_size {p.tp_size} runs its stages eager for now; leave --prefill-graph auto "
                              f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")

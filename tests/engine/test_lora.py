@@ -74,6 +74,20 @@ def test_two_stages(llama_dir, adapters):
                llama_dir, adapters, names)
 
 
+@pytest.mark.slow
+def test_tensor_parallel(llama_dir, adapters):
+    """TP=2: each rank adds its rows of B (its q/k/v heads, its share of gate/up and of the gathered
+    o/down rows) over the whole A; equal to PEFT's merged model, as TP=1 is. An adapter loaded at run
+    time reaches both ranks."""
+    names = ["mlp", None, "attn"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model=str(llama_dir), tp_size=2, lora_modules=[f"mlp={adapters['mlp']}"],
+             enable_lora_runtime_updates=True) as llm:
+        llm.load_lora("attn", adapters["attn"])
+        _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request=names, use_tqdm=False),
+               llama_dir, adapters, names)
+
+
 def test_bad_adapters_refused_at_start(llama_dir, adapters, tmp_path):
     big = tmp_path / "big"
     shutil.copytree(adapters["mlp"], big)
@@ -99,7 +113,7 @@ def test_lora_options_are_checked():
         EngineConfig.from_kwargs(lora_modules=["a=/x", "b=/y"], max_loras=1)
     with pytest.raises(ValueError, match="names must be unique"):
         EngineConfig.from_kwargs(lora_modules=["a=/x", "a=/y"])
-    with pytest.raises(ValueError, match="run eager with tp_size 1"):
+    with pytest.raises(ValueError, match="LoRA adapters .* run eager"):
         EngineConfig.from_kwargs(lora_modules=["a=/x"], decode_graph=True)
 
 

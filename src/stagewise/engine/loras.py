@@ -28,8 +28,11 @@ def fingerprint(name: str, path: str) -> str:
     """The adapter's name, path and its files' sizes and modification times: a changed adapter (or one
     loaded again from elsewhere) gets a new prefix-cache chain, without reading its weights."""
     root = Path(path)
-    files = sorted(root.iterdir()) if root.is_dir() else [root]
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    try:
+        files = sorted(root.iterdir()) if root.is_dir() else [root]
+        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    except OSError:         # unreadable: the stages refuse it with a sentence naming the adapter
+        stats = []
     return f"{name}\0{root.resolve()}\0{stats}"
 
 

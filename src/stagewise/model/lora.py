@@ -49,8 +49,9 @@ class LoraSet:
     """A stage's adapters on its layers' projections: each loaded adapter has an index (0 is the base
     model; indices are never reused, so a row never meets an unloaded adapter's successor)."""
 
-    def __init__(self, model: Any, stage, max_rank: int):
-        self.model, self.stage, self.max_rank = model, stage, max_rank
+    def __init__(self, model: Any, stage, max_rank: int, heads: tuple[int, int]):
+        """`heads`: the model's query and key-value head counts (all ranks': a GGUF file's q/k rows)."""
+        self.model, self.stage, self.max_rank, self.heads = model, stage, max_rank, heads
         self.index: dict[str, int] = {}
         self.paths: dict[str, str] = {}
         self._next = 1
@@ -80,8 +81,7 @@ class LoraSet:
 
     def load(self, name: str, path: str) -> None:
         """Read adapter `name` and hook its weights for this stage's layers (all checked before any is kept)."""
-        attn = self.model.layers[self.stage.start].self_attn
-        adapter = read_adapter(name, path, self.max_rank, (attn.num_heads, attn.num_kv_heads))
+        adapter = read_adapter(name, path, self.max_rank, self.heads)
         p = next(self.model.parameters())
         entries = [(layer_id, mod_path, cols, A.to(p.device, p.dtype).contiguous(),
                     B.to(p.device, p.dtype).contiguous())
@@ -91,7 +91,9 @@ class LoraSet:
             key = (layer_id, mod_path)
             if key not in self.parts:
                 self.parts[key] = {}
-                self.model.layers[layer_id].get_submodule(mod_path).register_forward_hook(self.hook(layer_id, mod_path))
+                # first of the module's hooks: a tensor-parallel gather (parallel/tp.py) comes after the delta
+                module = self.model.layers[layer_id].get_submodule(mod_path)
+                module.register_forward_hook(self.hook(layer_id, mod_path), prepend=True)
             self.parts[key].setdefault(idx, []).append((cols, A, B, adapter.scale))
         self.index[name], self.paths[name] = idx, path
 
@@ -136,18 +138,17 @@ class LoraSet:
         return apply
 
 
-def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_rank: int,
+def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_rank: int, heads: tuple[int, int],
                  runtime: bool = False) -> LoraSet | None:
     """Read `adapters` ({name: path}) and hook their weights onto this stage's layers of `model` (a
-    Llama-style decoder); None without adapters unless `runtime` (adapters loaded while serving). A
-    mismatch is one sentence naming the adapter."""
+    Llama-style decoder, whole or one tensor-parallel rank's shard); None without adapters unless
+    `runtime` (adapters loaded while serving). A mismatch is one sentence naming the adapter."""
     if not adapters and not runtime:
         return None
-    if getattr(model, "layers", None) is None or not hasattr(model, "qk_norm") or getattr(model, "tp_size", 1) != 1:
+    if getattr(model, "layers", None) is None or not hasattr(model, "qk_norm"):
         what = ", ".join(adapters) or "loaded at run time"
-        raise ValueError(f"LoRA adapters ({what}) need a Llama-style model without tensor parallelism; "
-                         f"{type(model).__name__} is not one (or tp_size > 1).")
-    lora = LoraSet(model, stage, max_rank)
+        raise ValueError(f"LoRA adapters ({what}) need a Llama-style model; {type(model).__name__} is not one.")
+    lora = LoraSet(model, stage, max_rank, heads)
     lora.sync(adapters)
     model.__dict__["lora"] = lora      # not a submodule: its tensors are not the model's weights
     return lora
@@ -181,8 +182,20 @@ def _fit(model: Any, adapter: LoraAdapter, stage):
         if cols is None:
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {target}, which {type(model).__name__} holds "
                              f"fused with other projections in its checkpoint; LoRA on it is not supported.")
-        _check_pair(adapter, layer_id, target, A, B, int(module.in_features), cols.stop - cols.start)
-        yield layer_id, mod_path, cols, A, B
+        piece = _tp_piece(model, layer_id, mod_path, target)
+        _check_pair(adapter, layer_id, target, A, B, int(module.in_features),
+                    cols.stop - cols.start if piece is None else piece.full)
+        # tensor parallel: this rank's output rows of B (its heads, its share of gate/up, its rows of the
+        # gathered o/down projections, whose input is whole here); A is whole on every rank
+        yield layer_id, mod_path, cols, A, B if piece is None else piece.take(B)
+
+
+def _tp_piece(model: Any, layer_id: int, mod_path: str, target: str):
+    """This tensor-parallel rank's parallel.tp.Slice of the target's weight rows; None without TP."""
+    slices = model.__dict__.get("tp_slices")
+    if not slices:
+        return None
+    return slices[model.hf_name(f"layers.{layer_id}.{mod_path.rsplit('.', 1)[0]}.{target}.weight")]
 
 
 def _columns(module: Any, part: str | None) -> slice | None:

@@ -80,7 +80,7 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
                        quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
     # LoRA adapters: this stage's layers' A/B, hooked onto their projections (read before the KV plan)
     attach_loras(model, stage, parse_lora_modules(config.load.lora_modules), config.load.max_lora_rank,
-                 runtime=config.load.enable_lora_runtime_updates)
+                 (facts.heads, facts.kv_heads), runtime=config.load.enable_lora_runtime_updates)
     if device.type == "cpu":    # loading's temporaries go back to the kernel; the steps' are kept from here on
         release_load_temporaries()
         keep_freed_memory()
