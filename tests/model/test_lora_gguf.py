@@ -1,7 +1,7 @@
 """GGUF LoRA files made by llama.cpp's own convert_lora_to_gguf.py from a PEFT adapter: greedy tokens and
 logprobs equal PEFT's merged model (the file's q/k lora_b rows come permuted, as the base GGUF's q/k
-rows do), on an HF and on a GGUF base model, given at start-up and loaded at run time; a GGUF file that
-is not a LoRA adapter is one sentence naming it.
+rows do), on an HF base model in two stages and on a GGUF base model, given at start-up and loaded at
+run time; a GGUF file that is not a LoRA adapter is one sentence naming it.
 
 The converter comes from llama.cpp's source tree: $STAGEWISE_LLAMA_CPP_SRC, else the llama-cpp-python
 sdist's vendor/llama.cpp under the cache (.ci/run unpacks it there); without it this test fails."""
@@ -57,8 +57,8 @@ def _check(outs, want):
         assert abs(comp.logprobs[0].logprob - float(logp[tokens[0]])) < 1e-4
 
 
-@pytest.mark.parametrize("base", ["hf", "gguf"])
-def test_gguf_lora_equals_peft_merged(llama_dir, adapter_pair, tmp_path, gguf_tools, base):
+@pytest.mark.parametrize("base,pp", [("hf", 2), ("gguf", 1)])
+def test_gguf_lora_equals_peft_merged(llama_dir, adapter_pair, tmp_path, gguf_tools, base, pp):
     peft_dir, gguf_file = adapter_pair
     model = str(llama_dir)
     if base == "gguf":
@@ -66,7 +66,7 @@ def test_gguf_lora_equals_peft_merged(llama_dir, adapter_pair, tmp_path, gguf_to
     want = [merged_greedy(llama_dir, peft_dir, ids) for ids in PROMPTS]
     assert any(w[0] != merged_greedy(llama_dir, None, ids)[0] for w, ids in zip(want, PROMPTS))   # it matters
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-    with LLM(model=model, lora_modules=[f"g={gguf_file}"], enable_lora_runtime_updates=True) as llm:
+    with LLM(model=model, pp_size=pp, lora_modules=[f"g={gguf_file}"], enable_lora_runtime_updates=True) as llm:
         _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request="g", use_tqdm=False), want)
         llm.load_lora("late", gguf_file)
         _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request="late", use_tqdm=False),
@@ -74,11 +74,3 @@ def test_gguf_lora_equals_peft_merged(llama_dir, adapter_pair, tmp_path, gguf_to
         if base == "gguf":
             with pytest.raises(ValueError, match="'base': .* not a LoRA adapter"):
                 llm.load_lora("base", model)
-
-
-def test_gguf_lora_two_stages(llama_dir, adapter_pair):
-    peft_dir, gguf_file = adapter_pair
-    want = [merged_greedy(llama_dir, peft_dir, ids) for ids in PROMPTS]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-    with LLM(model=str(llama_dir), pp_size=2, lora_modules=[f"g={gguf_file}"]) as llm:
-        _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request="g", use_tqdm=False), want)
