@@ -141,10 +141,13 @@ class LoadConfig:
     seed: int = flag(0, "seed of the engine's random state")
     pooling: str = flag("auto", "auto | last | mean: how embedding requests pool the prompt's last hidden states; "
                         "auto: the checkpoint's sentence-transformers Pooling config, else last")
-    lora_modules: tuple[str, ...] | None = flag(None, "LoRA adapters (PEFT directories) as name=path ...; a "
-                                                "request names one as its model (default: none)", nargs="+")
+    lora_modules: tuple[str, ...] | None = flag(None, "LoRA adapters (PEFT directories or GGUF LoRA files) as "
+                                                "name=path ...; a request names one as its model (default: none)",
+                                                nargs="+")
     max_loras: int = flag(4, "most LoRA adapters one engine holds (--lora-modules)")
     max_lora_rank: int = flag(64, "largest LoRA rank an adapter may have")
+    enable_lora_runtime_updates: bool = flag(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                             "(vLLM's runtime LoRA updates); stages run eager, as with adapters")
 
     def __post_init__(self):
         if self.lora_modules is not None:
@@ -439,10 +442,10 @@ class EngineConfig:
     def __post_init__(self):
         """What crosses concerns; each concern checked its own fields."""
         p, c = self.parallel, self.cluster
-        if self.load.lora_modules and (p.tp_size > 1 or self.graphs.prefill_graph not in ("auto", "off")
-                                       or self.graphs.decode_graph):
-            raise ValueError("LoRA adapters (--lora-modules) run eager with tp_size 1 for now; leave "
-                             "--prefill-graph auto (or off), --decode-graph off and --tp-size 1.")
+        lora = bool(self.load.lora_modules) or self.load.enable_lora_runtime_updates
+        if lora and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
+            raise ValueError("LoRA adapters (--lora-modules, --enable-lora-runtime-updates) run eager; leave "
+                             "--prefill-graph auto (or off) and --decode-graph off.")
         if p.tp_size > 1 and (self.graphs.prefill_graph not in ("auto", "off") or self.graphs.decode_graph):
             raise ValueError(f"tp_size {p.tp_size} runs its stages eager for now; leave --prefill-graph auto "
                              f"(or off) and --decode-graph off, or use tp_size 1 for captured graphs.")

@@ -30,6 +30,14 @@ class CheckpointNotFoundError(FileNotFoundError, ValueError):
     """A checkpoint directory or one of its files is missing (catchable as either base)."""
 
 
+class LoraNotFoundError(LookupError, ValueError):
+    """A runtime LoRA unload named an adapter the engine does not hold (HTTP 404)."""
+
+
+class LoraInUseError(ValueError):
+    """A runtime LoRA unload named an adapter that unfinished requests still run on (HTTP 409)."""
+
+
 def describe_exit(exitcode: int | None) -> str:
     """How a process ended, for people: 'was killed by SIGKILL (exit code -9)', 'exited with code 1'."""
     if exitcode is None:

@@ -47,6 +47,14 @@ class LLM:
             params = [dataclasses.replace(p, lora=n) for p, n in zip(params, names)]
         return self._generate(inputs, params, use_tqdm)
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (a PEFT directory or a GGUF LoRA file) while the engine runs; needs
+        `enable_lora_runtime_updates=True`. ValueError: one sentence on why it cannot be served."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
     def _generate(self, inputs: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
                   ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

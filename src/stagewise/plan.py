@@ -83,6 +83,9 @@ class StepPlan:
     kv_loads: dict[str, KVPages] = field(default_factory=dict)
     kv_loaded: dict[str, int] = field(default_factory=dict)   # filled by stages: pages every stage read, per request
     kv_tier: list[list[int]] = field(default_factory=list)     # filled by stages: each one's tier counters
+    # the LoRA adapters ({name: path}) every stage holds from this plan on, when they changed (runtime
+    # loads and unloads, a rebuilt pipeline); None: as before. Before this plan's rows run
+    loras: dict[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -369,6 +369,9 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     tenant: int | None = None                # the API key's place (server): the scheduler alternates tenants
+    # the LoRA adapter's identity (its name and files' fingerprint), which roots its prefix-cache chain: an
+    # adapter loaded again under the same name never meets the KV of the one before; None: the name does
+    lora_key: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

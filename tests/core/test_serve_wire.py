@@ -27,11 +27,13 @@ from stagewise.core.wire import (
     EngineOutputs,
     EngineReady,
     ErrorRecord,
+    LoraUpdated,
     NewRequest,
     OutputDelta,
     Params,
     StopEngine,
     TensorRecord,
+    UpdateLora,
     WireError,
     decode_client,
     decode_core,
@@ -86,6 +88,8 @@ def test_client_messages_round_trip_with_exact_field_types():
     assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, embeds)
     assert round_trip(AbortRequests(["req-1", "req-2"]), decode_client) == AbortRequests(["req-1", "req-2"])
     assert round_trip(StopEngine(), decode_client) == StopEngine()
+    for update in (UpdateLora(1, "sql", "/adapters/sql", ["tiny"]), UpdateLora(2, "sql")):
+        assert round_trip(update, decode_client) == update
 
 
 def test_params_mirror_every_sampling_params_field():
@@ -98,7 +102,8 @@ def test_core_messages_round_trip():
     snapshot = {"num_steps": 40, "kv_usage": 0.5, "finished": {"stop": 3}, "stage_busy_s": [0.25, 1.5],
                 "recovery": {"recovering": None, "last_move": {"kind": "join", "node": 1}}}
     for msg in (EngineReady(facts, snapshot), EngineOutputs(123.5, deltas(), snapshot), EngineOutputs(1.0),
-                EngineDied("A stage died: exit code -9; restart the server.", deltas())):
+                EngineDied("A stage died: exit code -9; restart the server.", deltas()), LoraUpdated(3, ["sql"]),
+                LoraUpdated(4, [], "The LoRA adapter 'x' is not loaded; this engine holds none.", "not_found")):
         assert round_trip(msg, decode_core) == msg
 
 

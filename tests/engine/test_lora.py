@@ -74,6 +74,20 @@ def test_two_stages(llama_dir, adapters):
                llama_dir, adapters, names)
 
 
+@pytest.mark.slow
+def test_tensor_parallel(llama_dir, adapters):
+    """TP=2: each rank adds its rows of B (its q/k/v heads, its share of gate/up and of the gathered
+    o/down rows) over the whole A; equal to PEFT's merged model, as TP=1 is. An adapter loaded at run
+    time reaches both ranks."""
+    names = ["mlp", None, "attn"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model=str(llama_dir), tp_size=2, lora_modules=[f"mlp={adapters['mlp']}"],
+             enable_lora_runtime_updates=True) as llm:
+        llm.load_lora("attn", adapters["attn"])
+        _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request=names, use_tqdm=False),
+               llama_dir, adapters, names)
+
+
 def test_bad_adapters_refused_at_start(llama_dir, adapters, tmp_path):
     big = tmp_path / "big"
     shutil.copytree(adapters["mlp"], big)
@@ -99,5 +113,41 @@ def test_lora_options_are_checked():
         EngineConfig.from_kwargs(lora_modules=["a=/x", "b=/y"], max_loras=1)
     with pytest.raises(ValueError, match="names must be unique"):
         EngineConfig.from_kwargs(lora_modules=["a=/x", "a=/y"])
-    with pytest.raises(ValueError, match="run eager with tp_size 1"):
+    with pytest.raises(ValueError, match="LoRA adapters .* run eager"):
         EngineConfig.from_kwargs(lora_modules=["a=/x"], decode_graph=True)
+
+
+def test_runtime_load_unload(llama_dir, adapters, tmp_path):
+    """Adapters loaded while the engine runs (enable_lora_runtime_updates): equal to PEFT's merged model;
+    an unload waits for no request (refused while one runs on it); a different adapter loaded again under
+    the same name never gets the first one's prefix-cache blocks."""
+    from stagewise.errors import LoraInUseError, LoraNotFoundError
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    long = [(11 * i + 5) % 900 + 10 for i in range(40)]     # two full blocks: cached after its first run
+    with LLM(model=str(llama_dir), enable_lora_runtime_updates=True) as llm:
+        assert llm.engine.lora_names == ()
+        llm.load_lora("x", adapters["attn"])
+        names = ["x", None, "x"]
+        _check(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request=names, use_tqdm=False),
+               llama_dir, {"x": adapters["attn"]}, names)
+        first = llm.generate(prompt_token_ids=[long], sampling_params=params, lora_request="x", use_tqdm=False)[0]
+        llm.engine.add_request(params=SamplingParams(max_tokens=2, lora="x"), prompt_token_ids=PROMPTS[0])
+        with pytest.raises(LoraInUseError, match="'x' is in use by 1 unfinished request"):
+            llm.unload_lora("x")
+        list(llm.engine.run_until_done())
+        llm.unload_lora("x")
+        with pytest.raises(LoraNotFoundError, match="'x' is not loaded"):
+            llm.unload_lora("x")
+        with pytest.raises(ValueError, match="'x' is not loaded"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, lora_request="x")
+        llm.load_lora("x", adapters["mlp"])
+        again = llm.generate(prompt_token_ids=[long], sampling_params=params, lora_request="x", use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens == 0
+        assert again.outputs[0].token_ids == merged_greedy(llama_dir, adapters["mlp"], long)[0]
+        assert llm.generate(prompt_token_ids=[long], sampling_params=params, lora_request="x",
+                            use_tqdm=False)[0].num_cached_tokens == 32
+        with pytest.raises(ValueError, match="already loaded"):
+            llm.load_lora("x", adapters["attn"])
+    with LLM(model=str(llama_dir), lora_modules=[f"attn={adapters['attn']}"]) as llm:
+        with pytest.raises(ValueError, match="--enable-lora-runtime-updates"):
+            llm.load_lora("y", adapters["mlp"])

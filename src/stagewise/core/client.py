@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Iterator
 
 from ..engine.inputs import check_request
-from ..errors import describe_exit
+from ..errors import LoraInUseError, LoraNotFoundError, describe_exit
 from ..request import RequestOutput, SamplingParams
 from .core import engine_facts, final_output
 from .core_runner import EXIT_WAIT_S, await_ready, kill_core, reap, start_core, stop_core
@@ -38,11 +39,13 @@ from .wire import (
     EngineDied,
     EngineFacts,
     EngineOutputs,
+    LoraUpdated,
     NewRequest,
     OutputDelta,
     Params,
     StopEngine,
     TensorRecord,
+    UpdateLora,
     WireError,
     recv_core,
     send,
@@ -50,6 +53,7 @@ from .wire import (
 
 log = logging.getLogger("stagewise.server")
 SHUTTING_DOWN = "The request was aborted because the server is shutting down; retry later."
+LORA_UPDATE_WAIT_S = 120.0     # the engine reads an adapter between steps; a long step delays the answer
 STALL_S = 10.0         # the core publishes at least every second; this long silent with work open is a stall
 
 
@@ -143,6 +147,8 @@ class EngineClient:
         self._assembler = OutputAssembler()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue[ClientMessage | None] = queue.SimpleQueue()
+        self._lora_calls: dict[int, asyncio.Future] = {}    # UpdateLora call id -> its answer (event loop)
+        self._lora_ids = itertools.count(1)
         threading.Thread(target=self._send_forever, name="stagewise-engine-sender", daemon=True).start()
 
     # lifecycle
@@ -264,6 +270,31 @@ class EngineClient:
         entry = self._streams.get(rid)
         return entry.num_prompt_tokens if entry else 0
 
+    async def update_lora(self, name: str, path: str | None, base_names: tuple[str, ...] = ()) -> None:
+        """Load (`path` set) or unload a LoRA adapter in the engine; `info.lora_names` holds the answer's
+        adapters. Raises ValueError (LoraNotFoundError, LoraInUseError) with the engine's sentence."""
+        if self.dead or self.stopping:
+            raise ServerUnavailable(self.dead or "The server is shutting down; retry later.")
+        call_id = next(self._lora_ids)
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = answer
+        self._outbox.put(UpdateLora(call_id, name, path, list(base_names)))
+        try:
+            msg: LoraUpdated = await asyncio.wait_for(answer, LORA_UPDATE_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ServerUnavailable(f"The engine did not answer the LoRA update within {LORA_UPDATE_WAIT_S:.0f} s; "
+                                    f"retry later.") from None
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if msg.error is not None:
+            raise {"not_found": LoraNotFoundError, "in_use": LoraInUseError}.get(msg.kind or "", ValueError)(msg.error)
+
+    def _lora_answered(self, msg: LoraUpdated) -> None:
+        self.info.lora_names = tuple(msg.lora_names)
+        answer = self._lora_calls.get(msg.call_id)
+        if answer is not None and not answer.done():
+            answer.set_result(msg)
+
     def _abort(self, rids: list[str]) -> None:
         if rids:
             self._outbox.put(AbortRequests(rids))
@@ -299,6 +330,8 @@ class EngineClient:
             if msg.snapshot is not None:
                 self.snapshot = msg.snapshot
             self._dispatch(self._assemble(msg.deltas, msg.time))
+        elif isinstance(msg, LoraUpdated):
+            self._lora_answered(msg)
         elif isinstance(msg, EngineDied):
             self._die(msg.why, self._assemble(msg.deltas, time.monotonic()))
 
@@ -357,6 +390,9 @@ class EngineClient:
         self._post(outputs)
         self._fail_all(why, "error")
         self._assembler.clear()
+        for answer in self._lora_calls.values():      # a LoRA update in flight: the core never answers it
+            if not answer.done():
+                answer.set_exception(ServerUnavailable(why))
 
     def _fail_all(self, why: str, reason: str) -> None:
         """Finish every stream still open with `reason` (after the real outputs already posted)."""

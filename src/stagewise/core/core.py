@@ -17,7 +17,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from ..errors import EngineDeadError
+from ..errors import EngineDeadError, LoraInUseError, LoraNotFoundError
 from ..executor.hygiene import freeze_heap
 from ..grammar.limits import GrammarLimits
 from ..request import CompletionOutput, RequestOutput
@@ -33,8 +33,10 @@ from .wire import (
     EngineOutputs,
     EngineReady,
     ErrorRecord,
+    LoraUpdated,
     NewRequest,
     StopEngine,
+    UpdateLora,
     encode,
     recv_client,
     send,
@@ -104,7 +106,8 @@ def engine_facts(engine) -> EngineFacts:
                        model_dir=str(engine.model_dir), config_model=engine.config.load.model,
                        vocab_size=int(engine.tok.vocab_size),
                        grammar_limits=getattr(engine, "grammar_limits", None) or GrammarLimits(),
-                       lora_names=tuple(getattr(engine, "lora_names", ())))
+                       lora_names=tuple(getattr(engine, "lora_names", ())),
+                       lora_runtime_updates=bool(getattr(engine, "lora_runtime_updates", False)))
 
 
 def _send_quietly(conn: Connection, msg: CoreMessage) -> None:
@@ -147,6 +150,20 @@ class Outbox:
             except OSError:
                 self.gone = True
                 return
+
+
+def update_lora(engine, msg: UpdateLora) -> LoraUpdated:
+    """Load or unload a LoRA adapter on the engine; a refusal travels as its sentence and kind."""
+    try:
+        if msg.path is None:
+            engine.unload_lora(msg.name)
+        else:
+            engine.load_lora(msg.name, msg.path, tuple(msg.base_names))
+    except ValueError as exc:
+        kind = "not_found" if isinstance(exc, LoraNotFoundError) else "in_use" if isinstance(exc, LoraInUseError) \
+            else "invalid"
+        return LoraUpdated(msg.call_id, list(engine.lora_names), str(exc), kind)
+    return LoraUpdated(msg.call_id, list(engine.lora_names))
 
 
 class EngineCore:
@@ -226,6 +243,8 @@ class EngineCore:
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
+        elif isinstance(msg, UpdateLora):
+            self._send(update_lora(self.engine, msg))
         elif isinstance(msg, StopEngine):
             self.stop_requested = True
 

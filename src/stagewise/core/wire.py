@@ -3,10 +3,11 @@ msgspec Structs, tagged by type, as MessagePack, one message per `send_bytes` ov
 `multiprocessing` pipe; each side decodes only the union of the other side's messages, and
 nothing on this boundary is pickled (a frame that is not such a message raises WireError).
 
-Client → core: `AddRequests`, `AbortRequests`, `StopEngine`. Core → client: `EngineReady` or
-`EngineFailed` once at start-up, then `EngineOutputs` per published step, and `EngineDied` at
-most once. Outputs travel as `OutputDelta`s (what changed since the last one), so a step's
-message is O(new tokens), not O(whole output); `core/deltas.py` makes and applies them.
+Client → core: `AddRequests`, `AbortRequests`, `UpdateLora`, `StopEngine`. Core → client:
+`EngineReady` or `EngineFailed` once at start-up, then `EngineOutputs` per published step,
+`LoraUpdated` per `UpdateLora`, and `EngineDied` at most once. Outputs travel as `OutputDelta`s
+(what changed since the last one), so a step's message is O(new tokens), not O(whole output);
+`core/deltas.py` makes and applies them.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ class AddRequests(msgspec.Struct, tag=True):
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class UpdateLora(msgspec.Struct, tag=True):
+    """A runtime LoRA load (`path` set) or unload (`path` None); answered by one `LoraUpdated`.
+    `base_names`: the names the server serves the base model under (an adapter may not take one)."""
+    call_id: int
+    name: str
+    path: str | None = None
+    base_names: list[str] = []
 
 
 class StopEngine(msgspec.Struct, tag=True):
@@ -75,6 +85,7 @@ class EngineFacts:
     vocab_size: int
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)   # checked before a request is sent
     lora_names: tuple[str, ...] = ()         # the LoRA adapters (--lora-modules) a request's model may name
+    lora_runtime_updates: bool = False       # --enable-lora-runtime-updates: UpdateLora is served
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -93,14 +104,23 @@ class EngineOutputs(msgspec.Struct, tag=True):
     snapshot: dict | None = None             # Engine.stats(); None if it failed this time
 
 
+class LoraUpdated(msgspec.Struct, tag=True):
+    """The answer to an `UpdateLora`: the adapters held now, or why it was refused (`kind`: invalid,
+    not_found or in_use)."""
+    call_id: int
+    lora_names: list[str]
+    error: str | None = None
+    kind: str | None = None
+
+
 class EngineDied(msgspec.Struct, tag=True):
     """The engine cannot go on: `why` for every open request; `deltas` are its last outputs."""
     why: str
     deltas: list[OutputDelta] = []
 
 
-ClientMessage = Union[AddRequests, AbortRequests, StopEngine]
-CoreMessage = Union[EngineReady, EngineFailed, EngineOutputs, EngineDied]
+ClientMessage = Union[AddRequests, AbortRequests, UpdateLora, StopEngine]
+CoreMessage = Union[EngineReady, EngineFailed, EngineOutputs, LoraUpdated, EngineDied]
 
 
 def _plain(obj: Any) -> Any:

@@ -31,6 +31,7 @@ from ..request import FinishReason, Request, RequestOutput, SamplingParams
 from ..runtime.sampler import NO_TOKEN_LEFT
 from .balance import LinkDepth
 from .inputs import Tokenizer, make_request
+from .loras import LoraTable
 from .outputs import StepOutputs, finish_check, finish_text, make_output, mark_request_faults
 from .profile import balance_scheduler
 from .scheduler import Scheduler
@@ -45,9 +46,9 @@ class Engine:
         if config.load.model is None:
             raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
         self.model_dir = config.load.model
-        # the LoRA adapters' names (--lora-modules name=path); a request's `params.lora` must be one
-        self.lora_names = tuple(spec.partition("=")[0] for spec in config.load.lora_modules or ())
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
+        # the LoRA adapters (--lora-modules, runtime loads); a request's `params.lora` must name one
+        self.loras = LoraTable(config, self.tok.facts)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
         explicit = isinstance(config.parallel.pp_layer_partition, tuple)    # kept on every node and rebuild
         self.config = config            # what the user asked for; what start-up works out is `resolved`
@@ -88,6 +89,24 @@ class Engine:
     def executor(self) -> Executor:
         return self.supervisor.executor
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self.loras.names
+
+    @property
+    def lora_runtime_updates(self) -> bool:
+        return self.loras.runtime
+
+    def load_lora(self, name: str, path: str, base_names: tuple[str, ...] = ()) -> None:
+        """vLLM's runtime LoRA load (--enable-lora-runtime-updates): read and checked here; requests may
+        name it at once (every stage reads it before their rows run). ValueError: one sentence."""
+        self.loras.load(name, path, base_names)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop a LoRA adapter; LoraNotFoundError or LoraInUseError (unfinished requests run on it)."""
+        queued = [item for kind, item in self.inbox if kind == "add"]
+        self.loras.unload(name, [*self.scheduler.requests.values(), *queued])
+
     # requests (any thread)
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, prompt_token_ids=None,
                     input_embeds=None, request_id: str | None = None, tenant: int | None = None) -> Request:
@@ -102,6 +121,7 @@ class Engine:
         req = make_request(self.tok, lambda: request_id or f"req-{next(self._ids)}", prompt, params or SamplingParams(),
                            prompt_token_ids, input_embeds, self.max_model_len, self.kv_capacity_tokens)
         req.tenant = tenant
+        req.lora_key = self.loras.key(lora)
         self.inbox.append(("add", req))
         return req
 
@@ -136,6 +156,7 @@ class Engine:
         try:
             if self.supervisor.tend():
                 self.stats_.pipeline_rebuilt()        # new stage processes count busy time from 0
+                self.loras.rebuilt()
         except Unrecoverable as exc:
             self._die(str(exc))
         outputs = self._drain_inbox() + self._fail_refused_grammars()
@@ -167,6 +188,7 @@ class Engine:
                 self.stats_.record_verdict(plan.verdict, plan.num_tokens)
             if self._grammars is not None:
                 plan.token_bitmask = self._grammars.fill(plan)
+            plan.loras = self.loras.take()
             if not self.inflight:
                 self.stats_.pipeline_started()
             self.inflight.append(plan)       # NOTE: before submit: a plan the link lost was in flight

@@ -76,7 +76,8 @@ EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
     # LoRA's per-row adapter groups change each step: those stages run eager too
-    eager = config.parallel.tp_size > 1 or bool(config.load.lora_modules)
+    eager = (config.parallel.tp_size > 1 or bool(config.load.lora_modules)
+             or config.load.enable_lora_runtime_updates)
     prefill_graph = "off" if eager else config.graphs.prefill_graph
     auto_cpu = prefill_graph == "auto" and device_type == "cpu"
     if auto_cpu and _architecture(config.load.model) in EAGER_ARCHITECTURES:

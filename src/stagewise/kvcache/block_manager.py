@@ -33,9 +33,9 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 def salt_root(req: Request) -> bytes | None:
     """The parent digest of a request's first block: None, or its `cache_salt`'s (and LoRA adapter's)
     own digest, so requests with different salts or adapters never share a block, whatever their tokens."""
-    salt, lora = req.params.cache_salt, req.params.lora
+    salt, lora = req.params.cache_salt, req.lora_key or req.params.lora
     root = None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
-    if lora is not None:    # a LoRA adapter changes every layer's KV: its name roots a chain of its own
+    if lora is not None:    # a LoRA adapter changes every layer's KV: it roots a chain of its own
         root = hashlib.sha256(b"lora\0" + (root or b"") + lora.encode("utf-8", "surrogatepass")).digest()
     return root
 

@@ -1,39 +1,24 @@
-"""LoRA adapters (PEFT format: `adapter_config.json` + `adapter_model.safetensors`) applied per row on
-the activations: `out[rows] += (x[rows] @ A^T @ B^T) * scale` after a projection, never merged into the
-base weights, so requests of several adapters and of the base model share one batch. `LoraSet` holds a
-stage's adapters (its own layers' weights only) and the step's row -> adapter map the worker sets.
+"""LoRA adapters (PEFT format: `adapter_config.json` + `adapter_model.safetensors`; GGUF LoRA files are
+read by lora_gguf.py) applied per row on the activations: `out[rows] += (x[rows] @ A^T @ B^T) * scale`
+after a projection, never merged into the base weights, so requests of several adapters and of the base
+model share one batch. `LoraSet` holds a stage's adapters (its own layers' weights only; loaded and
+unloaded while serving too) and the step's row -> adapter map the worker sets.
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ..checkpoint.lora_files import adapter_facts
+
 # PEFT target name -> (the block's attribute path of our projection, the fused part it is)
-TARGETS = {"q_proj": ("self_attn.qkv_proj", "q_proj"), "k_proj": ("self_attn.qkv_proj", "k_proj"),
+MODULES = {"q_proj": ("self_attn.qkv_proj", "q_proj"), "k_proj": ("self_attn.qkv_proj", "k_proj"),
            "v_proj": ("self_attn.qkv_proj", "v_proj"), "o_proj": ("self_attn.o_proj", None),
            "gate_proj": ("mlp.gate_up_proj", "gate_proj"), "up_proj": ("mlp.gate_up_proj", "up_proj"),
            "down_proj": ("mlp.down_proj", None)}
-_REFUSED = (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks (rank_pattern)"),
-            ("alpha_pattern", "per-module alphas (alpha_pattern)"), ("modules_to_save", "modules_to_save"),
-            ("layers_to_transform", "layers_to_transform"))
-
-
-def parse_lora_modules(specs) -> dict[str, str]:
-    """`name=path` texts (or a {name: path} dict) -> {name: path}; one sentence on a bad one."""
-    if isinstance(specs, dict):
-        return {str(k): str(v) for k, v in specs.items()}
-    out: dict[str, str] = {}
-    for spec in specs or ():
-        name, sep, path = str(spec).partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"lora_modules entry {spec!r} must be name=path (an adapter directory).")
-        out[name.strip()] = path.strip()
-    return out
 
 
 @dataclass
@@ -44,61 +29,32 @@ class LoraAdapter:
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @classmethod
-    def read(cls, name: str, path: str, max_rank: int) -> "LoraAdapter":
-        root = Path(path)
-        cfg_file = root / "adapter_config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"LoRA adapter {name!r}: {path} has no adapter_config.json (a PEFT adapter directory "
-                             f"is expected).")
-        cfg = json.loads(cfg_file.read_text())
-        for key, what in _REFUSED:
-            if cfg.get(key):
-                raise ValueError(f"LoRA adapter {name!r} uses {what}, which stagewise does not support.")
-        if cfg.get("bias", "none") != "none":
-            raise ValueError(f"LoRA adapter {name!r} trains biases (bias={cfg['bias']!r}); only bias 'none' is "
-                             f"supported.")
-        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-        if rank > max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}; raise it.")
-        targets = cfg.get("target_modules") or []
-        targets = [targets] if isinstance(targets, str) else list(targets)
-        bad = sorted(t for t in targets if t.split(".")[-1] not in TARGETS)
-        if bad:
-            raise ValueError(f"LoRA adapter {name!r} targets {', '.join(bad)}; stagewise applies LoRA to "
-                             f"{', '.join(TARGETS)} only.")
-        scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-        return cls(name, rank, scale, _read_weights(name, root))
 
-
-def _read_weights(name: str, root: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    files = sorted(root.glob("adapter_model*.safetensors"))
-    if not files:
-        raise ValueError(f"LoRA adapter {name!r}: {root} has no adapter_model.safetensors.")
+def read_adapter(name: str, path: str, max_rank: int, heads: tuple[int, int]) -> LoraAdapter:
+    """A PEFT directory or a llama.cpp GGUF LoRA file (`heads`: the base model's query and key-value head
+    counts, which un-permute a GGUF file's q/k rows); one sentence naming the adapter if it cannot be read."""
+    facts = adapter_facts(name, path, max_rank)
+    if facts.is_gguf:
+        from .lora_gguf import read_gguf_weights  # here: a PEFT-only run never imports the GGUF reader
+        return LoraAdapter(name, facts.rank, facts.scale, read_gguf_weights(facts, heads))
     from safetensors.torch import load_file  # here: a run without adapters never loads safetensors
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(Path(path).glob("adapter_model*.safetensors")):
         tensors.update(load_file(str(f)))
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        parts = key.split(".")
-        if "layers" not in parts or not ("lora_A" in parts or "lora_B" in parts):
-            raise ValueError(f"LoRA adapter {name!r} holds {key}, which is not a decoder layer's lora_A/lora_B.")
-        layer = int(parts[parts.index("layers") + 1])
-        side = "A" if "lora_A" in parts else "B"
-        target = parts[parts.index("lora_" + side) - 1]
-        if target not in TARGETS:
-            raise ValueError(f"LoRA adapter {name!r} targets {target}; stagewise applies LoRA to "
-                             f"{', '.join(TARGETS)} only.")
-        pairs.setdefault((layer, target), {})[side] = t
-    return {k: (v["A"], v["B"]) for k, v in pairs.items() if len(v) == 2}
+    return LoraAdapter(name, facts.rank, facts.scale, {pair: (tensors[a], tensors[b])
+                                                       for pair, (a, b) in facts.tensors.items()})
 
 
 class LoraSet:
-    """A stage's adapters (index i+1 for the i-th name; 0 is the base model) on its layers' projections."""
+    """A stage's adapters on its layers' projections: each loaded adapter has an index (0 is the base
+    model; indices are never reused, so a row never meets an unloaded adapter's successor)."""
 
-    def __init__(self, names: list[str]):
-        self.index = {n: i + 1 for i, n in enumerate(names)}
+    def __init__(self, model: Any, stage, max_rank: int, heads: tuple[int, int]):
+        """`heads`: the model's query and key-value head counts (all ranks': a GGUF file's q/k rows)."""
+        self.model, self.stage, self.max_rank, self.heads = model, stage, max_rank, heads
+        self.index: dict[str, int] = {}
+        self.paths: dict[str, str] = {}
+        self._next = 1
         # (layer_id, module path) -> per adapter index: [(out column slice, A, B, scale)]
         self.parts: dict[tuple[int, str], dict[int, list[tuple[slice, torch.Tensor, torch.Tensor, float]]]] = {}
         self.groups: list[tuple[int, torch.Tensor]] = []    # this step: (adapter index, its rows), base left out
@@ -106,6 +62,55 @@ class LoraSet:
     @property
     def active(self) -> bool:
         return bool(self.groups)
+
+    def sync(self, table: dict[str, str], on_error: Callable[[str, Exception], None] | None = None) -> None:
+        """Hold exactly the adapters of `table` ({name: path}): drop the others, read the new ones (a
+        name whose path changed is read again). Idempotent: a rebuilt pipeline gets the whole table.
+        `on_error(name, exc)`: an adapter that cannot be read is left out (None: the error is raised)."""
+        for name in [n for n in self.index if table.get(n) != self.paths[n]]:
+            self.unload(name)
+        for name, path in table.items():
+            if name in self.index:
+                continue
+            try:
+                self.load(name, path)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(name, exc)
+
+    def load(self, name: str, path: str) -> None:
+        """Read adapter `name` and hook its weights for this stage's layers (all checked before any is kept)."""
+        adapter = read_adapter(name, path, self.max_rank, self.heads)
+        p = next(self.model.parameters())
+        entries = [(layer_id, mod_path, cols, A.to(p.device, p.dtype).contiguous(),
+                    B.to(p.device, p.dtype).contiguous())
+                   for layer_id, mod_path, cols, A, B in _fit(self.model, adapter, self.stage)]
+        idx, self._next = self._next, self._next + 1
+        for layer_id, mod_path, cols, A, B in entries:
+            key = (layer_id, mod_path)
+            if key not in self.parts:
+                self.parts[key] = {}
+                # first of the module's hooks: a tensor-parallel gather (parallel/tp.py) comes after the delta
+                module = self.model.layers[layer_id].get_submodule(mod_path)
+                module.register_forward_hook(self.hook(layer_id, mod_path), prepend=True)
+            self.parts[key].setdefault(idx, []).append((cols, A, B, adapter.scale))
+        self.index[name], self.paths[name] = idx, path
+
+    def unload(self, name: str) -> None:
+        idx = self.index.pop(name)
+        self.paths.pop(name)
+        for table in self.parts.values():
+            table.pop(idx, None)
+
+    def adapter_of(self, name: str | None) -> int:
+        """A request's adapter index (0: the base model)."""
+        if name is None:
+            return 0
+        if name not in self.index:
+            raise RuntimeError(f"stage {self.stage.rank} does not hold the LoRA adapter {name!r} (it could not read "
+                               f"it when it was loaded; see this stage's log).")
+        return self.index[name]
 
     def set_rows(self, row_adapters: list[int], device: torch.device) -> None:
         """The step's adapter index per row (0: the base model)."""
@@ -133,47 +138,64 @@ class LoraSet:
         return apply
 
 
-def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_rank: int) -> LoraSet | None:
-    """Read `adapters` ({name: directory}) and hook their weights onto this stage's layers of `model`
-    (a Llama-style decoder); None without adapters. A mismatch is one sentence naming the adapter."""
-    if not adapters:
+def attach_loras(model: torch.nn.Module, stage, adapters: dict[str, str], max_rank: int, heads: tuple[int, int],
+                 runtime: bool = False) -> LoraSet | None:
+    """Read `adapters` ({name: path}) and hook their weights onto this stage's layers of `model` (a
+    Llama-style decoder, whole or one tensor-parallel rank's shard); None without adapters unless
+    `runtime` (adapters loaded while serving). A mismatch is one sentence naming the adapter."""
+    if not adapters and not runtime:
         return None
-    layers = getattr(model, "layers", None)
-    if layers is None or not hasattr(model, "qk_norm") or getattr(model, "tp_size", 1) != 1:
-        raise ValueError(f"LoRA adapters ({', '.join(adapters)}) need a Llama-style model without tensor "
-                         f"parallelism; {type(model).__name__} is not one (or tp_size > 1).")
-    lora = LoraSet(list(adapters))
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    for name, path in adapters.items():
-        adapter = LoraAdapter.read(name, path, max_rank)
-        for (layer_id, target), (A, B) in adapter.weights.items():
-            if layer_id >= len(layers):
-                raise ValueError(f"LoRA adapter {name!r} has weights for layer {layer_id}; the model has "
-                                 f"{len(layers)} layers (is it an adapter of another base model?).")
-            if not stage.start <= layer_id < stage.end:
-                continue
-            mod_path, part = TARGETS[target]
-            try:
-                module = layers[layer_id].get_submodule(mod_path)
-            except AttributeError:      # a mixture-of-experts block has no dense gate/up/down
-                raise ValueError(f"LoRA adapter {name!r} targets {target} of layer {layer_id}, which "
-                                 f"{type(model).__name__} does not have as a dense projection.") from None
-            cols = _columns(module, part)
-            if cols is None:
-                raise ValueError(f"LoRA adapter {name!r} targets {target}, which {type(model).__name__} holds fused "
-                                 f"with other projections in its checkpoint; LoRA on it is not supported.")
-            if A.shape != (adapter.rank, module.in_features) or B.shape != (cols.stop - cols.start, adapter.rank):
-                raise ValueError(f"LoRA adapter {name!r}: layer {layer_id} {target} has A {tuple(A.shape)} and B "
-                                 f"{tuple(B.shape)}, which do not fit the model's {module.in_features} -> "
-                                 f"{cols.stop - cols.start} projection (an adapter of another base model?).")
-            table = lora.parts.setdefault((layer_id, mod_path), {})
-            table.setdefault(lora.index[name], []).append(
-                (cols, A.to(device, dtype).contiguous(), B.to(device, dtype).contiguous(), adapter.scale))
-    for (layer_id, mod_path) in lora.parts:
-        layers[layer_id].get_submodule(mod_path).register_forward_hook(lora.hook(layer_id, mod_path))
+    if getattr(model, "layers", None) is None or not hasattr(model, "qk_norm"):
+        what = ", ".join(adapters) or "loaded at run time"
+        raise ValueError(f"LoRA adapters ({what}) need a Llama-style model; {type(model).__name__} is not one.")
+    lora = LoraSet(model, stage, max_rank, heads)
+    lora.sync(adapters)
     model.__dict__["lora"] = lora      # not a submodule: its tensors are not the model's weights
     return lora
+
+
+def _check_pair(adapter: LoraAdapter, layer_id: int, target: str, A: torch.Tensor, B: torch.Tensor,
+                fan_in: int, fan_out: int) -> None:
+    if A.shape != (adapter.rank, fan_in) or B.shape != (fan_out, adapter.rank):
+        raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer_id} {target} has A {tuple(A.shape)} and B "
+                         f"{tuple(B.shape)}, which do not fit the model's {fan_in} -> {fan_out} projection (an "
+                         f"adapter of another base model?).")
+
+
+def _fit(model: Any, adapter: LoraAdapter, stage):
+    """(layer_id, module path, output columns, A, B) of each weight pair of `stage`'s layers, checked
+    against `model`."""
+    layers = model.layers
+    for (layer_id, target), (A, B) in adapter.weights.items():
+        if layer_id >= len(layers):
+            raise ValueError(f"LoRA adapter {adapter.name!r} has weights for layer {layer_id}; the model has "
+                             f"{len(layers)} layers (is it an adapter of another base model?).")
+        if not stage.start <= layer_id < stage.end:
+            continue
+        mod_path, part = MODULES[target]
+        try:
+            module = layers[layer_id].get_submodule(mod_path)
+        except AttributeError:      # a mixture-of-experts block has no dense gate/up/down
+            raise ValueError(f"LoRA adapter {adapter.name!r} targets {target} of layer {layer_id}, which "
+                             f"{type(model).__name__} does not have as a dense projection.") from None
+        cols = _columns(module, part)
+        if cols is None:
+            raise ValueError(f"LoRA adapter {adapter.name!r} targets {target}, which {type(model).__name__} holds "
+                             f"fused with other projections in its checkpoint; LoRA on it is not supported.")
+        piece = _tp_piece(model, layer_id, mod_path, target)
+        _check_pair(adapter, layer_id, target, A, B, int(module.in_features),
+                    cols.stop - cols.start if piece is None else piece.full)
+        # tensor parallel: this rank's output rows of B (its heads, its share of gate/up, its rows of the
+        # gathered o/down projections, whose input is whole here); A is whole on every rank
+        yield layer_id, mod_path, cols, A, B if piece is None else piece.take(B)
+
+
+def _tp_piece(model: Any, layer_id: int, mod_path: str, target: str):
+    """This tensor-parallel rank's parallel.tp.Slice of the target's weight rows; None without TP."""
+    slices = model.__dict__.get("tp_slices")
+    if not slices:
+        return None
+    return slices[model.hf_name(f"layers.{layer_id}.{mod_path.rsplit('.', 1)[0]}.{target}.weight")]
 
 
 def _columns(module: Any, part: str | None) -> slice | None:

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from ..checkpoint.facts import read_facts
+from ..checkpoint.lora_files import parse_lora_modules
 from ..config import EngineConfig
 from ..graph.policy import policy_for
 from ..kvcache.tensors import allocate_kv_caches
 from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
 from ..model.loader import exact_mode, load_model, resolve_dtype
-from ..model.lora import attach_loras, parse_lora_modules
+from ..model.lora import attach_loras
 from ..model.quantized import weight_bytes
 from ..parallel import tp as tensor_parallel
 from ..parallel.partition import StageInfo
@@ -78,7 +79,8 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
     model = load_model(model_dir, stage, dtype, device, tp=(tp_group.rank, tp_group.size) if tp_group else None,
                        quantization=config.load.quantization, exact=exact_mode(config.load.dtype, hf_config))
     # LoRA adapters: this stage's layers' A/B, hooked onto their projections (read before the KV plan)
-    attach_loras(model, stage, parse_lora_modules(config.load.lora_modules), config.load.max_lora_rank)
+    attach_loras(model, stage, parse_lora_modules(config.load.lora_modules), config.load.max_lora_rank,
+                 (facts.heads, facts.kv_heads), runtime=config.load.enable_lora_runtime_updates)
     if device.type == "cpu":    # loading's temporaries go back to the kernel; the steps' are kept from here on
         release_load_temporaries()
         keep_freed_memory()

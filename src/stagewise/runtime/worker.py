@@ -126,6 +126,8 @@ class Worker:
             return result
 
     def apply_deltas(self, plan: StepPlan) -> None:
+        if plan.loras is not None:
+            self._sync_loras(plan.loras)
         if plan.zero_block_ids:
             blocks = torch.tensor(plan.zero_block_ids, dtype=torch.long, device=self.device)
             for cache in self.batch.kv_caches:
@@ -142,6 +144,14 @@ class Worker:
                 del st.block_ids[c.num_kept_blocks:]
             st.token_ids.extend(c.new_token_ids)
             st.block_ids.extend(c.new_block_ids)
+
+    def _sync_loras(self, table: dict[str, str]) -> None:
+        """Runtime LoRA loads and unloads. The driver read each adapter before it sent the table; one this
+        stage cannot read (its node lacks the path) is logged, and its requests fail here (`adapter_of`)."""
+        lora = self.model.__dict__.get("lora")
+        if lora is not None:
+            lora.sync(table, lambda name, exc: log.error("stage %d could not load the LoRA adapter %r: %s",
+                                                         self.stage.rank, name, exc))
 
     def _prepare(self, plan: StepPlan):
         ids: list[int] = []
@@ -162,7 +172,7 @@ class Worker:
             ids.extend(st.token_ids[seq.start:known_end])
             ids.extend(seq.draft_token_ids)
             if lora is not None:
-                row_adapters.extend([lora.index[st.params.lora] if st.params.lora else 0] * seq.num_tokens)
+                row_adapters.extend([lora.adapter_of(st.params.lora)] * seq.num_tokens)
             positions.extend(range(seq.start, end))
             query_lens.append(seq.num_tokens)
             seq_lens.append(end)

@@ -21,7 +21,7 @@ from ..core.client import EngineClient
 from ..executor.hygiene import freeze_heap
 from ..multimodal.images import limits_of
 from ..multimodal.intake import image_intake
-from . import embeddings, routes, utility
+from . import embeddings, lora_updates, routes, utility
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard, host_allowed, host_check_for
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -92,23 +92,27 @@ def build_app(engine: EngineClient, options: ServerOptions | None = None, image_
     app.add_api_route("/v1/embeddings", counted(embeddings.embeddings), methods=["POST"])
     app.add_api_route("/tokenize", counted(utility.tokenize), methods=["POST"])
     app.add_api_route("/detokenize", counted(utility.detokenize), methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", counted(lora_updates.load_lora_adapter), methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", counted(lora_updates.unload_lora_adapter), methods=["POST"])
 
     card = {"id": name, "object": "model", "created": created, "owned_by": "stagewise", "root": name,
             "max_model_len": serving.max_model_len}
 
-    # LoRA adapters are models of their own whose parent is the base model, as vLLM lists them
-    cards = {name: card, **{a: {**card, "id": a, "root": a, "parent": name} for a in serving.lora_names}}
+    def cards() -> dict[str, dict]:
+        """LoRA adapters are models of their own whose parent is the base model, as vLLM lists them
+        (read each time: runtime loads and unloads show at once)."""
+        return {name: card, **{a: {**card, "id": a, "root": a, "parent": name} for a in serving.lora_names}}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": list(cards.values())}
+        return {"object": "list", "data": list(cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in cards:
+        if model_id not in (known := cards()):
             raise APIError(f"The model {model_id[:200]!r} does not exist on this server; it serves {name!r} "
                            f"(see GET /v1/models).", 404, None, "model_not_found")
-        return cards[model_id]
+        return known[model_id]
 
     @app.get("/health")
     async def health():

@@ -56,7 +56,6 @@ class Serving:
         self.tok = engine.info.tok
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
-        self.lora_names = tuple(engine.info.lora_names)     # adapters a request names as its model
         self.max_model_len = engine.info.max_model_len
         self.kv_capacity_tokens = engine.info.kv_capacity_tokens
         self.vocab_size = engine.info.vocab_size
@@ -170,6 +169,11 @@ class Serving:
     def release(self, sub: Submission) -> None:
         self.started(sub)
         self.engine.release(sub)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name as its model (runtime loads and unloads change them)."""
+        return tuple(self.engine.info.lora_names)
 
     # checks (intake threads)
     def check_model(self, name: str | None) -> None:
