@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Iterator, NoReturn
 
 from ..config import EngineConfig
@@ -22,6 +23,7 @@ from ..grammar.limits import GrammarLimits
 from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
 from ..kvcache.block_manager import BlockManager
+from ..model.qwen3_5 import recurrent_layers
 from ..plan import StepPlan, StepResult
 from ..planning.memory import disk_tier_on, format_memory_table
 from ..planning.resolved import resolve_startup
@@ -40,6 +42,22 @@ from .stats import EngineStats
 log = logging.getLogger("stagewise.engine")
 
 
+def _hybrid_rules(config: EngineConfig, hf_config) -> EngineConfig:
+    """A model with recurrent (linear-attention) layers: prefix caching off, since a cached prefix's
+    KV blocks would need the recurrent state at the same position, which is not saved per block
+    (a restarted prefill recomputes it); speculative decoding refused, since rejected drafts would
+    have advanced the state."""
+    if not recurrent_layers(hf_config):
+        return config
+    if config.scheduler.speculative_config is not None:
+        raise ValueError("Speculative decoding is not supported for models with linear-attention layers (their "
+                         "recurrent state cannot take back rejected drafts); drop speculative_config.")
+    if config.cache.enable_prefix_caching:
+        log.info("prefix caching: off (this model's linear-attention layers keep a recurrent state per request, "
+                 "which is not saved at block boundaries)")
+    return replace(config, cache=replace(config.cache, enable_prefix_caching=False))
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         if config.load.model is None:
@@ -48,6 +66,7 @@ class Engine:
         # the LoRA adapters' names (--lora-modules name=path); a request's `params.lora` must be one
         self.lora_names = tuple(spec.partition("=")[0] for spec in config.load.lora_modules or ())
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
+        config = _hybrid_rules(config, self.tok.facts.hf)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)
         explicit = isinstance(config.parallel.pp_layer_partition, tuple)    # kept on every node and rebuild
         self.config = config            # what the user asked for; what start-up works out is `resolved`

@@ -68,9 +68,10 @@ COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden s
 ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-# Architectures with sliding-window layers (model/sink_attention.py), whose attention reads the live
-# metadata (a graph break in compiled bodies; refused by full graphs): auto leaves their graphs off.
-EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# Architectures with sliding-window layers (model/sink_attention.py) or linear-attention layers
+# (model/qwen3_5.py), which read the live metadata (a graph break in compiled bodies; refused by full
+# graphs): auto leaves their graphs off.
+EAGER_ARCHITECTURES = ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM")
 
 
 def policy_for(config, device_type: str) -> GraphPolicy:
@@ -83,7 +84,7 @@ def policy_for(config, device_type: str) -> GraphPolicy:
         policy = resolve_graph_policy("off", chunked_prefill_size=config.scheduler.chunked_prefill_size,
                                       pp_size=config.parallel.pp_size, device_type=device_type)
         return replace(policy, log_lines=policy.log_lines + (
-            "prefill graphs: off (auto on CPU runs models with sliding-window layers eager)",))
+            "prefill graphs: off (auto on CPU runs models with sliding-window or linear-attention layers eager)",))
     facts = _cpu_facts(config.load.model, config.load.quantization) if auto_cpu else (None, None)
     return resolve_graph_policy(
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,

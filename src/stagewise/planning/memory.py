@@ -217,11 +217,12 @@ class MemoryPlan:
     num_blocks: int
     block_bytes: int
     process_bytes: int = 0        # the stage's process before any weight
+    state_bytes: int = 0          # recurrent-state slots (linear-attention layers) for max_num_seqs requests
 
     @property
     def fixed_bytes(self) -> int:
         return (self.process_bytes + self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.state_bytes)
 
     def peak_bytes(self, kv_tokens: int, block_size: int, running: int = 0) -> int:
         """What the stage adds at its peak with `kv_tokens` of KV written (the CPU pool is resident
@@ -263,10 +264,10 @@ def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, v
 
 def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers: int, graph_pools: int,
             activation: int, block_bytes: int, explicit_kv: int | None, budget: int, cap_blocks: int,
-            min_blocks: int, refuse: bool = True, process: int = 0) -> MemoryPlan:
+            min_blocks: int, refuse: bool = True, process: int = 0, state: int = 0) -> MemoryPlan:
     """The stage's plan: an explicit KV size as given, else the budget's rest up to `cap_blocks`.
     Raises NotEnoughMemory (with `refuse`) when the rest holds fewer than `min_blocks` blocks."""
-    fixed = process + weights + graph_buffers + graph_pools + activation
+    fixed = process + weights + graph_buffers + graph_pools + activation + state
     if explicit_kv is not None:
         kv = explicit_kv
         budget = fixed + kv
@@ -274,7 +275,7 @@ def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers:
         kv = min(budget - fixed, cap_blocks * block_bytes)
     num_blocks = max(0, kv // block_bytes)
     plan = MemoryPlan(stage, layers, budget, weights, graph_buffers, graph_pools, activation,
-                      num_blocks * block_bytes, num_blocks, block_bytes, process)
+                      num_blocks * block_bytes, num_blocks, block_bytes, process, state)
     problem = shortfall(plan, explicit_kv, min(min_blocks, cap_blocks))
     if problem is not None and refuse:
         raise problem
@@ -294,6 +295,7 @@ def stage_plan(config: EngineConfig, facts: ModelFacts, stage: StageInfo, itemsi
                                            facts.vocab, config.scheduler.max_num_seqs, itemsize)
     return plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=graph_buffers, graph_pools=0,
                    activation=activation, process=process, block_bytes=block_bytes,
+                   state=config.scheduler.max_num_seqs * recurrent_state_bytes(facts.hf, stage, itemsize),
                    explicit_kv=config.cache.kv_cache_memory,
                    budget=budget, cap_blocks=cap_blocks(config, max_len),
                    min_blocks=min_kv_blocks(max_len, config.cache.block_size), refuse=refuse)
@@ -326,14 +328,33 @@ def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + [note])
 
 
+def kv_layers(hf_config, stage: StageInfo) -> int:
+    """The stage's layers that hold KV blocks: all but the recurrent ones (linear attention)."""
+    from ..model.qwen3_5 import recurrent_layers  # here: the plan's arithmetic is read without torch
+    recurrent = set(recurrent_layers(hf_config)) if hf_config is not None else set()
+    return sum(1 for i in range(stage.start, stage.end) if i not in recurrent)
+
+
+def recurrent_state_bytes(hf_config, stage: StageInfo, itemsize: int) -> int:
+    """One request's recurrent-state slot over the stage's linear-attention layers (0: none)."""
+    if hf_config is None or not getattr(hf_config, "layer_types", None):
+        return 0
+    from ..model.qwen3_5 import state_bytes_per_request
+    return state_bytes_per_request(hf_config, range(stage.start, stage.end), itemsize)
+
+
 def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+                       dtype: torch.dtype, kv_dtype: str = "auto", hf_config=None) -> int:
     """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`),
     and, for a format other than `dtype`, the block's share of the dense copy of one layer that
-    attention reads a stored layer through (model/attention.py: one per stage, resident as used)."""
+    attention reads a stored layer through (model/attention.py: one per stage, resident as used).
+    With `hf_config`, recurrent layers (which hold no blocks) are not counted."""
     from ..kernels import kv_quant  # here: the plan's arithmetic is read by processes that never load torch
     row = kv_quant.row_bytes(kv_dtype, head_dim, dtype)
-    stored = 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
+    layers = kv_layers(hf_config, stage) if hf_config is not None else stage.end - stage.start
+    if layers == 0:         # only recurrent layers: no block costs this stage anything (1 keeps the plan's division)
+        return 1
+    stored = 2 * block_size * num_kv_heads * row * layers
     same = kv_quant.storage_dtype(kv_dtype, dtype) == dtype
     dense = 0 if same else 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
     return stored + dense

@@ -92,7 +92,7 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
         block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype,
-                                         config.cache.kv_cache_dtype)
+                                         config.cache.kv_cache_dtype, facts.hf)
         plans.append(stage_plan(config, facts, stage, itemsize, weights=held, graph_buffers=0, block_bytes=block_bytes,
                                 budget=budget, process=process, refuse=refuse))
     return plans

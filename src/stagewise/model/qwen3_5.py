@@ -1,0 +1,225 @@
+"""Qwen3.5 (dense text): gated delta-rule linear-attention layers (three of every four by default)
+beside gated full-attention layers, `(1 + w)` RMSNorms, partial rotary.
+
+A linear layer keeps a fixed-size state per request instead of KV blocks: the window of its last
+conv inputs and the delta rule's `[Hv, Dk, Dv]` matrix, in the slot `meta.state_slots` names for
+each sequence (`batch.states[layer_id]`: the stage's pool, kvcache/state.py). A sequence whose step
+starts at position 0 starts from a zero state. Only the full-attention layers use the paged KV cache.
+"""
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.model import delta_rule
+from stagewise.model.attention import ForwardBatch
+from stagewise.model.cpu_gemm import Linear
+from stagewise.model.layers import FusedLinear, GatedMLP, apply_rotary, eager_only
+from stagewise.model.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from stagewise.model.llama_dense import GemmaRMSNorm
+
+RECURRENT_KINDS = ("linear_attention",)
+
+
+def recurrent_layers(hf_config) -> list[int]:
+    """The layers of `hf_config` that keep a recurrent state per request instead of KV blocks."""
+    return [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or ()) if kind in RECURRENT_KINDS]
+
+
+def state_bytes_per_request(hf_config, layer_ids: range, itemsize: int) -> int:
+    """One request's recurrent state over the recurrent layers among `layer_ids`: per layer the conv
+    window (`(2 Hk Dk + Hv Dv) * (K - 1)` values of the model dtype, `itemsize` bytes) and the delta
+    rule's `Hv * Dk * Dv` float32 matrix."""
+    own = [i for i in recurrent_layers(hf_config) if i in layer_ids]
+    if not own:
+        return 0
+    c = hf_config
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    per_layer = (conv_dim * (c.linear_conv_kernel_dim - 1) * itemsize
+                 + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+    return len(own) * per_layer
+
+
+class Qwen35Attention(LlamaAttention):
+    """Full attention whose q projection also yields a per-head output gate (`o_proj(attn * sigmoid(gate))`),
+    with `(1 + w)` q/k norms per head and partial rotary."""
+
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, **kwargs):
+        super().__init__(hf_config, layer_id, dtype, **{**kwargs, "qk_norm": True})
+        hq, hkv, d, bias = self.num_heads, self.num_kv_heads, self.head_dim, kwargs.get("qkv_bias", False)
+        # q_proj's rows are per head [query D, gate D]
+        self.qkv_proj = FusedLinear(hf_config.hidden_size, (("q_proj", 2 * hq * d), ("k_proj", hkv * d),
+                                                            ("v_proj", hkv * d)), bias, dtype)
+        self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T, hq, hkv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)
+        qg = qkv[:, :2 * hq * d].view(T, hq, 2 * d)
+        gate = qg[..., d:].reshape(T, hq * d)
+        assert self.q_norm is not None and self.k_norm is not None
+        q = apply_rotary(self.q_norm(qg[..., :d]), cos, sin)
+        k = apply_rotary(self.k_norm(qkv[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)), cos, sin)
+        v = qkv[:, (2 * hq + hkv) * d:].view(T, hkv, d)
+        out = self.attend(batch, q, k, v, False).reshape(T, -1)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class _Conv(nn.Module):
+    """The depthwise conv's weight `[C, 1, K]` under the checkpoint's name (`conv1d.weight`)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype))
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention: q/k/v through a short causal conv, the gated delta rule over them
+    (decay `exp(g)`, `g = -exp(A_log) * softplus(a + dt_bias)`, write strength `sigmoid(b)`), then a
+    per-head RMSNorm gated by `silu(z)` and the output projection."""
+
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hk, self.hv = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
+        self.dk, self.dv = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
+        if self.hv % self.hk:
+            raise ValueError(f"linear_num_value_heads ({self.hv}) must be a multiple of linear_num_key_heads "
+                             f"({self.hk}); the config is inconsistent.")
+        self.kernel = hf_config.linear_conv_kernel_dim
+        key, value, hidden = self.hk * self.dk, self.hv * self.dv, hf_config.hidden_size
+        self.conv_dim = 2 * key + value
+        self.in_proj = FusedLinear(hidden, (("in_proj_qkv", self.conv_dim), ("in_proj_z", value),
+                                            ("in_proj_b", self.hv), ("in_proj_a", self.hv)), False, dtype)
+        self.conv1d = _Conv(self.conv_dim, self.kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(self.hv, dtype=dtype))
+        self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype))    # checkpoint: norm.weight
+        self.eps = hf_config.rms_norm_eps
+        self.out_proj = Linear(value, hidden, bias=False, dtype=dtype)
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One slot's state: the conv window `[C, K-1]` (model dtype), the delta rule's `[Hv, Dk, Dv]` (float32)."""
+        return [((self.conv_dim, self.kernel - 1), dtype), ((self.hv, self.dk, self.dv), torch.float32)]
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T = hidden.shape[0]
+        mixed, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], -1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)      # [T, Hv] log decay
+        core = self._recur(mixed, g, b.sigmoid(), batch)                           # [T, Hv, Dv]
+        return self.out_proj(self._gated_norm(core, z.reshape(T, self.hv, self.dv)).reshape(T, -1))
+
+    @eager_only     # per-sequence loops over the live metadata
+    def _recur(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        meta, states = batch.meta, getattr(batch, "states", None)
+        if meta is None or states is None or states[self.layer_id] is None or meta.state_slots is None:
+            raise RuntimeError(f"Linear-attention layer {self.layer_id} has no recurrent state slots this step "
+                               f"(the stage was built without a state pool, or graphs froze the batch).")
+        conv_states, rec_states = states[self.layer_id]
+        out = mixed.new_empty(mixed.shape[0], self.hv, self.dv)
+        w = self.conv1d.weight
+        one_rows, one_slots = [], []
+        row = 0
+        for n, total, slot in zip(meta.query_lens, meta.seq_lens, meta.state_slots):
+            if total == n:                  # the sequence starts here: from a zero state
+                conv_states[slot].zero_()
+                rec_states[slot].zero_()
+            if n == 1:
+                one_rows.append(row)
+                one_slots.append(slot)
+            elif n > 1:
+                x = delta_rule.conv_rows(mixed[row:row + n], conv_states[slot], w)
+                q, k, v = self._split(x)
+                out[row:row + n] = delta_rule.chunked(q, k, v, g[row:row + n], beta[row:row + n], rec_states[slot])
+            row += n
+        if one_rows:                        # decode rows: one batched step over their gathered slots
+            rows = torch.tensor(one_rows, dtype=torch.long, device=mixed.device)
+            slots = torch.tensor(one_slots, dtype=torch.long, device=mixed.device)
+            x, window = delta_rule.conv_step(mixed.index_select(0, rows), conv_states.index_select(0, slots), w)
+            conv_states.index_copy_(0, slots, window.to(conv_states.dtype))
+            q, k, v = self._split(x)
+            o, s = delta_rule.step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
+                                   rec_states.index_select(0, slots))
+            rec_states.index_copy_(0, slots, s)
+            out.index_copy_(0, rows, o)
+        return out
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, key = x.shape[0], self.hk * self.dk
+        return (x[:, :key].reshape(n, self.hk, self.dk), x[:, key:2 * key].reshape(n, self.hk, self.dk),
+                x[:, 2 * key:].reshape(n, self.hv, self.dv))
+
+    def _gated_norm(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm per head (plain weight), in float32, then times silu(z) (transformers' RMSNormGated)."""
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.norm_weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class Qwen35DecoderLayer(nn.Module):
+    """Pre-norm block (`(1 + w)` norms) whose token mixer is gated delta-rule linear attention or gated
+    full attention, by `layer_types`; the Llama blocks' carry of `hidden` + `residual`."""
+
+    def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
+        super().__init__()
+        self.layer_id, eps, hidden = layer_id, hf_config.rms_norm_eps, hf_config.hidden_size
+        self.linear = layer_id in recurrent_layers(hf_config)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(hf_config, layer_id, dtype)
+        else:
+            self.self_attn = Qwen35Attention(hf_config, layer_id, dtype, **attn_kwargs)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, False, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        mixer = self.linear_attn if self.linear else self.self_attn
+        hidden, residual = self.post_attention_layernorm(mixer(hidden, cos, sin, batch), residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5 dense text model. Stages run eager modules (no one-call decode, no captured graphs: the
+    linear layers loop over the step's sequences) and tensor parallelism is not offered."""
+
+    decoder_layer = Qwen35DecoderLayer
+    one_call_decode = False
+    tensor_parallel = False
+
+    def __init__(self, hf_config, stage, dtype: torch.dtype):
+        if head_dim_of(hf_config) % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim_of(hf_config)}.")
+        super().__init__(hf_config, stage, dtype)
+        if self.norm is not None:
+            self.norm = GemmaRMSNorm(self.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.linear_ids = [i for i in recurrent_layers(hf_config) if stage.owns(i)]
+
+    def hf_name(self, param_name: str) -> str:
+        return super().hf_name(param_name.replace("linear_attn.norm_weight", "linear_attn.norm.weight"))
+
+    def state_spec(self) -> dict[int, list[tuple[tuple[int, ...], torch.dtype]]]:
+        """Per own linear layer, the shapes and dtypes of one request's state slot (empty: no recurrent layer)."""
+        return {i: cast(Qwen35DecoderLayer, self.layers[i]).linear_attn.state_shapes(self.dtype)
+                for i in self.linear_ids}
+
+    def kv_layer_ids(self) -> list[int]:
+        """The own layers that hold KV blocks (the full-attention ones)."""
+        return [i for i in range(self.stage.start, self.stage.end) if i not in self.linear_ids]
+
+    def _warn_sliding_window(self, hf_config) -> None:
+        pass
+
+    def _plan_decode_layers(self) -> dict | None:
+        return None

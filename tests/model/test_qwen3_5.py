@@ -1,0 +1,136 @@
+"""Qwen3.5 (dense text: gated delta-rule linear-attention layers beside gated full attention) against
+HF transformers (fp32): prompt logits and greedy tokens at PP=1 and PP=2 (the split between a linear
+and a full-attention layer included), prompts in chunks that continue a state slot, batched steps of
+several sequences, the state pool and the memory plan's count of it, and the engine end to end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stagewise.model.attention import AttentionMetadata
+
+PROMPTS = [[5, 17, 230, 44, 9], [300, 12, 7, 99, 41, 8, 600, 3, 250, 77, 18, 512, 64, 2, 901, 33, 47],
+           list(range(10, 410, 9)) + list(range(7, 400, 13))]    # 5, 17 and 76 tokens (two delta-rule chunks)
+ATOL = 2e-4
+
+
+def _chunked_logits(pipe, ids: list[int], cuts: list[int]) -> torch.Tensor:
+    """One prompt's logits computed in chunks ending at `cuts` (each continues the cache and the state)."""
+    pipe.reset()
+    rows, start = [], 0
+    for end in [*cuts, len(ids)]:
+        meta = AttentionMetadata.build([end - start], [end], [pipe.table(0)], pipe.block_size)
+        rows.append(pipe.stages[-1].compute_logits(pipe.forward(torch.tensor(ids[start:end]),
+                                                                torch.arange(start, end), meta)))
+        start = end
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("pp_size,partition", [(1, None), (2, [3, 1]), (2, [2, 2])])
+def test_logits_and_greedy_match_hf(qwen3_5_dir, eager_pipeline, hf_logits, hf_greedy, pp_size, partition):
+    """[3, 1]: the three linear layers on one stage, the full-attention layer on the next."""
+    pipe = eager_pipeline(qwen3_5_dir, pp_size=pp_size, partition=partition)
+    for ids in PROMPTS:
+        torch.testing.assert_close(pipe.prefill_logits(ids), hf_logits(qwen3_5_dir, ids), atol=ATOL, rtol=0)
+    assert [pipe.greedy(ids, 16) for ids in PROMPTS[1:]] == hf_greedy(qwen3_5_dir, PROMPTS[1:], 16)
+
+
+def test_split_between_linear_and_full_attention_layers(qwen3_5_dir, eager_pipeline):
+    first, second = eager_pipeline(qwen3_5_dir, pp_size=2, partition=[3, 1]).stages
+    assert [first.layers[i].linear for i in range(3)] == [True] * 3 and not second.layers[3].linear
+    assert sorted(first.state_spec()) == [0, 1, 2] and second.state_spec() == {}
+    assert first.kv_layer_ids() == [] and second.kv_layer_ids() == [3]
+
+
+def test_chunked_prefill_continues_the_state(qwen3_5_dir, eager_pipeline, hf_logits):
+    """Chunks of 1, 30 and the rest (one-row chunks take the recurrent step, longer ones the chunked rule)."""
+    pipe = eager_pipeline(qwen3_5_dir, pp_size=2, partition=[3, 1])
+    ids = PROMPTS[2]
+    want = hf_logits(qwen3_5_dir, ids)
+    torch.testing.assert_close(_chunked_logits(pipe, ids, [1, 31]), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_chunked_logits(pipe, ids, [64, 65]), want, atol=ATOL, rtol=0)
+
+
+def test_batched_steps_keep_each_sequence_in_its_slot(qwen3_5_dir, eager_pipeline, hf_logits, hf_greedy):
+    """Three prompts prefilled in one step, then decoded together (one batched recurrent step)."""
+    pipe = eager_pipeline(qwen3_5_dir)
+    pipe.reset()
+    lens = [len(p) for p in PROMPTS]
+    meta = AttentionMetadata.build(lens, lens, [pipe.table(i) for i in range(3)], pipe.block_size)
+    hidden = pipe.forward(torch.tensor([t for p in PROMPTS for t in p]), torch.cat([torch.arange(n) for n in lens]),
+                          meta)
+    logits = pipe.stages[-1].compute_logits(hidden).split(lens)
+    for ids, rows in zip(PROMPTS, logits):
+        torch.testing.assert_close(rows, hf_logits(qwen3_5_dir, ids), atol=ATOL, rtol=0)
+    outs = [[int(rows[-1].argmax())] for rows in logits]
+    for step in range(9):
+        seq_lens = [n + step + 1 for n in lens]
+        meta = AttentionMetadata.build([1, 1, 1], seq_lens, [pipe.table(i) for i in range(3)], pipe.block_size)
+        hidden = pipe.forward(torch.tensor([o[-1] for o in outs]), torch.tensor([n - 1 for n in seq_lens]), meta)
+        for o, row in zip(outs, pipe.stages[-1].compute_logits(hidden)):
+            o.append(int(row.argmax()))
+    assert outs == hf_greedy(qwen3_5_dir, PROMPTS, 10)
+
+
+def test_state_pool_slots_are_reused_and_grow():
+    from stagewise.kvcache.state import StatePool, slot_bytes
+    spec = {1: [((6, 3), torch.float32), ((2, 4, 4), torch.float32)]}
+    pool = StatePool(spec, 3, 2)
+    assert pool.layers[0] is None and [t.shape for t in pool.layers[1]] == [(2, 6, 3), (2, 2, 4, 4)]
+    assert slot_bytes(spec) == (18 + 32) * 4
+    a, b = pool.allocate(), pool.allocate()
+    pool.layers[1][1][b].fill_(7.0)
+    c = pool.allocate()                         # past the planned slots: grows, keeping what slots hold
+    assert {a, b, c} == {0, 1, 2} and pool.num_slots == 4 and float(pool.layers[1][1][b].max()) == 7.0
+    pool.release(a)
+    assert pool.allocate() == a
+
+
+def test_memory_plan_counts_the_state_and_only_attention_layers_hold_kv(qwen3_5_dir):
+    from stagewise.checkpoint.facts import read_facts
+    from stagewise.model.qwen3_5 import state_bytes_per_request
+    from stagewise.parallel.partition import stage_infos
+    from stagewise.planning.memory import kv_bytes_per_block, recurrent_state_bytes
+    hf = read_facts(qwen3_5_dir).hf
+    whole, (first, second) = stage_infos(4, 1)[0], stage_infos(4, 2, [3, 1])
+    # per linear layer: conv window (2*2*16 + 4*8) * 3 fp32 values, delta-rule state 4*16*8 fp32 values
+    per_layer = (96 * 3 + 4 * 16 * 8) * 4
+    assert state_bytes_per_request(hf, range(4), 4) == 3 * per_layer == recurrent_state_bytes(hf, whole, 4)
+    assert recurrent_state_bytes(hf, second, 4) == 0 and recurrent_state_bytes(hf, first, 4) == 3 * per_layer
+    one_layer = 2 * 16 * 2 * 16 * 4         # K and V, 16 positions, 2 KV heads of 16, fp32
+    assert kv_bytes_per_block(whole, 2, 16, 16, torch.float32, hf_config=hf) == one_layer
+    assert kv_bytes_per_block(whole, 2, 16, 16, torch.float32) == 4 * one_layer     # without the config: every layer
+
+
+def test_tensor_parallelism_is_refused_in_one_sentence(qwen3_5_dir):
+    from stagewise.checkpoint.files import load_hf_config
+    from stagewise.model.registry import get_model_class
+    from stagewise.parallel import tp
+    config = load_hf_config(qwen3_5_dir)
+    with pytest.raises(ValueError, match="runs with tp_size 1"):
+        tp.check_model(config, get_model_class(config.architectures[0]), 2)
+
+
+@pytest.mark.slow
+def test_llm_batched_chunked_at_pp1_and_pp2_matches_hf_tokens_and_logprobs(qwen3_5_dir, hf_greedy, hf_logits):
+    """The engine end to end: three requests batched, prompts cut into 16-token chunks, PP=2 in stage
+    processes; greedy tokens and their logprobs as transformers'."""
+    from stagewise import LLM, SamplingParams
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    want = hf_greedy(qwen3_5_dir, PROMPTS, 10)
+    for pp in (1, 2):
+        with LLM(model=str(qwen3_5_dir), pp_size=pp, chunked_prefill_size=16, max_num_seqs=4) as llm:
+            out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == want, pp
+        for ids, o in zip(PROMPTS, out):
+            full = ids + list(o.outputs[0].token_ids)
+            ref = torch.log_softmax(hf_logits(qwen3_5_dir, full[:-1]), -1)[len(ids) - 1:]
+            got = [entry[t].logprob for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            want_lp = [float(ref[i, t]) for i, t in enumerate(o.outputs[0].token_ids)]
+            assert got == pytest.approx(want_lp, abs=1e-3), pp
+
+
+def test_speculative_decoding_is_refused_in_one_sentence(qwen3_5_dir):
+    from stagewise import LLM
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(model=str(qwen3_5_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
