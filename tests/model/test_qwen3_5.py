@@ -88,7 +88,7 @@ def test_state_pool_slots_are_reused_and_grow():
 
 def test_memory_plan_counts_the_state_and_only_attention_layers_hold_kv(qwen3_5_dir):
     from stagewise.checkpoint.facts import read_facts
-    from stagewise.model.qwen3_5 import state_bytes_per_request
+    from stagewise.checkpoint.layer_kinds import state_bytes_per_request
     from stagewise.parallel.partition import stage_infos
     from stagewise.planning.memory import kv_bytes_per_block, recurrent_state_bytes
     hf = read_facts(qwen3_5_dir).hf
@@ -100,6 +100,20 @@ def test_memory_plan_counts_the_state_and_only_attention_layers_hold_kv(qwen3_5_
     one_layer = 2 * 16 * 2 * 16 * 4         # K and V, 16 positions, 2 KV heads of 16, fp32
     assert kv_bytes_per_block(whole, 2, 16, 16, torch.float32, hf_config=hf) == one_layer
     assert kv_bytes_per_block(whole, 2, 16, 16, torch.float32) == 4 * one_layer     # without the config: every layer
+
+
+def test_plan_shows_the_state_per_request_and_kv_of_attention_layers_only(qwen3_5_dir, capsys):
+    from stagewise.cli import main
+    assert main(["plan", "--model", str(qwen3_5_dir), "--pp-size", "2", "--pp-layer-partition", "3,1",
+                 "--max-num-seqs", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))}
+    head = next(line for line in out.splitlines() if line.startswith("stage"))
+    assert "activations MiB  state MiB  KV MiB" in head
+    state_col = 7                                # stage, layers, 5 columns of MiB, then the state's
+    assert float(rows["[0,3)"][state_col]) > 0 and float(rows["[3,4)"][state_col]) == 0
+    per_request = 3 * (96 * 3 + 4 * 16 * 8) * 4
+    assert f"recurrent state: {per_request:,} bytes" in out and "over its 1 attention layers of 4" in out
 
 
 def test_tensor_parallelism_is_refused_in_one_sentence(qwen3_5_dir):
@@ -125,9 +139,27 @@ def test_llm_batched_chunked_at_pp1_and_pp2_matches_hf_tokens_and_logprobs(qwen3
         for ids, o in zip(PROMPTS, out):
             full = ids + list(o.outputs[0].token_ids)
             ref = torch.log_softmax(hf_logits(qwen3_5_dir, full[:-1]), -1)[len(ids) - 1:]
-            got = [entry[t].logprob for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            entries = o.outputs[0].logprobs
+            assert [e.token_id for e in entries] == list(o.outputs[0].token_ids)
+            got = [e.logprob for e in entries]
             want_lp = [float(ref[i, t]) for i, t in enumerate(o.outputs[0].token_ids)]
             assert got == pytest.approx(want_lp, abs=1e-3), pp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_preempted_requests_restart_from_a_zero_state(qwen3_5_dir, hf_greedy, pp_size):
+    """12 KV blocks of 16 tokens (one attention layer) for three requests growing to 116, 57 and 45
+    tokens: some are preempted and recompute their prompt and outputs from a zero state; the prefix
+    cache is off for this model, so nothing is reused from a block without its state."""
+    from stagewise import LLM, SamplingParams
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(qwen3_5_dir), pp_size=pp_size, kv_cache_memory=12 * 2 * 16 * 2 * 16 * 4) as llm:
+        assert not llm.engine.scheduler.blocks.enable_prefix_caching
+        out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(qwen3_5_dir, PROMPTS, 40)
 
 
 def test_speculative_decoding_is_refused_in_one_sentence(qwen3_5_dir):

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Iterator, NoReturn
 
+from ..checkpoint.layer_kinds import recurrent_layers
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor
@@ -23,7 +24,6 @@ from ..grammar.limits import GrammarLimits
 from ..grammar.matchers import StructuredOutputManager
 from ..graph.policy import decide_verdict, policy_for
 from ..kvcache.block_manager import BlockManager
-from ..model.qwen3_5 import recurrent_layers
 from ..plan import StepPlan, StepResult
 from ..planning.memory import disk_tier_on, format_memory_table
 from ..planning.resolved import resolve_startup

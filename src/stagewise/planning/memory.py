@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..checkpoint.layer_kinds import recurrent_layers, state_bytes_per_request
 from ..config import cache_root
 
 if TYPE_CHECKING:
@@ -231,12 +232,13 @@ class MemoryPlan:
         used = min(self.num_blocks, -(-kv_tokens // block_size) + 1) * self.block_bytes
         return running + self.fixed_bytes + used
 
-    def row(self) -> list[str]:
+    def row(self, state: bool = False) -> list[str]:
+        """The table's cells; `state`: with the recurrent-state column (a model with linear-attention layers)."""
         mib = lambda b: f"{b / (1 << 20):.1f}"
         return [str(self.stage), f"[{self.layers[0]},{self.layers[1]})", mib(self.process_bytes),
                 mib(self.weights_bytes),
                 mib(self.graph_buffer_bytes), mib(self.graph_pool_bytes), mib(self.activation_bytes),
-                mib(self.kv_bytes), str(self.num_blocks)]
+                *([mib(self.state_bytes)] if state else []), mib(self.kv_bytes), str(self.num_blocks)]
 
 
 class NotEnoughMemory(ValueError):
@@ -315,22 +317,23 @@ def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> Not
 
 def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None) -> str:
     """One row per plan; `labels` replace the stage numbers (tensor-parallel ranks: stage/rank)."""
+    state = any(p.state_bytes for p in plans)     # recurrent-state slots: shown where a stage has any
     head = ["stage" if labels is None else "stage/rank", "layers", "process MiB", "weights MiB", "graph bufs MiB",
-            "graph pools MiB", "activations MiB", "KV MiB", "KV blocks"]
-    rows = [head] + [p.row() for p in plans]
+            "graph pools MiB", "activations MiB", *(["state MiB"] if state else []), "KV MiB", "KV blocks"]
+    rows = [head] + [p.row(state) for p in plans]
     for row, label in zip(rows[1:], labels or []):
         row[0] = label
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     # NOTE: a 135M model's default pool reads "11520.4" (64 sequences of 8,192 tokens): say what it is
     note = ("KV MiB is each pool's ceiling (--max-num-seqs sequences of --max-model-len tokens, or the memory left), "
             "resident only as blocks are written on CPU; --max-num-seqs, --max-model-len or --kv-cache-memory "
-            "lower it.")
+            "lower it." + (" state MiB: the recurrent state of --max-num-seqs requests (linear-attention layers, "
+                           "a fixed size per request whatever its length)." if state else ""))
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + [note])
 
 
 def kv_layers(hf_config, stage: StageInfo) -> int:
     """The stage's layers that hold KV blocks: all but the recurrent ones (linear attention)."""
-    from ..model.qwen3_5 import recurrent_layers  # here: the plan's arithmetic is read without torch
     recurrent = set(recurrent_layers(hf_config)) if hf_config is not None else set()
     return sum(1 for i in range(stage.start, stage.end) if i not in recurrent)
 
@@ -339,7 +342,6 @@ def recurrent_state_bytes(hf_config, stage: StageInfo, itemsize: int) -> int:
     """One request's recurrent-state slot over the stage's linear-attention layers (0: none)."""
     if hf_config is None or not getattr(hf_config, "layer_types", None):
         return 0
-    from ..model.qwen3_5 import state_bytes_per_request
     return state_bytes_per_request(hf_config, range(stage.start, stage.end), itemsize)
 
 
