@@ -166,3 +166,42 @@ def test_speculative_decoding_is_refused_in_one_sentence(qwen3_5_dir):
     from stagewise import LLM
     with pytest.raises(ValueError, match="linear-attention layers"):
         LLM(model=str(qwen3_5_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("pp_size,partition", [(1, None), (2, [3, 1])])
+def test_gguf_matches_hf(qwen3_5_dir, tiny_gguf, eager_pipeline, hf_logits, hf_greedy, pp_size, partition):
+    """A `qwen35` file as llama.cpp's converter writes it (value heads tiled over the key heads, `-exp(A_log)`,
+    `(1 + w)` norms with the 1 added, the conv weight squeezed, a quarter of each head rotated)."""
+    from stagewise.checkpoint.files import load_hf_config
+    path = tiny_gguf("qwen3_5")
+    mine, hf = load_hf_config(path), load_hf_config(qwen3_5_dir)
+    assert mine.architectures == hf.architectures and mine.layer_types == hf.layer_types
+    assert (mine.linear_num_key_heads, mine.linear_num_value_heads, mine.linear_key_head_dim,
+            mine.linear_value_head_dim) == (2, 4, 16, 8) and mine.linear_v_heads_tiled
+    pipe = eager_pipeline(path, pp_size=pp_size, partition=partition)
+    torch.testing.assert_close(pipe.prefill_logits(PROMPTS[2]), hf_logits(qwen3_5_dir, PROMPTS[2]), atol=ATOL, rtol=0)
+    assert pipe.greedy(PROMPTS[1], 12) == hf_greedy(qwen3_5_dir, PROMPTS[1:2], 12)[0]
+
+
+def test_gguf_value_heads_in_the_files_order_matter(qwen3_5_dir, tiny_gguf, eager_pipeline, hf_logits):
+    """Read in transformers' grouped order, the file's tiled value heads give other logits (the flag matters)."""
+    from stagewise.model.qwen3_5 import GatedDeltaNet
+    pipe = eager_pipeline(tiny_gguf("qwen3_5"))
+    for layer in pipe.stages[0].layers:
+        if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+            layer.linear_attn.tiled = False
+    assert not torch.allclose(pipe.prefill_logits(PROMPTS[1]), hf_logits(qwen3_5_dir, PROMPTS[1]), atol=1e-2)
+
+
+def test_gguf_q8_0_runs_the_files_values(qwen3_5_dir, tiny_gguf, eager_pipeline, gguf_tools, tmp_path):
+    """Q8_0 projections held quantized give what an F32 file of the same (dequantized) values gives;
+    the F32 path is the one tested against transformers above."""
+    import gguf
+    from transformers import AutoConfig
+    quant = gguf.GGMLQuantizationType.Q8_0
+    tensors = gguf_tools.gguf_tensors(qwen3_5_dir, AutoConfig.from_pretrained(qwen3_5_dir), "qwen35")
+    values = {name: gguf.quants.dequantize(gguf.quants.quantize(a, quant), quant)
+              if a.ndim == 2 and a.shape[-1] % 32 == 0 else a for name, a in tensors.items()}
+    ref = gguf_tools.write_gguf(qwen3_5_dir, tmp_path / "dq.gguf", "F32", tensors=values)
+    got = eager_pipeline(tiny_gguf("qwen3_5", "Q8_0"), pp_size=2, partition=[3, 1]).prefill_logits(PROMPTS[2])
+    torch.testing.assert_close(got, eager_pipeline(ref).prefill_logits(PROMPTS[2]), atol=1e-4, rtol=0)

@@ -34,23 +34,27 @@ def conv_step(rows: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) ->
     return F.silu(out).to(rows.dtype), x[:, :, 1:]
 
 
-def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """q and k l2-normed in float32, repeated to v's heads (each q/k head serves consecutive v heads);
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiled: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """q and k l2-normed in float32, repeated to v's heads: each q/k head serves consecutive v heads
+    (transformers' order), or with `tiled` v head j pairs with q/k head j % Hk (llama.cpp's files);
     the query scale 1/sqrt(dk)."""
     rep = v.shape[-2] // k.shape[-2]
     q, k = l2norm(q.float()), l2norm(k.float())
-    if rep > 1:
+    if rep > 1 and tiled:
+        reps = (1,) * (q.dim() - 2) + (rep, 1)
+        q, k = q.repeat(*reps), k.repeat(*reps)
+    elif rep > 1:
         q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
     return q, k, q.shape[-1] ** -0.5
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor) -> torch.Tensor:
+            state: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """One sequence's rows: q/k `[n, Hk, Dk]`, v `[n, Hv, Dv]`, log-decay g and beta `[n, Hv]`, from
     `state` `[Hv, Dk, Dv]` (float32, updated in place) -> out `[n, Hv, Dv]` in v's dtype. The WY form
-    within chunks of CHUNK rows, a scan over chunks."""
+    within chunks of CHUNK rows, a scan over chunks. `tiled`: the value heads' order (`_heads`)."""
     n, dtype = q.shape[0], v.dtype
-    q, k, scale = _heads(q, k, v)
+    q, k, scale = _heads(q, k, v, tiled)
     q, k, v = (x.transpose(0, 1) for x in (q * scale, k, v.float()))           # [H, n, D]
     g, beta = g.float().t(), beta.float().t()                                   # [H, n]
     pad = (-n) % CHUNK
@@ -80,11 +84,11 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+         state: torch.Tensor, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One row per sequence: q/k `[B, Hk, Dk]`, v `[B, Hv, Dv]`, g and beta `[B, Hv]`, states `[B, Hv,
     Dk, Dv]` (float32) -> (out `[B, Hv, Dv]` in v's dtype, the new states)."""
     dtype = v.dtype
-    q, k, scale = _heads(q, k, v)
+    q, k, scale = _heads(q, k, v, tiled)
     s = state * g.float().exp()[..., None, None]
     delta = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]     # [B, H, Dv]
     s = s + k[..., None] * delta[..., None, :]

@@ -72,6 +72,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"linear_num_value_heads ({self.hv}) must be a multiple of linear_num_key_heads "
                              f"({self.hk}); the config is inconsistent.")
         self.kernel = hf_config.linear_conv_kernel_dim
+        # value heads ordered tiled over the key heads (llama.cpp's files), not grouped by them (HF's)
+        self.tiled = bool(getattr(hf_config, "linear_v_heads_tiled", False))
         key, value, hidden = self.hk * self.dk, self.hv * self.dv, hf_config.hidden_size
         self.conv_dim = 2 * key + value
         self.in_proj = FusedLinear(hidden, (("in_proj_qkv", self.conv_dim), ("in_proj_z", value),
@@ -116,7 +118,8 @@ class GatedDeltaNet(nn.Module):
             elif n > 1:
                 x = delta_rule.conv_rows(mixed[row:row + n], conv_states[slot], w)
                 q, k, v = self._split(x)
-                out[row:row + n] = delta_rule.chunked(q, k, v, g[row:row + n], beta[row:row + n], rec_states[slot])
+                out[row:row + n] = delta_rule.chunked(q, k, v, g[row:row + n], beta[row:row + n], rec_states[slot],
+                                                     self.tiled)
             row += n
         if one_rows:                        # decode rows: one batched step over their gathered slots
             rows = torch.tensor(one_rows, dtype=torch.long, device=mixed.device)
@@ -125,7 +128,7 @@ class GatedDeltaNet(nn.Module):
             conv_states.index_copy_(0, slots, window.to(conv_states.dtype))
             q, k, v = self._split(x)
             o, s = delta_rule.step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                   rec_states.index_select(0, slots))
+                                   rec_states.index_select(0, slots), self.tiled)
             rec_states.index_copy_(0, slots, s)
             out.index_copy_(0, rows, o)
         return out
