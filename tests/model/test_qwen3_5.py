@@ -162,6 +162,39 @@ def test_preempted_requests_restart_from_a_zero_state(qwen3_5_dir, hf_greedy, pp
     assert [o.outputs[0].token_ids for o in out] == hf_greedy(qwen3_5_dir, PROMPTS, 40)
 
 
+@pytest.mark.slow
+def test_a_killed_linear_stage_is_replaced_and_its_requests_recomputed(qwen3_5_dir, hf_greedy):
+    """PP=2 split after the linear layers: the stage holding the recurrent states is SIGKILLed mid-generate;
+    its replacement starts with empty slots and every request is recomputed from its tokens."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from stagewise import LLM, SamplingParams
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(qwen3_5_dir), pp_size=2, pp_layer_partition="3,1", dist_timeout_s=60,
+             max_pipeline_restarts=1, pipeline_spares_delay_s=0) as llm:
+        llm.engine.step()
+        deadline = time.monotonic() + 60
+        while llm.stats()["recovery"]["spares_ready"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        target = llm.engine.stats_.num_steps + 6
+
+        def kill():
+            end = time.monotonic() + 60
+            while llm.engine.stats_.num_steps < target and time.monotonic() < end:
+                time.sleep(0.002)
+            os.kill(llm.engine.executor.procs[0].pid, signal.SIGKILL)
+        thread = threading.Thread(target=kill, daemon=True)
+        thread.start()
+        out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        thread.join()
+        restarts = llm.stats()["recovery"]
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(qwen3_5_dir, PROMPTS, 24)
+    assert sum(restarts["rebuilds"].values()) >= 1 and restarts["recovered_requests"] >= 1, restarts
+
+
 def test_speculative_decoding_is_refused_in_one_sentence(qwen3_5_dir):
     from stagewise import LLM
     with pytest.raises(ValueError, match="linear-attention layers"):
