@@ -72,6 +72,22 @@ def test_batched_steps_keep_each_sequence_in_its_slot(qwen3_5_dir, eager_pipelin
     assert outs == hf_greedy(qwen3_5_dir, PROMPTS, 10)
 
 
+def test_bfloat16_stages_run_as_transformers_bfloat16(qwen3_5_dir, eager_pipeline, hf_logits):
+    """bf16 weights, activations and conv windows (the delta rule's state stays float32) against transformers
+    in bf16: this random model moves ~2.5 logits from fp32 to bf16 in either, far less between the two."""
+    from transformers import AutoModelForCausalLM
+    full = hf_logits(qwen3_5_dir, PROMPTS[2])
+    model = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPTS[2]])).logits[0].float()
+    pipe = eager_pipeline(qwen3_5_dir, pp_size=2, partition=[3, 1], dtype=torch.bfloat16)
+    half = pipe.prefill_logits(PROMPTS[2])
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    assert (half - theirs).abs().max() < 0.1 * (theirs - full).abs().max()
+    conv, state = pipe.batches[0].states[0]
+    assert conv.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
 def test_state_pool_slots_are_reused_and_grow():
     from stagewise.kvcache.state import StatePool, slot_bytes
     spec = {1: [((6, 3), torch.float32), ((2, 4, 4), torch.float32)]}
@@ -114,6 +130,16 @@ def test_plan_shows_the_state_per_request_and_kv_of_attention_layers_only(qwen3_
     assert float(rows["[0,3)"][state_col]) > 0 and float(rows["[3,4)"][state_col]) == 0
     per_request = 3 * (96 * 3 + 4 * 16 * 8) * 4
     assert f"recurrent state: {per_request:,} bytes" in out and "over its 1 attention layers of 4" in out
+
+
+@pytest.mark.parametrize("flags", [dict(prefill_graph="compiled"), dict(prefill_graph="full"),
+                                   dict(decode_graph=True)])
+def test_graphs_are_refused_in_one_sentence_and_auto_runs_eager(qwen3_5_dir, flags):
+    from stagewise.config import EngineConfig
+    from stagewise.graph.policy import policy_for
+    assert policy_for(EngineConfig.from_kwargs(model=str(qwen3_5_dir)), "cpu").backend == "off"
+    with pytest.raises(ValueError, match="linear-attention layers .* run eager"):
+        policy_for(EngineConfig.from_kwargs(model=str(qwen3_5_dir), **flags), "cpu")
 
 
 def test_tensor_parallelism_is_refused_in_one_sentence(qwen3_5_dir):
