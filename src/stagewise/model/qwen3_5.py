@@ -8,6 +8,7 @@ starts at position 0 starts from a zero state. Only the full-attention layers us
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -58,6 +59,34 @@ class _Conv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype))
 
 
+@dataclass
+class _StepPlan:
+    """How a step's sequences meet the linear layers, worked out once per step (every layer shares it)."""
+
+    fresh: list[int]                        # slots of sequences that start at position 0
+    prompts: list[tuple[int, int, int]]     # (first row, rows, slot) of each sequence with several rows
+    one_rows: torch.Tensor | None           # rows of the one-row sequences (decode rows), and their slots
+    one_slots: torch.Tensor | None
+
+
+def _step_plan(meta, device) -> _StepPlan:
+    plan = meta.__dict__.get("_linear_plan")
+    if plan is None:
+        fresh, prompts, rows, slots, row = [], [], [], [], 0
+        for n, total, slot in zip(meta.query_lens, meta.seq_lens, meta.state_slots):
+            if total == n:
+                fresh.append(slot)
+            if n == 1:
+                rows.append(row)
+                slots.append(slot)
+            elif n > 1:
+                prompts.append((row, n, slot))
+            row += n
+        tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device) if xs else None
+        plan = meta.__dict__["_linear_plan"] = _StepPlan(fresh, prompts, tensor(rows), tensor(slots))
+    return plan
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear attention: q/k/v through a short causal conv, the gated delta rule over them
     (decay `exp(g)`, `g = -exp(A_log) * softplus(a + dt_bias)`, write strength `sigmoid(b)`), then a
@@ -104,26 +133,19 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError(f"Linear-attention layer {self.layer_id} has no recurrent state slots this step "
                                f"(the stage was built without a state pool, or graphs froze the batch).")
         conv_states, rec_states = states[self.layer_id]
-        out = mixed.new_empty(mixed.shape[0], self.hv, self.dv)
+        plan = _step_plan(meta, mixed.device)
+        out = mixed.new_zeros(mixed.shape[0], self.hv, self.dv)     # rows past the live ones stay zero
         w = self.conv1d.weight
-        one_rows, one_slots = [], []
-        row = 0
-        for n, total, slot in zip(meta.query_lens, meta.seq_lens, meta.state_slots):
-            if total == n:                  # the sequence starts here: from a zero state
-                conv_states[slot].zero_()
-                rec_states[slot].zero_()
-            if n == 1:
-                one_rows.append(row)
-                one_slots.append(slot)
-            elif n > 1:
-                x = delta_rule.conv_rows(mixed[row:row + n], conv_states[slot], w)
-                q, k, v = self._split(x)
-                out[row:row + n] = delta_rule.chunked(q, k, v, g[row:row + n], beta[row:row + n], rec_states[slot],
-                                                     self.tiled)
-            row += n
-        if one_rows:                        # decode rows: one batched step over their gathered slots
-            rows = torch.tensor(one_rows, dtype=torch.long, device=mixed.device)
-            slots = torch.tensor(one_slots, dtype=torch.long, device=mixed.device)
+        for slot in plan.fresh:             # sequences that start this step: from a zero state
+            conv_states[slot].zero_()
+            rec_states[slot].zero_()
+        for row, n, slot in plan.prompts:   # rows of one sequence: the conv over them, the chunked rule
+            x = delta_rule.conv_rows(mixed[row:row + n], conv_states[slot], w)
+            q, k, v = self._split(x)
+            out[row:row + n] = delta_rule.chunked(q, k, v, g[row:row + n], beta[row:row + n], rec_states[slot],
+                                                 self.tiled)
+        if plan.one_rows is not None and plan.one_slots is not None:   # one row each: one batched step
+            rows, slots = plan.one_rows, plan.one_slots
             x, window = delta_rule.conv_step(mixed.index_select(0, rows), conv_states.index_select(0, slots), w)
             conv_states.index_copy_(0, slots, window.to(conv_states.dtype))
             q, k, v = self._split(x)
