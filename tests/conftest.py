@@ -104,6 +104,12 @@ def _family_config(family: str, vocab: int):
         return tf.Qwen3_5TextConfig(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
                                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                                     **common)
+    if family == "qwen3_next":  # Qwen3.5's kinds, qkvz/ba projections per key head; MoE (8 experts, top-2,
+        # renormalised, a shared expert) on layers 0, 2 and 3 (layer 1 dense: mlp_only_layers)
+        return tf.Qwen3NextConfig(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, mlp_only_layers=[1], **common)
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -182,6 +188,7 @@ gemma3_dir = _family_fixture("gemma3")
 gemma3_hd_dir = _family_fixture("gemma3_hd")
 gpt_oss_dir = _family_fixture("gpt_oss")
 qwen3_5_dir = _family_fixture("qwen3_5")
+qwen3_next_dir = _family_fixture("qwen3_next")
 
 
 @pytest.fixture(scope="session")

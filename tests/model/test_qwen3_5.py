@@ -1,7 +1,8 @@
 """Qwen3.5 (dense text: gated delta-rule linear-attention layers beside gated full attention) against
 HF transformers (fp32): prompt logits and greedy tokens at PP=1 and PP=2 (the split between a linear
 and a full-attention layer included), prompts in chunks that continue a state slot, batched steps of
-several sequences, the state pool and the memory plan's count of it, and the engine end to end."""
+several sequences, the state pool and the memory plan's count of it, the engine end to end, GGUF
+`qwen35` files; and Qwen3-Next (the same kinds, other linear-layer projections, MoE MLPs)."""
 from __future__ import annotations
 
 import pytest
@@ -219,6 +220,27 @@ def test_a_killed_linear_stage_is_replaced_and_its_requests_recomputed(qwen3_5_d
         restarts = llm.stats()["recovery"]
     assert [o.outputs[0].token_ids for o in out] == hf_greedy(qwen3_5_dir, PROMPTS, 24)
     assert sum(restarts["rebuilds"].values()) >= 1 and restarts["recovered_requests"] >= 1, restarts
+
+
+@pytest.mark.parametrize("pp_size,partition", [(1, None), (2, [3, 1])])
+def test_qwen3_next_matches_hf(qwen3_next_dir, eager_pipeline, hf_logits, hf_greedy, pp_size, partition):
+    """Qwen3-Next: q/k/v/z and b/a projected per key head, MoE MLPs with a shared expert (layer 1 dense)."""
+    from stagewise.model.moe import SparseMoE
+    pipe = eager_pipeline(qwen3_next_dir, pp_size=pp_size, partition=partition)
+    kinds = [type(pipe.stages[-1 if i == 3 else 0].layers[i].mlp) for i in range(4)]
+    assert [k is SparseMoE for k in kinds] == [True, False, True, True]
+    torch.testing.assert_close(_chunked_logits(pipe, PROMPTS[2], [30]), hf_logits(qwen3_next_dir, PROMPTS[2]),
+                               atol=5e-4, rtol=0)
+    assert pipe.greedy(PROMPTS[1], 12) == hf_greedy(qwen3_next_dir, PROMPTS[1:2], 12)[0]
+
+
+@pytest.mark.slow
+def test_qwen3_next_llm_at_pp2_matches_hf(qwen3_next_dir, hf_greedy):
+    from stagewise import LLM, SamplingParams
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(qwen3_next_dir), pp_size=2, chunked_prefill_size=16) as llm:
+        out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(qwen3_next_dir, PROMPTS, 10)
 
 
 def test_speculative_decoding_is_refused_in_one_sentence(qwen3_5_dir):

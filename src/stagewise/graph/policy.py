@@ -71,12 +71,12 @@ ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 # Architectures with sliding-window layers (model/sink_attention.py) or linear-attention layers
 # (model/qwen3_5.py), which read the live metadata (a graph break in compiled bodies; refused by full
 # graphs): auto leaves their graphs off.
-EAGER_ARCHITECTURES = ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM")
+EAGER_ARCHITECTURES = ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 
 # Architectures with linear-attention layers (model/qwen3_5.py): always eager, their recurrent layers
 # loop over the step's sequences and state slots, which no graph captures.
-RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM",)
+RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 
 def policy_for(config, device_type: str) -> GraphPolicy:
@@ -84,9 +84,9 @@ def policy_for(config, device_type: str) -> GraphPolicy:
     graphs = config.graphs
     if ((graphs.prefill_graph not in ("auto", "off") or graphs.decode_graph not in (False, None, "off"))
             and _architecture(config.load.model) in RECURRENT_ARCHITECTURES):
-        raise ValueError("Models with linear-attention layers (Qwen3.5) run eager: their recurrent layers loop over "
-                         "the step's sequences and state slots, which graphs cannot capture; use --prefill-graph off "
-                         "(or auto) and no --decode-graph.")
+        raise ValueError("Models with linear-attention layers (Qwen3.5, Qwen3-Next) run eager: their recurrent layers "
+                         "loop over the step's sequences and state slots, which graphs cannot capture; use "
+                         "--prefill-graph off (or auto) and no --decode-graph.")
     # LoRA's per-row adapter groups change each step: those stages run eager too
     eager = config.parallel.tp_size > 1 or bool(config.load.lora_modules)
     prefill_graph = "off" if eager else config.graphs.prefill_graph

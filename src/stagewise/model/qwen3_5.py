@@ -22,6 +22,7 @@ from stagewise.model.cpu_gemm import Linear
 from stagewise.model.layers import FusedLinear, GatedMLP, apply_rotary, eager_only
 from stagewise.model.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
 from stagewise.model.llama_dense import GemmaRMSNorm
+from stagewise.model.moe import SparseMoE, num_experts_of
 
 
 class Qwen35Attention(LlamaAttention):
@@ -105,14 +106,22 @@ class GatedDeltaNet(nn.Module):
         self.tiled = bool(getattr(hf_config, "linear_v_heads_tiled", False))
         key, value, hidden = self.hk * self.dk, self.hv * self.dv, hf_config.hidden_size
         self.conv_dim = 2 * key + value
-        self.in_proj = FusedLinear(hidden, (("in_proj_qkv", self.conv_dim), ("in_proj_z", value),
-                                            ("in_proj_b", self.hv), ("in_proj_a", self.hv)), False, dtype)
+        self.in_proj = FusedLinear(hidden, self.input_parts(), False, dtype)
         self.conv1d = _Conv(self.conv_dim, self.kernel, dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=dtype))
         self.A_log = nn.Parameter(torch.empty(self.hv, dtype=dtype))
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype))    # checkpoint: norm.weight
         self.eps = hf_config.rms_norm_eps
         self.out_proj = Linear(value, hidden, bias=False, dtype=dtype)
+
+    def input_parts(self) -> tuple[tuple[str, int], ...]:
+        """The checkpoint's input projections, fused into one (Qwen3.5: q/k/v, z, b and a apart)."""
+        return (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.hv * self.dv), ("in_proj_b", self.hv),
+                ("in_proj_a", self.hv))
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden `[T, H]` -> (the conv's input q|k|v `[T, C]`, z `[T, Hv * Dv]`, b and a `[T, Hv]`)."""
+        return self.in_proj(hidden).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], -1)
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One slot's state: the conv window `[C, K-1]` (model dtype), the delta rule's `[Hv, Dk, Dv]` (float32)."""
@@ -121,7 +130,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         T = hidden.shape[0]
-        mixed, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], -1)
+        mixed, z, b, a = self.project(hidden)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)      # [T, Hv] log decay
         core = self._recur(mixed, g, b.sigmoid(), batch)                           # [T, Hv, Dv]
         return self.out_proj(self._gated_norm(core, z.reshape(T, self.hv, self.dv)).reshape(T, -1))
@@ -167,9 +176,29 @@ class GatedDeltaNet(nn.Module):
         return (self.norm_weight * normed * F.silu(z.float())).to(x.dtype)
 
 
+class NextGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear attention: Qwen3.5's, its inputs projected by two matrices whose rows run per key
+    head: `in_proj_qkvz` [q Dk, k Dk, v and z (Hv/Hk) Dv each] and `in_proj_ba` [b, a (Hv/Hk) each]."""
+
+    def input_parts(self) -> tuple[tuple[str, int], ...]:
+        rep = self.hv // self.hk
+        return (("in_proj_qkvz", self.hk * (2 * self.dk + 2 * rep * self.dv)), ("in_proj_ba", 2 * self.hv))
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        T, hk, rep, dk, dv = hidden.shape[0], self.hk, self.hv // self.hk, self.dk, self.dv
+        qkvz, ba = self.in_proj(hidden).split([hk * (2 * dk + 2 * rep * dv), 2 * self.hv], -1)
+        q, k, v, z = qkvz.view(T, hk, -1).split([dk, dk, rep * dv, rep * dv], -1)
+        b, a = ba.view(T, hk, 2 * rep).split([rep, rep], -1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)
+        return mixed, z.reshape(T, -1), b.reshape(T, -1), a.reshape(T, -1)
+
+
 class Qwen35DecoderLayer(nn.Module):
     """Pre-norm block (`(1 + w)` norms) whose token mixer is gated delta-rule linear attention or gated
-    full attention, by `layer_types`; the Llama blocks' carry of `hidden` + `residual`."""
+    full attention, by `layer_types`; the Llama blocks' carry of `hidden` + `residual`. `mlp`: a MoE block
+    (Qwen3-Next's routed layers), else the config's dense gated MLP."""
+
+    linear_class: type[GatedDeltaNet] = GatedDeltaNet
 
     def __init__(self, hf_config, layer_id: int, dtype: torch.dtype, mlp: nn.Module | None = None,
                  attention: type[LlamaAttention] = LlamaAttention, **attn_kwargs):
@@ -177,12 +206,13 @@ class Qwen35DecoderLayer(nn.Module):
         self.layer_id, eps, hidden = layer_id, hf_config.rms_norm_eps, hf_config.hidden_size
         self.linear = layer_id in recurrent_layers(hf_config)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(hf_config, layer_id, dtype)
+            self.linear_attn = self.linear_class(hf_config, layer_id, dtype)
         else:
             self.self_attn = Qwen35Attention(hf_config, layer_id, dtype, **attn_kwargs)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, False, dtype)
+        self.mlp = mlp if mlp is not None else GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act,
+                                                        False, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,3 +258,25 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def _plan_decode_layers(self) -> dict | None:
         return None
+
+
+class NextDecoderLayer(Qwen35DecoderLayer):
+    linear_class = NextGatedDeltaNet
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5's layer kinds with its own linear-layer projections (`NextGatedDeltaNet`) and
+    Qwen-MoE MLPs (softmax top-k, renormalised when `norm_topk_prob`, a shared expert behind a sigmoid
+    gate) on the layers `decoder_sparse_step` / `mlp_only_layers` route."""
+
+    decoder_layer = NextDecoderLayer
+
+    def make_mlp(self, hf_config, layer_id: int, dtype: torch.dtype) -> nn.Module | None:
+        step = getattr(hf_config, "decoder_sparse_step", None) or 1
+        if (layer_id in (getattr(hf_config, "mlp_only_layers", None) or []) or num_experts_of(hf_config) == 0
+                or (layer_id + 1) % step):
+            return None
+        return SparseMoE(hf_config.hidden_size, hf_config.moe_intermediate_size, num_experts_of(hf_config),
+                         hf_config.num_experts_per_tok, bool(getattr(hf_config, "norm_topk_prob", False)),
+                         hf_config.hidden_act, dtype,
+                         shared_inter=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0))
