@@ -100,6 +100,16 @@ def _family_config(family: str, vocab: int):
                 "truncate": False, "original_max_position_embeddings": 64}
         return tf.GptOssConfig(num_hidden_layers=3, head_dim=16, num_local_experts=8, sliding_window=8,
                                swiglu_limit=1.5, rope_parameters=yarn, **{**moe, "intermediate_size": 32})
+    if family == "qwen3_5":  # linear / linear / linear / full attention; 4 value heads over 2 key heads
+        return tf.Qwen3_5TextConfig(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                    **common)
+    if family == "qwen3_next":  # Qwen3.5's kinds, qkvz/ba projections per key head; MoE (8 experts, top-2,
+        # renormalised, a shared expert) on layers 0, 2 and 3 (layer 1 dense: mlp_only_layers)
+        return tf.Qwen3NextConfig(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, mlp_only_layers=[1], **common)
     if family == "gpt2_3h":  # 3 heads: 1 + 2 over two ranks
         return tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=3, n_inner=128, n_positions=512,
                              bos_token_id=0, eos_token_id=1)
@@ -125,6 +135,7 @@ def build_tiny_checkpoint(out_dir: Path, family: str, tokenizer_dir: Path, seed:
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
     config = _family_config(family, vocab)
     cls = (tf.GPT2LMHeadModel if family.startswith("gpt2") else tf.Gemma3ForCausalLM if family.startswith("gemma3")
+           else tf.Qwen3_5ForCausalLM if family == "qwen3_5"
            else getattr(tf, type(config).__name__.replace("Config", "ForCausalLM")))
     torch.manual_seed(seed)
     model = cls(config).float().eval()
@@ -176,6 +187,8 @@ phi4_mini_dir = _family_fixture("phi4_mini")
 gemma3_dir = _family_fixture("gemma3")
 gemma3_hd_dir = _family_fixture("gemma3_hd")
 gpt_oss_dir = _family_fixture("gpt_oss")
+qwen3_5_dir = _family_fixture("qwen3_5")
+qwen3_next_dir = _family_fixture("qwen3_next")
 
 
 @pytest.fixture(scope="session")
@@ -256,6 +269,7 @@ class EagerPipeline:
     def __init__(self, model_dir, pp_size: int = 1, partition=None, num_blocks: int = 64, dtype=torch.float32,
                  tp=None, quantization=None):
         from stagewise.checkpoint.facts import read_facts
+        from stagewise.kvcache.state import StatePool
         from stagewise.model.attention import ForwardBatch
         from stagewise.model.loader import load_model
         from stagewise.parallel.partition import stage_infos
@@ -268,7 +282,10 @@ class EagerPipeline:
             hkv, d = model.kv_cache_spec()
             caches = [torch.zeros(2, num_blocks, self.block_size, hkv, d, dtype=dtype) if model.stage.owns(i)
                       else None for i in range(num_layers)]
-            self.batches.append(ForwardBatch(None, caches))
+            # recurrent layers (linear attention): a state slot per sequence slot (kvcache/state.py)
+            spec = getattr(model, "state_spec", dict)()
+            states = StatePool(spec, num_layers, 4).layers if spec else None
+            self.batches.append(ForwardBatch(None, caches, states))
 
     def reset(self) -> None:
         for batch in self.batches:
@@ -279,6 +296,8 @@ class EagerPipeline:
     def forward(self, ids, positions, meta, input_embeds=None) -> torch.Tensor:
         """Run all stages; returns the last stage's hidden states `[T, H]`."""
         out = None
+        if meta.state_slots is None:        # sequence i in state slot i, as in block range i
+            meta.state_slots = list(range(len(meta.query_lens)))
         for model, batch in zip(self.stages, self.batches):
             batch.meta = meta
             first = model.stage.is_first

@@ -16,7 +16,8 @@ import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "olmo2": "olmo2",
-             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss", "gemma3_text": "gemma3", "phi3": "phi3"}
+             "granite": "granite", "smollm3": "smollm3", "gpt_oss": "gpt-oss", "gemma3_text": "gemma3", "phi3": "phi3",
+             "qwen3_5_text": "qwen35"}
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -85,7 +86,67 @@ def _phi3_rope_factors(config) -> dict[str, np.ndarray]:
             for kind in ("long", "short")}
 
 
+def _write_qwen35_hparams(writer, config) -> None:
+    """What llama.cpp's Qwen3_5TextModel writes: the Llama keys, a quarter of each head rotated, the
+    linear layers under `ssm.*`, which layers are recurrent (a flag per layer, and the interval)."""
+    head_dim = config.head_dim
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+def _v_tiled(array: np.ndarray, axis: int, config, size: int) -> np.ndarray:
+    """llama.cpp's _reorder_v_heads: value heads along `axis` (`size` each) from grouped by key head to tiled."""
+    hk, rep = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    a = np.moveaxis(array, axis, 0)
+    rest = a.shape[1:]
+    a = a.reshape(hk, rep, size, *rest).swapaxes(0, 1).reshape(hk * rep * size, *rest)
+    return np.moveaxis(a, 0, axis)
+
+
+def _qwen35_tensor(hf_name: str, array: np.ndarray, config) -> tuple[str, np.ndarray]:
+    """One Qwen3.5 tensor as llama.cpp's converter writes it: value heads tiled, `-exp(A_log)`, `dt_bias`
+    as `dt_proj.bias`, the conv weight squeezed, the `(1 + w)` norms with the 1 added."""
+    dv, qk = config.linear_value_head_dim, 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    if "linear_attn." in hf_name:
+        if ".in_proj_qkv." in hf_name or ".conv1d." in hf_name:
+            array = np.concatenate([array[:qk], _v_tiled(array[qk:], 0, config, dv)])
+        elif ".in_proj_z." in hf_name:
+            array = _v_tiled(array, 0, config, dv)
+        elif any(part in hf_name for part in (".in_proj_a.", ".in_proj_b.", ".A_log", ".dt_bias")):
+            array = _v_tiled(array, 0, config, 1)
+        elif ".out_proj." in hf_name:
+            array = _v_tiled(array, 1, config, dv)
+    if hf_name.endswith(".A_log"):
+        array = -np.exp(array)
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name.replace(".dt_bias", ".dt_proj.bias")
+    elif ".conv1d." in hf_name:
+        array = array.squeeze(1)
+    elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        array = array + 1.0
+    return hf_name, array
+
+
 def _write_hparams(writer, config, arch: str) -> None:
+    if arch == "qwen35":
+        return _write_qwen35_hparams(writer, config)
     if arch == "gemma3":
         return _write_gemma3_hparams(writer, config)
     if arch == "phi3":
@@ -169,6 +230,8 @@ def gguf_tensors(hf_dir: Path, config, arch: str) -> dict[str, np.ndarray]:
         if (match := _EXPERT.fullmatch(hf_name)) is not None:   # stacked per layer and projection, as llama.cpp
             experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = array
             continue
+        if arch == "qwen35":
+            hf_name, array = _qwen35_tensor(hf_name, array, config)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None and ".mlp." in hf_name:     # a dense layer of a MoE model (Qwen's mlp_only_layers)
             name = dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -238,7 +301,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, tokenizer: bool =
     for name, array in (tensors or gguf_tensors(hf_dir, config, arch)).items():
         if isinstance(array, tuple):
             writer.add_tensor(name, array[0], raw_dtype=array[1])
-        elif quant == gguf.GGMLQuantizationType.F32 or array.ndim < 2:
+        elif quant == gguf.GGMLQuantizationType.F32 or array.ndim < 2 or array.shape[-1] % 32:   # not whole blocks
             writer.add_tensor(name, array)
         elif quant == gguf.GGMLQuantizationType.F16:   # a plain float16 array: the writer infers F16
             writer.add_tensor(name, array.astype(np.float16))

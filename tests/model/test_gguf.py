@@ -152,8 +152,8 @@ def _write_variant(tools, llama_dir, out: Path, arch: str | None = None, bad_typ
     ("truncated", "is truncated or damaged"),
     ("not_gguf", "is not a GGUF file"),
     ("unknown_arch", "holds a 'phi2' model, which stagewise cannot run from GGUF; supported GGUF architectures: "
-                     "gemma3, gpt-oss, gpt2, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
-                     "smollm3."),
+                     "gemma3, gpt-oss, gpt2, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen35, "
+                     "qwen3moe, smollm3."),
     ("bad_quant", "Tensor blk.0.attn_q.weight in .* is stored as Q8_1, which stagewise cannot dequantize"),
 ])
 def test_bad_gguf_gets_one_sentence(case, message, tiny_gguf, llama_dir, tmp_path, capsys, gguf_tools):

@@ -202,7 +202,7 @@ def test_structured_outputs_see_the_vocabulary_transformers_gives(kind, tiny_ggu
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2", "gemma3_hd", "phi3",
-                                    "phi4_mini"])
+                                    "phi4_mini", "qwen3_5"])
 def test_config_record_reads_as_transformers_config(family, tiny_gguf):
     _same_config_as_transformers(tiny_gguf(family, "Q8_0"))
 
@@ -211,11 +211,13 @@ def _same_config_as_transformers(path: Path) -> None:
     import transformers
     arch, fields = config_fields_from_gguf(path)
     ours = load_hf_config(path)
-    theirs = getattr(transformers, {"gpt2": "GPT2Config", "gemma3": "Gemma3TextConfig"}.get(
-        arch, f"{arch.capitalize()}Config"))(**fields)
+    names = {"gpt2": "GPT2Config", "gemma3": "Gemma3TextConfig", "qwen35": "Qwen3_5TextConfig"}
+    theirs = getattr(transformers, names.get(arch, f"{arch.capitalize()}Config"))(**fields)
     extra = {"gemma3": ("layer_types", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
                         "hidden_activation", "rope_parameters"),
-             "phi3": ("original_max_position_embeddings",)}.get(arch, ())
+             "phi3": ("original_max_position_embeddings",),
+             "qwen35": ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                        "linear_num_key_heads", "linear_num_value_heads")}.get(arch, ())
     for name in READ_ATTRS + extra:
         assert getattr(ours, name, MISSING) == getattr(theirs, name, MISSING), name
     assert rope_parameters(ours) == rope_parameters(theirs)

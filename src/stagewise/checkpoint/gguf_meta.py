@@ -40,7 +40,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
                       "smollm3": "SmolLM3ForCausalLM", "gpt-oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel",
-                      "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
 _LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 # gguf-py's Keys.LLM.EXPERT_COUNT, spelled here so a dense file's load never imports gguf-py (a test
 # checks the two agree); the rest of a MoE file's keys are read from gguf-py's constants
@@ -67,6 +67,9 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": dict(model_type="gemma3_text", dtype=None, pad_token_id=0, attn_logit_softcapping=None,
                    final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
     "phi3": dict(model_type="phi3", dtype=None, pad_token_id=32000, sliding_window=None),
+    # llama.cpp's converter reorders the linear layers' value heads from grouped by key head to tiled
+    # (`linear_v_heads_tiled`: model/qwen3_5.py pairs them with the key heads so, no tensor is permuted back)
+    "qwen35": dict(model_type="qwen3_5_text", dtype=None, pad_token_id=None, linear_v_heads_tiled=True),
     # llama.cpp's gpt-oss: the clamped SwiGLU's constants are fixed in its graph, not stored
     "gpt-oss": dict(model_type="gpt_oss", dtype=None, pad_token_id=None, swiglu_alpha=1.702, swiglu_limit=7.0),
     "gpt2": dict(model_type="gpt2", dtype=None, pad_token_id=None, activation_function="gelu_new",
@@ -334,6 +337,8 @@ def config_fields_from_gguf(path: Path) -> tuple[str, dict[str, Any]]:
         kwargs.update(_gemma3_kwargs(facts, kwargs, path))
     if arch == "phi3":
         kwargs.update(_phi3_kwargs(facts, kwargs, path))
+    if arch == "qwen35":
+        kwargs.update(_qwen35_kwargs(facts, kwargs, path))
     moe = _moe_kwargs(facts, arch) if arch != "gpt2" else {}
     if moe and arch == "llama":
         common.update(architectures=[_LLAMA_WITH_EXPERTS[0]], model_type=_LLAMA_WITH_EXPERTS[1])
@@ -396,6 +401,26 @@ def _phi3_kwargs(facts: GGUFFacts, kwargs: dict, path: Path) -> dict:
     return dict(rope_parameters=rope, original_max_position_embeddings=int(original) if original else None)
 
 
+def _qwen35_kwargs(facts: GGUFFacts, kwargs: dict, path: Path) -> dict:
+    """Qwen3.5's linear-attention layers under llama.cpp's `ssm.*` keys (key heads: `group_count`, their
+    size: `state_size`; value heads: `time_step_rank`, their total width: `inner_size`), which layers are
+    recurrent (`attention.recurrent_layers`, else every layer but each `full_attention_interval`-th)."""
+    get = _metadata_getter(facts, "qwen35", path)
+    layers, v_heads = int(kwargs["num_hidden_layers"]), int(get("ssm.time_step_rank", required=True))
+    flags = get("attention.recurrent_layers")
+    if isinstance(flags, list):
+        recurrent = [bool(f) for f in flags][:layers]
+    else:
+        interval = int(get("full_attention_interval") or 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    return dict(linear_conv_kernel_dim=int(get("ssm.conv_kernel", required=True)),
+                linear_key_head_dim=int(get("ssm.state_size", required=True)),
+                linear_num_key_heads=int(get("ssm.group_count", required=True)),
+                linear_num_value_heads=v_heads,
+                linear_value_head_dim=int(get("ssm.inner_size", required=True)) // v_heads,
+                layer_types=["linear_attention" if r else "full_attention" for r in recurrent])
+
+
 def _moe_kwargs(facts: GGUFFacts, arch: str) -> dict:
     """The experts' config where the file's blocks hold them (metadata keys from gguf-py's constants;
     sizes the metadata leaves out read from the expert tensors' shapes); {} for a dense model."""
@@ -435,7 +460,8 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
     hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
     head_dim = int(get("attention.key_length") or hidden // heads)
     rotated = int(get("rope.dimension_count") or head_dim)
-    if rotated != head_dim and arch != "phi3":     # Phi-4-mini rotates part of each head
+    partial = arch in ("phi3", "qwen35")             # Phi-4-mini and Qwen3.5 rotate part of each head
+    if rotated != head_dim and not partial:
         raise ValueError(f"{path} rotates only part of each head (rope.dimension_count "
                          f"{get('rope.dimension_count')} < head size {head_dim}), which stagewise does not support.")
     return dict(hidden_size=hidden, intermediate_size=int(get("feed_forward_length", required=True)),
@@ -444,7 +470,7 @@ def _llama_kwargs(facts: GGUFFacts, arch: str, path: Path) -> dict:
                 max_position_embeddings=int(get("context_length") or 2048),
                 rms_norm_eps=float(get("attention.layer_norm_rms_epsilon") or 1e-6),
                 rope_parameters={**_rope_parameters(facts, get, head_dim, path),
-                                 **({"partial_rotary_factor": rotated / head_dim} if arch == "phi3" else {})},
+                                 **({"partial_rotary_factor": rotated / head_dim} if partial else {})},
                 hidden_act="silu",
                 attention_bias="blk.0.attn_q.bias" in facts.shapes, mlp_bias="blk.0.ffn_up.bias" in facts.shapes)
 

@@ -13,8 +13,10 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Iterator, NoReturn
 
+from ..checkpoint.layer_kinds import recurrent_layers
 from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..executor import Executor
@@ -41,12 +43,29 @@ from .stats import EngineStats
 log = logging.getLogger("stagewise.engine")
 
 
+def _hybrid_rules(config: EngineConfig, hf_config) -> EngineConfig:
+    """A model with recurrent (linear-attention) layers: prefix caching off, since a cached prefix's
+    KV blocks would need the recurrent state at the same position, which is not saved per block
+    (a restarted prefill recomputes it); speculative decoding refused, since rejected drafts would
+    have advanced the state."""
+    if not recurrent_layers(hf_config):
+        return config
+    if config.scheduler.speculative_config is not None:
+        raise ValueError("Speculative decoding is not supported for models with linear-attention layers (their "
+                         "recurrent state cannot take back rejected drafts); drop speculative_config.")
+    if config.cache.enable_prefix_caching:
+        log.info("prefix caching: off (this model's linear-attention layers keep a recurrent state per request, "
+                 "which is not saved at block boundaries)")
+    return replace(config, cache=replace(config.cache, enable_prefix_caching=False))
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         if config.load.model is None:
             raise ValueError("The engine needs a model path; resolve the default with model.source.resolve_model.")
         self.model_dir = config.load.model
         self.tok = Tokenizer(self.model_dir, config.load.tokenizer)
+        config = _hybrid_rules(config, self.tok.facts.hf)
         # the LoRA adapters (--lora-modules, runtime loads); a request's `params.lora` must name one
         self.loras = LoraTable(config, self.tok.facts)
         self.max_model_len = self.tok.facts.max_len(config.scheduler.max_model_len)

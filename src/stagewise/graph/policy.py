@@ -68,13 +68,25 @@ COMPILE_MIN_HIDDEN = 512     # auto compiles CPU stage bodies from this hidden s
 ONE_CALL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-# Architectures with sliding-window layers (model/sink_attention.py), whose attention reads the live
-# metadata (a graph break in compiled bodies; refused by full graphs): auto leaves their graphs off.
-EAGER_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# Architectures with sliding-window layers (model/sink_attention.py) or linear-attention layers
+# (model/qwen3_5.py), which read the live metadata (a graph break in compiled bodies; refused by full
+# graphs): auto leaves their graphs off.
+EAGER_ARCHITECTURES = ("Gemma3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+
+
+# Architectures with linear-attention layers (model/qwen3_5.py): always eager, their recurrent layers
+# loop over the step's sequences and state slots, which no graph captures.
+RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 
 def policy_for(config, device_type: str) -> GraphPolicy:
     """The policy of an `EngineConfig` on a device type ("cpu" or "cuda"); tensor-parallel stages run eager."""
+    graphs = config.graphs
+    if ((graphs.prefill_graph not in ("auto", "off") or graphs.decode_graph not in (False, None, "off"))
+            and _architecture(config.load.model) in RECURRENT_ARCHITECTURES):
+        raise ValueError("Models with linear-attention layers (Qwen3.5, Qwen3-Next) run eager: their recurrent layers "
+                         "loop over the step's sequences and state slots, which graphs cannot capture; use "
+                         "--prefill-graph off (or auto) and no --decode-graph.")
     # LoRA's per-row adapter groups change each step: those stages run eager too
     eager = (config.parallel.tp_size > 1 or bool(config.load.lora_modules)
              or config.load.enable_lora_runtime_updates)
@@ -84,7 +96,7 @@ def policy_for(config, device_type: str) -> GraphPolicy:
         policy = resolve_graph_policy("off", chunked_prefill_size=config.scheduler.chunked_prefill_size,
                                       pp_size=config.parallel.pp_size, device_type=device_type)
         return replace(policy, log_lines=policy.log_lines + (
-            "prefill graphs: off (auto on CPU runs models with sliding-window layers eager)",))
+            "prefill graphs: off (auto on CPU runs models with sliding-window or linear-attention layers eager)",))
     facts = _cpu_facts(config.load.model, config.load.quantization) if auto_cpu else (None, None)
     return resolve_graph_policy(
         prefill_graph=prefill_graph, max_tokens=config.graphs.prefill_graph_max_tokens,

@@ -7,6 +7,8 @@ only the blocks its requests have used: a few prompts cost their own KV, not the
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from ..kernels import kv_quant
@@ -14,12 +16,14 @@ from ..parallel.partition import StageInfo
 
 
 def allocate_kv_caches(stage: StageInfo, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device, kv_dtype: str = "auto") -> list[torch.Tensor | None]:
-    """`dtype`: the model's; `kv_dtype`: how the cache stores it (auto: as `dtype`)."""
+                       head_dim: int, dtype: torch.dtype, device, kv_dtype: str = "auto",
+                       layers: Iterable[int] | None = None) -> list[torch.Tensor | None]:
+    """`dtype`: the model's; `kv_dtype`: how the cache stores it (auto: as `dtype`); `layers`: the own
+    layers that hold KV (default all; a hybrid model's recurrent layers hold none)."""
     kv_quant.check_head_dim(kv_dtype, head_dim)
     caches: list[torch.Tensor | None] = [None] * stage.num_layers
     last, stored = kv_quant.last_dim(kv_dtype, head_dim), kv_quant.storage_dtype(kv_dtype, dtype)
-    for layer_id in range(stage.start, stage.end):
+    for layer_id in range(stage.start, stage.end) if layers is None else layers:
         caches[layer_id] = _zeros((2, num_blocks, block_size, num_kv_heads, last), stored,
                                   torch.device(device))  # [2, NB, BS, Hkv, D or row bytes]
     return caches

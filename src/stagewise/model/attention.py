@@ -69,6 +69,8 @@ class AttentionMetadata:
     short_rows: bool = False
     # the blocks of `block_tables`, once, for caches stored quantized (`_dense_cache`)
     used_blocks: torch.Tensor | None = None
+    # each sequence's recurrent-state slot (models with linear-attention layers; set by the stage)
+    state_slots: list[int] | None = None
 
     @property
     def is_plain_decode(self) -> bool:
@@ -397,9 +399,12 @@ class ForwardBatch:
     `kv_caches` is indexed by global layer id; other stages' slots are None.
     """
 
-    def __init__(self, meta: AttentionMetadata | None, kv_caches: list[torch.Tensor | None]):
+    def __init__(self, meta: AttentionMetadata | None, kv_caches: list[torch.Tensor | None],
+                 states: list | None = None):
         self.meta = meta
         self.kv_caches = kv_caches
+        # per global layer id, a recurrent layer's state pools (tensors `[slots, ...]`; kvcache/state.py), else None
+        self.states = states
 
     def attention(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float, *, kv_written: bool = False) -> torch.Tensor:

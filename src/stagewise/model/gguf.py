@@ -53,16 +53,26 @@ _GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe"
 _GPT_OSS_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
                   "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_exps",
                   "ffn_up_exps": "mlp.experts.up_exps", "ffn_down_exps": "mlp.experts.down_exps"}
+# Qwen3.5: gated full attention (q_proj holds the gate) beside linear-attention layers (llama.cpp's ssm_* names)
+_QWEN35_BLOCK = {**_LLAMA_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                 "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                 "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                 "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", "ssm_conv1d": "linear_attn.conv1d",
+                 "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+# the (1 + w) norms llama.cpp's converter stores with the 1 added (not the gated norm of the linear layers)
+_QWEN35_SHIFTED = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
 _NAMES = {"llama": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "gpt-oss": (_LLAMA_TOP, _GPT_OSS_BLOCK, "model.layers"), "qwen2": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "qwen3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gpt2": (_GPT2_TOP, _GPT2_BLOCK, "transformer.h"),
           "olmo2": (_LLAMA_TOP, _OLMO2_BLOCK, "model.layers"), "granite": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"),
           "smollm3": (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers"), "gemma3": (_LLAMA_TOP, _GEMMA3_BLOCK, "model.layers"),
-          "phi3": (_LLAMA_TOP, _PHI3_BLOCK, "model.layers"),
+          "phi3": (_LLAMA_TOP, _PHI3_BLOCK, "model.layers"), "qwen35": (_LLAMA_TOP, _QWEN35_BLOCK, "model.layers"),
           **{moe: (_LLAMA_TOP, _LLAMA_BLOCK, "model.layers") for moe in ("qwen3moe", "qwen2moe", "olmoe")}}
 # the archs whose converter (llama.cpp's LlamaModel and its subclasses) permutes the q/k rows
 _PERMUTED_QK = ("llama", "granite", "smollm3")
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")    # Qwen3.5's `ssm_a` has no suffix
+# HF tensors that are parameters of the layer's module, not modules (no .weight/.bias suffix)
+_PARAMETERS = (".sinks", ".A_log", ".dt_bias")
 _LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 # llama.cpp's converter stores GPT-2's Conv1D weights ([in, out]) transposed, as linear weights.
 _GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
@@ -77,8 +87,10 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
         part = block.get(match[2])
         if part is None:
             return None
-        # a parameter, not a module (transformers' gpt-oss `sinks`): no suffix
-        return f"{layers}.{match[1]}.{part}" + ("" if part.endswith(".sinks") else f".{match[3]}")
+        # a parameter, not a module (transformers' gpt-oss `sinks`, Qwen3.5's `A_log`): no suffix
+        if part.endswith(_PARAMETERS):
+            return f"{layers}.{match[1]}.{part}"
+        return f"{layers}.{match[1]}.{part}.{match[3]}" if match[3] else None
     base, _, suffix = gguf_name.rpartition(".")
     return f"{top[base]}.{suffix}" if base in top else None
 
@@ -130,6 +142,8 @@ def _unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
 def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
     """A float tensor or a QuantizedWeight in the layout the HF checkpoint has (quantized GPT-2
     projections stay [out, in]: a quantized layer holds rows)."""
+    if arch == "qwen35" and isinstance(tensor, torch.Tensor):
+        return _qwen35_layout(tensor, gguf_name)
     kind = gguf_name.split(".")[-2]
     if arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
         heads = hf_config.num_attention_heads if kind == "attn_q" else hf_config.num_key_value_heads
@@ -143,6 +157,21 @@ def _to_hf_layout(tensor, gguf_name: str, arch: str, hf_config):
         return tensor - 1.0
     if kind.endswith("_inp_shexp") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
         return tensor[None]        # the converter squeezes the shared expert's [1, H] gate to [H]
+    return tensor
+
+
+def _qwen35_layout(tensor: torch.Tensor, gguf_name: str) -> torch.Tensor:
+    """Qwen3.5 as llama.cpp's converter stores it: `(1 + w)` norms with the 1 added (taken off again),
+    `A_log` as `-exp(A_log)`, the conv weight `[C, K]` squeezed; the value heads' reorder is not undone
+    (the model pairs them as stored: `linear_v_heads_tiled`)."""
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    kind = match[2] if match else gguf_name.rpartition(".")[0]
+    if kind in _QWEN35_SHIFTED:
+        return tensor - 1.0
+    if kind == "ssm_a":
+        return torch.log(-tensor)
+    if kind == "ssm_conv1d":
+        return tensor.unsqueeze(1)
     return tensor
 
 

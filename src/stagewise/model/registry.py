@@ -20,6 +20,7 @@ from stagewise.model.llama_moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from stagewise.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from stagewise.model.vlm import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
 
 _MODELS: dict[str, type] = {}
@@ -71,5 +72,5 @@ def supported_architectures() -> list[str]:
 for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
              Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM,
              GraniteForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, GPT2LMHeadModel,
-             LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
+             Qwen3_5ForCausalLM, Qwen3NextForCausalLM, LlavaForConditionalGeneration, Idefics3ForConditionalGeneration):
     register_model(_cls.__name__, _cls)

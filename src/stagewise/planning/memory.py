@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..checkpoint.layer_kinds import recurrent_layers, state_bytes_per_request
 from ..config import cache_root
 
 if TYPE_CHECKING:
@@ -217,11 +218,12 @@ class MemoryPlan:
     num_blocks: int
     block_bytes: int
     process_bytes: int = 0        # the stage's process before any weight
+    state_bytes: int = 0          # recurrent-state slots (linear-attention layers) for max_num_seqs requests
 
     @property
     def fixed_bytes(self) -> int:
         return (self.process_bytes + self.weights_bytes + self.graph_buffer_bytes + self.graph_pool_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.state_bytes)
 
     def peak_bytes(self, kv_tokens: int, block_size: int, running: int = 0) -> int:
         """What the stage adds at its peak with `kv_tokens` of KV written (the CPU pool is resident
@@ -230,12 +232,13 @@ class MemoryPlan:
         used = min(self.num_blocks, -(-kv_tokens // block_size) + 1) * self.block_bytes
         return running + self.fixed_bytes + used
 
-    def row(self) -> list[str]:
+    def row(self, state: bool = False) -> list[str]:
+        """The table's cells; `state`: with the recurrent-state column (a model with linear-attention layers)."""
         mib = lambda b: f"{b / (1 << 20):.1f}"
         return [str(self.stage), f"[{self.layers[0]},{self.layers[1]})", mib(self.process_bytes),
                 mib(self.weights_bytes),
                 mib(self.graph_buffer_bytes), mib(self.graph_pool_bytes), mib(self.activation_bytes),
-                mib(self.kv_bytes), str(self.num_blocks)]
+                *([mib(self.state_bytes)] if state else []), mib(self.kv_bytes), str(self.num_blocks)]
 
 
 class NotEnoughMemory(ValueError):
@@ -263,10 +266,10 @@ def estimate_activation_bytes(num_tokens: int, hidden: int, intermediate: int, v
 
 def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers: int, graph_pools: int,
             activation: int, block_bytes: int, explicit_kv: int | None, budget: int, cap_blocks: int,
-            min_blocks: int, refuse: bool = True, process: int = 0) -> MemoryPlan:
+            min_blocks: int, refuse: bool = True, process: int = 0, state: int = 0) -> MemoryPlan:
     """The stage's plan: an explicit KV size as given, else the budget's rest up to `cap_blocks`.
     Raises NotEnoughMemory (with `refuse`) when the rest holds fewer than `min_blocks` blocks."""
-    fixed = process + weights + graph_buffers + graph_pools + activation
+    fixed = process + weights + graph_buffers + graph_pools + activation + state
     if explicit_kv is not None:
         kv = explicit_kv
         budget = fixed + kv
@@ -274,7 +277,7 @@ def plan_kv(stage: int, layers: tuple[int, int], *, weights: int, graph_buffers:
         kv = min(budget - fixed, cap_blocks * block_bytes)
     num_blocks = max(0, kv // block_bytes)
     plan = MemoryPlan(stage, layers, budget, weights, graph_buffers, graph_pools, activation,
-                      num_blocks * block_bytes, num_blocks, block_bytes, process)
+                      num_blocks * block_bytes, num_blocks, block_bytes, process, state)
     problem = shortfall(plan, explicit_kv, min(min_blocks, cap_blocks))
     if problem is not None and refuse:
         raise problem
@@ -294,6 +297,7 @@ def stage_plan(config: EngineConfig, facts: ModelFacts, stage: StageInfo, itemsi
                                            facts.vocab, config.scheduler.max_num_seqs, itemsize)
     return plan_kv(stage.rank, (stage.start, stage.end), weights=weights, graph_buffers=graph_buffers, graph_pools=0,
                    activation=activation, process=process, block_bytes=block_bytes,
+                   state=config.scheduler.max_num_seqs * recurrent_state_bytes(facts.hf, stage, itemsize),
                    explicit_kv=config.cache.kv_cache_memory,
                    budget=budget, cap_blocks=cap_blocks(config, max_len),
                    min_blocks=min_kv_blocks(max_len, config.cache.block_size), refuse=refuse)
@@ -313,27 +317,46 @@ def shortfall(plan: MemoryPlan, explicit_kv: int | None, min_blocks: int) -> Not
 
 def format_memory_table(plans: list[MemoryPlan], labels: list[str] | None = None) -> str:
     """One row per plan; `labels` replace the stage numbers (tensor-parallel ranks: stage/rank)."""
+    state = any(p.state_bytes for p in plans)     # recurrent-state slots: shown where a stage has any
     head = ["stage" if labels is None else "stage/rank", "layers", "process MiB", "weights MiB", "graph bufs MiB",
-            "graph pools MiB", "activations MiB", "KV MiB", "KV blocks"]
-    rows = [head] + [p.row() for p in plans]
+            "graph pools MiB", "activations MiB", *(["state MiB"] if state else []), "KV MiB", "KV blocks"]
+    rows = [head] + [p.row(state) for p in plans]
     for row, label in zip(rows[1:], labels or []):
         row[0] = label
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     # NOTE: a 135M model's default pool reads "11520.4" (64 sequences of 8,192 tokens): say what it is
     note = ("KV MiB is each pool's ceiling (--max-num-seqs sequences of --max-model-len tokens, or the memory left), "
             "resident only as blocks are written on CPU; --max-num-seqs, --max-model-len or --kv-cache-memory "
-            "lower it.")
+            "lower it." + (" state MiB: the recurrent state of --max-num-seqs requests (linear-attention layers, "
+                           "a fixed size per request whatever its length)." if state else ""))
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + [note])
 
 
+def kv_layers(hf_config, stage: StageInfo) -> int:
+    """The stage's layers that hold KV blocks: all but the recurrent ones (linear attention)."""
+    recurrent = set(recurrent_layers(hf_config)) if hf_config is not None else set()
+    return sum(1 for i in range(stage.start, stage.end) if i not in recurrent)
+
+
+def recurrent_state_bytes(hf_config, stage: StageInfo, itemsize: int) -> int:
+    """One request's recurrent-state slot over the stage's linear-attention layers (0: none)."""
+    if hf_config is None or not getattr(hf_config, "layer_types", None):
+        return 0
+    return state_bytes_per_request(hf_config, range(stage.start, stage.end), itemsize)
+
+
 def kv_bytes_per_block(stage: StageInfo, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+                       dtype: torch.dtype, kv_dtype: str = "auto", hf_config=None) -> int:
     """K and V of one block over the stage's layers, stored as `kv_dtype` (--kv-cache-dtype; auto: `dtype`),
     and, for a format other than `dtype`, the block's share of the dense copy of one layer that
-    attention reads a stored layer through (model/attention.py: one per stage, resident as used)."""
+    attention reads a stored layer through (model/attention.py: one per stage, resident as used).
+    With `hf_config`, recurrent layers (which hold no blocks) are not counted."""
     from ..kernels import kv_quant  # here: the plan's arithmetic is read by processes that never load torch
     row = kv_quant.row_bytes(kv_dtype, head_dim, dtype)
-    stored = 2 * block_size * num_kv_heads * row * (stage.end - stage.start)
+    layers = kv_layers(hf_config, stage) if hf_config is not None else stage.end - stage.start
+    if layers == 0:         # only recurrent layers: no block costs this stage anything (1 keeps the plan's division)
+        return 1
+    stored = 2 * block_size * num_kv_heads * row * layers
     same = kv_quant.storage_dtype(kv_dtype, dtype) == dtype
     dense = 0 if same else 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
     return stored + dense

@@ -31,9 +31,11 @@ from .memory import (
     in_process,
     kv_bytes_per_block,
     kv_dir,
+    kv_layers,
     measured_node_bytes,
     min_kv_blocks,
     process_bytes,
+    recurrent_state_bytes,
     shortfall,
     size_text,
     stage_budget_bytes,
@@ -92,7 +94,7 @@ def _plans(config: EngineConfig, facts: ModelFacts, weights: ModelBytes, sizes: 
     plans = []
     for stage, held in zip(stage_infos(len(weights.layers), len(sizes), sizes), weights.stage_bytes(sizes)):
         block_bytes = kv_bytes_per_block(stage, weights.kv_heads, weights.head_dim, config.cache.block_size, dtype,
-                                         config.cache.kv_cache_dtype)
+                                         config.cache.kv_cache_dtype, facts.hf)
         plans.append(stage_plan(config, facts, stage, itemsize, weights=held, graph_buffers=0, block_bytes=block_bytes,
                                 budget=budget, process=process, refuse=refuse))
     return plans
@@ -213,11 +215,20 @@ def plan_report(config: EngineConfig) -> str:
 def kv_line(config: EngineConfig, facts: ModelFacts, dtype) -> str:
     """The KV cache's format and bytes per token over every layer, against bf16's (`--kv-cache-dtype`)."""
     name = config.cache.kv_cache_dtype
-    per_token = 2 * facts.kv_heads * facts.num_layers * kv_quant.row_bytes(name, facts.head_dim, dtype)
-    bf16 = 2 * facts.kv_heads * facts.num_layers * kv_quant.row_bytes("bf16", facts.head_dim, dtype)
+    whole = StageInfo.single(facts.num_layers)
+    layers = kv_layers(facts.hf, whole)         # a hybrid model's linear-attention layers hold no KV
+    per_token = 2 * facts.kv_heads * layers * kv_quant.row_bytes(name, facts.head_dim, dtype)
+    bf16 = 2 * facts.kv_heads * layers * kv_quant.row_bytes("bf16", facts.head_dim, dtype)
     stored = str(dtype).removeprefix("torch.") if name == "auto" else name
-    return (f"KV cache: {stored} (--kv-cache-dtype {name}), {per_token:,} bytes per token over all layers, "
+    over = "all layers" if layers == facts.num_layers else f"its {layers} attention layers of {facts.num_layers}"
+    line = (f"KV cache: {stored} (--kv-cache-dtype {name}), {per_token:,} bytes per token over {over}, "
             f"{per_token / bf16:.2f}x of bf16")
+    state = recurrent_state_bytes(facts.hf, whole, dtype.itemsize)
+    if state:
+        line += (f"\nrecurrent state: {state:,} bytes ({size_text(state)}) per request over the "
+                 f"{facts.num_layers - layers} linear-attention layers, whatever its length (one slot per "
+                 f"running request); prefix caching is off for this model")
+    return line
 
 
 def _rank_plans(config: EngineConfig, facts: ModelFacts,

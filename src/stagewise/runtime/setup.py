@@ -15,6 +15,7 @@ from ..checkpoint.facts import read_facts
 from ..checkpoint.lora_files import parse_lora_modules
 from ..config import EngineConfig
 from ..graph.policy import policy_for
+from ..kvcache.state import StatePool, slot_bytes
 from ..kvcache.tensors import allocate_kv_caches
 from ..model import attention as model_attention
 from ..model.attention import ForwardBatch
@@ -29,6 +30,7 @@ from ..planning.memory import (
     kv_bytes_per_block,
     measured_node_bytes,
     process_bytes,
+    size_text,
     stage_budget_bytes,
     stage_plan,
 )
@@ -48,6 +50,7 @@ class StageParts:
     device: torch.device
     batch: ForwardBatch
     cpu_pool: Any = None          # CPU: the pinned, kept-awake thread team (cpu_pool.CpuPool), if any
+    states: StatePool | None = None   # recurrent-state slots (linear-attention layers), if the model has any
 
 
 def stage_device(config: EngineConfig, stage: StageInfo) -> torch.device:
@@ -94,17 +97,32 @@ def build_stage(config: EngineConfig, model_dir: str, stage: StageInfo, tp_group
                               max_seq_len=facts.max_len(config.scheduler.max_model_len))
     num_kv_heads, head_dim = model.kv_cache_spec()  # type: ignore[operator]  # the model contract's method
     block_bytes = kv_bytes_per_block(stage, num_kv_heads, head_dim, config.cache.block_size, dtype,
-                                     config.cache.kv_cache_dtype)
+                                     config.cache.kv_cache_dtype, hf_config)
     plan = _plan(config, stage, model, runner, facts, dtype, device, block_bytes, node_bytes)
     if tp_group is not None:
         plan = _agreed(plan, tp_group)
+    kv_layers = getattr(model, "kv_layer_ids", None)       # hybrid models: only their attention layers
     batch.kv_caches = allocate_kv_caches(stage, plan.num_blocks, config.cache.block_size, num_kv_heads,
-                                         head_dim, dtype, device, config.cache.kv_cache_dtype)
+                                         head_dim, dtype, device, config.cache.kv_cache_dtype,
+                                         layers=kv_layers() if kv_layers is not None else None)
+    states = _state_pool(config, model, stage, device, plan)
+    batch.states = states.layers if states is not None else None
     if device.type == "cpu":                # decode steps' team; their graph is compiled for it
         runner.decode_threads = decode_threads(model, plan.weights_bytes, torch.get_num_threads())
     runner.capture(background=config.graphs.compile_in_background)
     plan.graph_pool_bytes = runner.graph_pool_bytes()
-    return StageParts(model, runner, plan, device, batch, pool)
+    return StageParts(model, runner, plan, device, batch, pool, states)
+
+
+def _state_pool(config: EngineConfig, model, stage: StageInfo, device, plan: MemoryPlan) -> StatePool | None:
+    """The recurrent-state slots of a model with linear-attention layers on this stage (None: none)."""
+    spec: dict = getattr(model, "state_spec", dict)()
+    if not spec:
+        return None
+    pool = StatePool(spec, stage.num_layers, config.scheduler.max_num_seqs, device)
+    log.info("stage %d: recurrent state of %d layers, %s per request, %d slots (%s, in the memory plan)",
+             stage.rank, len(spec), size_text(slot_bytes(spec)), pool.num_slots, size_text(plan.state_bytes))
+    return pool
 
 
 def _agreed(plan: MemoryPlan, group: Any) -> MemoryPlan:

@@ -41,6 +41,7 @@ class _ReqState:
     block_ids: list[int]
     input_embeds: Any = None
     pooled: Any = None          # embedding requests, mean pooling: the float32 sum of the rows so far
+    state_slot: int | None = None   # models with recurrent layers: this request's slot (kvcache/state.py)
 
     @property
     def samples(self) -> bool:
@@ -58,6 +59,7 @@ class Worker:
         self.runner, self.memory_plan = parts.runner, parts.memory_plan
         self.device, self.batch = parts.device, parts.batch
         self.cpu_pool = parts.cpu_pool
+        self.states = parts.states       # recurrent-state slots (linear-attention layers), or None
         self.team: StepTeam | None = None           # CPU: the threads each step uses (runtime/team.py)
         if self.device.type == "cpu":
             self.team = StepTeam(torch.get_num_threads(), self.runner.decode_threads, torch.set_num_threads)
@@ -134,10 +136,13 @@ class Worker:
                 if cache is not None:
                     cache.index_fill_(1, blocks, 0)
         for rid in plan.finished_req_ids:
-            self.reqs.pop(rid, None)
+            self._forget(rid)
         for r in plan.new_reqs:
+            self._forget(r.request_id)      # a request sent whole again restarts (its old slot goes back)
             self.reqs[r.request_id] = _ReqState(list(r.token_ids), r.num_prompt_tokens, r.params,
                                                 list(r.block_ids), r.input_embeds)
+            if self.states is not None:
+                self.reqs[r.request_id].state_slot = self.states.allocate()
         for c in plan.cached_reqs:
             st = self.reqs[c.request_id]
             if c.num_kept_blocks is not None:
@@ -152,6 +157,16 @@ class Worker:
         if lora is not None:
             lora.sync(table, lambda name, exc: log.error("stage %d could not load the LoRA adapter %r: %s",
                                                          self.stage.rank, name, exc))
+
+    def _forget(self, rid: str) -> None:
+        st = self.reqs.pop(rid, None)
+        if st is not None and st.state_slot is not None and self.states is not None:
+            self.states.release(st.state_slot)
+
+    def _slot(self, rid: str) -> int:
+        slot = self.reqs[rid].state_slot
+        assert slot is not None, "every request of a stage with a state pool has a slot"
+        return slot
 
     def _prepare(self, plan: StepPlan):
         ids: list[int] = []
@@ -183,6 +198,8 @@ class Worker:
         if lora is not None:
             lora.set_rows(row_adapters, dev)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.config.cache.block_size, dev)
+        if self.states is not None:
+            meta.state_slots = [self._slot(seq.request_id) for seq in plan.seqs]
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev) if self.stage.is_first else None
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         embeds = self._embeds(ids_t, embed_parts) if embed_parts and ids_t is not None else None
