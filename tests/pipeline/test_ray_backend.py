@@ -2,11 +2,14 @@
 network namespaces (conftest.py's hosts): the Ray head on host A, where the server runs, a Ray
 worker node on host B. The server places stage 1 on B through Ray and answers an OpenAI client with
 the one-process run's greedy tokens; then B's raylet is killed (B leaves the Ray cluster): its
-stagewise node leaves the pipeline, the server heals onto A alone and answers the same again.
-Every Ray node is stopped (`ray stop --force` in its namespace) and its files removed at the end."""
+stagewise node ends, the server heals onto A alone and answers the same again; then B joins the
+Ray cluster anew, the server starts node 1 there and the pipeline takes it back. Every Ray node is
+stopped by ending the processes of its namespace (`ray stop` would end every namespace's), and its
+files are removed at the end."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -25,7 +28,9 @@ pytestmark = pytest.mark.slow
 RAY_PORT = 26379            # outside Ray's worker ports (10002-19999)
 HTTP_PORT = 8000
 # no usage reports; a node's registration may take longer than Ray's 30 s on a busy 2-core machine
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_raylet_start_wait_time_s": "120"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_raylet_start_wait_time_s": "120",
+           # a node whose raylet died is found dead after 3 missed checks of 1 s (Ray's default: 5 of 3 s)
+           "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 START_TIMEOUT_S = 240       # a busy 2-core machine: Ray's start and the server's
@@ -52,6 +57,19 @@ def _ray(host, args: list[str]) -> subprocess.Popen:
 def _ray_done(proc: subprocess.Popen, timeout: float = 120) -> None:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{out[-3000:]}"
+
+
+def _stop_ray(host) -> None:
+    """End every process in `host` (its Ray node's, and what it started). Not `ray stop`: it ends
+    the Ray processes of every namespace, which share one process table."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in host.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not host.wait_empty(10):
+            return
 
 
 def _ray_node_args(host, temp_dir: str) -> list[str]:
@@ -89,8 +107,8 @@ def ray_serve(make_hosts, llama_dir, tmp_path_factory):
     pytest.importorskip("ray")
     a, b = make_hosts()
     log_dir = tmp_path_factory.mktemp("ray-backend")
-    temp_dirs = [tempfile.mkdtemp(prefix="swray"), tempfile.mkdtemp(prefix="swray")]   # short: Ray's socket paths
-    run: dict = {"hosts": (a, b), "log_dir": log_dir, "t0": time.monotonic()}
+    temp_dirs = [tempfile.mkdtemp(prefix="swray") for _ in range(3)]    # short: Ray's socket paths
+    run: dict = {"hosts": (a, b), "log_dir": log_dir, "t0": time.monotonic(), "temp_dirs": temp_dirs}
     try:
         # one after the other (`ray start` returns once its node is registered): the server then finds both
         _ray_done(_ray(a, ["start", "--head", "--port", str(RAY_PORT), "--include-dashboard=false",
@@ -108,8 +126,8 @@ def ray_serve(make_hosts, llama_dir, tmp_path_factory):
                 run["server"].proc.wait(30)
             except subprocess.TimeoutExpired:
                 run["server"].stop_hard()
-        for stop in [_ray(host, ["stop", "--force"]) for host in (b, a)]:
-            stop.communicate(timeout=60)
+        for host in (b, a):
+            _stop_ray(host)
         for path in temp_dirs:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -150,6 +168,24 @@ def test_node_whose_raylet_dies_leaves_and_the_server_heals(ray_serve, want_text
         time.sleep(0.2)
     assert not left, [_cmdline(pid) for pid in left]
     print(f"ray backend: healed {time.monotonic() - t0:.0f} s after the raylet's kill")
+
+
+def test_a_ray_node_that_joins_gets_the_lost_rank_and_its_stage_back(ray_serve, want_text):
+    """B joins the Ray cluster again (a new Ray node): the server starts node 1 there, and the
+    pipeline takes it back at a step boundary."""
+    server, (a, b) = ray_serve["server"], ray_serve["hosts"]
+    t0 = time.monotonic()
+    _stop_ray(b)                                      # what the killed raylet left behind
+    _ray_done(_ray(b, ["start", "--address", f"{a.addr}:{RAY_PORT}", *_ray_node_args(b, ray_serve["temp_dirs"][2])]))
+    server.wait_for(lambda: f"node 1 starts again on the Ray node at {b.addr}" in server.stderr(),
+                    what="node 1 started again", timeout=120)
+    assert "node 1 (10.77.0.2) is gone: its Ray node left the cluster" in server.stderr()
+    deadline = time.monotonic() + 120
+    while (_health(a) or {}).get("pipeline", {}).get("layout") != [0, 1]:
+        assert time.monotonic() < deadline, f"node 1 never got its stage back:\n{server.stderr()[-3000:]}"
+        assert _complete(a, a.addr) == want_text        # steps: the joining node is taken at a step boundary
+    assert _complete(b, a.addr) == want_text
+    print(f"ray backend: node 1 back {time.monotonic() - t0:.0f} s after B's Ray node started again")
 
 
 def _cmdline(pid: int) -> bytes:

@@ -11,6 +11,7 @@ import pytest
 
 from stagewise.cli import build_parser, engine_config_of, main
 from stagewise.cli_flags import values_of
+from stagewise.cluster.ray_helper import free_ray_nodes
 from stagewise.cluster.ray_nodes import LEADER_OWN, node_argv, start_ray_nodes
 from stagewise.config import EngineConfig
 from stagewise.server.options import ServerOptions
@@ -34,6 +35,20 @@ def test_a_ray_nodes_command_line_carries_the_leaders_own_options():
             assert getattr(node.cluster, f.name) == getattr(leader.cluster, f.name), f.name
     assert (node.cluster.nnodes, node.cluster.node_rank, node.cluster.master_addr) == (3, 2, "10.0.0.1")
     assert "--distributed-executor-backend" not in argv       # a node never launches nodes of its own
+
+
+def _ray_node(node_id: str, ip: str, memory_gib: float, cpus: int, alive: bool = True) -> dict:
+    """One entry of `ray.nodes()`, as Ray 2.52 gives it (the fields the placement reads)."""
+    return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive,
+            "Resources": {"memory": memory_gib * (1 << 30), "CPU": float(cpus), f"node:{ip}": 1.0}}
+
+
+def test_the_ray_nodes_with_most_memory_then_cpus_come_first_and_the_leaders_machine_never():
+    nodes = [_ray_node("head", "10.0.0.1", 64, 32), _ray_node("small", "10.0.0.2", 8, 16),
+             _ray_node("big", "10.0.0.3", 32, 4), _ray_node("big-more-cpus", "10.0.0.4", 32, 8),
+             _ray_node("dead", "10.0.0.5", 128, 64, alive=False), _ray_node("busy", "10.0.0.6", 48, 8)]
+    order = [n["NodeID"] for n in free_ray_nodes(nodes, "10.0.0.1", used={"busy"})]
+    assert order == ["big-more-cpus", "big", "small"]
 
 
 def test_without_ray_the_backend_is_one_sentence_naming_the_extra(monkeypatch, llama_dir, capsys):

@@ -76,6 +76,14 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+def free_ray_nodes(nodes: list[dict], leader_ip: str, used: set[str]) -> list[dict]:
+    """Of `ray.nodes()`, the alive ones other than the leader's machine and those `used`, most
+    memory first (Ray's `memory` resource: what its node may use), then most CPUs."""
+    alive = [n for n in nodes if n["Alive"] and n["NodeManagerAddress"] != leader_ip and n["NodeID"] not in used]
+    return sorted(alive, key=lambda n: (-n["Resources"].get("memory", 0), -n["Resources"].get("CPU", 0),
+                                        n["NodeManagerAddress"]))
+
+
 class Helper:
     """The nodes this helper started: rank -> (actor, Ray node id, IP)."""
 
@@ -91,12 +99,8 @@ class Helper:
         self.nnodes = self.min_nodes = 1
 
     def free_nodes(self) -> list[dict]:
-        """Alive Ray nodes other than the leader's and those in use, most memory (then CPUs) first."""
         used = {node_id for _, node_id, _ in self.nodes.values()} | self.failed
-        alive = [n for n in self.ray.nodes() if n["Alive"] and n["NodeManagerAddress"] != self.leader_ip
-                 and n["NodeID"] not in used]
-        return sorted(alive, key=lambda n: (-n["Resources"].get("memory", 0), -n["Resources"].get("CPU", 0),
-                                            n["NodeManagerAddress"]))
+        return free_ray_nodes(self.ray.nodes(), self.leader_ip, used)
 
     def place(self) -> dict:
         """Up to one node per stage: the leader, then one per free Ray node. The pipeline starts on
