@@ -13,6 +13,7 @@ from stagewise.cli import build_parser, engine_config_of, main
 from stagewise.cli_flags import values_of
 from stagewise.cluster.ray_helper import free_ray_nodes
 from stagewise.cluster.ray_nodes import LEADER_OWN, node_argv, start_ray_nodes
+from stagewise.cluster.rendezvous import free_port
 from stagewise.config import EngineConfig
 from stagewise.server.options import ServerOptions
 
@@ -60,6 +61,18 @@ def test_without_ray_the_backend_is_one_sentence_naming_the_extra(monkeypatch, l
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: --distributed-executor-backend ray needs Ray on this machine and on every Ray node: "
                        "pip install 'stagewise[ray]'.")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_sentence(llama_dir, monkeypatch):
+    """Ray alone would retry such an address for minutes."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("STAGEWISE_CLUSTER_TOKEN", "ray-options-test")     # restored after the test
+    port = free_port()
+    config = EngineConfig.from_kwargs(model=str(llama_dir), pp_size=2)
+    with pytest.raises(ValueError, match=rf"^No Ray cluster answers at 127\.0\.0\.1:{port} \(Connection refused\); "
+                                         r"start one with `ray start --head`, or pass --ray-address HOST:PORT of its "
+                                         r"head\.$"):
+        start_ray_nodes(config, f"127.0.0.1:{port}")
 
 
 def test_the_ray_backend_refuses_a_rank_given_by_hand(llama_dir):

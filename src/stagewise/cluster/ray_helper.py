@@ -23,6 +23,7 @@ log = logging.getLogger("stagewise.ray")
 TOKEN_ENV = "STAGEWISE_CLUSTER_TOKEN"
 WATCH_S = 1.0              # how often the helper looks at its nodes and at the Ray cluster
 ASK_TIMEOUT_S = 10.0       # an actor that does not answer within this is counted as gone
+CONNECT_TIMEOUT_S = 5.0    # the head's port must answer within this
 STOP_TIMEOUT_S = 15.0      # a node gets this long to leave in order after SIGTERM
 PR_SET_PDEATHSIG = 1
 
@@ -68,6 +69,18 @@ def own_ip(address: str) -> str | None:
         return route_address(master_ip(host.strip("[]")))
     except (OSError, ValueError):
         return None
+
+
+def answers(address: str) -> None:
+    """Raise ConnectionError unless something listens at HOST:PORT: Ray itself retries a head that
+    is not there for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(exc.strerror or "no answer") from None
 
 
 def free_port(addr: str) -> int:
@@ -180,10 +193,11 @@ def main() -> int:
         return 2
     address = request["address"]
     try:
+        answers(address)
         ray.init(address=address, logging_level=logging.WARNING, _node_ip_address=own_ip(address))
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        reply({"error": f"Cannot connect to the Ray cluster at {address} ({str(exc).splitlines()[0]}); start one "
-                        f"with `ray start --head` or pass --ray-address HOST:PORT."})
+        reply({"error": f"No Ray cluster answers at {address} ({str(exc).splitlines()[0].rstrip('.')}); start "
+                        f"one with `ray start --head`, or pass --ray-address HOST:PORT of its head."})
         return 2
     try:
         helper = Helper(ray, request, os.environ.get(TOKEN_ENV, ""))

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ TOKEN_ENV = "STAGEWISE_CLUSTER_TOKEN"
 # what the leader (or the helper) sets for each node itself
 LEADER_OWN = frozenset({"nnodes", "node_rank", "min_nodes", "master_addr", "master_port", "cluster_token",
                         "dist_ifname"})
+PLACE_TIMEOUT_S = 120.0     # connecting to Ray and starting the nodes' actors
 STOP_TIMEOUT_S = 20.0       # the helper's own bound on stopping the nodes it started
 NEEDS_RAY = ("--distributed-executor-backend ray needs Ray on this machine and on every Ray node: "
              "pip install 'stagewise[ray]'.")
@@ -71,7 +73,6 @@ def start_ray_nodes(config: EngineConfig, address: str | None, log_level: str = 
         raise ValueError("--distributed-executor-backend ray numbers the nodes itself; leave out --nnodes and "
                          "--node-rank (the leader is node 0).")
     token = cluster_token(c.cluster_token) or new_token()
-    os.environ[TOKEN_ENV] = token          # the leader's own stage processes inherit it
     request = {"address": ray_address(address), "pp_size": config.parallel.pp_size, "min_nodes": c.min_nodes,
                "master_addr": c.master_addr if c.master_addr != "127.0.0.1" else None,
                "master_port": c.master_port, "argv": node_argv(config, log_level)}
@@ -81,12 +82,18 @@ def start_ray_nodes(config: EngineConfig, address: str | None, log_level: str = 
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(request) + "\n")
     proc.stdin.flush()
+    if not select.select([proc.stdout], [], [], PLACE_TIMEOUT_S)[0]:
+        proc.kill()
+        proc.wait()
+        raise ValueError(f"The Ray cluster at {request['address']} did not let this server place its nodes within "
+                         f"{PLACE_TIMEOUT_S:.0f} s; check `ray status` there.")
     line = proc.stdout.readline()
     reply: dict = json.loads(line) if line.strip() else {"error": "The Ray helper process exited before it placed "
                                                          "the nodes (its log is above)."}
     if "error" in reply:
         proc.wait(STOP_TIMEOUT_S)
         raise ValueError(reply["error"])
+    os.environ[TOKEN_ENV] = token          # the leader's own stage processes inherit it
     nnodes, ips = reply["nnodes"], reply["ips"]
     leader = config.replace(nnodes=nnodes, node_rank=0, min_nodes=reply["min_nodes"],
                             master_addr=reply["master_addr"], master_port=reply["master_port"], cluster_token=token)
