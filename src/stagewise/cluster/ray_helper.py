@@ -109,6 +109,7 @@ class Helper:
         self.port = request["master_port"] or free_port(self.addr)
         self.nodes: dict[int, tuple[Any, str, str]] = {}
         self.failed: set[str] = set()         # Ray nodes whose stagewise node ended: not used again
+        self.left: set[int] = set()           # ranks whose node left in order
         self.nnodes = self.min_nodes = 1
 
     def free_nodes(self) -> list[dict]:
@@ -143,6 +144,7 @@ class Helper:
         """Ask every node whether it runs; start a gone one's rank again on a free Ray node."""
         ray = self.ray
         for rank, (actor, node_id, ip) in list(self.nodes.items()):
+            code = None
             try:
                 code = ray.get(actor.poll.remote(), timeout=ASK_TIMEOUT_S)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
@@ -153,11 +155,15 @@ class Helper:
                 if code is None:
                     continue
                 why = f"it exited with status {code}"
-            log.warning("node %d (%s) is gone: %s; the pipeline heals without it", rank, ip, why)
             del self.nodes[rank]
             self.failed.add(node_id)
             ray.kill(actor)
-        missing = [r for r in range(1, self.nnodes) if r not in self.nodes]
+            if code == 0:            # it left in order (the driver ended, or it was asked to): not started again
+                self.left.add(rank)
+                log.info("node %d (%s) left the pipeline", rank, ip)
+                continue
+            log.warning("node %d (%s) is gone: %s; the pipeline heals without it", rank, ip, why)
+        missing = [r for r in range(1, self.nnodes) if r not in self.nodes and r not in self.left]
         for rank, node in zip(missing, self.free_nodes()):
             log.info("node %d starts again on the Ray node at %s, which is free", rank, node["NodeManagerAddress"])
             self.start(rank, node)
