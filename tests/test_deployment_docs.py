@@ -197,3 +197,30 @@ def test_the_slurm_script_starts_one_node_per_task():
     _, config = _parse(argv)
     assert config.cluster.nnodes == nodes and config.parallel.pp_size % nodes == 0
     assert config.cluster.min_nodes is not None and config.cluster.min_nodes < nodes
+
+
+def test_the_ray_cluster_runs_the_leader_on_the_head_with_the_ray_backend():
+    """KubeRay: the head container starts Ray (KubeRay's own command, which the annotation hands it)
+    and then the leader with the Ray backend; the workers run Ray alone; one node per stage at most."""
+    cluster = next(d for d in _manifest() if d.get("kind") == "RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head = _container(cluster["spec"]["headGroupSpec"]["template"])
+    script = " ".join(head["args"])
+    assert re.search(r"\$\{?KUBERAY_GEN_RAY_START_CMD\}?\s*&", script), "Ray's start runs in the background"
+    (argv,) = _container_commands(cluster["spec"]["headGroupSpec"]["template"])
+    args, config = _parse(argv)
+    options = ServerOptions(**values_of(ServerOptions, args))
+    assert options.distributed_executor_backend == "ray" and args.host == "0.0.0.0"
+    assert "--nnodes" not in argv and "--node-rank" not in argv and "--cluster-token" not in " ".join(argv)
+    env = {e["name"]: e for e in head["env"]}
+    ref = env["STAGEWISE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert re.search(rf"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=", DOC.read_text())
+    probe = head["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health" and probe["port"] == args.port
+    assert args.port in [p["containerPort"] for p in head["ports"]]
+    workers = cluster["spec"]["workerGroupSpecs"]
+    for group in workers:
+        assert not _commands(list(_container(group["template"]).get("command", [])) +
+                             list(_container(group["template"]).get("args", []))), "workers run Ray only"
+    assert 1 + sum(g["replicas"] for g in workers) <= config.parallel.pp_size

@@ -62,11 +62,11 @@ def test_every_stagewise_variable_in_the_source_is_in_envs_py():
 
 
 # flags of other programs that the pages show (pip, torchrun, lm_eval, docker, mkdocs, llama.cpp, our pytest,
-# kubectl, Slurm's sbatch and srun)
+# kubectl, Slurm's sbatch and srun, Ray's `ray start`)
 FOREIGN_FLAGS = {"--index-url", "--no-deps", "--nproc-per-node", "--tasks", "--apply", "--cpus", "--cpuset-cpus",
                  "--strict", "--site-dir", "--merge", "--long", "--from-literal", "--job-name", "--nodes",
                  "--ntasks-per-node", "--exclusive", "--time", "--kill-on-bad-exit", "--wait", "--jobid", "--overlap",
-                 "--ntasks", "--nodelist", "--base", "--outfile", "--outtype"}
+                 "--ntasks", "--nodelist", "--base", "--outfile", "--outtype", "--head", "--address"}
 # pages written with features that may land later (kernels.md names --quantization before it exists)
 OTHER_HELPERS_PAGES = {"kernels.md", "quantization.md", "performance.md"}
 

@@ -354,12 +354,20 @@ def cmd_serve(args) -> int:
     if args.node_rank == 0 and int(os.environ.get("RANK", "0")) == 0:    # only the driver listens (torchrun: rank 0)
         check_port_free(options.host, options.port)
     config = config_from_args(args)
-    role = _worker_role(config)
-    if role is not None:
-        return role
-    from .server.app import run_server
-    run_server(config, options, log_level=args.log_level.lower())
-    return 0
+    ray_nodes = None
+    if options.distributed_executor_backend == "ray":
+        from .cluster.ray_nodes import start_ray_nodes
+        config, ray_nodes = start_ray_nodes(config, options.ray_address, args.log_level)
+    try:
+        role = _worker_role(config)
+        if role is not None:
+            return role
+        from .server.app import run_server
+        run_server(config, options, log_level=args.log_level.lower())
+        return 0
+    finally:
+        if ray_nodes is not None:
+            ray_nodes.close()            # after the driver ended: its nodes are leaving already
 
 
 def check_port_free(host: str, port: int) -> None:

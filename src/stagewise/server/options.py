@@ -16,6 +16,7 @@ DEFAULT_BODY_TIMEOUT_S = 20.0
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20
 API_KEY_ENV = "STAGEWISE_API_KEY"
 CACHE_ISOLATION_CHOICES = ("shared", "api-key")
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class ServerOptions:
                                     "more gets 400")
     tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes, "
                                         "llama3_json or harmony (default: the model family's)")
+    distributed_executor_backend: str = flag("mp", "how the pipeline's other nodes start: mp (stagewise's own "
+                                             "processes; you start the other nodes with --node-rank, by hand, in a "
+                                             "LeaderWorkerSet or under Slurm) or ray (this server places them on a "
+                                             "running Ray cluster's nodes and starts them there; docs/deployment.md)")
+    ray_address: str | None = flag(None, "the Ray cluster of --distributed-executor-backend ray, HOST:PORT of its "
+                                   "head (default: $RAY_ADDRESS, else auto: the cluster this machine belongs to)")
 
     def __post_init__(self):
         object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
@@ -73,6 +80,9 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got "
+                             f"{self.distributed_executor_backend!r}.")
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "harmony"):
             raise ValueError(f"tool_call_parser must be hermes, llama3_json or harmony, got "
                              f"{self.tool_call_parser!r}.")
