@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, small workloads")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. other load)")
     ap.add_argument("--report-from", default=None, metavar="JSON", help="only re-render a saved run")
+    ap.add_argument("--tag", default="", help="name the report files quantized-TAG.md (runs on other files)")
     args = ap.parse_args(argv)
     peer_process.OMP_WAIT_POLICY = args.omp_wait_policy
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
     # NOTE: SIGTERM as SystemExit, so run_worker's `finally` kills the engine process it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.report_from:
-        rep.write_outputs(json.loads(Path(args.report_from).read_text()))
+        rep.write_outputs(json.loads(Path(args.report_from).read_text()), args.tag)
         return 0
     files = file_paths(args)
     size, t_start = sizes(args), time.perf_counter()
@@ -219,7 +220,9 @@ def main(argv=None) -> int:
     meta["bandwidth_gbps"] = {str(t): read_gbps(t) for t in args.threads}
     saved: dict = {"meta": meta, "results": {}, "numerics": None}
     save_dir = cache_dir("quantized")
-    path = save_dir / f"last-run{'-quick' if args.quick else ''}{'-numerics' if args.numerics_only else ''}.json"
+    parts = [f"-{args.tag}" if args.tag else "", "-quick" if args.quick else "",
+             "-numerics" if args.numerics_only else ""]
+    path = save_dir / f"last-run{''.join(parts)}.json"
     with tempfile.TemporaryDirectory(prefix="stagewise-quantized-") as tmp:
         if not args.numerics_only:
             vocab = json.loads((files[CHECKPOINT] / "config.json").read_text())["vocab_size"]
@@ -228,6 +231,6 @@ def main(argv=None) -> int:
             saved["numerics"] = quantized_numerics.run(args, files, Path(tmp), run_worker)
     meta.update(load_after=os.getloadavg(), wall_min=(time.perf_counter() - t_start) / 60)
     path.write_text(json.dumps(saved))
-    rep.write_outputs(saved)
+    rep.write_outputs(saved, args.tag)
     print(f"(measurements saved to {path}; --report-from it re-renders the report)")
     return 0

@@ -85,7 +85,8 @@ def run_config(args, specs: list[NodeSpec], log_dir: Path, name: str) -> dict:
     peaks: dict[str, float] = {}
     with Cluster(specs, env={"STAGEWISE_CLUSTER_TOKEN": TOKEN}) as c:
         master = c.nodes[0].address
-        procs = [node.popen(stagewise_args("serve", args, pp, pp, rank, master, extra),
+        serve = [*extra, "--host", master, "--port", str(HTTP_PORT)]
+        procs = [node.popen(stagewise_args("serve", args, pp, pp, rank, master, serve),
                             stdout=open(log_dir / f"{name}-n{rank}.out", "w"),
                             stderr=open(log_dir / f"{name}-n{rank}.err", "w")) for rank, node in enumerate(c.nodes)]
         stop = threading.Event()

@@ -233,9 +233,10 @@ def plot(saved: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(saved: dict) -> None:
+def write_outputs(saved: dict, tag: str = "") -> None:
+    """The report files; `tag` (a run on other files, e.g. the MoE shapes) names them apart."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if saved["meta"]["quick"] else ""
+    suffix = (f"-{tag}" if tag else "") + ("-quick" if saved["meta"]["quick"] else "")
     if saved["results"]:
         md, png = RESULTS_DIR / f"quantized{suffix}.md", RESULTS_DIR / f"quantized{suffix}.png"
         md.write_text(speed_report(saved).rstrip() + "\n")

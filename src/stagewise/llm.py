@@ -21,11 +21,25 @@ log = logging.getLogger("stagewise")
 
 
 class LLM:
-    """`LLM(model=PATH, **engine_options)`; options are EngineConfig fields. No model: the default model."""
+    """`LLM(model=PATH, **engine_options)`; options are EngineConfig fields. No model: the default model.
+    `distributed_executor_backend="ray"` (with `pp_size` > 1): the pipeline's other nodes are placed on
+    the Ray cluster at `ray_address` (default: $RAY_ADDRESS, else auto) and started there, as
+    `stagewise serve --distributed-executor-backend ray` does; this process is the leader."""
 
-    def __init__(self, model: str | None = None, **options):
+    def __init__(self, model: str | None = None, *, distributed_executor_backend: str = "mp",
+                 ray_address: str | None = None, **options):
+        if distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {distributed_executor_backend!r}.")
         self.config = resolve_models(EngineConfig.from_kwargs(model=model, **options))
-        self.client = InprocClient(self.config)
+        self._ray_nodes = None
+        if distributed_executor_backend == "ray":
+            from .cluster.ray_nodes import start_ray_nodes
+            self.config, self._ray_nodes = start_ray_nodes(self.config, ray_address)
+        try:
+            self.client = InprocClient(self.config)
+        except BaseException:
+            self._stop_ray_nodes()
+            raise
         self.engine = self.client.engine            # for callers that drive or inspect it (the CLI, tests)
         self.tokenizer = self.engine.tok.tokenizer
         self._vision: VisionEncoder | None = None
@@ -126,7 +140,15 @@ class LLM:
         return self.client.stats()
 
     def shutdown(self) -> None:
-        self.client.stop()
+        try:
+            self.client.stop()
+        finally:
+            self._stop_ray_nodes()      # after the driver ended: its nodes are leaving already
+
+    def _stop_ray_nodes(self) -> None:
+        if self._ray_nodes is not None:
+            self._ray_nodes.close()
+            self._ray_nodes = None
 
     def __enter__(self) -> "LLM":
         return self

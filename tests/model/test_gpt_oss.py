@@ -276,3 +276,14 @@ def test_tokenizer_from_a_file_with_yarn_metadata(gpt_oss_dir, gguf_tools, tmp_p
     ours, want = load_tokenizer(path), AutoTokenizer.from_pretrained(gpt_oss_dir)
     text = "The pipeline has four stages, ünïcode 123!"
     assert ours.encode(text) == want.encode(text, add_special_tokens=False) and ours.decode(ours.encode(text)) == text
+
+
+def test_tensor_parallel_ranks_on_an_mxfp4_file(gpt_oss_dir, gguf_tools, eager_pipeline, tp_threads, tmp_path):
+    """Two ranks on a GGUF file: each loads its q heads' sinks and biases from the file's tensors and
+    holds every MXFP4 expert; together they give the one-process tokens."""
+    tensors = _gguf_tensors(gpt_oss_dir, True)[0]
+    path = gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=tensors)
+    want = eager_pipeline(path).greedy(PROMPTS[1], 12)
+    pipes = tp_threads.sharded(path, 2)
+    assert [p.stages[0].layers[0].self_attn.sinks.shape[0] for p in pipes] == [2, 2]
+    assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]

@@ -102,9 +102,10 @@ def test_experts_quantized_at_load_match_hf_on_their_values(family, request, eag
     torch.testing.assert_close(got, hf_logits(reference, PROMPTS[1]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_tensor_parallel_ranks_give_the_one_process_tokens(family, request, eager_pipeline, tp_threads):
-    """Attention and dense MLPs split over 2 ranks; each rank holds every expert (replicated)."""
+    """Attention and dense MLPs split over 2 ranks; each rank holds every expert (replicated); gpt-oss's
+    sinks follow each rank's q heads."""
     model_dir = request.getfixturevalue(f"{family}_dir")
     want = eager_pipeline(model_dir).greedy(PROMPTS[1], 12)
     pipes = tp_threads.sharded(model_dir, 2)

@@ -3,7 +3,8 @@ network namespaces (conftest.py's hosts): the Ray head on host A, where the serv
 worker node on host B. The server places stage 1 on B through Ray and answers an OpenAI client with
 the one-process run's greedy tokens; then B's raylet is killed (B leaves the Ray cluster): its
 stagewise node ends, the server heals onto A alone and answers the same again; then B joins the
-Ray cluster anew, the server starts node 1 there and the pipeline takes it back. Every Ray node is
+Ray cluster anew, the server starts node 1 there and the pipeline takes it back; and `LLM` leads a
+pipeline of its own through the same Ray cluster. Every Ray node is
 stopped by ending the processes of its namespace (`ray stop` would end every namespace's), and its
 files are removed at the end."""
 from __future__ import annotations
@@ -42,6 +43,15 @@ model = client.models.list().data[0].id
 out = client.completions.create(model=model, prompt=sys.argv[2], max_tokens=%d, temperature=0,
                                 extra_body={"ignore_eos": True})
 print(json.dumps(out.choices[0].text))
+""" % MAX_TOKENS
+LLM_SCRIPT = """
+import json, logging, sys
+from stagewise import LLM, SamplingParams
+logging.basicConfig(level=logging.INFO)
+with LLM(model=sys.argv[1], pp_size=2, distributed_executor_backend="ray", ray_address=sys.argv[2],
+         master_port=int(sys.argv[3])) as llm:
+    out = llm.generate(sys.argv[4], SamplingParams(max_tokens=%d, temperature=0, ignore_eos=True), use_tqdm=False)
+print(json.dumps(out[0].outputs[0].text))
 """ % MAX_TOKENS
 HEALTH = "import urllib.request, sys; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
@@ -186,6 +196,17 @@ def test_a_ray_node_that_joins_gets_the_lost_rank_and_its_stage_back(ray_serve, 
         assert _complete(a, a.addr) == want_text        # steps: the joining node is taken at a step boundary
     assert _complete(b, a.addr) == want_text
     print(f"ray backend: node 1 back {time.monotonic() - t0:.0f} s after B's Ray node started again")
+
+
+def test_llm_places_its_second_stage_on_the_ray_worker_node(ray_serve, llama_dir, want_text):
+    """The offline API as the leader (`LLM(distributed_executor_backend="ray")`, in host A beside the
+    server): its node 1 starts on B through Ray, and it answers with the one-process tokens."""
+    (a, b) = ray_serve["hosts"]
+    out = a.run([sys.executable, "-c", LLM_SCRIPT, str(llama_dir), f"{a.addr}:{RAY_PORT}", "29611", PROMPT],
+                timeout=START_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want_text
+    assert f"the pipeline starts on 2 node(s) ({a.addr}, {b.addr})" in out.stderr, out.stderr[-3000:]
 
 
 def _cmdline(pid: int) -> bytes:

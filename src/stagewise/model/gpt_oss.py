@@ -239,11 +239,10 @@ class GptOssMoE(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss: every layer routed; sinks and windows in attention. Stages run their layers as modules
-    (the one-call decode op knows neither sinks nor windows) and tensor parallelism is not offered
-    (the sinks are per head)."""
+    (the one-call decode op knows neither sinks nor windows). Under tensor parallelism each rank keeps
+    its q heads' sinks and every expert (replicated), as for the other MoE families."""
 
     attention_class = GptOssAttention
-    tensor_parallel = False
 
     @staticmethod
     def attention_biases(hf_config) -> tuple[bool, bool]:

@@ -111,8 +111,8 @@ def check_sizes(family: str | None, arch: str, num_heads: int, num_kv_heads: int
     if size == 1:
         return
     if family is None:
-        raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE "
-                         f"and Mixtral with every expert on each rank) and GPT-2 families; "
+        raise ValueError(f"Tensor parallelism supports the Llama (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, "
+                         f"Mixtral and gpt-oss with every expert on each rank) and GPT-2 families; "
                          f"{arch} runs with tp_size 1.")
     if num_heads < size:
         raise ValueError(f"tp_size {size} is more than the model's {num_heads} attention heads (each rank needs "
@@ -147,7 +147,7 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
     heads, head_dim = model.kv_cache_spec()            # type: ignore[operator]  # the model contract
     slices: dict[str, Slice] = {}
     gathers: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    attentions: dict[int, Any] = {}
+    attentions: dict[int, tuple[str, Any]] = {}
     for path, module in list(model.named_modules()):
         style = next((s for pattern, s in RULES[family] if fnmatch.fnmatchcase(path, pattern)), None)
         if style is None:
@@ -163,9 +163,10 @@ def shard(model: nn.Module, rank: int, size: int) -> nn.Module:
             if isinstance(getattr(module, leaf, None), torch.Tensor):
                 _shard_param(model, path, module, leaf, _Cut(style, rank, size, attn), slices)
         if attn is not None:
-            attentions[id(attn)] = attn
+            attentions[id(attn)] = (path.rsplit(".", 1)[0], attn)
     kv_heads = heads
-    for attn in attentions.values():        # after every cut: the cuts read the model's head counts
+    for attn_path, attn in attentions.values():     # after every cut: the cuts read the model's head counts
+        _shard_sinks(model, attn_path, attn, rank, size, slices)
         kv_heads = _localize_heads(attn, rank, size)
     model.__dict__["kv_cache_spec"] = lambda: (kv_heads, head_dim)
     model.__dict__["tp_slices"] = slices
@@ -253,6 +254,17 @@ def _shard_param(model: Any, path: str, module: Any, leaf: str, cut: _Cut, slice
             module.num_embeddings = value.shape[0]
         elif isinstance(module, nn.Linear):
             module.out_features, module.in_features = value.shape
+
+
+def _shard_sinks(model: Any, path: str, attn: Any, rank: int, size: int, slices: dict[str, Slice]) -> None:
+    """gpt-oss's one sink logit per q head: each rank keeps its q heads' sinks."""
+    sinks = getattr(attn, "sinks", None)
+    if not isinstance(sinks, torch.Tensor):
+        return
+    (q0, qn), _ = head_ranges(attn.num_heads, getattr(attn, "num_kv_heads", attn.num_heads), rank, size)
+    piece = Slice(0, sinks.shape[0], ((q0, qn),))
+    slices[model.hf_name(f"{path}.sinks")] = piece
+    attn._parameters["sinks"] = nn.Parameter(piece.take(sinks).clone(), requires_grad=False)
 
 
 def _localize_heads(attn: Any, rank: int, size: int) -> int:
