@@ -287,3 +287,17 @@ def test_tensor_parallel_ranks_on_an_mxfp4_file(gpt_oss_dir, gguf_tools, eager_p
     pipes = tp_threads.sharded(path, 2)
     assert [p.stages[0].layers[0].self_attn.sinks.shape[0] for p in pipes] == [2, 2]
     assert tp_threads.on_ranks(2, lambda r: pipes[r].greedy(PROMPTS[1], 12)) == [want, want]
+
+
+def test_one_row_runs_its_experts_in_one_call_with_the_batch_bits(gpt_oss_dir, gguf_tools, eager_pipeline, tmp_path):
+    """Batch-1 decode on MXFP4 experts: every chosen expert's gate and up in one kernel call, the
+    same bits as the row computed among others."""
+    from stagewise.model.gpt_oss import GptOssMoE
+    tensors = _gguf_tensors(gpt_oss_dir, True)[0]
+    pipe = eager_pipeline(gguf_tools.write_gguf(gpt_oss_dir, tmp_path / "tiny-gpt-oss.gguf", tensors=tensors))
+    moe = next(m for m in pipe.stages[0].modules() if isinstance(m, GptOssMoE))
+    x = torch.randn(3, moe.router.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        together = moe(x)
+        for i in range(3):
+            assert torch.equal(moe(x[i:i + 1]), together[i:i + 1])

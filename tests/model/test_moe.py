@@ -238,3 +238,18 @@ def test_llm_on_a_quantized_moe_gguf_at_pp1_and_pp2_matches_hf(qwen3_moe_dir, ti
             out = llm.generate(prompt_token_ids=PROMPTS[1:2], sampling_params=params, use_tqdm=False)
         assert [out[0].outputs[0].token_ids] == want, pp
 
+
+
+def test_one_row_runs_its_experts_in_one_call_with_the_batch_bits(tiny_gguf, eager_pipeline):
+    """Batch-1 decode: the k experts' gate/up of the one row in one kernel call (quantized experts),
+    the same bits as the row computed among others (grouped per expert)."""
+    from stagewise.model.moe import SparseMoE
+    from stagewise.model.quantized import QuantLinear
+    pipe = eager_pipeline(tiny_gguf("qwen3_moe", "Q8_0"))
+    moe = next(m for m in pipe.stages[0].modules() if isinstance(m, SparseMoE))
+    assert isinstance(moe.gate_up_exps, QuantLinear)
+    x = torch.randn(3, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        together = moe(x)
+        for i in range(3):
+            assert torch.equal(moe(x[i:i + 1]), together[i:i + 1])

@@ -200,11 +200,22 @@ class GgufExperts(nn.Module):
             act = _swiglu(gate.linear(x, e), up.linear(x, e), self.alpha, self.limit)
         return self.down_exps.linear(act, e)
 
+    def ups(self, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        """One row's activations for several experts: every gate and up projection in one kernel call."""
+        gate, up = self.gate_exps, self.up_exps
+        if not (gate.mxfp4 and up.mxfp4):
+            return [_swiglu(gate.linear(x, e), up.linear(x, e), self.alpha, self.limit) for e in experts]
+        weights = [w for e in experts for w in (gate.expert_weight(e), up.expert_weight(e))]
+        bias = torch.cat([b for e in experts for b in (gate.bias[e], up.bias[e])])
+        both = _mxfp4_linear(x, weights, bias, gate.exact).split(gate.shape[1], -1)
+        return [_swiglu(both[2 * i], both[2 * i + 1], self.alpha, self.limit) for i in range(len(experts))]
+
 
 def _run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  experts: GptOssExperts | GgufExperts, num_experts: int) -> torch.Tensor:
     """Each token's chosen experts weighted and summed, one call per active expert over all its rows."""
-    return grouped_by_expert(x, ids, weights, num_experts, experts.expert)
+    one_row = (experts.ups, experts.down_exps.linear) if isinstance(experts, GgufExperts) else None
+    return grouped_by_expert(x, ids, weights, num_experts, experts.expert, one_row)
 
 
 class GptOssMoE(nn.Module):

@@ -100,12 +100,21 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights.to(logits.dtype), ids
 
 
+# One token's chosen experts at once: `up_fn(x, experts)` -> each expert's activation (its gate/up
+# projections of the one row, every expert's in one kernel call), `down_fn(act, e)` -> its output.
+OneRow = tuple[Callable[[torch.Tensor, list[int]], list[torch.Tensor]], Callable[[torch.Tensor, int], torch.Tensor]]
+
+
 @eager_only   # data-dependent grouping: a compiled stage body runs it eagerly (a graph break)
 def grouped_by_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                      expert_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+                      expert_fn: Callable[[torch.Tensor, int], torch.Tensor], one_row: OneRow | None = None
+                      ) -> torch.Tensor:
     """The weighted sum of each token's chosen experts: (token, expert) pairs sorted by expert
     (ascending, as transformers adds them), `expert_fn(rows, e)` once per active expert over all its
-    rows, outputs added back per token."""
+    rows, outputs added back per token. One row (batch-1 decode) with `one_row`: the k experts' gate/up
+    projections in one call (the row quantized once, the threads started once), the same bits."""
+    if one_row is not None and x.shape[0] == 1:
+        return _one_row(x, ids, weights, one_row)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -122,6 +131,18 @@ def grouped_by_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def _one_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, one_row: OneRow) -> torch.Tensor:
+    """`grouped_by_expert` for one row, in its order and arithmetic (ascending experts, each output
+    times its weight in the weights' dtype, added to a zero row in x's dtype)."""
+    up_fn, down_fn = one_row
+    pairs = sorted((e, j) for j, e in enumerate(ids[0].tolist()))
+    acts = up_fn(x, [e for e, _ in pairs])
+    out = torch.zeros_like(x)
+    for (e, j), a in zip(pairs, acts):
+        out += (down_fn(a, e) * weights[0, j].view(1, 1)).to(x.dtype)
+    return out
+
+
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: nn.Module, down: nn.Module,
                 act: Callable[[torch.Tensor], torch.Tensor], num_experts: int, inter: int) -> torch.Tensor:
     """Gated experts stacked per projection: gate/up then down per active expert."""
@@ -130,7 +151,23 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     def one(rows: torch.Tensor, expert: int) -> torch.Tensor:
         gate, up = expert_linear(rows, gate_up, expert, 2 * inter).chunk(2, dim=-1)
         return expert_linear(act(gate) * up, down, expert, hidden)
-    return grouped_by_expert(x, ids, weights, num_experts, one)
+
+    def ups(row: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        both = experts_linear(row, gate_up, experts, 2 * inter)
+        return [act(g) * u for g, u in (y.chunk(2, dim=-1) for y in both)]
+    return grouped_by_expert(x, ids, weights, num_experts, one,
+                             (ups, lambda a, e: expert_linear(a, down, e, hidden)))
+
+
+def experts_linear(x: torch.Tensor, proj: nn.Module, experts: list[int], rows: int) -> list[torch.Tensor]:
+    """`expert_linear` of the same `x` through several experts: one kernel call where every piece is
+    quantized panels (x quantized once), else one call per expert."""
+    if isinstance(proj, QuantLinear):
+        pieces = [_quantized_pieces(proj, e * rows, rows) for e in experts]
+        if all(len(p) == 1 and isinstance(p[0], QuantizedWeight) for p in pieces):
+            both = quant.linear_cat(x, [cast(QuantizedWeight, p[0]) for p in pieces], exact=proj.exact)
+            return list(both.split(rows, dim=-1))
+    return [expert_linear(x, proj, e, rows) for e in experts]
 
 
 class SparseMoE(nn.Module):
