@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, markdown_table
 from benchmarks.quantized import section as quantized_section
+from benchmarks.quantized.models import QUANT_TYPES
 
 LABELS = {"smollm2": "SmolLM2-135M Q4_1 (its own file)", "checkpoint": "1B bf16 HF checkpoint"}
 DECODE_TARGET = {"Q4_K_M", "Q4_0", "Q8_0", "smollm2"}          # decode <= 1.0x llama.cpp
@@ -101,7 +102,7 @@ def speed_tables(saved: dict) -> list[str]:
     meta, res = saved["meta"], {k: best(v) for k, v in saved["results"].items()}
     get = lambda *a, **k: (res.get(_key(*a, **k)) or {})
     files = [f for f in meta["files"] if any(f" | {f} | " in k for k in res)]
-    name = lambda f: LABELS.get(f, f"1B-class {f}")
+    name = lambda f: LABELS.get(f, f"1B-class {f}" if f in QUANT_TYPES + ("BF16",) else f)
     decode, ttft, mem = [], [], []
     for f in files:
         info = meta["files"][f]
