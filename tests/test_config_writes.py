@@ -27,6 +27,9 @@ ALLOWED = {
     ("planning/resolved.py", "launch_config"): (1, "the one place start-up facts join the options a stage "
                                                    "process is started with (the record crossing the process "
                                                    "boundary carries both)"),
+    ("cluster/ray_nodes.py", "start_ray_nodes"): (1, "the user's request completed at the entry, before the "
+                                                     "engine is built: the leader of the nodes Ray placed, "
+                                                     "as `--nnodes`/`--node-rank` flags would give it"),
     ("recovery/supervisor.py", "_new_executor"): (1, "a one-node rebuild asks for a free port, as a user "
                                                      "who named none does"),
 }

@@ -96,7 +96,7 @@ def run_config(args, specs: list[NodeSpec], log_dir: Path, name: str) -> dict:
         try:
             client = subprocess.run(
                 ["nsenter", f"--net=/run/netns/{c.nodes[0].netns}", sys.executable, "-m",
-                 "benchmarks.quantized.moe_nodes", "--client", f"http://{master}:{HTTP_PORT}",
+                 "benchmarks.quantized", "moe-nodes", "--client", f"http://{master}:{HTTP_PORT}",
                  "--streams", str(args.streams), "--max-tokens", str(args.max_tokens),
                  "--prompt-len", str(args.prompt_len), "--timeout-s", str(args.timeout_s)],
                 capture_output=True, text=True, env=scrubbed_env(), cwd=REPO, timeout=args.timeout_s + 60)
@@ -155,7 +155,3 @@ def main(argv: list[str] | None = None) -> None:
     (RESULTS_DIR / "moe-nodes.json").write_text(json.dumps(out, indent=1))
     if not same:
         sys.exit("the split run's greedy ids differ from the one node's")
-
-
-if __name__ == "__main__":
-    main()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .. import envs
 from .netif import master_ip, route_address
 
 log = logging.getLogger("stagewise.ray")
@@ -206,7 +207,7 @@ def main() -> int:
                         f"one with `ray start --head`, or pass --ray-address HOST:PORT of its head."})
         return 2
     try:
-        helper = Helper(ray, request, os.environ.get(TOKEN_ENV, ""))
+        helper = Helper(ray, request, envs.STAGEWISE_CLUSTER_TOKEN or "")
         placed = helper.place()
     except (OSError, ray.exceptions.RayError) as exc:
         reply({"error": f"Could not start the pipeline's nodes on the Ray cluster at {address} ({exc})."})
