@@ -86,10 +86,8 @@ def _phi3_rope_factors(config) -> dict[str, np.ndarray]:
             for kind in ("long", "short")}
 
 
-def _write_qwen35_hparams(writer, config) -> None:
-    """What llama.cpp's Qwen3_5TextModel writes: the Llama keys, a quarter of each head rotated, the
-    linear layers under `ssm.*`, which layers are recurrent (a flag per layer, and the interval)."""
-    head_dim = config.head_dim
+def _write_llama_keys(writer, config, head_dim: int) -> None:
+    """The hyperparameters llama.cpp's LlamaModel writes, which its subclasses keep."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -100,6 +98,13 @@ def _write_qwen35_hparams(writer, config) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+
+
+def _write_qwen35_hparams(writer, config) -> None:
+    """What llama.cpp's Qwen3_5TextModel writes: the Llama keys, a quarter of each head rotated, the
+    linear layers under `ssm.*`, which layers are recurrent (a flag per layer, and the interval)."""
+    head_dim = config.head_dim
+    _write_llama_keys(writer, config, head_dim)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_num_key_heads)
@@ -160,16 +165,7 @@ def _write_hparams(writer, config, arch: str) -> None:
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
         return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    _write_llama_keys(writer, config, head_dim)
     writer.add_rope_dimension_count(head_dim)
     if arch == "granite":     # what llama.cpp's GraniteModel writes
         writer.add_embedding_scale(config.embedding_multiplier)
