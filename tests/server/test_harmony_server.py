@@ -38,7 +38,10 @@ def gpt_oss_harmony_dir(tmp_path_factory, tiny_tokenizer_dir):
     config["additional_special_tokens"] = list(config.get("additional_special_tokens", [])) + HARMONY
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
     out = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gpt-oss-harmony"), "gpt_oss", tok_dir)
-    shutil.copy(Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja", out / "chat_template.jinja")
+    # the template writes today's date into the prompt; a fixed one keeps the tiny random model's choices
+    # (a harmony marker as its special token or spelled out, both matching the forced text) the same every day
+    template = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+    (out / "chat_template.jinja").write_text(template.replace('strftime_now("%Y-%m-%d")', '"2026-12-07"'))
     return out
 
 
